@@ -1,0 +1,156 @@
+"""The ``commgate`` command line.
+
+Exit status: 0 success; 1 a check failed; 2 bad input or usage (one line per problem on stderr).
+``predict`` imports neither torch nor deepspeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from harness import __version__
+from harness.errors import CommgateError, UsageError
+
+DEFAULT_SUITE = "scenarios"
+
+
+def _add_predict(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "predict",
+        help="expected communication of scenarios (no torch needed)",
+        description="Print the per-collective expectation and the paper's equations for scenario files, "
+        "directories of them, or a scenario given by flags.",
+    )
+    p.add_argument("paths", nargs="*", help=f"scenario files or directories (default: ./{DEFAULT_SUITE})")
+    g = p.add_argument_group("a scenario from flags (instead of files)")
+    g.add_argument("--model", metavar="PRESET", help="model preset, e.g. 13B or 19M-cpu (see `commgate presets`)")
+    g.add_argument("--scheme", choices=["ddp", "zero1", "zero2", "zero3", "zero++", "tp", "pp", "3d", "moe"])
+    g.add_argument("--dp", type=int, default=1)
+    g.add_argument("--tp", type=int, default=1)
+    g.add_argument("--pp", type=int, default=1)
+    g.add_argument("--seq", type=int, help="sequence length s (default: the preset's)")
+    g.add_argument("--micro-batch", type=int, default=1, help="micro-batch size b")
+    g.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step m")
+    g.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="default: the preset's")
+    g.add_argument("--checkpointing", action="store_true", help="activation checkpointing (Eq. 5's assumption)")
+    g.add_argument("--tied", action="store_true", help="tied input/output embeddings")
+    g.add_argument("--experts", type=int, help="MoE experts per layer (scheme moe)")
+    g.add_argument("--ep", type=int, default=1, help="MoE expert-parallel size")
+    g.add_argument("--hpz", type=int, help="ZeRO++ hpZ partition size")
+    g.add_argument("--qwz", action="store_true", help="ZeRO++ quantized weights")
+    g.add_argument("--qgz", action="store_true", help="ZeRO++ quantized gradients")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    o.add_argument("--matrix", action="store_true", help="include the rank x rank traffic matrix")
+    o.add_argument("--report-dir", type=Path, help="also write predictions.json there (atomically)")
+
+
+def _flags_document(a: argparse.Namespace) -> dict[str, Any]:
+    if not a.scheme:
+        raise UsageError("--model needs --scheme (ddp, zero1, zero2, zero3, zero++, tp, pp, 3d, moe)")
+    model: dict[str, Any] = {"preset": a.model}
+    if a.seq is not None:
+        model["s"] = a.seq
+    if a.dtype:
+        model["dtype"] = a.dtype
+    if a.tied:
+        model["tied_embeddings"] = True
+    par: dict[str, Any] = {
+        "scheme": a.scheme,
+        "dp": a.dp,
+        "tp": a.tp,
+        "pp": a.pp,
+        "micro_batch": a.micro_batch,
+        "micro_batches": a.micro_batches,
+        "activation_checkpointing": a.checkpointing,
+    }
+    zero = {k: v for k, v in (("hpz", a.hpz), ("qwz", a.qwz or None), ("qgz", a.qgz or None)) if v is not None}
+    if zero:
+        par["zero"] = zero
+    if a.experts is not None:
+        par["moe"] = {"experts": a.experts, "ep": a.ep}
+    name = f"{a.model}-{a.scheme}-dp{a.dp}-tp{a.tp}-pp{a.pp}".replace("+", "p")
+    return {"schema_version": 1, "name": name, "model": model, "parallelism": par}
+
+
+def cmd_predict(a: argparse.Namespace) -> int:
+    from harness.expectation import predict
+    from harness.fsutil import atomic_write_json
+    from harness.render import prediction_document, prediction_text, predictions_document
+    from harness.scenario import load_document, load_paths
+
+    if a.model and a.paths:
+        raise UsageError("give scenario paths or --model/--scheme flags, not both")
+    if a.model:
+        scenarios = load_document(_flags_document(a), file="<command line>")
+    elif a.scheme:
+        raise UsageError("--scheme needs --model PRESET (or give scenario files instead)")
+    else:
+        paths = a.paths or [DEFAULT_SUITE]
+        if not a.paths and not Path(DEFAULT_SUITE).is_dir():
+            raise UsageError(f"no ./{DEFAULT_SUITE} directory here; give scenario files or --model/--scheme")
+        scenarios = load_paths(paths)
+    preds = [predict(s) for s in scenarios]
+    if a.report_dir:
+        out = atomic_write_json(a.report_dir / "predictions.json", predictions_document(preds, matrix=a.matrix))
+        print(f"wrote {out}", file=sys.stderr)
+    if a.json:
+        doc = prediction_document(preds[0], matrix=a.matrix) if len(preds) == 1 else predictions_document(preds, matrix=a.matrix)
+        print(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        print("\n\n".join(prediction_text(p, matrix=a.matrix) for p in preds))
+        print(f"\n{len(preds)} scenario(s) predicted.")
+    return 0
+
+
+def cmd_validate(a: argparse.Namespace) -> int:
+    from harness.scenario import load_paths
+
+    scenarios = load_paths(a.paths or [DEFAULT_SUITE])
+    for s in scenarios:
+        print(f"ok  {s.id}  ({s.file}; {s.parallelism.scheme}, world {s.world_size})")
+    print(f"{len(scenarios)} scenario(s) valid.")
+    return 0
+
+
+def cmd_presets(a: argparse.Namespace) -> int:
+    from harness.model import PRESETS, param_count
+
+    print(f"{'preset':<10} {'L':>3} {'h':>5} {'a':>3} {'V':>6} {'s':>5} {'dtype':<5} {'parameters':>15}")
+    for name, m in PRESETS.items():
+        print(f"{name:<10} {m.L:>3} {m.h:>5} {m.a:>3} {m.V:>6} {m.s:>5} {m.dtype:<5} {param_count(m):>15,}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="commgate",
+        description="Regression harness for the communication behaviour of distributed transformer training.",
+    )
+    parser.add_argument("--version", action="version", version=f"commgate {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_predict(sub)
+    v = sub.add_parser("validate", help="check scenario files; one line per problem")
+    v.add_argument("paths", nargs="*", help=f"scenario files or directories (default: ./{DEFAULT_SUITE})")
+    sub.add_parser("presets", help="list the model presets")
+    return parser
+
+
+COMMANDS = {"predict": cmd_predict, "validate": cmd_validate, "presets": cmd_presets}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except CommgateError as exc:
+        print(f"commgate: error: {exc}" if isinstance(exc, UsageError) else str(exc), file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # e.g. `commgate predict | head`
+        sys.stderr.close()
+        return 0

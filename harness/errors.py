@@ -1,0 +1,38 @@
+"""Errors a user can act on: each problem is one line naming the file, the place, the value and the fix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Problem:
+    """One thing wrong with one input file.
+
+    ``path`` is a JSON path into the document (``$.parallelism.tp``); ``line`` is 1-based when known.
+    """
+
+    file: str
+    path: str
+    message: str
+    line: int | None = None
+
+    def __str__(self) -> str:
+        where = f"{self.file}:{self.line}" if self.line else self.file
+        return f"{where}: {self.path}: {self.message}"
+
+
+class CommgateError(Exception):
+    """Base of the errors commgate reports as one-line messages (never as a traceback)."""
+
+
+class ScenarioError(CommgateError):
+    """A scenario file (or a set of them) is invalid; carries every problem found, not just the first."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = sorted(problems, key=lambda p: (p.file, p.line or 0, p.path, p.message))
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+
+class UsageError(CommgateError):
+    """The command line asks for something impossible or contradictory."""

@@ -1,0 +1,81 @@
+"""Which ranks form which process groups.
+
+The order is DeepSpeed's ``PipeModelDataParallelTopology`` (axes pipe, data, model; model fastest):
+``rank = pipe * (dp * tp) + data * tp + model``. Tensor-parallel groups are therefore consecutive ranks
+(inside a node), pipeline groups are strided by ``dp * tp``. MoE groups follow DeepSpeed's
+``_create_expert_and_data_parallel``: inside each data-parallel group, expert-parallel groups are
+consecutive chunks of ``ep`` ranks and expert-data-parallel groups take one rank of each chunk.
+ZeRO++ hpZ groups are consecutive chunks of ``hpz`` ranks of a data-parallel group.
+
+Naming: an *axis* is one of ``dp, tp, pp, ep, edp, hpz, world``; a *group* is a tuple of global ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Literal
+
+Axis = Literal["dp", "tp", "pp", "ep", "edp", "hpz", "world"]
+Group = tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    hpz: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def rank(self, *, pipe: int, data: int, model: int) -> int:
+        return pipe * self.dp * self.tp + data * self.tp + model
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pipe, data, model) of a global rank."""
+        pipe, rest = divmod(rank, self.dp * self.tp)
+        data, model = divmod(rest, self.tp)
+        return pipe, data, model
+
+    @functools.cache  # noqa: B019 - Layout is a small frozen value; its groups are reused by every row
+    def dp_groups(self, pipe: int | None = None) -> tuple[Group, ...]:
+        """Data-parallel groups, of one pipeline stage or of all."""
+        stages = range(self.pp) if pipe is None else (pipe,)
+        block = self.dp * self.tp
+        return tuple(tuple(range(p * block + m, (p + 1) * block, self.tp)) for p in stages for m in range(self.tp))
+
+    @functools.cache  # noqa: B019
+    def tp_groups(self, pipe: int | None = None) -> tuple[Group, ...]:
+        stages = range(self.pp) if pipe is None else (pipe,)
+        block = self.dp * self.tp
+        return tuple(tuple(range(p * block + d * self.tp, p * block + (d + 1) * self.tp)) for p in stages for d in range(self.dp))
+
+    @functools.cache  # noqa: B019
+    def pp_groups(self) -> tuple[Group, ...]:
+        block = self.dp * self.tp
+        return tuple(tuple(range(r, self.world_size, block)) for r in range(block))
+
+    @functools.cache  # noqa: B019
+    def stage_pairs(self, src: int, dst: int) -> tuple[Group, ...]:
+        """(sender, receiver) pairs between pipeline stages ``src`` and ``dst``, one per pipeline."""
+        block = self.dp * self.tp
+        return tuple(zip(range(src * block, (src + 1) * block), range(dst * block, (dst + 1) * block)))
+
+    def _chunks(self, size: int, pipe: int | None) -> tuple[Group, ...]:
+        return tuple(g[i : i + size] for g in self.dp_groups(pipe) for i in range(0, len(g), size))
+
+    def ep_groups(self, pipe: int | None = None) -> tuple[Group, ...]:
+        return self._chunks(self.ep, pipe)
+
+    def edp_groups(self, pipe: int | None = None) -> tuple[Group, ...]:
+        return tuple(g[j :: self.ep] for g in self.dp_groups(pipe) for j in range(self.ep))
+
+    def hpz_groups(self, pipe: int | None = None) -> tuple[Group, ...]:
+        return self._chunks(self.hpz, pipe)
+
+    def world(self) -> tuple[Group, ...]:
+        return (tuple(range(self.world_size)),)

@@ -1,0 +1,37 @@
+"""The per-collective model of each parallelism scheme: one registry entry per scheme.
+
+A scheme is a tuple of components; each component (one module each) contributes the collectives it
+issues, the paper equation that idealises them, and the named residuals between the two.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from harness.expectation import Context, ExpectedCollective, PaperTerm, Residual
+from harness.schemes.data_parallel import DataParallel
+from harness.schemes.moe import ExpertParallel
+from harness.schemes.pipeline import PipelineParallel
+from harness.schemes.tensor import TensorParallel
+from harness.schemes.zero3 import Zero3
+
+
+class Component(Protocol):
+    def collectives(self, ctx: Context) -> list[ExpectedCollective]: ...
+
+    def paper_terms(self, ctx: Context) -> list[PaperTerm]: ...
+
+    def residuals(self, ctx: Context) -> list[Residual]: ...
+
+
+SCHEMES: dict[str, tuple[Component, ...]] = {
+    "ddp": (DataParallel(),),
+    "zero1": (DataParallel(),),
+    "zero2": (DataParallel(),),
+    "zero3": (Zero3(),),
+    "zero++": (Zero3(),),
+    "tp": (TensorParallel(), DataParallel()),
+    "pp": (PipelineParallel(), DataParallel()),
+    "3d": (TensorParallel(), PipelineParallel(), DataParallel()),
+    "moe": (ExpertParallel(), DataParallel()),
+}

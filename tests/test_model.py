@@ -1,0 +1,77 @@
+"""Presets and the parameter inventory (the model as built) against Eq. 1 and hand counts."""
+
+import pytest
+
+from harness.model import PRESETS, ModelSpec, Shard, inventory, param_count, stage_split
+from harness.paper import eq1_param_count
+
+# (L, h, a) from GPT-NeoX's configs, as the seed paper uses them.
+NEOX = {
+    "19M": (6, 512, 8), "125M": (12, 768, 12), "350M": (24, 1024, 16), "760M": (24, 1536, 16),
+    "1.3B": (24, 2048, 16), "2.7B": (32, 2560, 32), "6.7B": (32, 4096, 32), "13B": (40, 5120, 40),
+    "20B": (44, 6144, 64),
+}
+
+
+@pytest.mark.parametrize("name", NEOX)
+def test_full_presets_match_gpt_neox(name: str) -> None:
+    m = PRESETS[name]
+    assert (m.L, m.h, m.a) == NEOX[name]
+    assert (m.s, m.V, m.tied_embeddings, m.position) == (2048, 50304, False, "learned")
+
+
+@pytest.mark.parametrize("name", NEOX)
+def test_reduced_presets_keep_structure(name: str) -> None:
+    full, small = PRESETS[name], PRESETS[f"{name}-cpu"]
+    assert (small.L, small.a, small.x, small.tied_embeddings, small.position) == (
+        full.L, full.a, full.x, full.tied_embeddings, full.position)
+    assert small.h < full.h and small.V < full.V and small.s < full.s
+    assert small.h % small.a == 0 and small.dtype == "fp32"
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_model_as_built_differs_from_eq1_by_biases_and_layernorms(name: str) -> None:
+    m = PRESETS[name]
+    eq1 = eq1_param_count(V=m.V, h=m.h, s=m.s, L=m.L)
+    # per layer the model has (9+x)h of biases and LayerNorm parameters, Eq. 1 counts 8h
+    assert param_count(m) - eq1 == m.L * (1 + m.x) * m.h
+
+
+def test_13b_parameter_count() -> None:
+    assert param_count(PRESETS["13B"]) == 13_111_183_360
+
+
+def test_tiny_model_counted_by_hand() -> None:
+    m = ModelSpec(L=1, h=4, a=2, V=10, s=3)
+    # embed 40, positions 12, layer: LN 8 + qkv 48+12 + dense 16+4 + LN 8 + fc_in 64+16 + fc_out 64+4 = 244,
+    # final LN 8, head 40
+    assert param_count(m) == 40 + 12 + 244 + 8 + 40
+    assert param_count(ModelSpec(L=1, h=4, a=2, V=10, s=3, tied_embeddings=True, position="rotary")) == 344 - 40 - 12
+
+
+def test_tensor_parallel_shards_by_hand() -> None:
+    m = ModelSpec(L=1, h=4, a=2, V=10, s=3)
+    params = inventory(m)
+    # t=2: embed 20, positions 12, LN 8, qkv 24+6, dense 8+4, LN 8, fc_in 32+8, fc_out 32+4, final 8, head 20
+    ((dense, experts),) = stage_split(params, L=1, tp=2, pp=1)
+    assert (dense, experts) == (20 + 12 + 8 + 30 + 12 + 8 + 40 + 36 + 8 + 20, 0)
+    assert {p.shard for p in params} == set(Shard)
+
+
+def test_pipeline_stages_hold_embeddings_first_and_head_last() -> None:
+    m = ModelSpec(L=2, h=4, a=2, V=10, s=3)
+    per_layer = 244
+    split = stage_split(inventory(m), L=2, tp=1, pp=2)
+    assert split == ((40 + 12 + per_layer, 0), (per_layer + 8 + 40, 0))
+    tied = ModelSpec(L=2, h=4, a=2, V=10, s=3, tied_embeddings=True)
+    # DeepSpeed's TiedLayerSpec keeps a copy of the word embedding on the last stage too
+    assert stage_split(inventory(tied), L=2, tp=1, pp=2) == ((40 + 12 + per_layer, 0), (per_layer + 8 + 40, 0))
+
+
+def test_moe_layers_replace_the_mlp() -> None:
+    m = ModelSpec(L=2, h=4, a=2, V=10, s=3)
+    dense_mlp = 64 + 16 + 64 + 4
+    moe = inventory(m, experts=3, moe_every=2)
+    assert sum(p.numel for p in moe if p.expert) == 3 * dense_mlp
+    assert param_count(m, experts=3, moe_every=2) == param_count(m) - dense_mlp + 3 * 4 + 3 * dense_mlp
+    assert all(p.layer == 1 for p in moe if p.expert)
