@@ -100,7 +100,11 @@ def cmd_predict(a: argparse.Namespace) -> int:
         out = atomic_write_json(a.report_dir / "predictions.json", predictions_document(preds, matrix=a.matrix))
         print(f"wrote {out}", file=sys.stderr)
     if a.json:
-        doc = prediction_document(preds[0], matrix=a.matrix) if len(preds) == 1 else predictions_document(preds, matrix=a.matrix)
+        doc = (
+            prediction_document(preds[0], matrix=a.matrix)
+            if len(preds) == 1
+            else predictions_document(preds, matrix=a.matrix)
+        )
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:
         print("\n\n".join(prediction_text(p, matrix=a.matrix) for p in preds))

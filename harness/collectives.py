@@ -19,6 +19,7 @@ send, recv the buffer. This is nccl-tests' "size" convention.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
@@ -60,12 +61,12 @@ def _pairwise(group: Group, nbytes: Fraction) -> Traffic:
 
 
 def _chain_from_root(group: Group, nbytes: Fraction) -> Traffic:
-    for a, b in zip(group, group[1:]):
+    for a, b in itertools.pairwise(group):
         yield a, b, nbytes
 
 
 def _chain_to_root(group: Group, nbytes: Fraction) -> Traffic:
-    for a, b in zip(group, group[1:]):
+    for a, b in itertools.pairwise(group):
         yield b, a, nbytes
 
 

@@ -22,7 +22,11 @@ from harness.model import ITEMSIZE, ParamTensor, inventory, stage_split
 from harness.paper import eq1_param_count
 from harness.scenario import Scenario
 
-WIRE_ITEMSIZE: dict[str, Fraction] = {**{k: Fraction(v) for k, v in ITEMSIZE.items()}, "int8": Fraction(1), "int4": Fraction(1, 2)}
+WIRE_ITEMSIZE: dict[str, Fraction] = {
+    **{k: Fraction(v) for k, v in ITEMSIZE.items()},
+    "int8": Fraction(1),
+    "int4": Fraction(1, 2),
+}
 
 
 class Phase(enum.Enum):
@@ -83,7 +87,7 @@ class ExpectedCollective:
     def participants(self) -> frozenset[int]:
         """Ranks that issue this row (for send/recv, the rank that calls send or recv)."""
         if OPS[self.op].p2p:
-            return frozenset(next(zip(*self.groups)))
+            return frozenset(next(zip(*self.groups, strict=False)))
         return frozenset().union(*self.groups)
 
     @property
@@ -170,7 +174,9 @@ class Context:
     def eq1(self) -> int:
         """Eq. 1 with the scenario's switches (tied embeddings, positions, expansion factor)."""
         m = self.scenario.model
-        return eq1_param_count(V=m.V, h=m.h, s=m.s, L=m.L, tied_embeddings=m.tied_embeddings, position=m.position, x=m.x)
+        return eq1_param_count(
+            V=m.V, h=m.h, s=m.s, L=m.L, tied_embeddings=m.tied_embeddings, position=m.position, x=m.x
+        )
 
     @property
     def bsh(self) -> int:
@@ -213,9 +219,7 @@ class Prediction:
     def not_in_paper(self, rank: int = 0) -> tuple[tuple[str, int], ...]:
         """(source, bytes per step on ``rank``) of the steady rows no paper equation covers."""
         return tuple(
-            (c.source, c.bytes_per_step)
-            for c in self.steady
-            if c.paper_term is None and rank in c.participants()
+            (c.source, c.bytes_per_step) for c in self.steady if c.paper_term is None and rank in c.participants()
         )
 
     def job_bytes_per_step(self) -> int:

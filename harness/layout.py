@@ -52,7 +52,9 @@ class Layout:
     def tp_groups(self, pipe: int | None = None) -> tuple[Group, ...]:
         stages = range(self.pp) if pipe is None else (pipe,)
         block = self.dp * self.tp
-        return tuple(tuple(range(p * block + d * self.tp, p * block + (d + 1) * self.tp)) for p in stages for d in range(self.dp))
+        return tuple(
+            tuple(range(p * block + d * self.tp, p * block + (d + 1) * self.tp)) for p in stages for d in range(self.dp)
+        )
 
     @functools.cache  # noqa: B019
     def pp_groups(self) -> tuple[Group, ...]:
@@ -63,7 +65,7 @@ class Layout:
     def stage_pairs(self, src: int, dst: int) -> tuple[Group, ...]:
         """(sender, receiver) pairs between pipeline stages ``src`` and ``dst``, one per pipeline."""
         block = self.dp * self.tp
-        return tuple(zip(range(src * block, (src + 1) * block), range(dst * block, (dst + 1) * block)))
+        return tuple(zip(range(src * block, (src + 1) * block), range(dst * block, (dst + 1) * block), strict=False))
 
     def _chunks(self, size: int, pipe: int | None) -> tuple[Group, ...]:
         return tuple(g[i : i + size] for g in self.dp_groups(pipe) for i in range(0, len(g), size))

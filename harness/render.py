@@ -93,7 +93,8 @@ def prediction_document(p: Prediction, *, matrix: bool = False) -> dict[str, Any
     }
     if matrix:
         doc["traffic_matrix"] = [
-            {"src": src, "dst": dst, "bytes_per_step": number(b)} for (src, dst), b in sorted(p.traffic_matrix().items())
+            {"src": src, "dst": dst, "bytes_per_step": number(b)}
+            for (src, dst), b in sorted(p.traffic_matrix().items())
         ]
     return doc
 
@@ -110,7 +111,9 @@ def _table(headers: list[str], rows: list[list[str]], right: set[int]) -> list[s
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
 
     def fmt(cells: list[str]) -> str:
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=False))
+        ).rstrip()
 
     return [fmt(headers), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)]
 
@@ -125,12 +128,32 @@ def prediction_text(p: Prediction, *, matrix: bool = False) -> str:
         f"{' tied' if m.tied_embeddings else ''} {m.position} positions; "
         f"{p.param_count:,} parameters (Eq. 1: {p.param_count_eq1:,})",
     ]
-    headers = ["phase", "op", "axis", "n", "groups", "calls/step", "bytes/call", "bytes/step", "wire/step", "eq", "source"]
+    headers = [
+        "phase",
+        "op",
+        "axis",
+        "n",
+        "groups",
+        "calls/step",
+        "bytes/call",
+        "bytes/step",
+        "wire/step",
+        "eq",
+        "source",
+    ]
     rows = [
         [
-            str(c.phase), str(c.op), c.axis, str(c.group_size), str(len(c.groups)), str(c.calls),
-            human_bytes(c.bytes_per_call), human_bytes(c.bytes_per_step), human_bytes(c.wire_bytes_per_step),
-            c.paper_term or "-", c.source,
+            str(c.phase),
+            str(c.op),
+            c.axis,
+            str(c.group_size),
+            str(len(c.groups)),
+            str(c.calls),
+            human_bytes(c.bytes_per_call),
+            human_bytes(c.bytes_per_step),
+            human_bytes(c.wire_bytes_per_step),
+            c.paper_term or "-",
+            c.source,
         ]
         for c in p.collectives
     ]
@@ -155,6 +178,8 @@ def prediction_text(p: Prediction, *, matrix: bool = False) -> str:
         n = s.world_size
         lines.append("  traffic matrix, bytes per step sent row -> column (ring model):")
         hdr = ["src\\dst", *(str(j) for j in range(n))]
-        body = [[str(i), *(human_bytes(tm.get((i, j), 0)) if tm.get((i, j)) else "." for j in range(n))] for i in range(n)]
+        body = [
+            [str(i), *(human_bytes(tm.get((i, j), 0)) if tm.get((i, j)) else "." for j in range(n))] for i in range(n)
+        ]
         lines += ["    " + line for line in _table(hdr, body, right=set(range(1, n + 1)))]
     return "\n".join(lines)

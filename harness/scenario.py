@@ -152,7 +152,7 @@ def schema() -> dict[str, Any]:
 def _validator() -> jsonschema.protocols.Validator:
     cls = jsonschema.validators.validator_for(schema())
     cls.check_schema(schema())
-    return cls(schema())  # type: ignore[no-any-return]
+    return cls(schema())
 
 
 def _json_path(parts: Iterable[Any]) -> str:
@@ -208,26 +208,34 @@ def _schema_problems(doc: Any, file: str, where: _Located, context: str = "") ->
     problems: list[Problem] = []
     for err in _validator().iter_errors(doc):
         for parts, message in _describe(err):
-            problems.append(Problem(file=file, path=_json_path(parts), message=message + context, line=where.line(parts)))
+            problems.append(
+                Problem(file=file, path=_json_path(parts), message=message + context, line=where.line(parts))
+            )
     return problems
 
 
 def _describe(err: jsonschema.ValidationError) -> Iterator[tuple[list[Any], str]]:
     """One or more (path, message) pairs for a jsonschema error, worded for people."""
     path = list(err.absolute_path)
-    inst, kind, want = err.instance, err.validator, err.validator_value
+    inst: Any = err.instance
+    kind: Any = err.validator
+    want: Any = err.validator_value
+    sub: Any = err.schema
     if kind == "required":
         for name in want:
             if isinstance(inst, Mapping) and name not in inst:
                 yield path, f"missing required field {name!r}"
     elif kind == "additionalProperties" and isinstance(inst, Mapping):
-        allowed = sorted(err.schema.get("properties", {}))
+        allowed = sorted(sub.get("properties", {}))
         for key in sorted(set(inst) - set(allowed), key=str):
             close = difflib.get_close_matches(str(key), allowed, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             yield [*path, key], f"unknown field {key!r}; {hint}expected one of: {', '.join(allowed)}"
     elif kind == "type":
-        yield path, f"{_show(inst)} is a {_type_name(inst)}, expected {want if isinstance(want, str) else ' or '.join(want)}"
+        yield (
+            path,
+            f"{_show(inst)} is a {_type_name(inst)}, expected {want if isinstance(want, str) else ' or '.join(want)}",
+        )
     elif kind == "enum":
         yield path, f"{_show(inst)} is not one of: {', '.join(str(v) for v in want)}"
     elif kind == "const":
@@ -236,11 +244,14 @@ def _describe(err: jsonschema.ValidationError) -> Iterator[tuple[list[Any], str]
         relation = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}[kind]
         yield path, f"{_show(inst)} is out of range, expected a value {relation} {want}"
     elif kind == "pattern" and "propertyNames" not in err.schema_path:
-        yield path, f"{_show(inst)} is malformed; {err.schema.get('description', 'expected pattern ' + want)}"
+        yield path, f"{_show(inst)} is malformed; {sub.get('description', 'expected pattern ' + want)}"
     elif kind in ("propertyNames", "pattern"):
-        yield path, (
-            f"sweep key {_show(inst)} is not a field path; expected a dotted path under "
-            "model, parallelism, steps, warmup_steps or backend (e.g. 'model.s')"
+        yield (
+            path,
+            (
+                f"sweep key {_show(inst)} is not a field path; expected a dotted path under "
+                "model, parallelism, steps, warmup_steps or backend (e.g. 'model.s')"
+            ),
         )
     elif kind == "uniqueItems":
         yield path, f"{_show(inst)} has duplicate items"
@@ -365,7 +376,9 @@ def load_paths(paths: Iterable[str | Path]) -> list[Scenario]:
     for s in scenarios:
         if s.id in seen:
             problems.append(
-                Problem(file=s.file or "?", path="$.name", message=f"scenario id {s.id!r} is also defined in {seen[s.id]}")
+                Problem(
+                    file=s.file or "?", path="$.name", message=f"scenario id {s.id!r} is also defined in {seen[s.id]}"
+                )
             )
         seen[s.id] = s.file
     if problems:
@@ -385,18 +398,24 @@ def _expand(doc: dict[str, Any], file: str, where: _Located) -> Iterator[tuple[s
     keys = list(sweep)
     for values in itertools.product(*(sweep[k] for k in keys)):
         variant = copy.deepcopy(base)
-        for key, value in zip(keys, values):
+        for key, value in zip(keys, values, strict=False):
             node = variant
             parts = key.split(".")
             for part in parts[:-1]:
                 node = node.setdefault(part, {})
                 if not isinstance(node, dict):
                     raise ScenarioError(
-                        [Problem(file=file, path=f"$.sweep.{key}", message=f"{part!r} is not a mapping",
-                                 line=where.line(["sweep", key]))]
+                        [
+                            Problem(
+                                file=file,
+                                path=f"$.sweep.{key}",
+                                message=f"{part!r} is not a mapping",
+                                line=where.line(["sweep", key]),
+                            )
+                        ]
                     )
             node[parts[-1]] = value
-        yield ",".join(f"{k.split('.')[-1]}={v}" for k, v in zip(keys, values)), variant
+        yield ",".join(f"{k.split('.')[-1]}={v}" for k, v in zip(keys, values, strict=False)), variant
 
 
 # -------------------------------------------------------------------------------- consistency, build
@@ -459,7 +478,10 @@ def _build_parallelism(p: dict[str, Any], bad: Any) -> Parallelism:
     zero_doc = dict(p.get("zero", {}))
     if implied is not None:
         if zero_doc.get("stage", implied) != implied:
-            bad(["parallelism", "zero", "stage"], f"{zero_doc['stage']} contradicts scheme {scheme!r} (ZeRO stage {implied})")
+            bad(
+                ["parallelism", "zero", "stage"],
+                f"{zero_doc['stage']} contradicts scheme {scheme!r} (ZeRO stage {implied})",
+            )
         zero_doc["stage"] = implied
     moe = MoEConfig(**p["moe"]) if "moe" in p else None
     rest = {k: v for k, v in p.items() if k not in ("zero", "moe")}

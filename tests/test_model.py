@@ -7,8 +7,14 @@ from harness.paper import eq1_param_count
 
 # (L, h, a) from GPT-NeoX's configs, as the seed paper uses them.
 NEOX = {
-    "19M": (6, 512, 8), "125M": (12, 768, 12), "350M": (24, 1024, 16), "760M": (24, 1536, 16),
-    "1.3B": (24, 2048, 16), "2.7B": (32, 2560, 32), "6.7B": (32, 4096, 32), "13B": (40, 5120, 40),
+    "19M": (6, 512, 8),
+    "125M": (12, 768, 12),
+    "350M": (24, 1024, 16),
+    "760M": (24, 1536, 16),
+    "1.3B": (24, 2048, 16),
+    "2.7B": (32, 2560, 32),
+    "6.7B": (32, 4096, 32),
+    "13B": (40, 5120, 40),
     "20B": (44, 6144, 64),
 }
 
@@ -24,7 +30,12 @@ def test_full_presets_match_gpt_neox(name: str) -> None:
 def test_reduced_presets_keep_structure(name: str) -> None:
     full, small = PRESETS[name], PRESETS[f"{name}-cpu"]
     assert (small.L, small.a, small.x, small.tied_embeddings, small.position) == (
-        full.L, full.a, full.x, full.tied_embeddings, full.position)
+        full.L,
+        full.a,
+        full.x,
+        full.tied_embeddings,
+        full.position,
+    )
     assert small.h < full.h and small.V < full.V and small.s < full.s
     assert small.h % small.a == 0 and small.dtype == "fp32"
 

@@ -28,7 +28,11 @@ def init_broadcast(
 def beyond_eq1(ctx: Context, *, term: str, factor: Fraction, counted: int) -> Residual:
     """Parameters of the model as built (``counted`` of them are reduced in ``term``) vs Eq. 1."""
     m = ctx.scenario.model
-    moe = " MoE layers swap the MLP for a gate and experts (experts are counted separately)." if ctx.expert_param_count else ""
+    moe = (
+        " MoE layers swap the MLP for a gate and experts (experts are counted separately)."
+        if ctx.expert_param_count
+        else ""
+    )
     return Residual(
         term=term,
         name="parameters beyond Eq. 1",

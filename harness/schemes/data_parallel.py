@@ -8,7 +8,7 @@ DeepSpeed reduce_bucket_size); the bucket refinement comes with the real runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from harness.collectives import Op
@@ -41,17 +41,33 @@ class DataParallel:
                 n = ctx.rank_params(stage, expert=expert)
                 what = "expert " if expert else ""
                 where = f" (stage {stage})" if par.pp > 1 else ""
-                common = dict(axis=axis, groups=groups, dtype=dtype, elements=n, calls=1, paper_term=TERM)
+                base = ExpectedCollective(
+                    op=Op.ALL_REDUCE,
+                    axis=axis,
+                    groups=groups,
+                    dtype=dtype,
+                    elements=n,
+                    calls=1,
+                    phase=Phase.BACKWARD,
+                    source="",
+                    paper_term=TERM,
+                )
                 rows.append(init_broadcast(ctx, elements=n, groups=groups, axis=axis, what=what, where=where))
                 if zs == 0:
                     engine = "DDP" if par.scheme == "ddp" else "DeepSpeed"
-                    rows.append(ExpectedCollective(op=Op.ALL_REDUCE, phase=Phase.BACKWARD,
-                                                   source=f"{engine} {what}gradient all-reduce{where}", **common))
+                    rows.append(replace(base, source=f"{engine} {what}gradient all-reduce{where}"))
                 else:
-                    rows.append(ExpectedCollective(op=Op.REDUCE_SCATTER, phase=Phase.BACKWARD,
-                                                   source=f"ZeRO-{zs} {what}gradient reduce-scatter{where}", **common))
-                    rows.append(ExpectedCollective(op=Op.ALL_GATHER, phase=Phase.OPTIMIZER,
-                                                   source=f"ZeRO-{zs} {what}parameter all-gather{where}", **common))
+                    rows.append(
+                        replace(base, op=Op.REDUCE_SCATTER, source=f"ZeRO-{zs} {what}gradient reduce-scatter{where}")
+                    )
+                    rows.append(
+                        replace(
+                            base,
+                            op=Op.ALL_GATHER,
+                            phase=Phase.OPTIMIZER,
+                            source=f"ZeRO-{zs} {what}parameter all-gather{where}",
+                        )
+                    )
         return rows
 
     def paper_terms(self, ctx: Context) -> list[PaperTerm]:

@@ -36,8 +36,16 @@ class ExpertParallel:
             phases.append((Phase.BACKWARD, "recompute"))
         phases.append((Phase.BACKWARD, "backward"))
         return [
-            ExpectedCollective(op=Op.ALL_TO_ALL, axis="ep", groups=groups, dtype=m.dtype, elements=elements,
-                               calls=per_pass, phase=phase, source=f"MoE dispatch/combine all-to-all ({what})")
+            ExpectedCollective(
+                op=Op.ALL_TO_ALL,
+                axis="ep",
+                groups=groups,
+                dtype=m.dtype,
+                elements=elements,
+                calls=per_pass,
+                phase=phase,
+                source=f"MoE dispatch/combine all-to-all ({what})",
+            )
             for phase, what in phases
         ]
 

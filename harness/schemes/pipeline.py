@@ -25,16 +25,38 @@ class PipelineParallel:
         m, par, lay = ctx.scenario.model, ctx.scenario.parallelism, ctx.layout
         rows: list[ExpectedCollective] = []
         for k in range(par.pp - 1):
-            for phase, src, dst, what in ((Phase.FORWARD, k, k + 1, "activation"), (Phase.BACKWARD, k + 1, k, "gradient")):
+            for phase, src, dst, what in (
+                (Phase.FORWARD, k, k + 1, "activation"),
+                (Phase.BACKWARD, k + 1, k, "gradient"),
+            ):
                 for op, pairs in ((Op.SEND, lay.stage_pairs(src, dst)), (Op.RECV, lay.stage_pairs(dst, src))):
-                    rows.append(ExpectedCollective(op=op, axis="pp", groups=pairs, dtype=m.dtype, elements=ctx.bsh,
-                                                   calls=par.micro_batches, phase=phase, paper_term=TERM,
-                                                   source=f"PP {what} {op} (stage {src} -> {dst})"))
+                    rows.append(
+                        ExpectedCollective(
+                            op=op,
+                            axis="pp",
+                            groups=pairs,
+                            dtype=m.dtype,
+                            elements=ctx.bsh,
+                            calls=par.micro_batches,
+                            phase=phase,
+                            paper_term=TERM,
+                            source=f"PP {what} {op} (stage {src} -> {dst})",
+                        )
+                    )
         if m.tied_embeddings:
             ends = tuple((g[0], g[-1]) for g in lay.pp_groups())
-            rows.append(ExpectedCollective(op=Op.ALL_REDUCE, axis="pp", groups=ends, dtype=m.dtype,
-                                           elements=m.V * m.h // par.tp, calls=1, phase=Phase.BACKWARD,
-                                           source="PP tied-embedding gradient all-reduce (first <-> last stage)"))
+            rows.append(
+                ExpectedCollective(
+                    op=Op.ALL_REDUCE,
+                    axis="pp",
+                    groups=ends,
+                    dtype=m.dtype,
+                    elements=m.V * m.h // par.tp,
+                    calls=1,
+                    phase=Phase.BACKWARD,
+                    source="PP tied-embedding gradient all-reduce (first <-> last stage)",
+                )
+            )
         return rows
 
     def _eq4(self, ctx: Context) -> Fraction:

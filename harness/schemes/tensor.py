@@ -11,6 +11,7 @@ from fractions import Fraction
 
 from harness.collectives import Op
 from harness.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
+from harness.layout import Group
 from harness.paper import eq5_tensor
 from harness.schemes._common import micro_batches
 
@@ -29,11 +30,27 @@ class TensorParallel:
 
             where = f", stage {stage}" if par.pp > 1 else ""
 
-            def row(calls: int, phase: Phase, source: str, term: str | None = TERM, _g: tuple = groups,
-                    _w: str = where) -> None:
-                rows.append(ExpectedCollective(op=Op.ALL_REDUCE, axis="tp", groups=_g, dtype=ctx.scenario.model.dtype,
-                                               elements=ctx.bsh, calls=calls * mb, phase=phase, source=source + _w,
-                                               paper_term=term))
+            def row(
+                calls: int,
+                phase: Phase,
+                source: str,
+                term: str | None = TERM,
+                _g: tuple[Group, ...] = groups,
+                _w: str = where,
+            ) -> None:
+                rows.append(
+                    ExpectedCollective(
+                        op=Op.ALL_REDUCE,
+                        axis="tp",
+                        groups=_g,
+                        dtype=ctx.scenario.model.dtype,
+                        elements=ctx.bsh,
+                        calls=calls * mb,
+                        phase=phase,
+                        source=source + _w,
+                        paper_term=term,
+                    )
+                )
 
             if stage == 0:
                 row(1, Phase.FORWARD, "TP vocab-parallel embedding all-reduce")
@@ -67,9 +84,14 @@ class TensorParallel:
         par, isz = ctx.scenario.parallelism, ctx.scenario.model.itemsize
         out = []
         if not par.activation_checkpointing:
-            out.append(Residual(term=TERM, name="no activation checkpointing",
-                                bytes=(self._eq5(ctx, recompute=False) - self._eq5(ctx)) * isz,
-                                detail="4 all-reduces per layer without recomputation; Eq. 5 assumes 6"))
+            out.append(
+                Residual(
+                    term=TERM,
+                    name="no activation checkpointing",
+                    bytes=(self._eq5(ctx, recompute=False) - self._eq5(ctx)) * isz,
+                    detail="4 all-reduces per layer without recomputation; Eq. 5 assumes 6",
+                )
+            )
         if par.micro_batches > 1:
             out.append(micro_batches(TERM, self._eq5(ctx, par.activation_checkpointing) * isz, par.micro_batches))
         return out

@@ -9,7 +9,7 @@ reduce-scatter by an int4 all-to-all. Quantization scales are refined with the r
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from harness.collectives import Op
@@ -26,23 +26,29 @@ class Zero3:
         lay, z = ctx.layout, ctx.scenario.parallelism.zero
         n, dtype = ctx.param_count, ctx.scenario.model.dtype
         dp = lay.dp_groups()
-        common = dict(elements=n, calls=1, paper_term=TERM)
-        bwd_axis, bwd_groups = ("hpz", lay.hpz_groups()) if z.hpz > 1 else ("dp", dp)
-        return [
-            init_broadcast(ctx, elements=n, groups=dp, axis="dp", what=""),
-            ExpectedCollective(op=Op.ALL_GATHER, axis="dp", groups=dp, dtype="int8" if z.qwz else dtype,
-                               phase=Phase.FORWARD,
-                               source="ZeRO-3 parameter all-gather (forward" + (", qwZ int8)" if z.qwz else ")"),
-                               **common),
-            ExpectedCollective(op=Op.ALL_GATHER, axis=bwd_axis, groups=bwd_groups, dtype=dtype, phase=Phase.BACKWARD,
-                               source="ZeRO-3 parameter all-gather (backward" + (", hpZ)" if z.hpz > 1 else ")"),
-                               **common),
-            ExpectedCollective(op=Op.ALL_TO_ALL if z.qgz else Op.REDUCE_SCATTER, axis="dp", groups=dp,
-                               dtype="int4" if z.qgz else dtype, phase=Phase.BACKWARD,
-                               source="ZeRO++ qgZ gradient all-to-all (int4)" if z.qgz
-                               else "ZeRO-3 gradient reduce-scatter",
-                               **common),
-        ]
+        base = ExpectedCollective(
+            op=Op.ALL_GATHER,
+            axis="dp",
+            groups=dp,
+            dtype=dtype,
+            elements=n,
+            calls=1,
+            phase=Phase.FORWARD,
+            source="ZeRO-3 parameter all-gather (forward)",
+            paper_term=TERM,
+        )
+        forward = (
+            replace(base, dtype="int8", source="ZeRO-3 parameter all-gather (forward, qwZ int8)") if z.qwz else base
+        )
+        backward = replace(base, phase=Phase.BACKWARD, source="ZeRO-3 parameter all-gather (backward)")
+        if z.hpz > 1:
+            backward = replace(
+                backward, axis="hpz", groups=lay.hpz_groups(), source="ZeRO-3 parameter all-gather (backward, hpZ)"
+            )
+        grads = replace(base, op=Op.REDUCE_SCATTER, phase=Phase.BACKWARD, source="ZeRO-3 gradient reduce-scatter")
+        if z.qgz:
+            grads = replace(grads, op=Op.ALL_TO_ALL, dtype="int4", source="ZeRO++ qgZ gradient all-to-all (int4)")
+        return [init_broadcast(ctx, elements=n, groups=dp, axis="dp", what=""), forward, backward, grads]
 
     def paper_terms(self, ctx: Context) -> list[PaperTerm]:
         d = ctx.scenario.parallelism.dp
@@ -63,13 +69,30 @@ class Zero3:
         share = Fraction(d - 1, d)
         out = [beyond_eq1(ctx, term=TERM, factor=3 * share, counted=n)]
         if z.qwz:
-            out.append(Residual(term=TERM, name="qwZ int8 weights", bytes=share * n * (1 - isz),
-                                detail=f"forward all-gather sends 1 byte per parameter instead of {isz}"))
+            out.append(
+                Residual(
+                    term=TERM,
+                    name="qwZ int8 weights",
+                    bytes=share * n * (1 - isz),
+                    detail=f"forward all-gather sends 1 byte per parameter instead of {isz}",
+                )
+            )
         if z.hpz > 1:
-            out.append(Residual(term=TERM, name="hpZ secondary partition",
-                                bytes=n * isz * (Fraction(z.hpz - 1, z.hpz) - share),
-                                detail=f"backward all-gather runs within hpz={z.hpz} ranks instead of d={d}"))
+            out.append(
+                Residual(
+                    term=TERM,
+                    name="hpZ secondary partition",
+                    bytes=n * isz * (Fraction(z.hpz - 1, z.hpz) - share),
+                    detail=f"backward all-gather runs within hpz={z.hpz} ranks instead of d={d}",
+                )
+            )
         if z.qgz:
-            out.append(Residual(term=TERM, name="qgZ int4 gradients", bytes=share * (math.ceil(n / 2) - n * isz),
-                                detail="gradients travel as int4 in an all-to-all instead of a reduce-scatter"))
+            out.append(
+                Residual(
+                    term=TERM,
+                    name="qgZ int4 gradients",
+                    bytes=share * (math.ceil(n / 2) - n * isz),
+                    detail="gradients travel as int4 in an all-to-all instead of a reduce-scatter",
+                )
+            )
         return out

@@ -1,0 +1,87 @@
+"""The ``commgate`` command line, run as a user runs it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def commgate(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_predict_13b_ddp_json_reproduces_eqs_1_and_2() -> None:
+    proc = commgate("predict", "--model", "13B", "--scheme", "ddp", "--dp", "16", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["param_count_eq1"] == 13_110_159_360
+    assert doc["paper_volume_elements"] == 24_581_548_800
+    assert (doc["scheme"], doc["world_size"], doc["status"]) == ("ddp", 16, "predicted")
+    assert all(c["unexplained_bytes"] == 0 for c in doc["paper_comparison"])
+    (row,) = [c for c in doc["collectives"] if c["phase"] == "backward"]
+    assert (row["op"], row["group_size"], row["bytes_per_call"]) == ("all_reduce", 16, 26_222_366_720)
+
+
+def test_predict_13b_zero3_json_reproduces_eq_3() -> None:
+    doc = json.loads(commgate("predict", "--model", "13B", "--scheme", "zero3", "--dp", "16", "--json").stdout)
+    assert doc["paper_volume_elements"] == 36_872_323_200
+
+
+def test_predict_does_not_import_torch_or_deepspeed() -> None:
+    code = (
+        "import sys; from harness.cli import main; "
+        "rc = main(['predict', '--model', '19M-cpu', '--scheme', '3d', '--dp', '2', '--tp', '2', '--pp', '2']); "
+        "assert rc == 0; assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules, 'heavy import'"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_predict_default_suite_writes_a_report(tmp_path: Path) -> None:
+    proc = commgate("predict", "--report-dir", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    assert "scenario(s) predicted" in proc.stdout and "Eq. 2" in proc.stdout
+    doc = json.loads((tmp_path / "out" / "predictions.json").read_text())
+    assert doc["schema_version"] == 1
+    assert {p["scheme"] for p in doc["predictions"]} == {"ddp", "zero1", "zero2", "zero3", "tp", "pp", "3d", "moe"}
+    assert not list((tmp_path / "out").glob(".*tmp"))
+
+
+def test_predict_matrix_in_json() -> None:
+    doc = json.loads(
+        commgate("predict", "--model", "19M-cpu", "--scheme", "pp", "--pp", "2", "--json", "--matrix").stdout
+    )
+    assert {(e["src"], e["dst"]) for e in doc["traffic_matrix"]} == {(0, 1), (1, 0)}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["predict", "--model", "13B"], "--model needs --scheme"),
+        (["predict", "--scheme", "ddp"], "--scheme needs --model"),
+        (["predict", "scenarios", "--model", "13B", "--scheme", "ddp"], "not both"),
+        (["predict", "--model", "13B", "--scheme", "tp", "--tp", "3"], "heads a=40 are not divisible by tp"),
+        (["predict", "--model", "7B", "--scheme", "ddp", "--dp", "2"], '"7B" is not one of'),
+    ],
+)
+def test_bad_command_lines_exit_2_with_one_line(args: list[str], message: str) -> None:
+    proc = commgate(*args)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_predict_without_scenarios_here_explains(tmp_path: Path) -> None:
+    proc = commgate("predict", cwd=tmp_path)
+    assert proc.returncode == 2 and "no ./scenarios directory here" in proc.stderr
+
+
+def test_validate_and_presets() -> None:
+    proc = commgate("validate")
+    assert proc.returncode == 0 and "scenario(s) valid" in proc.stdout
+    proc = commgate("presets")
+    assert proc.returncode == 0 and "13,111,183,360" in proc.stdout and "19M-cpu" in proc.stdout

@@ -1,0 +1,177 @@
+"""The per-collective model: exact figures for hand-checkable cases and properties over a grid."""
+
+import itertools
+from fractions import Fraction
+from typing import Any
+
+import pytest
+
+from harness.collectives import Op
+from harness.expectation import Phase, Prediction, predict
+from harness.scenario import load_document
+
+
+def scenario(model: dict[str, Any] | str = "19M-cpu", **par: Any) -> Prediction:
+    m = {"preset": model} if isinstance(model, str) else model
+    doc = {"schema_version": 1, "name": "t", "model": m, "parallelism": par}
+    (s,) = load_document(doc, file="<test>")
+    return predict(s)
+
+
+def rows(p: Prediction, op: Op, phase: Phase | None = None) -> list[Any]:
+    return [c for c in p.collectives if c.op is op and (phase is None or c.phase is phase)]
+
+
+def test_13b_ddp_dp16_reproduces_eqs_1_and_2() -> None:
+    p = scenario("13B", scheme="ddp", dp=16)
+    assert p.param_count_eq1 == 13_110_159_360
+    assert p.paper_volume_elements == 24_581_548_800
+    (ar,) = rows(p, Op.ALL_REDUCE)
+    assert (ar.group_size, ar.calls, ar.elements, ar.dtype) == (16, 1, 13_111_183_360, "fp16")
+    assert ar.bytes_per_call == 2 * 13_111_183_360
+
+
+def test_13b_zero3_reproduces_eq_3() -> None:
+    p = scenario("13B", scheme="zero3", dp=16)
+    assert p.paper_volume_elements == 36_872_323_200
+    assert [c.op for c in p.steady] == [Op.ALL_GATHER, Op.ALL_GATHER, Op.REDUCE_SCATTER]
+
+
+def test_zero1_and_zero2_move_the_same_volume_as_ddp() -> None:
+    ddp = scenario(scheme="ddp", dp=4)
+    for scheme in ("zero1", "zero2"):
+        z = scenario(scheme=scheme, dp=4)
+        assert sum(c.paper_bytes_per_step for c in z.steady) == sum(c.paper_bytes_per_step for c in ddp.steady)
+
+
+def test_tensor_parallel_calls_per_step() -> None:
+    p = scenario(scheme="tp", tp=2, activation_checkpointing=True, micro_batches=3)
+    L, bsh = 6, 128 * 64
+    assert sum(c.calls for c in rows(p, Op.ALL_REDUCE, Phase.FORWARD)) == (2 * L + 1) * 3
+    assert sum(c.calls for c in rows(p, Op.ALL_REDUCE, Phase.BACKWARD)) == (4 * L + 1) * 3
+    assert {c.elements for c in p.collectives} == {bsh}
+
+
+def test_pipeline_sends_b_s_h_per_micro_batch_each_way() -> None:
+    p = scenario(scheme="pp", pp=3, micro_batches=4, micro_batch=2)
+    sends = rows(p, Op.SEND)
+    assert len(sends) == 4  # 2 boundaries x (activations, gradients)
+    assert all(c.elements == 2 * 128 * 64 and c.calls == 4 and c.group_size == 2 for c in sends)
+    assert {g for c in sends for g in c.groups} == {(0, 1), (1, 2), (1, 0), (2, 1)}
+    assert len(rows(p, Op.RECV)) == 4
+
+
+def test_tied_embeddings_across_pipeline_stages_sync_their_gradient() -> None:
+    p = scenario({"preset": "19M-cpu", "tied_embeddings": True}, scheme="pp", pp=2)
+    (tied,) = rows(p, Op.ALL_REDUCE)
+    assert tied.groups == ((0, 1),) and tied.elements == 1024 * 64 and tied.paper_term is None
+
+
+def test_moe_all_to_all_size_by_hand() -> None:
+    # b*s = 128 tokens, 4 experts, capacity factor 1, top-1: capacity ceil(128/4) = 32; [E, C, h] = 4*32*64
+    p = scenario(scheme="moe", dp=4, moe={"experts": 4, "ep": 2, "every": 2})
+    a2a = rows(p, Op.ALL_TO_ALL)
+    assert {c.elements for c in a2a} == {4 * 32 * 64}
+    assert sum(c.calls for c in a2a) == 4 * 3  # 3 MoE layers, 2 forward + 2 backward each
+    assert {c.groups for c in a2a} == {((0, 1), (2, 3))}
+    expert = [c for c in rows(p, Op.ALL_REDUCE) if c.axis == "edp"]
+    assert expert and expert[0].groups == ((0, 2), (1, 3))
+
+
+def test_size_one_expert_data_parallel_group_sends_nothing() -> None:
+    p = scenario(scheme="moe", dp=2, moe={"experts": 2, "ep": 2})
+    (edp,) = [c for c in rows(p, Op.ALL_REDUCE) if c.axis == "edp"]
+    assert edp.group_size == 1 and edp.wire_bytes_per_step == 0
+
+
+def test_zero_plus_plus_options() -> None:
+    p = scenario(scheme="zero++", dp=8, zero={"hpz": 4, "qwz": True, "qgz": True})
+    fwd, bwd, grad = p.steady
+    assert fwd.dtype == "int8" and fwd.bytes_per_call == fwd.elements
+    assert bwd.axis == "hpz" and bwd.group_size == 4
+    assert grad.op is Op.ALL_TO_ALL and grad.bytes_per_call == (grad.elements + 1) // 2
+
+
+GRID = [
+    dict(scheme="ddp", dp=2),
+    dict(scheme="ddp", dp=7),
+    dict(scheme="zero1", dp=4),
+    dict(scheme="zero2", dp=3),
+    dict(scheme="zero3", dp=4),
+    dict(scheme="zero++", dp=8, zero={"hpz": 2}),
+    dict(scheme="zero++", dp=4, zero={"qwz": True, "qgz": True}),
+    dict(scheme="tp", tp=2),
+    dict(scheme="tp", tp=4, dp=2, activation_checkpointing=True, micro_batches=3),
+    dict(scheme="pp", pp=2),
+    dict(scheme="pp", pp=2, dp=3, micro_batches=5, micro_batch=2),
+    dict(scheme="3d", dp=2, tp=2, pp=2, micro_batches=2),
+    dict(scheme="3d", dp=3, tp=4, pp=2, zero={"stage": 1}),
+    dict(scheme="moe", dp=4, moe={"experts": 4, "ep": 2}),
+    dict(scheme="moe", dp=8, moe={"experts": 8, "ep": 8, "top_k": 2}),
+]
+MODELS = [
+    "19M-cpu",
+    "13B",
+    {"preset": "125M-cpu", "tied_embeddings": True},
+    {"preset": "1.3B-cpu", "position": "rotary", "x": 8, "dtype": "bf16"},
+]
+
+
+@pytest.mark.parametrize(("model", "par"), list(itertools.product(MODELS, GRID)))
+def test_every_byte_against_the_paper_is_a_named_term(model: Any, par: dict[str, Any]) -> None:
+    p = scenario(model, **par)
+    assert p.paper_terms, "every scheme maps to at least one paper equation"
+    for c in p.comparison():
+        assert c.unexplained_bytes == 0, (c.term.equation, [(r.name, r.bytes) for r in c.residuals])
+    assert all(r.name and r.detail for r in p.residuals)
+
+
+@pytest.mark.parametrize("scheme", ["tp", "pp"])
+def test_model_parallel_volume_is_linear_in_sequence_length(scheme: str) -> None:
+    par = {"scheme": scheme, scheme: 2}
+    v = [sum(c.bytes_per_step for c in scenario({"preset": "19M-cpu", "s": s}, **par).steady) for s in (128, 256, 512)]
+    assert v[1] == 2 * v[0] and v[2] == 4 * v[0]
+
+
+def test_data_parallel_volume_does_not_depend_on_sequence_length_without_learned_positions() -> None:
+    v = {
+        s: scenario({"preset": "19M-cpu", "s": s, "position": "rotary"}, scheme="ddp", dp=2).job_bytes_per_step()
+        for s in (128, 512)
+    }
+    assert v[128] == v[512]
+
+
+@pytest.mark.parametrize("scheme", ["ddp", "zero1", "zero3"])
+def test_per_rank_wire_bytes_grow_with_dp(scheme: str) -> None:
+    wire = [sum(c.wire_bytes_per_step for c in scenario(scheme=scheme, dp=d).steady) for d in (2, 3, 4, 8, 16)]
+    assert wire == sorted(wire) and len(set(wire)) == len(wire)
+
+
+@pytest.mark.parametrize("par", GRID[:12], ids=lambda d: d["scheme"])
+def test_traffic_matrix_conserves_the_wire_bytes(par: dict[str, Any]) -> None:
+    p = scenario(**par)
+    tm = p.traffic_matrix()
+    assert sum(tm.values()) == p.job_wire_bytes_per_step()
+    assert all(src != dst for src, dst in tm)
+
+
+def test_pipeline_traffic_only_between_adjacent_stages() -> None:
+    p = scenario(scheme="pp", pp=3)
+    assert set(p.traffic_matrix()) == {(0, 1), (1, 2), (1, 0), (2, 1)}
+
+
+def test_message_size_histogram_counts_every_call_of_every_rank() -> None:
+    p = scenario(scheme="3d", dp=2, tp=2, pp=2, micro_batches=2)
+    assert sum(p.message_sizes().values()) == sum(c.calls * c.participant_count for c in p.steady)
+
+
+def test_init_broadcast_is_not_a_per_step_volume() -> None:
+    p = scenario(scheme="ddp", dp=4)
+    assert [c.phase for c in p.collectives] == [Phase.INIT, Phase.BACKWARD]
+    assert p.job_bytes_per_step() == 4 * p.steady[0].bytes_per_step
+
+
+def test_paper_volume_is_additive_in_3d() -> None:
+    p = scenario(scheme="3d", dp=2, tp=2, pp=2)
+    assert p.paper_volume_elements == sum((t.elements for t in p.paper_terms), Fraction(0))
+    assert [t.equation for t in p.paper_terms] == ["Eq. 5", "Eq. 4", "Eq. 2"]

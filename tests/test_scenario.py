@@ -1,0 +1,81 @@
+"""Loading scenarios: the default suite, defaults, sweeps, presets with overrides."""
+
+from pathlib import Path
+
+import pytest
+
+from harness.errors import ScenarioError
+from harness.scenario import SCHEMES, load_paths, load_text
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BASE = """
+schema_version: 1
+name: s
+model: {preset: 19M-cpu}
+parallelism: {scheme: ddp, dp: 2}
+"""
+
+
+def test_default_suite_covers_every_scheme_but_zero_plus_plus() -> None:
+    suite = load_paths([ROOT / "scenarios"])
+    assert {s.parallelism.scheme for s in suite} == set(SCHEMES) - {"zero++"}
+    assert {s.world_size for s in suite} >= {2, 4, 8}
+    assert len({s.id for s in suite}) == len(suite)
+
+
+def test_defaults() -> None:
+    (s,) = load_text(BASE)
+    assert (s.backend, s.steps, s.warmup_steps, s.markers, s.workload) == ("auto", 3, 1, (), None)
+    assert (s.parallelism.micro_batch, s.parallelism.micro_batches, s.parallelism.zero.stage) == (1, 1, 0)
+    assert s.expectations.model_bytes.rtol == 0 and s.expectations.model_bytes.atol == 0
+
+
+def test_preset_fields_can_be_overridden() -> None:
+    (s,) = load_text(BASE.replace("{preset: 19M-cpu}", "{preset: 13B, s: 4096, dtype: bf16}"))
+    assert (s.model.L, s.model.h, s.model.s, s.model.dtype) == (40, 5120, 4096, "bf16")
+
+
+def test_sweep_expands_into_readable_ids() -> None:
+    text = BASE + "sweep:\n  model.s: [128, 256]\n  parallelism.dp: [2, 4]\n"
+    ids = [s.id for s in load_text(text)]
+    assert ids == ["s[s=128,dp=2]", "s[s=128,dp=4]", "s[s=256,dp=2]", "s[s=256,dp=4]"]
+    assert [s.model.s for s in load_text(text)] == [128, 128, 256, 256]
+
+
+def test_zero_scheme_implies_its_stage() -> None:
+    (s,) = load_text(BASE.replace("scheme: ddp", "scheme: zero2"))
+    assert s.parallelism.zero.stage == 2
+
+
+def test_nccl_backend_implies_the_gpu_marker() -> None:
+    (s,) = load_text(BASE + "backend: nccl\nmarkers: [nightly]\n")
+    assert s.markers == ("nightly", "gpu")
+
+
+def test_expectations_are_read() -> None:
+    text = BASE + (
+        "expectations:\n  model: {bytes: {rtol: 0.01}}\n  baseline: {latency: {factor: 1.5}}\n"
+        "  drift: {cold_start: {action: fail}}\n"
+    )
+    (s,) = load_text(text)
+    e = s.expectations
+    assert e.model_bytes.rtol == 0.01 and e.latency.factor == 1.5 and e.cold_start.action == "fail"
+    assert e.latency.p_value == 0.01 and e.cold_start.factor == 10.0
+
+
+def test_duplicate_ids_across_files_are_an_error(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text(BASE)
+    (tmp_path / "b.yaml").write_text(BASE)
+    with pytest.raises(ScenarioError, match="scenario id 's' is also defined in"):
+        load_paths([tmp_path])
+
+
+def test_an_empty_directory_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ScenarioError, match="no scenario files"):
+        load_paths([tmp_path])
+
+
+def test_a_missing_file_is_a_one_line_error(tmp_path: Path) -> None:
+    with pytest.raises(ScenarioError, match=r"nope\.yaml: \$: cannot read"):
+        load_paths([tmp_path / "nope.yaml"])

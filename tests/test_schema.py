@@ -1,0 +1,31 @@
+"""The published scenario schema stays valid and in step with the records and registries."""
+
+import jsonschema
+
+from harness.model import PRESETS
+from harness.scenario import SCHEMES, MoEConfig, Parallelism, Scenario, ZeroConfig, field_names, schema
+from harness.schemes import SCHEMES as REGISTRY
+
+
+def test_schema_is_a_valid_draft_2020_12_schema_with_an_id() -> None:
+    s = schema()
+    assert s["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert s["$id"].startswith("urn:commgate:schema:scenario:")
+    jsonschema.Draft202012Validator.check_schema(s)
+    assert s["properties"]["schema_version"]["const"] == 1
+
+
+def test_presets_and_schemes_agree_with_the_registries() -> None:
+    props = schema()["properties"]
+    assert sorted(props["model"]["properties"]["preset"]["enum"]) == sorted(PRESETS)
+    assert props["parallelism"]["properties"]["scheme"]["enum"] == list(SCHEMES) == list(REGISTRY)
+
+
+def test_schema_fields_are_record_fields() -> None:
+    props = schema()["properties"]
+    par = props["parallelism"]["properties"]
+    assert set(par) - {"zero", "moe"} <= set(field_names(Parallelism))
+    assert set(par["zero"]["properties"]) == set(field_names(ZeroConfig))
+    assert set(par["moe"]["properties"]) == set(field_names(MoEConfig))
+    top = set(props) - {"schema_version", "sweep", "world_size"}
+    assert top <= set(field_names(Scenario))
