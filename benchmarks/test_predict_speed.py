@@ -1,0 +1,50 @@
+"""How long ``predict`` takes: a 4096-rank 3D layout of the 13B preset (goal: well under 10 ms).
+
+Run: .venv/bin/python -m pytest benchmarks --benchmark-only
+"""
+
+from typing import Any
+
+import pytest
+
+from harness import layout, model
+from harness.expectation import predict
+from harness.scenario import Scenario, load_document
+
+BIG = {"scheme": "3d", "dp": 64, "tp": 8, "pp": 8, "micro_batches": 16}
+
+
+def scenario(**par: Any) -> Scenario:
+    doc = {"schema_version": 1, "name": "bench", "model": {"preset": "13B"}, "parallelism": par}
+    (s,) = load_document(doc, file="<bench>")
+    return s
+
+
+def clear_caches() -> None:
+    model.inventory.cache_clear()
+    for f in (layout.Layout.dp_groups, layout.Layout.tp_groups, layout.Layout.pp_groups, layout.Layout.stage_pairs):
+        f.cache_clear()
+
+
+def run(s: Scenario) -> None:
+    p = predict(s)
+    assert all(c.unexplained_bytes == 0 for c in p.comparison())
+
+
+@pytest.mark.parametrize("cold", [True, False], ids=["cold", "warm"])
+def test_predict_4096_rank_3d(benchmark: Any, cold: bool) -> None:
+    s = scenario(**BIG)
+    assert s.world_size == 4096
+    if cold:
+        benchmark.pedantic(run, args=(s,), setup=clear_caches, rounds=50)
+    else:
+        benchmark(run, s)
+
+
+def test_load_and_predict_default_suite(benchmark: Any) -> None:
+    from pathlib import Path
+
+    from harness.scenario import load_paths
+
+    root = Path(__file__).resolve().parents[1] / "scenarios"
+    benchmark(lambda: [predict(s) for s in load_paths([root])])
