@@ -5,7 +5,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from harness.collectives import Op
-from harness.expectation import Context, ExpectedCollective, Phase, Residual
+from harness.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
 from harness.layout import Axis, Group
 
 
@@ -63,4 +63,16 @@ def micro_batches(term: str, per_micro_batch: Fraction, m: int) -> Residual:
         name="micro-batches",
         bytes=per_micro_batch * (m - 1),
         detail=f"{term} counts one micro-batch; a step runs m={m}",
+    )
+
+
+def rank0_term(ctx: Context, *, equation: str, formula: str, elements: Fraction) -> PaperTerm:
+    """A paper equation that gives the volume of one rank (Eqs. 2, 3, 5): compared on rank 0."""
+    return PaperTerm(
+        equation=equation,
+        formula=formula,
+        elements=elements,
+        itemsize=ctx.scenario.model.itemsize,
+        ranks=frozenset({0}),
+        scope="per rank",
     )

@@ -15,7 +15,7 @@ from harness.collectives import Op
 from harness.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
 from harness.layout import Axis, Group
 from harness.paper import eq2_data_parallel
-from harness.schemes._common import beyond_eq1, init_broadcast, sharding
+from harness.schemes._common import beyond_eq1, init_broadcast, rank0_term, sharding
 
 TERM = "Eq. 2"
 
@@ -75,13 +75,11 @@ class DataParallel:
         if d == 1:
             return []
         return [
-            PaperTerm(
+            rank0_term(
+                ctx,
                 equation=TERM,
                 formula=f"2*N*(d-1)/d, N={ctx.eq1:,} (Eq. 1), d={d}",
                 elements=eq2_data_parallel(ctx.eq1, d),
-                itemsize=ctx.scenario.model.itemsize,
-                ranks=frozenset({0}),
-                scope="per rank",
             )
         ]
 

@@ -13,7 +13,7 @@ from harness.collectives import Op
 from harness.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
 from harness.layout import Group
 from harness.paper import eq5_tensor
-from harness.schemes._common import micro_batches
+from harness.schemes._common import micro_batches, rank0_term
 
 TERM = "Eq. 5"
 
@@ -70,13 +70,11 @@ class TensorParallel:
         m, par = ctx.scenario.model, ctx.scenario.parallelism
         L = f"L/p={m.L}/{par.pp}" if par.pp > 1 else f"L={m.L}"
         return [
-            PaperTerm(
+            rank0_term(
+                ctx,
                 equation=TERM,
                 formula=f"(12L+2)*b*s*h*(t-1)/t, {L}, b={par.micro_batch}, s={m.s}, h={m.h}, t={par.tp}",
                 elements=self._eq5(ctx),
-                itemsize=m.itemsize,
-                ranks=frozenset({0}),
-                scope="per rank",
             )
         ]
 

@@ -15,7 +15,7 @@ from fractions import Fraction
 from harness.collectives import Op
 from harness.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
 from harness.paper import eq3_zero3
-from harness.schemes._common import beyond_eq1, init_broadcast
+from harness.schemes._common import beyond_eq1, init_broadcast, rank0_term
 
 TERM = "Eq. 3"
 
@@ -53,13 +53,8 @@ class Zero3:
     def paper_terms(self, ctx: Context) -> list[PaperTerm]:
         d = ctx.scenario.parallelism.dp
         return [
-            PaperTerm(
-                equation=TERM,
-                formula=f"3*N*(d-1)/d, N={ctx.eq1:,} (Eq. 1), d={d}",
-                elements=eq3_zero3(ctx.eq1, d),
-                itemsize=ctx.scenario.model.itemsize,
-                ranks=frozenset({0}),
-                scope="per rank",
+            rank0_term(
+                ctx, equation=TERM, formula=f"3*N*(d-1)/d, N={ctx.eq1:,} (Eq. 1), d={d}", elements=eq3_zero3(ctx.eq1, d)
             )
         ]
 
