@@ -140,9 +140,11 @@ def inventory(m: ModelSpec, *, experts: int = 0, moe_every: int = 1) -> tuple[Pa
     examples do) replaces its MLP by a top-k gate and ``experts`` expert MLPs.
     """
     h, xh = m.h, m.x * m.h
-    out: list[ParamTensor] = [ParamTensor(name="embed.word", shape=(m.V, h), shard=Shard.VOCAB, block="embedding")]
+    out: list[ParamTensor] = [
+        ParamTensor(name="embed.word.weight", shape=(m.V, h), shard=Shard.VOCAB, block="embedding")
+    ]
     if m.position == "learned":
-        out.append(ParamTensor(name="embed.position", shape=(m.s, h), shard=Shard.REPLICATED, block="embedding"))
+        out.append(ParamTensor(name="embed.position.weight", shape=(m.s, h), shard=Shard.REPLICATED, block="embedding"))
     for i in range(m.L):
         p = f"layers.{i}."
 
@@ -188,7 +190,7 @@ def stage_split(params: tuple[ParamTensor, ...], *, L: int, tp: int, pp: int) ->
     for p in params:
         n = p.numel_per_tp_rank(tp)
         if p.block == "embedding":
-            stages: tuple[int, ...] = (0, pp - 1) if (p.name == "embed.word" and tied and pp > 1) else (0,)
+            stages: tuple[int, ...] = (0, pp - 1) if (p.name == "embed.word.weight" and tied and pp > 1) else (0,)
         elif p.block == "final":
             stages = (pp - 1,)
         else:
