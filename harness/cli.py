@@ -112,6 +112,53 @@ def cmd_predict(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(a: argparse.Namespace) -> int:
+    import signal
+    import time
+
+    from harness.expectation import predict
+    from harness.launcher import RunError, launch_local
+    from harness.reconcile import reconcile
+    from harness.report import Report, ScenarioResult
+    from harness.scenario import load_paths
+    from harness.workloads import REGISTRY
+
+    # A CI runner's cancel (SIGTERM) unwinds like Ctrl-C, so that rank processes are killed on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    scenarios = load_paths(a.paths or [DEFAULT_SUITE])
+    if a.select:
+        scenarios = [s for s in scenarios if any(k in s.id for k in a.select)]
+        if not scenarios:
+            raise UsageError(f"no scenario id contains any of {a.select}")
+    report = Report(a.report_dir / "report.json" if a.report_dir else None)
+    for i, s in enumerate(scenarios, 1):
+        prediction = predict(s)
+        print(f"[{i}/{len(scenarios)}] {s.id}: {s.parallelism.scheme} on {s.world_size} ranks ...", flush=True)
+        started = time.monotonic()
+        if s.workload is None and s.parallelism.scheme not in REGISTRY:
+            result = ScenarioResult(
+                prediction=prediction,
+                status="skipped",
+                reason=f"no runnable workload for scheme {s.parallelism.scheme!r} yet",
+            )
+        else:
+            try:
+                capture = launch_local(s, deadline_s=a.deadline)
+            except RunError as exc:
+                result = ScenarioResult(prediction=prediction, status="error", reason=str(exc))
+            else:
+                rec = reconcile(prediction, capture)
+                result = ScenarioResult(
+                    prediction=prediction, status="passed" if rec.ok else "failed", capture=capture, reconciliation=rec
+                )
+        result.wall_s = time.monotonic() - started
+        report.add(result)
+        print(result.summary(), flush=True)
+    counts = report.document()["summary"]
+    print(", ".join(f"{n} {k}" for k, n in counts.items()) + (f"; report: {report.path}" if report.path else ""))
+    return 1 if counts["failed"] or counts["error"] else 0
+
+
 def cmd_validate(a: argparse.Namespace) -> int:
     from harness.scenario import load_paths
 
@@ -139,13 +186,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"commgate {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_predict(sub)
+    r = sub.add_parser(
+        "run",
+        help="run scenarios on local ranks (CPU gloo), capture every call, reconcile with the model",
+        description="Run each scenario on world_size local processes, capture every collective and point-to-point "
+        "call, and reconcile the capture with the per-collective model. Exit status 1 if any scenario failed.",
+    )
+    r.add_argument("paths", nargs="*", help=f"scenario files or directories (default: ./{DEFAULT_SUITE})")
+    r.add_argument("--report-dir", type=Path, help="write report.json there (rewritten after every scenario)")
+    r.add_argument("--deadline", type=float, help="seconds per scenario (default: each scenario's deadline_s)")
+    r.add_argument("-k", "--select", action="append", help="run only scenarios whose id contains this (repeatable)")
     v = sub.add_parser("validate", help="check scenario files; one line per problem")
     v.add_argument("paths", nargs="*", help=f"scenario files or directories (default: ./{DEFAULT_SUITE})")
     sub.add_parser("presets", help="list the model presets")
     return parser
 
 
-COMMANDS = {"predict": cmd_predict, "validate": cmd_validate, "presets": cmd_presets}
+COMMANDS = {"predict": cmd_predict, "run": cmd_run, "validate": cmd_validate, "presets": cmd_presets}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -158,3 +215,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `commgate predict | head`
         sys.stderr.close()
         return 0
+    except KeyboardInterrupt:
+        print("commgate: interrupted", file=sys.stderr)
+        return 130

@@ -8,7 +8,8 @@ send, recv the buffer. This is nccl-tests' "size" convention.
   m(n-1)/n; all_to_all m(n-1)/n; broadcast m(n-1)/n; send m (Eq. 4 counts a transfer once, at the
   sender); recv 0.
 * bus factor (nccl-tests ``doc/PERFORMANCE.md``): all_reduce 2(n-1)/n; all_gather, reduce_scatter,
-  all_to_all (n-1)/n; broadcast, reduce, send 1 (recv 0: its bytes are counted on the matching send).
+  all_to_all, gather, scatter (n-1)/n; broadcast, reduce, send 1 (recv 0: its bytes are counted on the
+  matching send).
   ``wire bytes = m * bus factor``, with n the size of the group that ran the call; a size-1 group
   sends nothing.
 * traffic: who sends how much to whom, assuming ring algorithms (rank i of the group sends to rank
@@ -36,6 +37,8 @@ class Op(enum.Enum):
     REDUCE = "reduce"
     SEND = "send"
     RECV = "recv"
+    GATHER = "gather"
+    SCATTER = "scatter"
     BARRIER = "barrier"
 
     def __str__(self) -> str:
@@ -74,6 +77,16 @@ def _first_to_second(group: Group, nbytes: Fraction) -> Traffic:
     yield group[0], group[1], nbytes
 
 
+def _root_to_each(group: Group, nbytes: Fraction) -> Traffic:
+    for dst in group[1:]:
+        yield group[0], dst, nbytes / (len(group) - 1)
+
+
+def _each_to_root(group: Group, nbytes: Fraction) -> Traffic:
+    for src in group[1:]:
+        yield src, group[0], nbytes / (len(group) - 1)
+
+
 def _nothing(group: Group, nbytes: Fraction) -> Traffic:
     return iter(())
 
@@ -109,6 +122,8 @@ OPS: dict[Op, OpSpec] = {
         OpSpec(Op.REDUCE, _frac(1), _const(1), _chain_to_root),
         OpSpec(Op.SEND, _const(1), _const(1), _first_to_second, p2p=True),
         OpSpec(Op.RECV, _const(0), _const(0), _nothing, p2p=True),
+        OpSpec(Op.GATHER, _frac(1), _frac(1), _each_to_root),
+        OpSpec(Op.SCATTER, _frac(1), _frac(1), _root_to_each),
         OpSpec(Op.BARRIER, _const(0), _const(0), _nothing),
     )
 }

@@ -24,6 +24,8 @@ from harness.scenario import Scenario
 
 WIRE_ITEMSIZE: dict[str, Fraction] = {
     **{k: Fraction(v) for k, v in ITEMSIZE.items()},
+    "int64": Fraction(8),
+    "int32": Fraction(4),
     "int8": Fraction(1),
     "int4": Fraction(1, 2),
 }
@@ -57,6 +59,27 @@ class ExpectedCollective:
     """What issues it, in words a framework engineer recognises."""
     paper_term: str | None = None
     """The equation ("Eq. 2" ...) whose volume this row is part of; None if the paper has no such traffic."""
+    once: bool = False
+    """``calls`` happen once per run, at step ``at_step`` (initialisation when None), not every step."""
+    at_step: int | None = None
+    from_step: int = 0
+    """A per-step row applies from this step on (DDP's rebuilt buckets serve from the second iteration)."""
+
+    @property
+    def when(self) -> str:
+        """When the row's calls happen, in words: ``init``, ``step 1``, ``every step``, ``steps >= 1``."""
+        if self.once:
+            return "init" if self.at_step is None else f"step {self.at_step}"
+        return "every step" if self.from_step == 0 else f"steps >= {self.from_step}"
+
+    def calls_in(self, steps: range | None) -> int:
+        """Calls on one participating rank within ``steps`` (None: the initialisation window)."""
+        if self.once:
+            hit = self.at_step is None if steps is None else (self.at_step is not None and self.at_step in steps)
+            return self.calls if hit else 0
+        if steps is None:
+            return 0
+        return self.calls * sum(1 for k in steps if k >= self.from_step)
 
     @property
     def group_size(self) -> int:
@@ -197,8 +220,8 @@ class Prediction:
 
     @property
     def steady(self) -> tuple[ExpectedCollective, ...]:
-        """Rows issued every step (not at initialisation)."""
-        return tuple(c for c in self.collectives if c.phase is not Phase.INIT)
+        """Rows issued every step (not once per run)."""
+        return tuple(c for c in self.collectives if not c.once)
 
     @property
     def paper_volume_elements(self) -> Fraction:

@@ -77,6 +77,7 @@ def prediction_document(p: Prediction, *, matrix: bool = False) -> dict[str, Any
                 "bytes_per_call": c.bytes_per_call,
                 "calls_per_step": c.calls,
                 "phase": str(c.phase),
+                "when": c.when,
                 "bytes_per_step": c.bytes_per_step,
                 "bus_factor": number(c.bus_factor),
                 "wire_bytes_per_step": number(c.wire_bytes_per_step),
@@ -129,20 +130,22 @@ def prediction_text(p: Prediction, *, matrix: bool = False) -> str:
         f"{p.param_count:,} parameters (Eq. 1: {p.param_count_eq1:,})",
     ]
     headers = [
+        "when",
         "phase",
         "op",
         "axis",
         "n",
         "groups",
-        "calls/step",
+        "calls",
         "bytes/call",
-        "bytes/step",
-        "wire/step",
+        "bytes",
+        "wire",
         "eq",
         "source",
     ]
     rows = [
         [
+            c.when,
             str(c.phase),
             str(c.op),
             c.axis,
@@ -157,10 +160,10 @@ def prediction_text(p: Prediction, *, matrix: bool = False) -> str:
         ]
         for c in p.collectives
     ]
-    lines += ["  " + line for line in _table(headers, rows, right={3, 4, 5, 6, 7, 8})]
+    lines += ["  " + line for line in _table(headers, rows, right={4, 5, 6, 7, 8, 9})]
     lines.append(
         f"  per step, whole job: {human_bytes(p.job_bytes_per_step())} in messages, "
-        f"{human_bytes(p.job_wire_bytes_per_step())} on the wire (bytes per row are per participating rank; init once)"
+        f"{human_bytes(p.job_wire_bytes_per_step())} on the wire (rows: per participating rank, per step or once)"
     )
     for c in p.comparison():
         t = c.term

@@ -69,7 +69,8 @@ class Parallelism:
     micro_batches: int = 1
     """Micro-batches per step m: pipeline micro-batches, or gradient-accumulation steps."""
     activation_checkpointing: bool = False
-    ddp_bucket_mb: float = 25.0
+    ddp_bucket_mb: float | None = None
+    """torch DDP ``bucket_cap_mb``; None keeps DDP's default (25 MiB, with a 1 MiB first bucket)."""
 
     @property
     def world_size(self) -> int:

@@ -10,6 +10,7 @@ from typing import Protocol
 
 from harness.expectation import Context, ExpectedCollective, PaperTerm, Residual
 from harness.schemes.data_parallel import DataParallel
+from harness.schemes.ddp import DistributedDataParallel
 from harness.schemes.moe import ExpertParallel
 from harness.schemes.pipeline import PipelineParallel
 from harness.schemes.tensor import TensorParallel
@@ -25,7 +26,7 @@ class Component(Protocol):
 
 
 SCHEMES: dict[str, tuple[Component, ...]] = {
-    "ddp": (DataParallel(),),
+    "ddp": (DistributedDataParallel(),),
     "zero1": (DataParallel(),),
     "zero2": (DataParallel(),),
     "zero3": (Zero3(),),

@@ -21,6 +21,7 @@ def init_broadcast(
         elements=elements,
         calls=1,
         phase=Phase.INIT,
+        once=True,
         source=f"initial {what}parameter broadcast{where}",
     )
 

@@ -1,1 +1,34 @@
-"""Training workloads run under capture: the model and one module per framework (torch imported here only)."""
+"""Training workloads run under capture, one module per framework (torch is imported by those modules only).
+
+A workload is built once per rank as ``Workload(scenario, rank=..., device=...)`` — engine
+construction is the *init* phase — and ``step(k)`` runs training step k (all micro-batches and the
+optimizer). ``harness.interpose.optimizer_phase()`` marks the optimizer's calls.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Protocol
+
+from harness.errors import CommgateError
+
+
+class Workload(Protocol):
+    def step(self, k: int) -> float: ...
+
+
+REGISTRY: dict[str, str] = {
+    "ddp": "harness.workloads.ddp:DDPWorkload",
+}
+
+
+def resolve(scheme: str, workload: str | None = None) -> Any:
+    """The workload class (or a user's ``module:function``) for a scheme."""
+    target = workload or REGISTRY.get(scheme)
+    if target is None:
+        raise CommgateError(
+            f"scheme {scheme!r} has no runnable workload yet (runnable: {', '.join(sorted(REGISTRY))}); "
+            "`commgate predict` covers it"
+        )
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)

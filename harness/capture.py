@@ -1,0 +1,109 @@
+"""What a run sent: one record per collective or point-to-point call on every rank, merged into one document.
+
+Torch-free: the records are written by ``harness.interpose`` inside the rank processes and read here.
+Message size ``elements`` follows the convention of ``harness.collectives`` (the largest buffer of the
+call on that rank), so measured and predicted rows compare directly.
+
+Steps: ``-1`` is initialisation (engine construction), ``0 .. warmup-1`` the warm-up steps, then the
+measured steps. Phases: ``init``, ``forward`` (anything outside backward and the optimizer),
+``backward`` (issued while autograd runs a graph), ``optimizer``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.fsutil import atomic_write_json
+
+CAPTURE_VERSION = 1
+INIT_STEP = -1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CapturedCall:
+    rank: int
+    """Global rank that issued the call."""
+    seq: int
+    """Order of the call on its rank."""
+    step: int
+    phase: str
+    op: str
+    group: tuple[int, ...]
+    """Global ranks of the process group the call ran on."""
+    peer: int | None
+    """Global rank of the other side of a send/recv."""
+    dtype: str
+    elements: int
+    bytes: int
+    tensors: int
+    """How many tensors a coalesced call carried (1 otherwise)."""
+    start_ns: int
+    """Issue time, from the rank's own clock origin (its first call)."""
+    duration_ns: int | None
+    """Issue to completion; None when the call never completed (a hang)."""
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> CapturedCall:
+        return cls(**{**d, "group": tuple(d["group"])})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Capture:
+    """The merged capture of one run."""
+
+    scenario: str
+    world_size: int
+    warmup_steps: int
+    steps: int
+    backend: str
+    calls: tuple[CapturedCall, ...]
+
+    def measured(self) -> tuple[CapturedCall, ...]:
+        """Calls of the measured steps (after warm-up)."""
+        return tuple(c for c in self.calls if c.step >= self.warmup_steps)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "capture_version": CAPTURE_VERSION,
+            "scenario": self.scenario,
+            "world_size": self.world_size,
+            "warmup_steps": self.warmup_steps,
+            "steps": self.steps,
+            "backend": self.backend,
+            "calls": [asdict(c) | {"group": list(c.group)} for c in self.calls],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Capture:
+        return cls(
+            scenario=d["scenario"],
+            world_size=d["world_size"],
+            warmup_steps=d["warmup_steps"],
+            steps=d["steps"],
+            backend=d["backend"],
+            calls=tuple(CapturedCall.from_json(c) for c in d["calls"]),
+        )
+
+
+def write_rank_calls(path: Path, calls: Iterable[CapturedCall]) -> None:
+    atomic_write_json(path, [asdict(c) | {"group": list(c.group)} for c in calls])
+
+
+def merge(rank_files: list[Path], *, scenario: str, warmup_steps: int, steps: int, backend: str) -> Capture:
+    """One capture from every rank's file, ordered by (rank, seq)."""
+    calls: list[CapturedCall] = []
+    for f in rank_files:
+        calls += [CapturedCall.from_json(c) for c in json.loads(f.read_text())]
+    calls.sort(key=lambda c: (c.rank, c.seq))
+    return Capture(
+        scenario=scenario,
+        world_size=len(rank_files),
+        warmup_steps=warmup_steps,
+        steps=steps,
+        backend=backend,
+        calls=tuple(calls),
+    )

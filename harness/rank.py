@@ -1,0 +1,122 @@
+"""The body of one rank: join the group through the capturing backend, build the workload, run its steps.
+
+Started by ``harness.launcher`` (one process per rank, own session) or by torchrun (then every rank runs
+``run_rank`` in-process). Writes ``rank{r}.json`` with its calls; on an exception, ``rank{r}.err`` with
+the traceback, and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+from harness.capture import write_rank_calls
+from harness.scenario import Scenario
+
+STATUS_WIDTH = 240
+LAUNCHER_PID = "COMMGATE_LAUNCHER_PID"
+
+
+def resolve_backend(scenario: Scenario) -> str:
+    import torch
+
+    if scenario.backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return scenario.backend
+
+
+def run_rank(
+    scenario: Scenario,
+    *,
+    rank: int,
+    world_size: int,
+    out_dir: Path,
+    init_method: str,
+    on_issue: Callable[[str], None] | None = None,
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from harness import interpose
+    from harness.workloads import resolve
+
+    backend = resolve_backend(scenario)
+    if backend == "gloo":
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+    else:
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    rec = interpose.install(backend, rank)
+    rec.on_issue = on_issue
+    dist.init_process_group(
+        interpose.BACKEND_NAME,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=scenario.deadline_s),
+    )
+    workload = resolve(scenario.parallelism.scheme, scenario.workload)(scenario, rank=rank, device=device)
+    for k in range(scenario.warmup_steps + scenario.steps):
+        rec.step, rec.phase = k, "forward"
+        workload.step(k)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    # Only a successful rank tears down: a failing one must not close its connections (and make its
+    # peers fail) before its own error is written; its process exits right after.
+    interpose.RECORDER = None  # the teardown below is not part of the scenario
+    write_rank_calls(out_dir / f"rank{rank}.json", rec.drain())
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _die_with_parent() -> None:
+    """Have the kernel kill this rank when the launcher dies, even by SIGKILL (Linux; elsewhere a no-op).
+
+    Ranks run in their own session so that the launcher can kill each as a group; without this, a
+    launcher killed outright would leave them running.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    launcher = os.environ.get(LAUNCHER_PID)
+    if launcher is not None and os.getppid() != int(launcher):  # it died before prctl took effect
+        os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m harness.rank SPEC RANK WORLD STORE OUT``: one rank started by the local launcher.
+
+    SPEC is the scenario pickled by the launcher into its private directory (inter-process hand-over,
+    never stored). The rank's last issued call is kept in ``OUT/rank{r}.status`` for hang reports.
+    """
+    spec, rank_s, world_s, store, out_s = argv if argv is not None else sys.argv[1:]
+    _die_with_parent()
+    rank, world, out = int(rank_s), int(world_s), Path(out_s)
+    with open(spec, "rb") as f:
+        scenario = pickle.load(f)
+    fd = os.open(out / f"rank{rank}.status", os.O_WRONLY | os.O_CREAT, 0o644)
+
+    def on_issue(text: str) -> None:
+        os.pwrite(fd, text.encode()[:STATUS_WIDTH].ljust(STATUS_WIDTH), 0)
+
+    try:
+        run_rank(scenario, rank=rank, world_size=world, out_dir=out, init_method=f"file://{store}", on_issue=on_issue)
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        sys.stdout.flush()
+        os._exit(1)  # at once: no interpreter teardown (and no process-group shutdown) before the launcher sees it
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

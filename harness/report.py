@@ -1,0 +1,135 @@
+"""The run report: ``report.json`` with, per scenario, its status, the reconciliation per collective
+type, the traffic matrices, the prediction and the raw per-call capture. Rewritten atomically after
+every scenario, so an interrupted suite leaves a complete report of what ran."""
+
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Literal
+
+from harness import __version__
+from harness.capture import Capture
+from harness.expectation import Prediction
+from harness.fsutil import atomic_write_json
+from harness.reconcile import Reconciliation
+from harness.render import human_bytes, number, prediction_document
+
+REPORT_VERSION = 1
+Status = Literal["passed", "failed", "error", "skipped"]
+
+
+def environment() -> dict[str, Any]:
+    """Versions of the stack, read from package metadata (nothing heavy is imported)."""
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "torch": version("torch"),
+        "deepspeed": version("deepspeed"),
+        "commgate": __version__,
+    }
+
+
+def _matrix(m: dict[tuple[int, int], Fraction]) -> list[dict[str, Any]]:
+    return [{"src": s, "dst": d, "bytes_per_step": number(b)} for (s, d), b in sorted(m.items())]
+
+
+@dataclass(kw_only=True)
+class ScenarioResult:
+    prediction: Prediction
+    status: Status
+    reason: str = ""
+    wall_s: float = 0.0
+    capture: Capture | None = None
+    reconciliation: Reconciliation | None = None
+
+    def document(self) -> dict[str, Any]:
+        s = self.prediction.scenario
+        doc: dict[str, Any] = {
+            "name": s.id,
+            "scheme": s.parallelism.scheme,
+            "world_size": s.world_size,
+            "status": self.status,
+            "reason": self.reason,
+            "wall_s": round(self.wall_s, 3),
+            "prediction": prediction_document(self.prediction),
+        }
+        r = self.reconciliation
+        if r is not None:
+            doc["collectives"] = [
+                {
+                    "op": o.op,
+                    "measured_bytes": number(o.measured_bytes),
+                    "predicted_bytes": number(o.predicted_bytes),
+                    "residuals": [{"name": n, "bytes": number(b)} for n, b in o.residuals],
+                    "unexplained_bytes": number(o.unexplained_bytes),
+                }
+                for o in r.ops
+            ]
+            doc["calls"] = [asdict(k) | {"ok": k.ok} for k in r.keys]
+            doc["traffic_matrix"] = {"measured": _matrix(r.traffic_measured), "predicted": _matrix(r.traffic_predicted)}
+        if self.capture is not None:
+            doc["capture"] = self.capture.to_json()
+        return doc
+
+    def summary(self) -> str:
+        s = self.prediction.scenario
+        head = f"{self.status.upper():7} {s.id} ({s.parallelism.scheme}, {s.world_size} ranks, {self.wall_s:.1f} s)"
+        r = self.reconciliation
+        if r is None:
+            return f"{head}: {self.reason}" if self.reason else head
+        lines = [head]
+        for o in r.ops:
+            extra = f" + {human_bytes(sum((b for _, b in o.residuals), Fraction(0)))} named" if o.residuals else ""
+            lines.append(
+                f"    {o.op:<15} measured {human_bytes(o.measured_bytes):>11}/step  predicted "
+                f"{human_bytes(o.predicted_bytes):>11}{extra}  unexplained {number(o.unexplained_bytes)} B"
+            )
+        for k in r.mismatches[:10]:
+            lines.append(
+                f"    mismatch [{k.window}] {k.op} {k.dtype} {k.bytes_per_call} B {k.phase} group {list(k.group)}: "
+                f"measured {k.measured_calls} calls, predicted {k.predicted_calls} ({k.source})"
+            )
+        if len(r.mismatches) > 10:
+            lines.append(f"    ... and {len(r.mismatches) - 10} more mismatches (see report.json)")
+        if r.traffic_measured != r.traffic_predicted:
+            lines.append("    traffic matrix differs from the prediction (see report.json)")
+        return "\n".join(lines)
+
+
+@dataclass
+class Report:
+    path: Path | None
+    results: list[ScenarioResult] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+
+    def add(self, result: ScenarioResult) -> None:
+        self.results.append(result)
+        self.write()
+
+    def document(self) -> dict[str, Any]:
+        counts = {k: sum(1 for r in self.results if r.status == k) for k in ("passed", "failed", "error", "skipped")}
+        return {
+            "schema_version": REPORT_VERSION,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
+            "environment": environment(),
+            "summary": counts,
+            "scenarios": [r.document() for r in self.results],
+        }
+
+    def write(self) -> None:
+        if self.path is not None:
+            atomic_write_json(self.path, self.document())

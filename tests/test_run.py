@@ -1,0 +1,154 @@
+"""Real runs on local gloo ranks: capture, reconciliation, and the launcher's failure handling.
+
+Each test starts real rank processes (a few seconds each: torch is imported per rank).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.capture import INIT_STEP
+from harness.expectation import predict
+from harness.launcher import RunError, launch_local
+from harness.reconcile import reconcile
+from harness.scenario import Scenario, load_text
+
+BASE = (
+    "schema_version: 1\nname: {name}\nmodel: {{preset: 19M-cpu}}\nparallelism: {{scheme: ddp, dp: 2{par}}}\nsteps: 2\n"
+)
+
+
+def scenario(name: str = "t", par: str = "", extra: str = "") -> Scenario:
+    (s,) = load_text(BASE.format(name=name, par=par) + extra)
+    return s
+
+
+def rank_processes(workdir: Path) -> list[int]:
+    """Live processes whose command line mentions ``workdir`` (the ranks of a run started there)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if str(workdir).encode() in cmd and b"harness.rank" in cmd:
+                out.append(int(entry.name))
+    return out
+
+
+@pytest.mark.parametrize("bucket", ["", ", ddp_bucket_mb: 0.5"], ids=["default-buckets", "half-MiB-buckets"])
+def test_ddp_every_byte_explained(bucket: str, tmp_path: Path) -> None:
+    s = scenario(par=bucket)
+    rec = reconcile(predict(s), launch_local(s, workdir=tmp_path))
+    assert not rec.mismatches, rec.mismatches
+    assert {o.op for o in rec.ops} == {"all_reduce", "broadcast"}
+    assert all(o.unexplained_bytes == 0 for o in rec.ops)
+    assert rec.traffic_measured == rec.traffic_predicted
+    assert rec.ok
+    buckets = [k for k in rec.keys if k.window == "steps" and k.op == "all_reduce"]
+    assert len(buckets) == (2 if not bucket else 3)
+
+
+def test_capture_sees_every_path(tmp_path: Path) -> None:
+    s = scenario(extra="workload: harness.workloads.probes:paths\n")
+    cap = launch_local(s, workdir=tmp_path)
+    calls = [c for c in cap.calls if c.step == 1]
+    ops = {c.op for c in calls}
+    assert ops >= {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv", "scatter"}
+    assert all(c.duration_ns is not None and c.duration_ns >= 0 for c in cap.calls)
+    sends = {(c.rank, c.peer, c.elements) for c in calls if c.op == "send"}
+    assert sends >= {(0, 1, 5), (1, 0, 5), (0, 1, 7)}  # batched isend ring and the plain send
+    assert {(c.rank, c.peer, c.elements) for c in calls if c.op == "recv"} >= {(1, 0, 7), (0, 1, 5)}
+    by_op = {c.op: c for c in calls if c.rank == 0}
+    assert by_op["all_gather"].group == (0, 1) and by_op["reduce_scatter"].elements == 8
+    assert [c.seq for c in cap.calls if c.rank == 0] == sorted(c.seq for c in cap.calls if c.rank == 0)
+    assert min(c.step for c in cap.calls) >= INIT_STEP
+
+
+def test_a_rank_that_raises_is_named_with_its_traceback(tmp_path: Path) -> None:
+    s = scenario(extra="workload: harness.workloads.faults:crash\n")
+    with pytest.raises(RunError) as info:
+        launch_local(s, workdir=tmp_path)
+    text = str(info.value)
+    assert text.startswith("t: rank 1 raised RuntimeError: planted crash on rank 1 at step 1")
+    assert "Traceback" in text and "faults.py" in text
+    assert rank_processes(tmp_path) == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_rank_killed_by_a_signal_is_named(tmp_path: Path) -> None:
+    s = scenario(extra="workload: harness.workloads.faults:die\n")
+    with pytest.raises(RunError, match=r"^t: rank 1 died by signal SIGKILL$"):
+        launch_local(s, workdir=tmp_path)
+    assert rank_processes(tmp_path) == []
+
+
+def test_a_hang_fails_at_the_deadline_naming_each_ranks_call(tmp_path: Path) -> None:
+    s = scenario(extra="workload: harness.workloads.faults:hang\ndeadline_s: 20\n")
+    with pytest.raises(RunError) as info:
+        launch_local(s, workdir=tmp_path)
+    lines = str(info.value).splitlines()
+    assert lines[0] == "t: deadline of 20 s passed; the last call each rank issued:"
+    assert lines[1] == "  rank 0: in all_reduce (group [0, 1], 16 B, step 1, forward)"
+    assert lines[2] == "  rank 1: in recv (peer 0, 4 B, step 1, forward)"
+    assert rank_processes(tmp_path) == []
+
+
+def test_ranks_die_with_a_launcher_killed_outright(tmp_path: Path) -> None:
+    code = (
+        "import sys; from pathlib import Path; from harness.scenario import load_text; "
+        "from harness.launcher import launch_local; "
+        f"(s,) = load_text({(BASE.format(name='t', par='') + 'workload: harness.workloads.faults:hang').__repr__()}); "
+        f"launch_local(s, workdir=Path({str(tmp_path)!r}))"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        for _ in range(600):  # wait (bounded) until both ranks are up
+            if len(rank_processes(tmp_path)) == 2:
+                break
+            time.sleep(0.05)
+        assert len(rank_processes(tmp_path)) == 2
+    finally:
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+    for _ in range(200):
+        if not rank_processes(tmp_path):
+            break
+        time.sleep(0.05)
+    assert rank_processes(tmp_path) == []
+
+
+def test_cli_run_writes_the_report_and_fails_on_a_planted_crash(tmp_path: Path) -> None:
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text(BASE.format(name="good", par=""))
+    bad.write_text(BASE.format(name="bad", par="") + "workload: harness.workloads.faults:crash\n")
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness", "run", str(good), "--report-dir", str(out)],
+        capture_output=True,
+        text=True,
+        env={**os.environ},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASSED  good" in proc.stdout and "unexplained 0 B" in proc.stdout
+    import json
+
+    doc = json.loads((out / "report.json").read_text())
+    (sc,) = doc["scenarios"]
+    assert sc["status"] == "passed" and sc["scheme"] == "ddp" and sc["world_size"] == 2
+    assert all(c["unexplained_bytes"] == 0 for c in sc["collectives"])
+    assert sc["capture"]["calls"] and doc["environment"]["torch"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness", "run", str(bad), "--report-dir", str(out)], capture_output=True, text=True
+    )
+    assert proc.returncode == 1
+    assert "ERROR   bad" in proc.stdout and "planted crash on rank 1" in proc.stdout
+    assert json.loads((out / "report.json").read_text())["summary"]["error"] == 1
