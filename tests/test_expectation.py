@@ -26,9 +26,24 @@ def test_13b_ddp_dp16_reproduces_eqs_1_and_2() -> None:
     p = scenario("13B", scheme="ddp", dp=16)
     assert p.param_count_eq1 == 13_110_159_360
     assert p.paper_volume_elements == 24_581_548_800
-    (ar,) = rows(p, Op.ALL_REDUCE)
-    assert (ar.group_size, ar.calls, ar.elements, ar.dtype) == (16, 1, 13_111_183_360, "fp16")
-    assert ar.bytes_per_call == 2 * 13_111_183_360
+    buckets = [c for c in p.steady if c.op is Op.ALL_REDUCE]
+    assert sum(c.elements for c in buckets) == 13_111_183_360  # every gradient once per step
+    assert {(c.group_size, c.calls, c.dtype, c.from_step) for c in buckets} == {(16, 1, "fp16", 1)}
+    # Buckets follow gradient-ready order (reverse registration): the output layer alone passes the 1 MiB
+    # first cap; then final norm (2h), the last fc_out bias (h) and weight (h*4h) pass the 25 MiB cap.
+    h = 5120
+    assert buckets[0].bytes_per_call == 50304 * h * 2
+    assert buckets[1].bytes_per_call == (2 * h + h + h * 4 * h) * 2
+    assert all(c.unexplained_bytes == 0 for c in p.comparison())
+
+
+def test_ddp_bucket_and_broadcast_chunking() -> None:
+    from harness.schemes.ddp import buckets_by_size, coalesced_chunks
+
+    assert buckets_by_size([3, 3, 3, 3, 3], [4, 7]) == [6, 9]  # a bucket closes once it reaches its cap
+    assert buckets_by_size([10, 1], [4]) == [10, 1]
+    assert coalesced_chunks([3, 3, 3], 7) == [6, 3]  # a chunk never passes its limit unless one tensor does
+    assert coalesced_chunks([9, 1], 7) == [9, 1]
 
 
 def test_13b_zero3_reproduces_eq_3() -> None:
@@ -165,10 +180,22 @@ def test_message_size_histogram_counts_every_call_of_every_rank() -> None:
     assert sum(p.message_sizes().values()) == sum(c.calls * c.participant_count for c in p.steady)
 
 
-def test_init_broadcast_is_not_a_per_step_volume() -> None:
+def test_once_per_run_rows_are_not_a_per_step_volume() -> None:
     p = scenario(scheme="ddp", dp=4)
-    assert [c.phase for c in p.collectives] == [Phase.INIT, Phase.BACKWARD]
-    assert p.job_bytes_per_step() == 4 * p.steady[0].bytes_per_step
+    once = [c for c in p.collectives if c.once]
+    assert {c.when for c in once} == {"init", "step 0", "step 1"}
+    assert p.job_bytes_per_step() == 4 * p.param_count * 4  # 4 ranks each all-reduce every fp32 gradient
+
+
+def test_calls_in_a_window() -> None:
+    p = scenario(scheme="ddp", dp=2)
+    steps = range(1, 4)
+    first = next(c for c in p.collectives if c.when == "step 0")
+    bucket = next(c for c in p.collectives if c.when == "steps >= 1")
+    init = next(c for c in p.collectives if c.when == "init")
+    assert (first.calls_in(steps), first.calls_in(range(0, 2)), first.calls_in(None)) == (0, 1, 0)
+    assert (bucket.calls_in(range(0, 4)), bucket.calls_in(None)) == (3, 0)
+    assert (init.calls_in(None), init.calls_in(steps)) == (1, 0)
 
 
 def test_paper_volume_is_additive_in_3d() -> None:
