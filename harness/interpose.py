@@ -1,18 +1,18 @@
 """Capture every collective and point-to-point call, whoever issues it, by interposing a process group.
 
 ``install()`` registers a torch.distributed backend named ``commgate``. Its process groups are a
-Python subclass of ``ProcessGroup`` with the *real* backend (gloo, or NCCL/RCCL) registered inside;
-every op records a ``CapturedCall`` and then runs the C++ ``ProcessGroup`` implementation, which
-dispatches to that real backend. Everything goes through it: DDP's C++ reducer, ``deepspeed.comm``,
-DTensor's functional collectives, pipeline send/recv, subgroups made by ``new_group``.
+Python subclass of ``ProcessGroup`` holding the *real* backend (gloo, or NCCL/RCCL): every op records
+a ``CapturedCall`` and then runs on that real backend. Everything goes through it: DDP's C++ reducer,
+``deepspeed.comm``, DTensor's functional collectives, pipeline send/recv, subgroups made by ``new_group``.
 
 Method names are those the pybind11 trampoline of ``ProcessGroup`` calls (``all_gather_single`` is
-C++ ``_allgather_base`` ...). Calling ``super().<name>`` from a method of that very name reaches the
-C++ base implementation (pybind11 does not re-enter an override from its own frame).
+C++ ``_allgather_base`` ...); each records the call, then runs it on the real backend's own binding.
 
-Timing: a collective's duration is issue -> completion of its future (gloo completes it on its worker
-thread); send/recv works of gloo have no future, so they are wrapped in a ``Work`` that stamps the
-completion when ``wait()`` returns.
+Timing: a call's duration runs from its issue to the first moment its completion is observed: when the
+caller waits on the returned work (exact for blocking calls and ``work.wait()``), asks whether it has
+completed, or when the recorder polls its in-flight works (at every later call and phase change; an
+upper bound for callers that only chain futures, such as DDP's reducer). No Python code ever runs on the
+backend's own threads.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class Recorder:
         self._t0: int | None = None
         self._lock = threading.Lock()
         self._open: dict[int, dict[str, Any]] = {}
+        self._works: dict[int, Any] = {}
         self.calls: list[CapturedCall] = []
         self.on_issue: Callable[[str], None] | None = None
         """Called with a description of each call as it is issued (the launcher's hang report)."""
@@ -60,6 +61,7 @@ class Recorder:
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else "none"
         phase = "backward" if torch._C._current_graph_task_id() != -1 else self.phase
+        self.poll()
         seq = next(self._seq)
         rec = dict(
             rank=self.rank,
@@ -86,8 +88,22 @@ class Recorder:
         end = self.now()
         with self._lock:
             rec = self._open.pop(seq, None)
+            self._works.pop(seq, None)
             if rec is not None:
                 self.calls.append(CapturedCall(**rec, duration_ns=end - rec["start_ns"]))
+
+    def watch(self, seq: int, work: Any) -> None:
+        """Keep ``work`` to stamp its completion when it is next seen completed (see ``poll``)."""
+        with self._lock:
+            if seq in self._open:
+                self._works[seq] = work
+
+    def poll(self) -> None:
+        """Stamp the calls whose work has completed since the last look (an upper bound on their end)."""
+        with self._lock:
+            done = [seq for seq, work in self._works.items() if work.is_completed()]
+        for seq in done:
+            self.complete(seq)
 
     def drain(self) -> list[CapturedCall]:
         """All calls, the never-completed ones with ``duration_ns=None``, in issue order."""
@@ -100,21 +116,33 @@ RECORDER: Recorder | None = None
 
 
 @contextlib.contextmanager
-def optimizer_phase() -> Iterator[None]:
-    """Mark the calls issued inside as the optimizer phase (a no-op when nothing is recorded)."""
+def phase(name: str) -> Iterator[None]:
+    """Label the calls issued inside (a no-op when nothing is recorded). Calls issued while autograd
+    runs a graph are labelled ``backward`` anyway; this is for what engines do around it, e.g.
+    ``engine.backward()`` reducing gradients after autograd returns, or the optimizer step."""
     rec = RECORDER
     if rec is None:
         yield
         return
-    before, rec.phase = rec.phase, "optimizer"
+    before, rec.phase = rec.phase, name
+    rec.poll()
     try:
         yield
     finally:
+        rec.poll()
         rec.phase = before
 
 
+def optimizer_phase() -> contextlib.AbstractContextManager[None]:
+    return phase("optimizer")
+
+
 class _TimedWork(dist.Work):
-    """A send/recv work that records its completion when waited on."""
+    """The backend's work, passed through, stamping the call's completion when it is observed.
+
+    No Python runs on the backend's threads (a ``future.then`` callback would, and can deadlock against
+    the GIL); completion is stamped when the caller waits, asks ``is_completed``, or the recorder polls.
+    """
 
     def __init__(self, inner: dist.Work, done: Callable[[], None]) -> None:
         super().__init__()
@@ -126,7 +154,13 @@ class _TimedWork(dist.Work):
         return ok
 
     def is_completed(self) -> bool:
-        return bool(self._inner.is_completed())
+        completed = bool(self._inner.is_completed())
+        if completed:
+            self._done()
+        return completed
+
+    def get_future(self) -> Any:
+        return self._inner.get_future()
 
     def is_success(self) -> bool:
         return bool(self._inner.is_success())
@@ -137,6 +171,12 @@ class _TimedWork(dist.Work):
     def source_rank(self) -> int:
         return int(self._inner.source_rank())
 
+    def result(self) -> Any:
+        return self._inner.result()
+
+    def synchronize(self) -> None:
+        self._inner.synchronize()
+
 
 def _flat(x: Any) -> list[torch.Tensor]:
     if isinstance(x, torch.Tensor):
@@ -144,31 +184,44 @@ def _flat(x: Any) -> list[torch.Tensor]:
     return [t for item in x for t in _flat(item)]
 
 
-# name -> (op, which argument holds the message buffer)
-_COLLECTIVES: dict[str, tuple[str, int]] = {
-    "allreduce": ("all_reduce", 0),
-    "allreduce_coalesced": ("all_reduce", 0),
-    "allgather": ("all_gather", 0),
-    "all_gather_single": ("all_gather", 0),
-    "allgather_coalesced": ("all_gather", 0),
-    "allgather_into_tensor_coalesced": ("all_gather", 0),
-    "broadcast": ("broadcast", 0),
-    "reduce": ("reduce", 0),
-    "reduce_scatter": ("reduce_scatter", 1),
-    "reduce_scatter_single": ("reduce_scatter", 1),
-    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 1),
-    "alltoall": ("all_to_all", 1),
-    "all_to_all_single": ("all_to_all", 1),
-    "gather": ("gather", 1),
-    "scatter": ("scatter", 1),
+# trampoline name -> (op, which argument holds the message buffer, the real backend's method)
+_COLLECTIVES: dict[str, tuple[str, int, str]] = {
+    "allreduce": ("all_reduce", 0, "allreduce"),
+    "allreduce_coalesced": ("all_reduce", 0, "allreduce_coalesced"),
+    "allgather": ("all_gather", 0, "allgather"),
+    "all_gather_single": ("all_gather", 0, "_allgather_base"),
+    "allgather_coalesced": ("all_gather", 0, "allgather_coalesced"),
+    "allgather_into_tensor_coalesced": ("all_gather", 0, "allgather_into_tensor_coalesced"),
+    "broadcast": ("broadcast", 0, "broadcast"),
+    "reduce": ("reduce", 0, "reduce"),
+    "reduce_scatter": ("reduce_scatter", 1, "reduce_scatter"),
+    "reduce_scatter_single": ("reduce_scatter", 1, "_reduce_scatter_base"),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 1, "reduce_scatter_tensor_coalesced"),
+    "alltoall": ("all_to_all", 1, "alltoall"),
+    "all_to_all_single": ("all_to_all", 1, "alltoall_base"),
+    "gather": ("gather", 1, "gather"),
+    "scatter": ("scatter", 1, "scatter"),
+}
+# Coalesced forms the gloo binding lacks: one call per tensor, joined into one work.
+_PER_TENSOR = {
+    "allgather_into_tensor_coalesced": "_allgather_base",
+    "reduce_scatter_tensor_coalesced": "_reduce_scatter_base",
 }
 
 
 class CapturingProcessGroup(ProcessGroup):
-    def __init__(self, rank: int, size: int, global_ranks: Sequence[int], name: str) -> None:
+    """A process group whose every op is recorded, then run by the real backend it holds.
+
+    Each op calls the real backend's own Python binding, which releases the GIL. (Calling
+    ``super().<op>`` would run the C++ base implementation with the GIL held by pybind11's override
+    machinery, and deadlock against gloo's worker thread, which takes the GIL to free finished works.)
+    """
+
+    def __init__(self, rank: int, size: int, global_ranks: Sequence[int], name: str, real: Any) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # (rank, size) is the Python-subclass form
         self.global_ranks = tuple(global_ranks) or tuple(range(size))
         self._name = name
+        self._real = real
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -184,43 +237,45 @@ class CapturingProcessGroup(ProcessGroup):
         if token is None:
             return work
         rec, seq = token
-        try:
-            work.get_future().then(lambda _f: rec.complete(seq))
-        except RuntimeError:  # gloo p2p works have no future
-            return _TimedWork(work, lambda: rec.complete(seq))
-        return work
+        rec.watch(seq, work)
+        return _TimedWork(work, lambda: rec.complete(seq))
+
+    def _run(self, method: str, args: tuple[Any, ...]) -> Any:
+        real = getattr(self._real, method, None)
+        if real is not None:
+            return real(*args)
+        outputs, inputs, opts = args
+        works = [getattr(self._real, _PER_TENSOR[method])(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        future = torch.futures.collect_all([w.get_future() for w in works])
+        return torch._C._distributed_c10d._create_work_from_future(future)  # type: ignore[attr-defined]
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
         token = self._record("send", tensors, self.global_ranks[dst])
-        return self._timed(token, super().send(tensors, dst, tag))
+        return self._timed(token, self._real.send(tensors, dst, tag))
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
         token = self._record("recv", tensors, self.global_ranks[src])
-        return self._timed(token, super().recv(tensors, src, tag))
+        return self._timed(token, self._real.recv(tensors, src, tag))
 
     def barrier(self, opts: Any = None) -> Any:
         token = self._record("barrier", [])
-        work = super().barrier() if opts is None else super().barrier(opts)
-        return self._timed(token, work)
+        return self._timed(token, self._real.barrier() if opts is None else self._real.barrier(opts))
 
 
-def _make_collective(name: str, op: str, arg: int) -> Callable[..., Any]:
+def _make_collective(name: str, op: str, arg: int, method: str) -> Callable[..., Any]:
     """An override recording the tensors of argument ``arg`` (or, where that list is empty on this rank,
     as for scatter off the root, those of the other buffer argument)."""
-    # The function must carry the trampoline's method name as its code name, so that its own
-    # ``super()`` call reaches C++ instead of re-entering this override.
-    source = (
-        f"def {name}(self, *args):\n"
-        f"    token = self._record({op!r}, _flat(args[{arg}]) or _flat(args[1 - {arg}]))\n"
-        f"    return self._timed(token, super(CapturingProcessGroup, self).{name}(*args))\n"
-    )
-    namespace: dict[str, Any] = {"_flat": _flat, "CapturingProcessGroup": CapturingProcessGroup}
-    exec(source, namespace)
-    return namespace[name]  # type: ignore[no-any-return]
+
+    def collective(self: CapturingProcessGroup, *args: Any) -> Any:
+        token = self._record(op, _flat(args[arg]) or _flat(args[1 - arg]))
+        return self._timed(token, self._run(method, args))
+
+    collective.__name__ = collective.__qualname__ = name
+    return collective
 
 
-for _name, (_op, _arg) in _COLLECTIVES.items():
-    setattr(CapturingProcessGroup, _name, _make_collective(_name, _op, _arg))
+for _name, (_op, _arg, _method) in _COLLECTIVES.items():
+    setattr(CapturingProcessGroup, _name, _make_collective(_name, _op, _arg, _method))
 
 
 def _group_name(self: CapturingProcessGroup) -> str:
@@ -243,7 +298,9 @@ def _creator(inner: str) -> Callable[[Any, Any], CapturingProcessGroup]:
             nccl_opts = dist.ProcessGroupNCCL.Options()
             nccl_opts._timeout = opts.timeout
             real = dist.ProcessGroupNCCL(opts.store, opts.group_rank, opts.group_size, nccl_opts)
-        pg = CapturingProcessGroup(opts.group_rank, opts.group_size, list(opts.global_ranks_in_group), opts.group_id)
+        pg = CapturingProcessGroup(
+            opts.group_rank, opts.group_size, list(opts.global_ranks_in_group), opts.group_id, real
+        )
         pg._register_backend(torch.device(device), kind, real)
         return pg
 

@@ -118,7 +118,14 @@ def launch_local(
                         stdin=subprocess.DEVNULL,
                         stdout=log,
                         stderr=subprocess.STDOUT,
-                        env=env,
+                        # what torchrun sets (DeepSpeed insists on LOCAL_RANK)
+                        env=env
+                        | {
+                            "RANK": str(rank),
+                            "LOCAL_RANK": str(rank),
+                            "WORLD_SIZE": str(world),
+                            "LOCAL_WORLD_SIZE": str(world),
+                        },
                         start_new_session=True,
                     )
                 )

@@ -65,10 +65,12 @@ def run_rank(
     )
     workload = resolve(scenario.parallelism.scheme, scenario.workload)(scenario, rank=rank, device=device)
     for k in range(scenario.warmup_steps + scenario.steps):
+        rec.poll()
         rec.step, rec.phase = k, "forward"
         workload.step(k)
     if device.type == "cuda":
         torch.cuda.synchronize()
+    rec.poll()
     # Only a successful rank tears down: a failing one must not close its connections (and make its
     # peers fail) before its own error is written; its process exits right after.
     interpose.RECORDER = None  # the teardown below is not part of the scenario

@@ -19,6 +19,9 @@ class Workload(Protocol):
 
 REGISTRY: dict[str, str] = {
     "ddp": "harness.workloads.ddp:DDPWorkload",
+    "zero1": "harness.workloads.zero:ZeroWorkload",
+    "zero2": "harness.workloads.zero:ZeroWorkload",
+    "zero3": "harness.workloads.zero:ZeroWorkload",
 }
 
 
