@@ -24,9 +24,12 @@ from harness.scenario import Scenario
 
 WIRE_ITEMSIZE: dict[str, Fraction] = {
     **{k: Fraction(v) for k, v in ITEMSIZE.items()},
+    "float64": Fraction(8),
     "int64": Fraction(8),
     "int32": Fraction(4),
     "int8": Fraction(1),
+    "uint8": Fraction(1),
+    "none": Fraction(0),
     "int4": Fraction(1, 2),
 }
 

@@ -49,14 +49,23 @@ def test_ddp_bucket_and_broadcast_chunking() -> None:
 def test_13b_zero3_reproduces_eq_3() -> None:
     p = scenario("13B", scheme="zero3", dp=16)
     assert p.paper_volume_elements == 36_872_323_200
-    assert [c.op for c in p.steady] == [Op.ALL_GATHER, Op.ALL_GATHER, Op.REDUCE_SCATTER]
+    gathers = [c for c in p.steady if c.op is Op.ALL_GATHER]
+    # every module's parameters are gathered in the forward and again in the backward
+    assert sum(c.elements for c in gathers) == 2 * p.param_count
+    assert {c.op for c in p.steady} == {Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE}
+    assert sum(c.elements for c in p.steady if c.op is Op.REDUCE_SCATTER) == p.param_count
 
 
-def test_zero1_and_zero2_move_the_same_volume_as_ddp() -> None:
+def test_deepspeed_zero1_and_zero2_send_half_again_what_ddp_sends() -> None:
+    # DeepSpeed all-reduces the gradients (2N(d-1)/d) and all-gathers the parameters (N(d-1)/d); Eq. 2
+    # assumes reduce-scatter + all-gather, i.e. the same volume as DDP. The norm all-reduce adds 2*4 B.
     ddp = scenario(scheme="ddp", dp=4)
+    ddp_volume = sum(c.paper_bytes_per_step for c in ddp.steady)
     for scheme in ("zero1", "zero2"):
         z = scenario(scheme=scheme, dp=4)
-        assert sum(c.paper_bytes_per_step for c in z.steady) == sum(c.paper_bytes_per_step for c in ddp.steady)
+        assert sum(c.paper_bytes_per_step for c in z.steady) == ddp_volume * 3 / 2 + 2 * 4 * Fraction(3, 4)
+        (named,) = [r for r in z.residuals if r.name == "gradients all-reduced, not reduce-scattered"]
+        assert named.bytes == ddp_volume / 2
 
 
 def test_tensor_parallel_calls_per_step() -> None:

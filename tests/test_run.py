@@ -21,12 +21,17 @@ from harness.reconcile import reconcile
 from harness.scenario import Scenario, load_text
 
 BASE = (
-    "schema_version: 1\nname: {name}\nmodel: {{preset: 19M-cpu}}\nparallelism: {{scheme: ddp, dp: 2{par}}}\nsteps: 2\n"
+    "schema_version: 1\nname: {name}\nmodel: {{preset: 19M-cpu}}\n"
+    "parallelism: {{scheme: {scheme}, dp: {dp}{par}}}\nsteps: 2\n"
 )
 
 
+def text(name: str, par: str = "", *, scheme: str = "ddp", dp: int = 2) -> str:
+    return BASE.format(name=name, par=par, scheme=scheme, dp=dp)
+
+
 def scenario(name: str = "t", par: str = "", extra: str = "") -> Scenario:
-    (s,) = load_text(BASE.format(name=name, par=par) + extra)
+    (s,) = load_text(text(name, par) + extra)
     return s
 
 
@@ -106,7 +111,7 @@ def test_ranks_die_with_a_launcher_killed_outright(tmp_path: Path) -> None:
     code = (
         "import sys; from pathlib import Path; from harness.scenario import load_text; "
         "from harness.launcher import launch_local; "
-        f"(s,) = load_text({(BASE.format(name='t', par='') + 'workload: harness.workloads.faults:hang').__repr__()}); "
+        f"(s,) = load_text({(text('t') + 'workload: harness.workloads.faults:hang').__repr__()}); "
         f"launch_local(s, workdir=Path({str(tmp_path)!r}))"
     )
     launcher = subprocess.Popen([sys.executable, "-c", code])
@@ -128,8 +133,8 @@ def test_ranks_die_with_a_launcher_killed_outright(tmp_path: Path) -> None:
 
 def test_cli_run_writes_the_report_and_fails_on_a_planted_crash(tmp_path: Path) -> None:
     good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
-    good.write_text(BASE.format(name="good", par=""))
-    bad.write_text(BASE.format(name="bad", par="") + "workload: harness.workloads.faults:crash\n")
+    good.write_text(text("good"))
+    bad.write_text(text("bad") + "workload: harness.workloads.faults:crash\n")
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "harness", "run", str(good), "--report-dir", str(out)],
@@ -152,3 +157,26 @@ def test_cli_run_writes_the_report_and_fails_on_a_planted_crash(tmp_path: Path) 
     assert proc.returncode == 1
     assert "ERROR   bad" in proc.stdout and "planted crash on rank 1" in proc.stdout
     assert json.loads((out / "report.json").read_text())["summary"]["error"] == 1
+
+
+@pytest.mark.parametrize(
+    ("scheme", "dp", "par", "extra"),
+    [
+        ("zero1", 2, "", ""),
+        ("zero2", 3, ", zero: {bucket_elements: 100000}", ""),  # five gradient buckets
+        ("zero3", 2, "", "warmup_steps: 0\n"),  # the trace broadcasts of steps 0-1 are measured too
+    ],
+    ids=["zero1", "zero2-buckets-dp3", "zero3-with-trace-steps"],
+)
+def test_deepspeed_zero_every_byte_explained(scheme: str, dp: int, par: str, extra: str, tmp_path: Path) -> None:
+    (s,) = load_text(text(scheme, par, scheme=scheme, dp=dp) + extra)
+    rec = reconcile(predict(s), launch_local(s, workdir=tmp_path))
+    assert not rec.mismatches, rec.mismatches
+    assert all(o.unexplained_bytes == 0 for o in rec.ops), rec.ops
+    assert rec.traffic_measured == rec.traffic_predicted
+    ops = {o.op for o in rec.ops}
+    assert ops == (
+        {"all_gather", "all_reduce", "reduce_scatter", "broadcast"}
+        if scheme == "zero3"
+        else {"all_gather", "all_reduce"}
+    )

@@ -11,6 +11,7 @@ from typing import Protocol
 from harness.expectation import Context, ExpectedCollective, PaperTerm, Residual
 from harness.schemes.data_parallel import DataParallel
 from harness.schemes.ddp import DistributedDataParallel
+from harness.schemes.deepspeed_zero import DeepSpeedZero3, DeepSpeedZero12
 from harness.schemes.moe import ExpertParallel
 from harness.schemes.pipeline import PipelineParallel
 from harness.schemes.tensor import TensorParallel
@@ -27,9 +28,9 @@ class Component(Protocol):
 
 SCHEMES: dict[str, tuple[Component, ...]] = {
     "ddp": (DistributedDataParallel(),),
-    "zero1": (DataParallel(),),
-    "zero2": (DataParallel(),),
-    "zero3": (Zero3(),),
+    "zero1": (DeepSpeedZero12(),),
+    "zero2": (DeepSpeedZero12(),),
+    "zero3": (DeepSpeedZero3(),),
     "zero++": (Zero3(),),
     "tp": (TensorParallel(), DataParallel()),
     "pp": (PipelineParallel(), DataParallel()),

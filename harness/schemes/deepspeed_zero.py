@@ -1,0 +1,182 @@
+"""DeepSpeed ZeRO stages 1-3 as DeepSpeed 0.19 runs them on torch 2.x (measured through the capture and
+read from ``deepspeed/runtime/engine.py`` and ``deepspeed/runtime/zero/``), with the workload's config
+(``harness.workloads.zero``): client AdamW, ``reduce_bucket_size = allgather_bucket_size =
+bucket_elements``, ZeRO-3 releasing parameters after use and prefetching nothing.
+
+ZeRO-1/2 (``stage_1_and_2.py``)
+* Construction: ``_broadcast_model`` broadcasts every parameter from rank 0, as bytes (a uint8 view).
+* Backward: gradients are reduced with **all-reduce** (not the reduce-scatter Eq. 2 assumes), in
+  buckets filled in gradient-ready order (reverse registration) and flushed before one would pass
+  ``reduce_bucket_size`` elements.
+* Optimizer: the gradient norm is all-reduced (one fp32), then the updated fp32 partitions are
+  all-gathered into the flat parameter buffer (one call).
+
+ZeRO-3 (``stage3.py``, ``partitioned_param_coordinator.py``)
+* Construction: every parameter is broadcast twice as bytes and all-gathered once; three barriers.
+* Each step: every module's own parameters are all-gathered before its forward and again before its
+  backward (one call per module, its parameters coalesced); the gradients are reduce-scattered in
+  buckets as above; the gradient norm is all-reduced (one float64).
+* Steps 0 and 1 also carry the coordinator's trace broadcasts (int64): step 0 one of 1 element and one
+  empty; step 1 three of 1 element, one of 3 x (modules with parameters), two of 2 x (parameters).
+
+Partition padding (flat buffers aligned to 2 x dp elements) is not modelled yet; the default suite's
+layouts have none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from fractions import Fraction
+
+from harness.collectives import Op
+from harness.expectation import Context, ExpectedCollective, Phase, Residual
+from harness.model import ParamTensor
+from harness.schemes.data_parallel import DataParallel
+from harness.schemes.ddp import coalesced_chunks
+from harness.schemes.zero3 import Zero3
+
+
+def modules(params: tuple[ParamTensor, ...]) -> list[int]:
+    """Parameters per module that owns parameters, in registration order (``a.b.weight`` -> ``a.b``)."""
+    sizes: dict[str, int] = {}
+    for p in params:
+        owner = p.name.rsplit(".", 1)[0]
+        sizes[owner] = sizes.get(owner, 0) + p.numel
+    return list(sizes.values())
+
+
+def _init_broadcasts(ctx: Context, base: ExpectedCollective, times: int) -> list[ExpectedCollective]:
+    isz = ctx.scenario.model.itemsize
+    return [
+        replace(
+            base,
+            op=Op.BROADCAST,
+            dtype="uint8",
+            elements=p.numel * isz,
+            calls=times,
+            source="DeepSpeed initial parameter broadcast (per parameter, as bytes)",
+        )
+        for p in ctx.params
+    ]
+
+
+def _gradient_buckets(ctx: Context) -> list[int]:
+    z = ctx.scenario.parallelism.zero
+    return coalesced_chunks([p.numel for p in reversed(ctx.params)], z.bucket_elements)
+
+
+@dataclass(frozen=True, slots=True)
+class DeepSpeedZero12(DataParallel):
+    def collectives(self, ctx: Context) -> list[ExpectedCollective]:
+        m, par = ctx.scenario.model, ctx.scenario.parallelism
+        groups, zs = ctx.layout.dp_groups(), par.zero.stage
+        base = ExpectedCollective(
+            op=Op.ALL_REDUCE,
+            axis="dp",
+            groups=groups,
+            dtype=m.dtype,
+            elements=0,
+            calls=1,
+            phase=Phase.INIT,
+            source="",
+            once=True,
+        )
+        rows = _init_broadcasts(ctx, base, 1)
+        step = replace(base, once=False, phase=Phase.BACKWARD, paper_term="Eq. 2")
+        for i, b in enumerate(buckets := _gradient_buckets(ctx)):
+            rows.append(
+                replace(step, elements=b, source=f"ZeRO-{zs} gradient all-reduce, bucket {i} of {len(buckets)}")
+            )
+        rows.append(
+            replace(
+                step,
+                op=Op.ALL_REDUCE,
+                elements=1,
+                phase=Phase.OPTIMIZER,
+                paper_term=None,
+                source=f"ZeRO-{zs} gradient-norm all-reduce",
+            )
+        )
+        rows.append(
+            replace(
+                step,
+                op=Op.ALL_GATHER,
+                elements=ctx.param_count,
+                phase=Phase.OPTIMIZER,
+                source=f"ZeRO-{zs} all-gather of the updated fp32 partitions",
+            )
+        )
+        return rows
+
+    def residuals(self, ctx: Context) -> list[Residual]:
+        d = ctx.scenario.parallelism.dp
+        extra = Residual(
+            term="Eq. 2",
+            name="gradients all-reduced, not reduce-scattered",
+            bytes=Fraction(d - 1, d) * ctx.param_count * ctx.scenario.model.itemsize,
+            detail="DeepSpeed reduces ZeRO-1/2 gradients with all_reduce (2N(d-1)/d); Eq. 2 assumes "
+            "reduce_scatter (N(d-1)/d) + all_gather",
+        )
+        return [*DataParallel.residuals(self, ctx), extra]
+
+
+@dataclass(frozen=True, slots=True)
+class DeepSpeedZero3(Zero3):
+    def collectives(self, ctx: Context) -> list[ExpectedCollective]:
+        if ctx.scenario.parallelism.scheme == "zero++":
+            return Zero3.collectives(self, ctx)
+        m = ctx.scenario.model
+        groups = ctx.layout.dp_groups()
+        base = ExpectedCollective(
+            op=Op.ALL_GATHER,
+            axis="dp",
+            groups=groups,
+            dtype=m.dtype,
+            elements=0,
+            calls=1,
+            phase=Phase.INIT,
+            source="",
+            once=True,
+        )
+        rows = _init_broadcasts(ctx, base, 2)
+        rows += [
+            replace(base, elements=p.numel, source="ZeRO-3 initial all-gather (per parameter)") for p in ctx.params
+        ]
+        rows.append(replace(base, op=Op.BARRIER, dtype="none", calls=3, source="ZeRO-3 construction barriers"))
+        trace = replace(base, op=Op.BROADCAST, dtype="int64", phase=Phase.FORWARD, source="ZeRO-3 trace broadcast")
+        n_modules = len(modules(ctx.params))
+        rows += [
+            replace(trace, elements=1, at_step=0),
+            replace(trace, elements=0, at_step=0),
+            replace(trace, elements=1, calls=3, at_step=1),
+            replace(trace, elements=3 * n_modules, at_step=1),
+            replace(trace, elements=2 * len(ctx.params), calls=2, at_step=1),
+        ]
+        step = replace(base, once=False, phase=Phase.FORWARD, paper_term="Eq. 3")
+        for phase in (Phase.FORWARD, Phase.BACKWARD):
+            for size in modules(ctx.params):
+                rows.append(
+                    replace(step, phase=phase, elements=size, source=f"ZeRO-3 module parameter all-gather ({phase})")
+                )
+        for i, b in enumerate(buckets := _gradient_buckets(ctx)):
+            rows.append(
+                replace(
+                    step,
+                    op=Op.REDUCE_SCATTER,
+                    phase=Phase.BACKWARD,
+                    elements=b,
+                    source=f"ZeRO-3 gradient reduce-scatter, bucket {i} of {len(buckets)}",
+                )
+            )
+        rows.append(
+            replace(
+                step,
+                op=Op.ALL_REDUCE,
+                dtype="float64",
+                elements=1,
+                phase=Phase.OPTIMIZER,
+                paper_term=None,
+                source="ZeRO-3 gradient-norm all-reduce (float64)",
+            )
+        )
+        return rows
