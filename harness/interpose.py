@@ -263,11 +263,15 @@ class CapturingProcessGroup(ProcessGroup):
 
 
 def _make_collective(name: str, op: str, arg: int, method: str) -> Callable[..., Any]:
-    """An override recording the tensors of argument ``arg`` (or, where that list is empty on this rank,
-    as for scatter off the root, those of the other buffer argument)."""
+    """An override recording the tensors of argument ``arg``. Off the root of a scatter or gather that
+    list is empty; the rank's own shard times the group size is recorded, so that every participant
+    reports the same message size."""
 
     def collective(self: CapturingProcessGroup, *args: Any) -> Any:
-        token = self._record(op, _flat(args[arg]) or _flat(args[1 - arg]))
+        tensors = _flat(args[arg])
+        if not tensors:  # scatter/gather off the root: this rank's shard, standing for 1/n of the message
+            tensors = _flat(args[1 - arg]) * self.size()
+        token = self._record(op, tensors)
         return self._timed(token, self._run(method, args))
 
     collective.__name__ = collective.__qualname__ = name

@@ -180,3 +180,15 @@ def test_deepspeed_zero_every_byte_explained(scheme: str, dp: int, par: str, ext
         if scheme == "zero3"
         else {"all_gather", "all_reduce"}
     )
+
+
+@pytest.mark.parametrize(
+    "par", [", activation_checkpointing: true", ", micro_batches: 2"], ids=["checkpointing", "two-micro-batches"]
+)
+def test_dtensor_tensor_parallel_every_byte_explained(par: str, tmp_path: Path) -> None:
+    (s,) = load_text(text("tp", par, scheme="tp", dp=1).replace("dp: 1", "tp: 2"))
+    rec = reconcile(predict(s), launch_local(s, workdir=tmp_path))
+    assert not rec.mismatches, rec.mismatches
+    assert [o.op for o in rec.ops] == ["all_reduce"] and rec.ops[0].unexplained_bytes == 0
+    assert rec.traffic_measured == rec.traffic_predicted
+    assert {k.op for k in rec.keys if k.window == "init"} == {"scatter", "broadcast"}

@@ -6,12 +6,12 @@ and the vocab-parallel output layer its input gradient once in the backward. Pap
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from harness.collectives import Op
 from harness.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
-from harness.layout import Group
+from harness.model import Shard, stage_of_layer
 from harness.paper import eq5_tensor
 from harness.schemes._common import micro_batches, rank0_term
 
@@ -21,45 +21,56 @@ TERM = "Eq. 5"
 @dataclass(frozen=True, slots=True)
 class TensorParallel:
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
-        par = ctx.scenario.parallelism
-        per_stage = ctx.scenario.model.L // par.pp
+        m, par = ctx.scenario.model, ctx.scenario.parallelism
+        per_stage = m.L // par.pp
         mb = par.micro_batches
         rows: list[ExpectedCollective] = []
         for stage in range(par.pp):
             groups = ctx.layout.tp_groups(stage)
-
             where = f", stage {stage}" if par.pp > 1 else ""
+            base = ExpectedCollective(
+                op=Op.ALL_REDUCE,
+                axis="tp",
+                groups=groups,
+                dtype=m.dtype,
+                elements=ctx.bsh,
+                calls=0,
+                phase=Phase.FORWARD,
+                source="",
+                paper_term=TERM,
+            )
+            rows += _distribute(ctx, base, stage)
 
             def row(
                 calls: int,
                 phase: Phase,
                 source: str,
                 term: str | None = TERM,
-                _g: tuple[Group, ...] = groups,
+                elements: int = ctx.bsh,
+                *,
+                _b: ExpectedCollective = base,
                 _w: str = where,
+                _rows: list[ExpectedCollective] = rows,
             ) -> None:
-                rows.append(
-                    ExpectedCollective(
-                        op=Op.ALL_REDUCE,
-                        axis="tp",
-                        groups=_g,
-                        dtype=ctx.scenario.model.dtype,
-                        elements=ctx.bsh,
-                        calls=calls * mb,
-                        phase=phase,
-                        source=source + _w,
-                        paper_term=term,
-                    )
+                _rows.append(
+                    replace(_b, calls=calls * mb, phase=phase, source=source + _w, paper_term=term, elements=elements)
                 )
 
             if stage == 0:
                 row(1, Phase.FORWARD, "TP vocab-parallel embedding all-reduce")
             row(2 * per_stage, Phase.FORWARD, "TP forward all-reduce (row-parallel attention and MLP outputs)")
             if par.activation_checkpointing:
-                row(2 * per_stage, Phase.BACKWARD, "TP recompute all-reduce (activation checkpointing)")
+                row(per_stage, Phase.BACKWARD, "TP recompute all-reduce (attention output; recomputation stops early)")
             row(2 * per_stage, Phase.BACKWARD, "TP backward all-reduce (column-parallel input gradients)")
             if stage == par.pp - 1:
                 row(1, Phase.BACKWARD, "TP output-layer input-gradient all-reduce", None)
+                row(
+                    3,
+                    Phase.FORWARD,
+                    "TP vocab-parallel cross-entropy all-reduce (max, sum of exp, target logit)",
+                    None,
+                    par.micro_batch * m.s,
+                )
         return rows
 
     def _eq5(self, ctx: Context, recompute: bool = True) -> Fraction:
@@ -78,18 +89,67 @@ class TensorParallel:
             )
         ]
 
+    def _per_micro_batch(self, ctx: Context) -> Fraction:
+        """Rank 0's TP volume for one micro-batch, in elements: (8L/p + 2) all-reduce units, plus L/p
+        recomputed ones with checkpointing (one per layer, not Eq. 5's two)."""
+        m, par = ctx.scenario.model, ctx.scenario.parallelism
+        unit = 2 * Fraction(ctx.bsh * (par.tp - 1), par.tp)
+        return self._eq5(ctx, recompute=False) + (unit * (m.L // par.pp) if par.activation_checkpointing else 0)
+
     def residuals(self, ctx: Context) -> list[Residual]:
         par, isz = ctx.scenario.parallelism, ctx.scenario.model.itemsize
-        out = []
-        if not par.activation_checkpointing:
+        model = self._per_micro_batch(ctx)
+        out = [
+            Residual(
+                term=TERM,
+                name="recomputation stops early" if par.activation_checkpointing else "no activation checkpointing",
+                bytes=(model - self._eq5(ctx)) * isz,
+                detail="torch.utils.checkpoint re-runs each layer only up to its attention output: 1 all-reduce "
+                "per layer, Eq. 5 assumes 2"
+                if par.activation_checkpointing
+                else "4 all-reduces per layer without recomputation; Eq. 5 assumes 6",
+            )
+        ]
+        if par.micro_batches > 1:
+            out.append(micro_batches(TERM, model * isz, par.micro_batches))
+        return out
+
+
+def _distribute(ctx: Context, base: ExpectedCollective, stage: int) -> list[ExpectedCollective]:
+    """DTensor's ``distribute_tensor`` of the parallelised modules' parameters at construction: sharded
+    ones are scattered from the group's first rank, the row-parallel biases broadcast."""
+    par = ctx.scenario.parallelism
+    out = []
+    for p in ctx.params:
+        on_stage = (p.layer is not None and stage_of_layer(p.layer, ctx.scenario.model.L, par.pp) == stage) or (
+            p.layer is None and stage == (0 if p.block == "embedding" else par.pp - 1)
+        )
+        if not on_stage:
+            continue
+        if p.shard is not Shard.REPLICATED:
             out.append(
-                Residual(
-                    term=TERM,
-                    name="no activation checkpointing",
-                    bytes=(self._eq5(ctx, recompute=False) - self._eq5(ctx)) * isz,
-                    detail="4 all-reduces per layer without recomputation; Eq. 5 assumes 6",
+                replace(
+                    base,
+                    op=Op.SCATTER,
+                    elements=p.numel,
+                    calls=1,
+                    phase=Phase.INIT,
+                    once=True,
+                    paper_term=None,
+                    source="TP parameter scatter (DTensor distribute)",
                 )
             )
-        if par.micro_batches > 1:
-            out.append(micro_batches(TERM, self._eq5(ctx, par.activation_checkpointing) * isz, par.micro_batches))
-        return out
+        elif p.name.endswith(("attention.dense.bias", "mlp.fc_out.bias")):
+            out.append(
+                replace(
+                    base,
+                    op=Op.BROADCAST,
+                    elements=p.numel,
+                    calls=1,
+                    phase=Phase.INIT,
+                    once=True,
+                    paper_term=None,
+                    source="TP row-parallel bias broadcast (DTensor distribute)",
+                )
+            )
+    return out

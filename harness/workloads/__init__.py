@@ -22,6 +22,7 @@ REGISTRY: dict[str, str] = {
     "zero1": "harness.workloads.zero:ZeroWorkload",
     "zero2": "harness.workloads.zero:ZeroWorkload",
     "zero3": "harness.workloads.zero:ZeroWorkload",
+    "tp": "harness.workloads.tp:TPWorkload",
 }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from harness.model import ModelSpec
@@ -31,17 +32,21 @@ def rotary(x: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, m: ModelSpec) -> None:
         super().__init__()
-        self.heads, self.rotary = m.a, m.position == "rotary"
+        self.head_dim, self.rotary = m.h // m.a, m.position == "rotary"
         self.qkv = nn.Linear(m.h, 3 * m.h)
         self.dense = nn.Linear(m.h, m.h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        # QKV outputs are laid out per head, [heads, 3, head_dim], as in GPT-NeoX: a column shard of
+        # the fused projection then holds whole heads (tensor parallelism splits the heads).
+        b, s, _ = x.shape
+        qkv = self.qkv(x)
+        heads = qkv.shape[-1] // (3 * self.head_dim)  # a, or a/t on a tensor-parallel shard
+        q, k, v = qkv.view(b, s, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         if self.rotary:
             q, k = rotary(q), rotary(k)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.dense(out.transpose(1, 2).reshape(b, s, h))
+        return self.dense(out.transpose(1, 2).reshape(b, s, heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -57,6 +62,7 @@ class MLP(nn.Module):
 class Layer(nn.Module):
     def __init__(self, m: ModelSpec, mlp: nn.Module | None = None) -> None:
         super().__init__()
+        self.checkpointed = False
         self.input_norm = nn.LayerNorm(m.h)
         self.attention = Attention(m)
         self.post_attention_norm = nn.LayerNorm(m.h)
@@ -94,7 +100,10 @@ class GPT(nn.Module):
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         for layer in self.layers:
-            x = layer(x)
+            if layer.checkpointed and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
         x = self.final_norm(x)
         return self.head(x) if self.head is not None else x @ self.embed.word.weight.t()
 
