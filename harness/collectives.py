@@ -100,6 +100,8 @@ class OpSpec:
     """nccl-tests bus-bandwidth factor (wire bytes per message byte) for a group of n ranks."""
     traffic: Callable[[Group, Fraction], Traffic]
     """(src, dst, bytes) given the group and the call's wire bytes per rank."""
+    senders: Callable[[int], int]
+    """How many ranks of a group of n send the wire bytes (n for rings and all-to-all, n-1 for chains)."""
     p2p: bool = False
 
 
@@ -111,19 +113,31 @@ def _const(k: int) -> Callable[[int], Fraction]:
     return lambda n: Fraction(k) if n > 1 else Fraction(0)
 
 
+def _all(n: int) -> int:
+    return n
+
+
+def _all_but_one(n: int) -> int:
+    return n - 1
+
+
+def _one(n: int) -> int:
+    return 1
+
+
 OPS: dict[Op, OpSpec] = {
     s.op: s
     for s in (
-        OpSpec(Op.ALL_REDUCE, _frac(2), _frac(2), _ring),
-        OpSpec(Op.ALL_GATHER, _frac(1), _frac(1), _ring),
-        OpSpec(Op.REDUCE_SCATTER, _frac(1), _frac(1), _ring),
-        OpSpec(Op.ALL_TO_ALL, _frac(1), _frac(1), _pairwise),
-        OpSpec(Op.BROADCAST, _frac(1), _const(1), _chain_from_root),
-        OpSpec(Op.REDUCE, _frac(1), _const(1), _chain_to_root),
-        OpSpec(Op.SEND, _const(1), _const(1), _first_to_second, p2p=True),
-        OpSpec(Op.RECV, _const(0), _const(0), _nothing, p2p=True),
-        OpSpec(Op.GATHER, _frac(1), _frac(1), _each_to_root),
-        OpSpec(Op.SCATTER, _frac(1), _frac(1), _root_to_each),
-        OpSpec(Op.BARRIER, _const(0), _const(0), _nothing),
+        OpSpec(Op.ALL_REDUCE, _frac(2), _frac(2), _ring, _all),
+        OpSpec(Op.ALL_GATHER, _frac(1), _frac(1), _ring, _all),
+        OpSpec(Op.REDUCE_SCATTER, _frac(1), _frac(1), _ring, _all),
+        OpSpec(Op.ALL_TO_ALL, _frac(1), _frac(1), _pairwise, _all),
+        OpSpec(Op.BROADCAST, _frac(1), _const(1), _chain_from_root, _all_but_one),
+        OpSpec(Op.REDUCE, _frac(1), _const(1), _chain_to_root, _all_but_one),
+        OpSpec(Op.SEND, _const(1), _const(1), _first_to_second, _one, p2p=True),
+        OpSpec(Op.RECV, _const(0), _const(0), _nothing, _one, p2p=True),
+        OpSpec(Op.GATHER, _frac(1), _frac(1), _each_to_root, _one),
+        OpSpec(Op.SCATTER, _frac(1), _frac(1), _root_to_each, _one),
+        OpSpec(Op.BARRIER, _const(0), _const(0), _nothing, _one),
     )
 }

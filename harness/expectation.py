@@ -39,6 +39,8 @@ class Phase(enum.Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
     OPTIMIZER = "optimizer"
+    PIPELINE = "pipeline"
+    """Inside a pipeline engine's step, whose schedule interleaves forwards, backwards and the update."""
 
     def __str__(self) -> str:
         return self.value
@@ -252,7 +254,11 @@ class Prediction:
         return sum(c.bytes_per_step * c.participant_count for c in self.steady)
 
     def job_wire_bytes_per_step(self) -> Fraction:
-        return sum((c.wire_bytes_per_step * c.participant_count for c in self.steady), Fraction(0))
+        """Bytes crossing links per step, whole job: what the traffic matrix sums to."""
+        return sum(
+            (c.wire_bytes_per_step * len(c.groups) * OPS[c.op].senders(c.group_size) for c in self.steady if c.calls),
+            Fraction(0),
+        )
 
     def message_sizes(self) -> dict[int, int]:
         """Histogram of message sizes: bytes per call -> calls per step over the whole job."""

@@ -192,3 +192,15 @@ def test_dtensor_tensor_parallel_every_byte_explained(par: str, tmp_path: Path) 
     assert [o.op for o in rec.ops] == ["all_reduce"] and rec.ops[0].unexplained_bytes == 0
     assert rec.traffic_measured == rec.traffic_predicted
     assert {k.op for k in rec.keys if k.window == "init"} == {"scatter", "broadcast"}
+
+
+@pytest.mark.parametrize(("pp", "dp", "m"), [(2, 1, 4), (3, 2, 2)], ids=["p2-m4", "p3-dp2-m2"])
+def test_deepspeed_pipeline_every_byte_explained(pp: int, dp: int, m: int, tmp_path: Path) -> None:
+    (s,) = load_text(text("pp", f", pp: {pp}, micro_batches: {m}", scheme="pp", dp=dp))
+    rec = reconcile(predict(s), launch_local(s, workdir=tmp_path))
+    assert not rec.mismatches, rec.mismatches
+    assert all(o.unexplained_bytes == 0 for o in rec.ops), rec.ops
+    assert rec.traffic_measured == rec.traffic_predicted
+    sends = next(o for o in rec.ops if o.op == "send")
+    # Eq. 4 per micro-batch, m micro-batches, for each of the dp pipelines
+    assert sends.measured_bytes == 2 * 128 * 64 * (pp - 1) * m * dp * 4

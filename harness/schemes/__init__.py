@@ -13,7 +13,7 @@ from harness.schemes.data_parallel import DataParallel
 from harness.schemes.ddp import DistributedDataParallel
 from harness.schemes.deepspeed_zero import DeepSpeedZero3, DeepSpeedZero12
 from harness.schemes.moe import ExpertParallel
-from harness.schemes.pipeline import PipelineParallel
+from harness.schemes.pipeline import PipelineDataParallel, PipelineParallel
 from harness.schemes.tensor import TensorParallel
 from harness.schemes.zero3 import Zero3
 
@@ -33,7 +33,7 @@ SCHEMES: dict[str, tuple[Component, ...]] = {
     "zero3": (DeepSpeedZero3(),),
     "zero++": (Zero3(),),
     "tp": (TensorParallel(), DataParallel()),
-    "pp": (PipelineParallel(), DataParallel()),
+    "pp": (PipelineParallel(), PipelineDataParallel()),
     "3d": (TensorParallel(), PipelineParallel(), DataParallel()),
     "moe": (ExpertParallel(), DataParallel()),
 }

@@ -45,7 +45,9 @@ def modules(params: tuple[ParamTensor, ...]) -> list[int]:
     return list(sizes.values())
 
 
-def _init_broadcasts(ctx: Context, base: ExpectedCollective, times: int) -> list[ExpectedCollective]:
+def _init_broadcasts(
+    ctx: Context, base: ExpectedCollective, times: int, params: tuple[ParamTensor, ...] | None = None
+) -> list[ExpectedCollective]:
     isz = ctx.scenario.model.itemsize
     return [
         replace(
@@ -56,7 +58,7 @@ def _init_broadcasts(ctx: Context, base: ExpectedCollective, times: int) -> list
             calls=times,
             source="DeepSpeed initial parameter broadcast (per parameter, as bytes)",
         )
-        for p in ctx.params
+        for p in (ctx.params if params is None else params)
     ]
 
 

@@ -1,59 +1,100 @@
-"""Pipeline parallelism (DeepSpeed's pipeline engine): per micro-batch every stage boundary carries
-the activations forward and their gradients backward, b*s*h elements each way; with tied embeddings
-the first and last stages all-reduce the shared embedding's gradient. Paper: Eq. 4.
+"""Pipeline parallelism on DeepSpeed's pipeline engine (``deepspeed.pipe``, 1F1B ``train_batch``).
 
-Plain model: the engine's tensor-metadata exchange on the first step and its loss broadcast are
-refined with the real runs.
+Per micro-batch every stage boundary carries the activations forward and their gradients backward,
+b*s*h elements each way: the paper's Eq. 4, times m micro-batches per step. What the engine sends
+besides (DeepSpeed 0.19, measured through the capture and read from ``deepspeed/runtime/pipe/``):
+
+* construction: an all-reduce of two int64 parameter counters over each pipeline, and one 1-element
+  send across each stage boundary (the point-to-point warm-up);
+* the first step: a 256-element int32 buffer of tensor metadata sent across each boundary, once;
+* every step: the loss broadcast from the last stage to the pipeline (2 fp32) and the gradient-norm
+  all-reduce over the pipeline (1 fp32).
+
+The data-parallel side of the engine is ``PipelineDataParallel``. With tied embeddings the first and
+last stages all-reduce the shared embedding's gradient. All of the engine's calls happen inside
+``train_batch``: phase ``pipeline``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from harness.collectives import Op
 from harness.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
 from harness.paper import eq4_pipeline
-from harness.schemes._common import micro_batches
+from harness.schemes._common import init_broadcast, micro_batches
+from harness.schemes.data_parallel import DataParallel
 
 TERM = "Eq. 4"
+META_ELEMENTS = 256  # the engine's int32 tensor-metadata buffer
 
 
 @dataclass(frozen=True, slots=True)
 class PipelineParallel:
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         m, par, lay = ctx.scenario.model, ctx.scenario.parallelism, ctx.layout
-        rows: list[ExpectedCollective] = []
+        pipes = lay.pp_groups()
+        base = ExpectedCollective(
+            op=Op.ALL_REDUCE,
+            axis="pp",
+            groups=pipes,
+            dtype="int64",
+            elements=2,
+            calls=1,
+            phase=Phase.INIT,
+            once=True,
+            source="PP parameter counters (all-reduce, int64)",
+        )
+        rows = [base]
         for k in range(par.pp - 1):
-            for phase, src, dst, what in (
-                (Phase.FORWARD, k, k + 1, "activation"),
-                (Phase.BACKWARD, k + 1, k, "gradient"),
-            ):
+            for op, pairs in ((Op.SEND, lay.stage_pairs(k, k + 1)), (Op.RECV, lay.stage_pairs(k + 1, k))):
+                rows.append(
+                    replace(
+                        base,
+                        op=op,
+                        groups=pairs,
+                        dtype=m.dtype,
+                        elements=1,
+                        source=f"PP point-to-point warm-up {op} (stage {k} -> {k + 1})",
+                    )
+                )
+                rows.append(
+                    replace(
+                        base,
+                        op=op,
+                        groups=pairs,
+                        dtype="int32",
+                        elements=META_ELEMENTS,
+                        phase=Phase.PIPELINE,
+                        at_step=0,
+                        source=f"PP tensor-metadata {op} (stage {k} -> {k + 1}, first step)",
+                    )
+                )
+        step = replace(base, once=False, phase=Phase.PIPELINE, dtype=m.dtype)
+        for k in range(par.pp - 1):
+            for src, dst, what in ((k, k + 1, "activation"), (k + 1, k, "gradient")):
                 for op, pairs in ((Op.SEND, lay.stage_pairs(src, dst)), (Op.RECV, lay.stage_pairs(dst, src))):
                     rows.append(
-                        ExpectedCollective(
+                        replace(
+                            step,
                             op=op,
-                            axis="pp",
                             groups=pairs,
-                            dtype=m.dtype,
                             elements=ctx.bsh,
                             calls=par.micro_batches,
-                            phase=phase,
                             paper_term=TERM,
                             source=f"PP {what} {op} (stage {src} -> {dst})",
                         )
                     )
+        rows.append(replace(step, op=Op.BROADCAST, elements=2, source="PP loss broadcast from the last stage"))
+        rows.append(replace(step, elements=1, source="PP gradient-norm all-reduce over the pipeline"))
         if m.tied_embeddings:
-            ends = tuple((g[0], g[-1]) for g in lay.pp_groups())
+            ends = tuple((g[0], g[-1]) for g in pipes)
             rows.append(
-                ExpectedCollective(
-                    op=Op.ALL_REDUCE,
-                    axis="pp",
+                replace(
+                    step,
                     groups=ends,
-                    dtype=m.dtype,
                     elements=m.V * m.h // par.tp,
-                    calls=1,
-                    phase=Phase.BACKWARD,
                     source="PP tied-embedding gradient all-reduce (first <-> last stage)",
                 )
             )
@@ -79,3 +120,58 @@ class PipelineParallel:
     def residuals(self, ctx: Context) -> list[Residual]:
         mb = ctx.scenario.parallelism.micro_batches
         return [micro_batches(TERM, self._eq4(ctx) * ctx.scenario.model.itemsize, mb)] if mb > 1 else []
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineDataParallel(DataParallel):
+    """The pipeline engine's data-parallel side, per stage: the parameters broadcast as bytes at
+    construction, then every step one all-reduce of the stage's gradients (buckets of
+    ``reduce_bucket_size``) and one of its gradient norm, and on the last stage, when dp > 1, one of the
+    loss. The engine issues these even when the data-parallel group has a single rank (they then move
+    nothing)."""
+
+    def collectives(self, ctx: Context) -> list[ExpectedCollective]:
+        from harness.schemes.ddp import coalesced_chunks
+        from harness.schemes.deepspeed_zero import _init_broadcasts
+
+        m, par = ctx.scenario.model, ctx.scenario.parallelism
+        rows: list[ExpectedCollective] = []
+        term = "Eq. 2" if par.dp > 1 else None
+        for stage in range(par.pp):
+            groups = ctx.layout.dp_groups(stage)
+            base = init_broadcast(ctx, elements=0, groups=groups, axis="dp", what="")
+            stage_params = tuple(
+                p
+                for p in ctx.params
+                if (p.layer is not None and p.layer // (m.L // par.pp) == stage)
+                or (p.layer is None and stage == (0 if p.block == "embedding" else par.pp - 1))
+            )
+            rows += [
+                replace(r, groups=groups, source=r.source + f" (stage {stage})")
+                for r in _init_broadcasts(ctx, base, 1, params=stage_params)
+            ]
+            step = replace(base, op=Op.ALL_REDUCE, once=False, phase=Phase.PIPELINE, paper_term=term)
+            buckets = coalesced_chunks([p.numel for p in reversed(stage_params)], par.zero.bucket_elements)
+            for i, b in enumerate(buckets):
+                rows.append(
+                    replace(
+                        step,
+                        elements=b,
+                        source=f"PP data-parallel gradient all-reduce (stage {stage}, bucket {i} of {len(buckets)})",
+                    )
+                )
+            rows.append(
+                replace(
+                    step,
+                    elements=1,
+                    paper_term=None,
+                    source=f"PP gradient-norm all-reduce over data parallel (stage {stage})",
+                )
+            )
+            if stage == par.pp - 1 and par.dp > 1:
+                rows.append(
+                    replace(
+                        step, elements=1, paper_term=None, source="PP loss all-reduce over data parallel (last stage)"
+                    )
+                )
+        return rows

@@ -23,6 +23,7 @@ REGISTRY: dict[str, str] = {
     "zero2": "harness.workloads.zero:ZeroWorkload",
     "zero3": "harness.workloads.zero:ZeroWorkload",
     "tp": "harness.workloads.tp:TPWorkload",
+    "pp": "harness.workloads.pp:PipelineWorkload",
 }
 
 
