@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -130,6 +131,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         scenarios = [s for s in scenarios if any(k in s.id for k in a.select)]
         if not scenarios:
             raise UsageError(f"no scenario id contains any of {a.select}")
+    if under_torchrun():
+        return _run_under_torchrun(scenarios, a)
     report = Report(a.report_dir / "report.json" if a.report_dir else None)
     for i, s in enumerate(scenarios, 1):
         prediction = predict(s)
@@ -154,6 +157,71 @@ def cmd_run(a: argparse.Namespace) -> int:
         result.wall_s = time.monotonic() - started
         report.add(result)
         print(result.summary(), flush=True)
+    counts = report.document()["summary"]
+    print(", ".join(f"{n} {k}" for k, n in counts.items()) + (f"; report: {report.path}" if report.path else ""))
+    return 1 if counts["failed"] or counts["error"] else 0
+
+
+def under_torchrun() -> bool:
+    """Started by torchrun (or srun + torchrun): every process is one rank of the job."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _run_under_torchrun(scenarios: list[Any], a: argparse.Namespace) -> int:
+    """Each scenario runs in this process as one rank (``env://`` rendezvous, the job's backend); rank 0
+    gathers every rank's calls, reconciles them and writes the report. A rank that raises ends the job
+    (torchrun stops the others)."""
+    import time
+    import traceback
+
+    from harness.capture import Capture
+    from harness.expectation import predict
+    from harness.rank import run_rank, torchrun_store
+    from harness.reconcile import reconcile
+    from harness.report import Report, ScenarioResult
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    lead = rank == 0
+    report = Report(a.report_dir / "report.json" if a.report_dir and lead else None)
+    for i, s in enumerate(scenarios, 1):
+        prediction = predict(s)
+        if lead:
+            print(
+                f"[{i}/{len(scenarios)}] {s.id}: {s.parallelism.scheme} on {s.world_size} ranks (torchrun) ...",
+                flush=True,
+            )
+        started = time.monotonic()
+        if s.world_size != world:
+            result = ScenarioResult(
+                prediction=prediction, status="skipped", reason=f"needs {s.world_size} ranks; torchrun started {world}"
+            )
+        else:
+            try:
+                calls = run_rank(s, rank=rank, world_size=world, store=torchrun_store(i))
+            except Exception:
+                print(f"{s.id}: rank {rank} raised\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+                os._exit(1)
+            if not lead:
+                continue
+            assert calls is not None
+            capture = Capture(
+                scenario=s.id,
+                world_size=world,
+                warmup_steps=s.warmup_steps,
+                steps=s.steps,
+                backend=os.environ.get("COMMGATE_BACKEND", s.backend),
+                calls=tuple(sorted(calls, key=lambda c: (c.rank, c.seq))),
+            )
+            rec = reconcile(prediction, capture)
+            result = ScenarioResult(
+                prediction=prediction, status="passed" if rec.ok else "failed", capture=capture, reconciliation=rec
+            )
+        result.wall_s = time.monotonic() - started
+        if lead:
+            report.add(result)
+            print(result.summary(), flush=True)
+    if not lead:
+        return 0
     counts = report.document()["summary"]
     print(", ".join(f"{n} {k}" for k, n in counts.items()) + (f"; report: {report.path}" if report.path else ""))
     return 1 if counts["failed"] or counts["error"] else 0

@@ -15,8 +15,9 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
-from harness.capture import write_rank_calls
+from harness.capture import CapturedCall, write_rank_calls
 from harness.scenario import Scenario
 
 STATUS_WIDTH = 240
@@ -36,10 +37,14 @@ def run_rank(
     *,
     rank: int,
     world_size: int,
-    out_dir: Path,
-    init_method: str,
+    init_method: str | None = None,
+    store: Any = None,
+    out_dir: Path | None = None,
     on_issue: Callable[[str], None] | None = None,
-) -> None:
+) -> list[CapturedCall] | None:
+    """Run ``scenario`` as ``rank``. With ``out_dir`` the rank writes its own calls there and returns
+    None (the local launcher); without, the calls of every rank are gathered over the process group
+    and rank 0 returns them all (torchrun, where ranks share no file system)."""
     import torch
     import torch.distributed as dist
 
@@ -59,6 +64,7 @@ def run_rank(
     dist.init_process_group(
         interpose.BACKEND_NAME,
         init_method=init_method,
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=scenario.deadline_s),
@@ -74,9 +80,48 @@ def run_rank(
     # Only a successful rank tears down: a failing one must not close its connections (and make its
     # peers fail) before its own error is written; its process exits right after.
     interpose.RECORDER = None  # the teardown below is not part of the scenario
-    write_rank_calls(out_dir / f"rank{rank}.json", rec.drain())
+    calls = rec.drain()
+    gathered: list[CapturedCall] | None = None
+    if out_dir is not None:
+        write_rank_calls(out_dir / f"rank{rank}.json", calls)
+    else:
+        everyone: list[list[CapturedCall]] | None = [[] for _ in range(world_size)] if rank == 0 else None
+        dist.gather_object(calls, everyone, dst=0)
+        gathered = [c for per_rank in everyone for c in per_rank] if everyone is not None else None
     dist.barrier()
     dist.destroy_process_group()
+    _forget_deepspeed_comm()
+    return gathered
+
+
+def torchrun_store(scenario_index: int) -> Any:
+    """A fresh key namespace on the job's store for each scenario run in this process (re-initialising
+    the default group on the same keys would meet the previous scenario's leftovers)."""
+    import torch.distributed as dist
+
+    global _BASE_STORE
+    if _BASE_STORE is None:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts the store
+        _BASE_STORE = dist.TCPStore(  # type: ignore[attr-defined]
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world,
+            is_master=rank == 0 and not agent,
+            timeout=timedelta(seconds=300),
+        )
+    return dist.PrefixStore(f"commgate/{scenario_index}", _BASE_STORE)  # type: ignore[attr-defined]
+
+
+_BASE_STORE: Any = None
+
+
+def _forget_deepspeed_comm() -> None:
+    """DeepSpeed keeps its comm backend in a module global; the next scenario in this process must not
+    find the destroyed process group there."""
+    module = sys.modules.get("deepspeed.comm.comm")
+    if module is not None:
+        module.cdb = None  # type: ignore[attr-defined]
 
 
 def _die_with_parent() -> None:
