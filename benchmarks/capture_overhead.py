@@ -114,7 +114,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.txt")
         mp.spawn(_rank, args=(2, os.path.join(tmp, "store"), args.steps, args.preset, out), nprocs=2)
-        print(open(out).read(), end="")
+        with open(out) as f:
+            print(f.read(), end="")
 
 
 if __name__ == "__main__":
