@@ -204,3 +204,15 @@ def test_deepspeed_pipeline_every_byte_explained(pp: int, dp: int, m: int, tmp_p
     sends = next(o for o in rec.ops if o.op == "send")
     # Eq. 4 per micro-batch, m micro-batches, for each of the dp pipelines
     assert sends.measured_bytes == 2 * 128 * 64 * (pp - 1) * m * dp * 4
+
+
+@pytest.mark.parametrize(
+    "moe", ["{experts: 4, ep: 2, every: 2}", "{experts: 2, ep: 2, top_k: 2}"], ids=["top1", "top2"]
+)
+def test_deepspeed_moe_every_byte_explained(moe: str, tmp_path: Path) -> None:
+    (s,) = load_text(text("moe", f", moe: {moe}", scheme="moe", dp=4 if "every" in moe else 2))
+    rec = reconcile(predict(s), launch_local(s, workdir=tmp_path))
+    assert not rec.mismatches, rec.mismatches
+    assert {o.op for o in rec.ops} == {"all_reduce", "all_to_all"}
+    assert all(o.unexplained_bytes == 0 for o in rec.ops)
+    assert rec.traffic_measured == rec.traffic_predicted

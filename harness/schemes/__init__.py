@@ -12,7 +12,7 @@ from harness.expectation import Context, ExpectedCollective, PaperTerm, Residual
 from harness.schemes.data_parallel import DataParallel
 from harness.schemes.ddp import DistributedDataParallel
 from harness.schemes.deepspeed_zero import DeepSpeedZero3, DeepSpeedZero12
-from harness.schemes.moe import ExpertParallel
+from harness.schemes.moe import ExpertParallel, MoEDataParallel
 from harness.schemes.pipeline import PipelineDataParallel, PipelineParallel
 from harness.schemes.tensor import TensorParallel
 from harness.schemes.zero3 import Zero3
@@ -35,5 +35,5 @@ SCHEMES: dict[str, tuple[Component, ...]] = {
     "tp": (TensorParallel(), DataParallel()),
     "pp": (PipelineParallel(), PipelineDataParallel()),
     "3d": (TensorParallel(), PipelineParallel(), DataParallel()),
-    "moe": (ExpertParallel(), DataParallel()),
+    "moe": (ExpertParallel(), MoEDataParallel()),
 }

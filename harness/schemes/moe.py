@@ -9,10 +9,11 @@ The paper has no MoE equation: this traffic is reported as not in the paper.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from harness.collectives import Op
 from harness.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
+from harness.schemes.data_parallel import DataParallel
 
 
 def capacity(ctx: Context) -> int:
@@ -54,3 +55,46 @@ class ExpertParallel:
 
     def residuals(self, ctx: Context) -> list[Residual]:
         return []
+
+
+@dataclass(frozen=True, slots=True)
+class MoEDataParallel(DataParallel):
+    """DeepSpeed's engine (ZeRO stage 0) around an MoE model: every parameter broadcast as bytes at
+    construction — dense ones over the data-parallel group, a rank's own experts over its expert-data-
+    parallel group —, then every step one all-reduce of the dense gradients over data parallel, one of
+    the expert gradients over expert data parallel (buckets of ``reduce_bucket_size``), and the gradient
+    norm's all-reduce over data parallel. Paper: Eq. 2 (named terms for the experts)."""
+
+    def collectives(self, ctx: Context) -> list[ExpectedCollective]:
+        from harness.schemes._common import init_broadcast
+        from harness.schemes.ddp import coalesced_chunks
+        from harness.schemes.deepspeed_zero import _init_broadcasts
+
+        par = ctx.scenario.parallelism
+        assert par.moe is not None
+        local = par.moe.experts // par.moe.ep
+        dense = tuple(p for p in ctx.params if not p.expert)
+        mine = tuple(p for p in ctx.params if p.expert and int(p.name.split("experts.")[1].split(".")[0]) < local)
+        rows: list[ExpectedCollective] = []
+        for what, axis, groups, params in (
+            ("", "dp", ctx.layout.dp_groups(), dense),
+            ("expert ", "edp", ctx.layout.edp_groups(), mine),
+        ):
+            base = init_broadcast(ctx, elements=0, groups=groups, axis=axis, what=what)  # type: ignore[arg-type]
+            rows += _init_broadcasts(ctx, base, 1, params=params)
+            step = replace(base, op=Op.ALL_REDUCE, once=False, phase=Phase.BACKWARD, paper_term="Eq. 2")
+            buckets = coalesced_chunks([p.numel for p in reversed(params)], par.zero.bucket_elements)
+            rows += [
+                replace(step, elements=b, source=f"DeepSpeed {what}gradient all-reduce, bucket {i} of {len(buckets)}")
+                for i, b in enumerate(buckets)
+            ]
+        norm = replace(
+            rows[-1],
+            axis="dp",
+            groups=ctx.layout.dp_groups(),
+            elements=1,
+            phase=Phase.OPTIMIZER,
+            paper_term=None,
+            source="DeepSpeed gradient-norm all-reduce",
+        )
+        return [*rows, norm]
