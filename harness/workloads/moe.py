@@ -10,10 +10,9 @@ import os
 import torch
 from torch import nn
 
-from harness.interpose import optimizer_phase, phase
 from harness.scenario import Scenario
-from harness.workloads.gpt import DTYPES, GPT, MLP, batch
-from harness.workloads.zero import ds_config
+from harness.workloads.gpt import DTYPES, GPT, MLP
+from harness.workloads.zero import ZeroWorkload, ds_config
 
 
 class _MoEMLP(nn.Module):
@@ -28,7 +27,9 @@ class _MoEMLP(nn.Module):
         return out
 
 
-class MoEWorkload:
+class MoEWorkload(ZeroWorkload):
+    """Built here; steps like any DeepSpeed engine (``ZeroWorkload.step``)."""
+
     def __init__(self, scenario: Scenario, *, rank: int, device: torch.device) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu" if device.type == "cpu" else "cuda")
         import deepspeed
@@ -63,15 +64,3 @@ class MoEWorkload:
         )
         optimizer = torch.optim.AdamW(groups, lr=1e-4)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(scenario))
-
-    def step(self, k: int) -> float:
-        par = self.s.parallelism
-        loss = torch.zeros(())
-        for i in range(par.micro_batches):
-            tokens = batch(self.s.model, par.micro_batch, seed=1000 * k + 10 * i + self.rank, device=self.device)
-            loss = self.engine(tokens)
-            with phase("backward"):
-                self.engine.backward(loss)
-            with optimizer_phase():
-                self.engine.step()
-        return float(loss)
