@@ -11,9 +11,11 @@ measured steps. Phases: ``init``, ``forward`` (anything outside backward and the
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +89,21 @@ class Capture:
             backend=d["backend"],
             calls=tuple(CapturedCall.from_json(c) for c in d["calls"]),
         )
+
+
+@functools.cache
+def schema() -> dict[str, Any]:
+    """The published capture JSON Schema (draft 2020-12)."""
+    text = resources.files("harness").joinpath("schemas/capture.schema.json").read_text(encoding="utf-8")
+    loaded: dict[str, Any] = json.loads(text)
+    return loaded
+
+
+def validate(doc: dict[str, Any]) -> None:
+    """Raise ``jsonschema.ValidationError`` unless ``doc`` is a valid capture document."""
+    import jsonschema
+
+    jsonschema.validate(doc, schema(), cls=jsonschema.Draft202012Validator)
 
 
 def write_rank_calls(path: Path, calls: Iterable[CapturedCall]) -> None:

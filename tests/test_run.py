@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.capture import INIT_STEP
+from harness.capture import INIT_STEP, Capture
+from harness.capture import validate as validate_capture
 from harness.expectation import predict
 from harness.launcher import RunError, launch_local
 from harness.reconcile import reconcile
@@ -52,7 +53,9 @@ def rank_processes(workdir: Path) -> list[int]:
 @pytest.mark.parametrize("bucket", ["", ", ddp_bucket_mb: 0.5"], ids=["default-buckets", "half-MiB-buckets"])
 def test_ddp_every_byte_explained(bucket: str, tmp_path: Path) -> None:
     s = scenario(par=bucket)
-    rec = reconcile(predict(s), launch_local(s, workdir=tmp_path))
+    capture = launch_local(s, workdir=tmp_path)
+    validate_capture(capture.to_json())  # the published capture schema
+    rec = reconcile(predict(s), capture)
     assert not rec.mismatches, rec.mismatches
     assert {o.op for o in rec.ops} == {"all_reduce", "broadcast"}
     assert all(o.unexplained_bytes == 0 for o in rec.ops)
@@ -65,6 +68,7 @@ def test_ddp_every_byte_explained(bucket: str, tmp_path: Path) -> None:
 def test_capture_sees_every_path(tmp_path: Path) -> None:
     s = scenario(extra="workload: harness.workloads.probes:paths\n")
     cap = launch_local(s, workdir=tmp_path)
+    validate_capture(cap.to_json())
     calls = [c for c in cap.calls if c.step == 1]
     ops = {c.op for c in calls}
     assert ops >= {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv", "scatter"}
@@ -216,3 +220,37 @@ def test_deepspeed_moe_every_byte_explained(moe: str, tmp_path: Path) -> None:
     assert {o.op for o in rec.ops} == {"all_reduce", "all_to_all"}
     assert all(o.unexplained_bytes == 0 for o in rec.ops)
     assert rec.traffic_measured == rec.traffic_predicted
+
+
+def test_capture_documents_round_trip_and_the_schema_rejects_garbage() -> None:
+    import jsonschema
+
+    doc = {
+        "capture_version": 1,
+        "scenario": "s",
+        "world_size": 2,
+        "warmup_steps": 1,
+        "steps": 2,
+        "backend": "gloo",
+        "calls": [
+            {
+                "rank": 0,
+                "seq": 0,
+                "step": -1,
+                "phase": "init",
+                "op": "broadcast",
+                "group": [0, 1],
+                "peer": None,
+                "dtype": "fp32",
+                "elements": 4,
+                "bytes": 16,
+                "tensors": 1,
+                "start_ns": 0,
+                "duration_ns": 5,
+            }
+        ],
+    }
+    validate_capture(doc)
+    assert Capture.from_json(doc).to_json() == doc
+    with pytest.raises(jsonschema.ValidationError):
+        validate_capture(doc | {"calls": [doc["calls"][0] | {"op": "allreduce"}]})
