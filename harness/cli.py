@@ -176,7 +176,7 @@ def _run_under_torchrun(scenarios: list[Any], a: argparse.Namespace) -> int:
 
     from harness.capture import Capture
     from harness.expectation import predict
-    from harness.rank import run_rank, torchrun_store
+    from harness.rank import resolve_backend, run_rank, torchrun_store
     from harness.reconcile import reconcile
     from harness.report import Report, ScenarioResult
 
@@ -209,7 +209,7 @@ def _run_under_torchrun(scenarios: list[Any], a: argparse.Namespace) -> int:
                 world_size=world,
                 warmup_steps=s.warmup_steps,
                 steps=s.steps,
-                backend=os.environ.get("COMMGATE_BACKEND", s.backend),
+                backend=resolve_backend(s),
                 calls=tuple(sorted(calls, key=lambda c: (c.rank, c.seq))),
             )
             rec = reconcile(prediction, capture)

@@ -146,7 +146,7 @@ def launch_local(
             scenario=scenario.id,
             warmup_steps=scenario.warmup_steps,
             steps=scenario.steps,
-            backend="gloo",
+            backend=(tmp / "rank0.backend").read_text(),  # as the ranks resolved it (auto: nccl on GPUs)
         )
     finally:
         _kill(procs)

@@ -84,6 +84,7 @@ def run_rank(
     gathered: list[CapturedCall] | None = None
     if out_dir is not None:
         write_rank_calls(out_dir / f"rank{rank}.json", calls)
+        (out_dir / f"rank{rank}.backend").write_text(backend)
     else:
         everyone: list[list[CapturedCall]] | None = [[] for _ in range(world_size)] if rank == 0 else None
         dist.gather_object(calls, everyone, dst=0)

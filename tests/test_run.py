@@ -55,6 +55,7 @@ def test_ddp_every_byte_explained(bucket: str, tmp_path: Path) -> None:
     s = scenario(par=bucket)
     capture = launch_local(s, workdir=tmp_path)
     validate_capture(capture.to_json())  # the published capture schema
+    assert capture.backend == "gloo"  # auto resolves to gloo without GPUs
     rec = reconcile(predict(s), capture)
     assert not rec.mismatches, rec.mismatches
     assert {o.op for o in rec.ops} == {"all_reduce", "broadcast"}
