@@ -64,10 +64,6 @@ class Capture:
     backend: str
     calls: tuple[CapturedCall, ...]
 
-    def measured(self) -> tuple[CapturedCall, ...]:
-        """Calls of the measured steps (after warm-up)."""
-        return tuple(c for c in self.calls if c.step >= self.warmup_steps)
-
     def to_json(self) -> dict[str, Any]:
         return {
             "capture_version": CAPTURE_VERSION,

@@ -18,7 +18,7 @@ from functools import cached_property
 
 from harness.collectives import OPS, Op
 from harness.layout import Axis, Group, Layout
-from harness.model import ITEMSIZE, ParamTensor, inventory, stage_split
+from harness.model import ITEMSIZE, ParamTensor, inventory, param_stages, stage_split
 from harness.paper import eq1_param_count
 from harness.scenario import Scenario
 
@@ -180,6 +180,11 @@ class Context:
     def _stage_split(self) -> tuple[tuple[int, int], ...]:
         par = self.scenario.parallelism
         return stage_split(self.params, L=self.scenario.model.L, tp=par.tp, pp=par.pp)
+
+    def stage_params(self, stage: int) -> tuple[ParamTensor, ...]:
+        """The parameter tensors pipeline ``stage`` holds, in registration order."""
+        m, pp = self.scenario.model, self.scenario.parallelism.pp
+        return tuple(p for p in self.params if stage in param_stages(p, L=m.L, pp=pp, tied=m.tied_embeddings))
 
     def rank_params(self, stage: int, *, expert: bool | None = None) -> int:
         """Parameters a rank of pipeline ``stage`` holds (tensor-parallel shard; experts: its own share).

@@ -183,19 +183,22 @@ def param_count(m: ModelSpec, *, experts: int = 0, moe_every: int = 1) -> int:
     return sum(p.numel for p in inventory(m, experts=experts, moe_every=moe_every))
 
 
+def param_stages(p: ParamTensor, *, L: int, pp: int, tied: bool) -> tuple[int, ...]:
+    """Pipeline stages holding ``p``: embeddings on the first, final norm and output layer on the last,
+    layers uniformly; a tied word embedding is on both ends (DeepSpeed's TiedLayerSpec)."""
+    if p.block == "embedding":
+        return (0, pp - 1) if (p.name == "embed.word.weight" and tied and pp > 1) else (0,)
+    if p.block == "final":
+        return (pp - 1,)
+    assert p.layer is not None
+    return (stage_of_layer(p.layer, L, pp),)
+
+
 def stage_split(params: tuple[ParamTensor, ...], *, L: int, tp: int, pp: int) -> tuple[tuple[int, int], ...]:
     """Per pipeline stage: (non-expert, expert) parameters of one tensor-parallel rank, in one pass."""
     tied = not any(p.name == "head.weight" for p in params)
     counts = [[0, 0] for _ in range(pp)]
     for p in params:
-        n = p.numel_per_tp_rank(tp)
-        if p.block == "embedding":
-            stages: tuple[int, ...] = (0, pp - 1) if (p.name == "embed.word.weight" and tied and pp > 1) else (0,)
-        elif p.block == "final":
-            stages = (pp - 1,)
-        else:
-            assert p.layer is not None
-            stages = (stage_of_layer(p.layer, L, pp),)
-        for st in stages:
-            counts[st][p.expert] += n
+        for st in param_stages(p, L=L, pp=pp, tied=tied):
+            counts[st][p.expert] += p.numel_per_tp_rank(tp)
     return tuple((d, e) for d, e in counts)

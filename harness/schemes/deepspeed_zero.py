@@ -62,6 +62,21 @@ def _init_broadcasts(
     ]
 
 
+def _init_row(ctx: Context, op: Op) -> ExpectedCollective:
+    """A once-per-run row over the data-parallel groups, in the model's dtype, to derive the others from."""
+    return ExpectedCollective(
+        op=op,
+        axis="dp",
+        groups=ctx.layout.dp_groups(),
+        dtype=ctx.scenario.model.dtype,
+        elements=0,
+        calls=1,
+        phase=Phase.INIT,
+        source="",
+        once=True,
+    )
+
+
 def _gradient_buckets(ctx: Context) -> list[int]:
     z = ctx.scenario.parallelism.zero
     return coalesced_chunks([p.numel for p in reversed(ctx.params)], z.bucket_elements)
@@ -70,19 +85,8 @@ def _gradient_buckets(ctx: Context) -> list[int]:
 @dataclass(frozen=True, slots=True)
 class DeepSpeedZero12(DataParallel):
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
-        m, par = ctx.scenario.model, ctx.scenario.parallelism
-        groups, zs = ctx.layout.dp_groups(), par.zero.stage
-        base = ExpectedCollective(
-            op=Op.ALL_REDUCE,
-            axis="dp",
-            groups=groups,
-            dtype=m.dtype,
-            elements=0,
-            calls=1,
-            phase=Phase.INIT,
-            source="",
-            once=True,
-        )
+        zs = ctx.scenario.parallelism.zero.stage
+        base = _init_row(ctx, Op.ALL_REDUCE)
         rows = _init_broadcasts(ctx, base, 1)
         step = replace(base, once=False, phase=Phase.BACKWARD, paper_term="Eq. 2")
         for i, b in enumerate(buckets := _gradient_buckets(ctx)):
@@ -127,19 +131,7 @@ class DeepSpeedZero3(Zero3):
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         if ctx.scenario.parallelism.scheme == "zero++":
             return Zero3.collectives(self, ctx)
-        m = ctx.scenario.model
-        groups = ctx.layout.dp_groups()
-        base = ExpectedCollective(
-            op=Op.ALL_GATHER,
-            axis="dp",
-            groups=groups,
-            dtype=m.dtype,
-            elements=0,
-            calls=1,
-            phase=Phase.INIT,
-            source="",
-            once=True,
-        )
+        base = _init_row(ctx, Op.ALL_GATHER)
         rows = _init_broadcasts(ctx, base, 2)
         rows += [
             replace(base, elements=p.numel, source="ZeRO-3 initial all-gather (per parameter)") for p in ctx.params

@@ -134,18 +134,13 @@ class PipelineDataParallel(DataParallel):
         from harness.schemes.ddp import coalesced_chunks
         from harness.schemes.deepspeed_zero import _init_broadcasts
 
-        m, par = ctx.scenario.model, ctx.scenario.parallelism
+        par = ctx.scenario.parallelism
         rows: list[ExpectedCollective] = []
         term = "Eq. 2" if par.dp > 1 else None
         for stage in range(par.pp):
             groups = ctx.layout.dp_groups(stage)
             base = init_broadcast(ctx, elements=0, groups=groups, axis="dp", what="")
-            stage_params = tuple(
-                p
-                for p in ctx.params
-                if (p.layer is not None and p.layer // (m.L // par.pp) == stage)
-                or (p.layer is None and stage == (0 if p.block == "embedding" else par.pp - 1))
-            )
+            stage_params = ctx.stage_params(stage)
             rows += [
                 replace(r, groups=groups, source=r.source + f" (stage {stage})")
                 for r in _init_broadcasts(ctx, base, 1, params=stage_params)

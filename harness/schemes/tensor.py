@@ -11,7 +11,7 @@ from fractions import Fraction
 
 from harness.collectives import Op
 from harness.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
-from harness.model import Shard, stage_of_layer
+from harness.model import Shard
 from harness.paper import eq5_tensor
 from harness.schemes._common import micro_batches, rank0_term
 
@@ -118,38 +118,14 @@ class TensorParallel:
 def _distribute(ctx: Context, base: ExpectedCollective, stage: int) -> list[ExpectedCollective]:
     """DTensor's ``distribute_tensor`` of the parallelised modules' parameters at construction: sharded
     ones are scattered from the group's first rank, the row-parallel biases broadcast."""
-    par = ctx.scenario.parallelism
+    init = replace(base, calls=1, phase=Phase.INIT, once=True, paper_term=None)
     out = []
-    for p in ctx.params:
-        on_stage = (p.layer is not None and stage_of_layer(p.layer, ctx.scenario.model.L, par.pp) == stage) or (
-            p.layer is None and stage == (0 if p.block == "embedding" else par.pp - 1)
-        )
-        if not on_stage:
-            continue
+    for p in ctx.stage_params(stage):
         if p.shard is not Shard.REPLICATED:
-            out.append(
-                replace(
-                    base,
-                    op=Op.SCATTER,
-                    elements=p.numel,
-                    calls=1,
-                    phase=Phase.INIT,
-                    once=True,
-                    paper_term=None,
-                    source="TP parameter scatter (DTensor distribute)",
-                )
-            )
+            op, source = Op.SCATTER, "TP parameter scatter (DTensor distribute)"
         elif p.name.endswith(("attention.dense.bias", "mlp.fc_out.bias")):
-            out.append(
-                replace(
-                    base,
-                    op=Op.BROADCAST,
-                    elements=p.numel,
-                    calls=1,
-                    phase=Phase.INIT,
-                    once=True,
-                    paper_term=None,
-                    source="TP row-parallel bias broadcast (DTensor distribute)",
-                )
-            )
+            op, source = Op.BROADCAST, "TP row-parallel bias broadcast (DTensor distribute)"
+        else:
+            continue
+        out.append(replace(init, op=op, elements=p.numel, source=source))
     return out
