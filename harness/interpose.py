@@ -306,9 +306,29 @@ def _creator(inner: str) -> Callable[[Any, Any], CapturingProcessGroup]:
             opts.group_rank, opts.group_size, list(opts.global_ranks_in_group), opts.group_id, real
         )
         pg._register_backend(torch.device(device), kind, real)
+        _LIVE_BACKENDS.append(real)
         return pg
 
     return create
+
+
+_LIVE_BACKENDS: list[Any] = []
+"""Python references to every real backend made since ``install``; see ``release_backends``."""
+
+
+def release_backends() -> None:
+    """Destroy the real backends now, from Python, where the binding releases the GIL while the backend
+    joins its threads.
+
+    Without this, the last reference to a gloo backend can be dropped by C++ with the GIL held (a DDP
+    ``Reducer`` freed with its model), while a gloo worker thread is still freeing the last finished
+    work, whose tensors need the GIL to be freed: each waits for the other for ever. Call after the
+    process group is destroyed and the workload (the engine, the wrapped model) is unreferenced.
+    """
+    import gc
+
+    gc.collect()  # engines and modules are in reference cycles; free them while the backends still live
+    _LIVE_BACKENDS.clear()
 
 
 def install(inner: str, rank: int) -> Recorder:

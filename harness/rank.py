@@ -92,6 +92,8 @@ def run_rank(
     dist.barrier()
     dist.destroy_process_group()
     _forget_deepspeed_comm()
+    del workload
+    interpose.release_backends()
     return gathered
 
 
