@@ -59,6 +59,7 @@ def run_rank(
         local = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
+    functional = dict(vars(torch.nn.functional))  # restored after the scenario (see _forget_deepspeed_state)
     rec = interpose.install(backend, rank)
     rec.on_issue = on_issue
     dist.init_process_group(
@@ -91,7 +92,8 @@ def run_rank(
         gathered = [c for per_rank in everyone for c in per_rank] if everyone is not None else None
     dist.barrier()
     dist.destroy_process_group()
-    _forget_deepspeed_comm()
+    _forget_deepspeed_state()
+    vars(torch.nn.functional).update(functional)  # ZeRO-3 leaves F.linear patched ("persists unless reset")
     del workload
     interpose.release_backends()
     return gathered
@@ -119,12 +121,22 @@ def torchrun_store(scenario_index: int) -> Any:
 _BASE_STORE: Any = None
 
 
-def _forget_deepspeed_comm() -> None:
-    """DeepSpeed keeps its comm backend in a module global; the next scenario in this process must not
-    find the destroyed process group there."""
-    module = sys.modules.get("deepspeed.comm.comm")
-    if module is not None:
-        module.cdb = None  # type: ignore[attr-defined]
+def _forget_deepspeed_state() -> None:
+    """DeepSpeed keeps its comm backend and the process groups it made (data, expert, world clone, the
+    pipeline grid as ``mpu``) in module globals; the next scenario run in this process (torchrun) must
+    find none of the destroyed ones there. Reloading ``deepspeed.utils.groups`` re-binds its globals in
+    place, so every importer sees the fresh values."""
+    import importlib
+
+    comm = sys.modules.get("deepspeed.comm.comm")
+    if comm is not None:
+        comm.cdb = None  # type: ignore[attr-defined]
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None:
+        importlib.reload(groups)
+    checkpointing = sys.modules.get("deepspeed.runtime.activation_checkpointing.checkpointing")
+    if checkpointing is not None:
+        checkpointing.mpu = checkpointing.mp_group = None  # type: ignore[attr-defined]
 
 
 def _die_with_parent() -> None:
