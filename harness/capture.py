@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -63,6 +63,10 @@ class Capture:
     steps: int
     backend: str
     calls: tuple[CapturedCall, ...]
+    timeline: dict[str, float] = field(default_factory=dict)
+    """Where rank 0's wall time went, in seconds: ``start`` (launch to the rank's first line), ``join``
+    (process-group rendezvous), ``build`` (workload and engine construction), ``steps`` (warm-up and
+    measured steps), ``finish`` (collecting the calls, teardown). Empty when not measured."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -73,6 +77,7 @@ class Capture:
             "steps": self.steps,
             "backend": self.backend,
             "calls": [asdict(c) | {"group": list(c.group)} for c in self.calls],
+            "timeline": dict(self.timeline),
         }
 
     @classmethod
@@ -84,6 +89,7 @@ class Capture:
             steps=d["steps"],
             backend=d["backend"],
             calls=tuple(CapturedCall.from_json(c) for c in d["calls"]),
+            timeline=dict(d.get("timeline", {})),
         )
 
 
@@ -106,7 +112,23 @@ def write_rank_calls(path: Path, calls: Iterable[CapturedCall]) -> None:
     atomic_write_json(path, [asdict(c) | {"group": list(c.group)} for c in calls])
 
 
-def merge(rank_files: list[Path], *, scenario: str, warmup_steps: int, steps: int, backend: str) -> Capture:
+def timeline(marks: dict[str, float]) -> dict[str, float]:
+    """``Capture.timeline`` from a rank's clock marks (``launch`` when known, ``entry``, ``joined``,
+    ``built``, ``stepped``, ``done``; one system-wide monotonic clock)."""
+    spans = {"join": ("entry", "joined"), "build": ("joined", "built"), "steps": ("built", "stepped")}
+    spans |= {"finish": ("stepped", "done"), "start": ("launch", "entry")}
+    return {k: round(marks[b] - marks[a], 6) for k, (a, b) in spans.items() if a in marks and b in marks}
+
+
+def merge(
+    rank_files: list[Path],
+    *,
+    scenario: str,
+    warmup_steps: int,
+    steps: int,
+    backend: str,
+    timeline: dict[str, float] | None = None,
+) -> Capture:
     """One capture from every rank's file, ordered by (rank, seq)."""
     calls: list[CapturedCall] = []
     for f in rank_files:
@@ -119,4 +141,5 @@ def merge(rank_files: list[Path], *, scenario: str, warmup_steps: int, steps: in
         steps=steps,
         backend=backend,
         calls=tuple(calls),
+        timeline=timeline or {},
     )

@@ -174,7 +174,7 @@ def _run_under_torchrun(scenarios: list[Any], a: argparse.Namespace) -> int:
     import time
     import traceback
 
-    from harness.capture import Capture
+    from harness.capture import Capture, timeline
     from harness.expectation import predict
     from harness.rank import resolve_backend, run_rank, torchrun_store
     from harness.reconcile import reconcile
@@ -197,7 +197,8 @@ def _run_under_torchrun(scenarios: list[Any], a: argparse.Namespace) -> int:
             )
         else:
             try:
-                calls = run_rank(s, rank=rank, world_size=world, store=torchrun_store(i))
+                marks = {"entry": time.monotonic()}
+                calls = run_rank(s, rank=rank, world_size=world, store=torchrun_store(i), marks=marks)
             except Exception:
                 print(f"{s.id}: rank {rank} raised\n{traceback.format_exc()}", file=sys.stderr, flush=True)
                 os._exit(1)
@@ -211,6 +212,7 @@ def _run_under_torchrun(scenarios: list[Any], a: argparse.Namespace) -> int:
                 steps=s.steps,
                 backend=resolve_backend(s),
                 calls=tuple(sorted(calls, key=lambda c: (c.rank, c.seq))),
+                timeline=timeline(marks),
             )
             rec = reconcile(prediction, capture)
             result = ScenarioResult(

@@ -1,8 +1,7 @@
 """The body of one rank: join the group through the capturing backend, build the workload, run its steps.
 
-Started by ``harness.launcher`` (one process per rank, own session) or by torchrun (then every rank runs
-``run_rank`` in-process). Writes ``rank{r}.json`` with its calls; on an exception, ``rank{r}.err`` with
-the traceback, and exits non-zero.
+Started by ``harness.launcher`` (one process per rank, forked from the launcher's forkserver, in its own
+session) or by torchrun (then every rank runs ``run_rank`` in-process, one scenario after another).
 """
 
 from __future__ import annotations
@@ -11,6 +10,7 @@ import os
 import pickle
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from harness.capture import CapturedCall, write_rank_calls
+from harness.fsutil import atomic_write_json
 from harness.scenario import Scenario
 
 STATUS_WIDTH = 240
-LAUNCHER_PID = "COMMGATE_LAUNCHER_PID"
 
 
 def resolve_backend(scenario: Scenario) -> str:
@@ -41,10 +41,14 @@ def run_rank(
     store: Any = None,
     out_dir: Path | None = None,
     on_issue: Callable[[str], None] | None = None,
+    marks: dict[str, float] | None = None,
 ) -> list[CapturedCall] | None:
     """Run ``scenario`` as ``rank``. With ``out_dir`` the rank writes its own calls there and returns
     None (the local launcher); without, the calls of every rank are gathered over the process group
-    and rank 0 returns them all (torchrun, where ranks share no file system)."""
+    and rank 0 returns them all (torchrun, where ranks share no file system). ``marks`` receives the
+    monotonic clock at ``joined``, ``built``, ``stepped`` and ``done`` (``harness.capture.timeline``)."""
+    import time
+
     import torch
     import torch.distributed as dist
 
@@ -70,7 +74,10 @@ def run_rank(
         world_size=world_size,
         timeout=timedelta(seconds=scenario.deadline_s),
     )
+    marks = {} if marks is None else marks
+    marks["joined"] = time.monotonic()
     workload = resolve(scenario.parallelism.scheme, scenario.workload)(scenario, rank=rank, device=device)
+    marks["built"] = time.monotonic()
     for k in range(scenario.warmup_steps + scenario.steps):
         rec.poll()
         rec.step, rec.phase = k, "forward"
@@ -78,6 +85,7 @@ def run_rank(
     if device.type == "cuda":
         torch.cuda.synchronize()
     rec.poll()
+    marks["stepped"] = time.monotonic()
     # Only a successful rank tears down: a failing one must not close its connections (and make its
     # peers fail) before its own error is written; its process exits right after.
     interpose.RECORDER = None  # the teardown below is not part of the scenario
@@ -85,17 +93,19 @@ def run_rank(
     gathered: list[CapturedCall] | None = None
     if out_dir is not None:
         write_rank_calls(out_dir / f"rank{rank}.json", calls)
-        (out_dir / f"rank{rank}.backend").write_text(backend)
     else:
         everyone: list[list[CapturedCall]] | None = [[] for _ in range(world_size)] if rank == 0 else None
         dist.gather_object(calls, everyone, dst=0)
         gathered = [c for per_rank in everyone for c in per_rank] if everyone is not None else None
-    dist.barrier()
-    dist.destroy_process_group()
-    _forget_deepspeed_state()
-    vars(torch.nn.functional).update(functional)  # ZeRO-3 leaves F.linear patched ("persists unless reset")
-    del workload
-    interpose.release_backends()
+    dist.barrier()  # no rank leaves while a peer may still be sending to it
+    if out_dir is None:  # in-process (torchrun): the next scenario runs in this process; leave nothing
+        dist.destroy_process_group()
+        _forget_deepspeed_state()
+        vars(torch.nn.functional).update(functional)  # ZeRO-3 leaves F.linear patched ("persists unless reset")
+        del workload
+        interpose.release_backends()
+    # else the launcher's rank process exits at once (os._exit), with no teardown at all
+    marks["done"] = time.monotonic()
     return gathered
 
 
@@ -140,30 +150,48 @@ def _forget_deepspeed_state() -> None:
 
 
 def _die_with_parent() -> None:
-    """Have the kernel kill this rank when the launcher dies, even by SIGKILL (Linux; elsewhere a no-op).
+    """Have the kernel kill this rank when its parent (the launcher's forkserver, which exits with the
+    launcher) dies, even by SIGKILL (Linux; elsewhere a no-op).
 
     Ranks run in their own session so that the launcher can kill each as a group; without this, a
     launcher killed outright would leave them running.
     """
+    from multiprocessing import forkserver
+
+    # Every forked child inherits the write end of the pipe by which the forkserver learns that the
+    # launcher is gone; while a rank holds it, the forkserver (this rank's parent) would outlive the
+    # launcher, and so would the rank.
+    server: Any = getattr(forkserver, "_forkserver", None)
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if alive is not None:
+        os.close(alive)
+        server._forkserver_alive_fd = None
+    parent = os.getppid()
     if sys.platform.startswith("linux"):
         import ctypes
 
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    launcher = os.environ.get(LAUNCHER_PID)
-    if launcher is not None and os.getppid() != int(launcher):  # it died before prctl took effect
+    if os.getppid() != parent:  # it died before prctl took effect
         os._exit(1)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m harness.rank SPEC RANK WORLD STORE OUT``: one rank started by the local launcher.
+def child(spec: str, rank: int, world: int, store: str, out_s: str, env: dict[str, str], launched: float) -> None:
+    """One rank started by the local launcher, forked from its forkserver (torch, DeepSpeed imported).
 
-    SPEC is the scenario pickled by the launcher into its private directory (inter-process hand-over,
-    never stored). The rank's last issued call is kept in ``OUT/rank{r}.status`` for hang reports.
+    SPEC is the scenario pickled by the launcher into its private directory OUT (inter-process hand-over,
+    never stored). The rank runs in its own session with stdout and stderr in ``OUT/rank{r}.log``, its
+    last issued call in ``OUT/rank{r}.status`` (hang reports), its calls in ``OUT/rank{r}.json`` and, on
+    an exception, the traceback in ``OUT/rank{r}.err``. It exits without interpreter teardown.
     """
-    spec, rank_s, world_s, store, out_s = argv if argv is not None else sys.argv[1:]
+    marks = {"launch": launched, "entry": time.monotonic()}
+    os.setsid()
     _die_with_parent()
-    rank, world, out = int(rank_s), int(world_s), Path(out_s)
+    out = Path(out_s)
+    log = os.open(out / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.environ.update(env)
     with open(spec, "rb") as f:
         scenario = pickle.load(f)
     fd = os.open(out / f"rank{rank}.status", os.O_WRONLY | os.O_CREAT, 0o644)
@@ -171,14 +199,22 @@ def main(argv: list[str] | None = None) -> int:
     def on_issue(text: str) -> None:
         os.pwrite(fd, text.encode()[:STATUS_WIDTH].ljust(STATUS_WIDTH), 0)
 
+    code = 0
     try:
-        run_rank(scenario, rank=rank, world_size=world, out_dir=out, init_method=f"file://{store}", on_issue=on_issue)
+        run_rank(
+            scenario,
+            rank=rank,
+            world_size=world,
+            out_dir=out,
+            init_method=f"file://{store}",
+            on_issue=on_issue,
+            marks=marks,
+        )
+        meta = {"backend": resolve_backend(scenario), "marks": marks}
+        atomic_write_json(out / f"rank{rank}.meta.json", meta)
     except BaseException:
         (out / f"rank{rank}.err").write_text(traceback.format_exc())
-        sys.stdout.flush()
-        os._exit(1)  # at once: no interpreter teardown (and no process-group shutdown) before the launcher sees it
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+        code = 1  # at once: no process-group shutdown (which would fail the peers) before the launcher sees it
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -88,6 +88,9 @@ class ScenarioResult:
     def summary(self) -> str:
         s = self.prediction.scenario
         head = f"{self.status.upper():7} {s.id} ({s.parallelism.scheme}, {s.world_size} ranks, {self.wall_s:.1f} s)"
+        t = self.capture.timeline if self.capture is not None else {}
+        if "steps" in t and "build" in t:
+            head += f" [build {t['build']:.1f} s, steps {t['steps']:.1f} s]"
         r = self.reconciliation
         if r is None:
             return f"{head}: {self.reason}" if self.reason else head

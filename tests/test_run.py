@@ -37,15 +37,16 @@ def scenario(name: str = "t", par: str = "", extra: str = "") -> Scenario:
 
 
 def rank_processes(workdir: Path) -> list[int]:
-    """Live processes whose command line mentions ``workdir`` (the ranks of a run started there)."""
+    """Live processes with a file open under ``workdir`` (the ranks of a run started there: their
+    stdout and stderr go to their log in its private directory)."""
     out = []
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
-                cmd = (entry / "cmdline").read_bytes()
+                links = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
             except OSError:
                 continue
-            if str(workdir).encode() in cmd and b"harness.rank" in cmd:
+            if any(link.startswith(str(workdir)) for link in links):
                 out.append(int(entry.name))
     return out
 
@@ -56,6 +57,7 @@ def test_ddp_every_byte_explained(bucket: str, tmp_path: Path) -> None:
     capture = launch_local(s, workdir=tmp_path)
     validate_capture(capture.to_json())  # the published capture schema
     assert capture.backend == "gloo"  # auto resolves to gloo without GPUs
+    assert set(capture.timeline) == {"start", "join", "build", "steps", "finish"}
     rec = reconcile(predict(s), capture)
     assert not rec.mismatches, rec.mismatches
     assert {o.op for o in rec.ops} == {"all_reduce", "broadcast"}
@@ -250,8 +252,11 @@ def test_capture_documents_round_trip_and_the_schema_rejects_garbage() -> None:
                 "duration_ns": 5,
             }
         ],
+        "timeline": {"start": 0.01, "join": 0.02, "build": 0.5, "steps": 1.25, "finish": 0.03},
     }
     validate_capture(doc)
     assert Capture.from_json(doc).to_json() == doc
     with pytest.raises(jsonschema.ValidationError):
         validate_capture(doc | {"calls": [doc["calls"][0] | {"op": "allreduce"}]})
+    with pytest.raises(jsonschema.ValidationError):
+        validate_capture(doc | {"timeline": {"steps": -1.0}})
