@@ -101,16 +101,22 @@ def _failure(scenario: Scenario, procs: list[BaseProcess], tmp: Path) -> str | N
     if not failed:
         return None
     for rank, code in failed:
-        if code < 0:
-            return f"{scenario.id}: rank {rank} died by signal {signal.Signals(-code).name}"
+        if code < 0:  # with what it printed last (an abort's C++ message, say)
+            return f"{scenario.id}: rank {rank} died by signal {signal.Signals(-code).name}" + _log_tail(tmp, rank)
     errors = sorted((e.stat().st_mtime_ns, r) for r in range(len(procs)) if (e := tmp / f"rank{r}.err").exists())
     if errors:
         rank = errors[0][1]
         tb = (tmp / f"rank{rank}.err").read_text().rstrip()
         return f"{scenario.id}: rank {rank} raised {tb.splitlines()[-1]}\n{tb}"
     rank, code = failed[0]
-    log = (tmp / f"rank{rank}.log").read_text(errors="replace").strip().splitlines()[-20:]
-    return f"{scenario.id}: rank {rank} exited with status {code}\n" + "\n".join(log)
+    return f"{scenario.id}: rank {rank} exited with status {code}" + _log_tail(tmp, rank)
+
+
+def _log_tail(tmp: Path, rank: int, lines: int = 20) -> str:
+    """The last lines of a rank's output, each on its own line after the first; empty if it printed nothing."""
+    log = tmp / f"rank{rank}.log"
+    tail = log.read_text(errors="replace").strip().splitlines()[-lines:] if log.exists() else []
+    return "".join(f"\n{line}" for line in tail)
 
 
 def _hang_report(scenario: Scenario, tmp: Path, waited: float) -> str:

@@ -16,7 +16,7 @@ import functools
 from dataclasses import dataclass
 from typing import Literal
 
-Axis = Literal["dp", "tp", "pp", "ep", "edp", "hpz", "world"]
+Axis = Literal["dp", "tp", "pp", "mp", "ep", "edp", "hpz", "world"]
 Group = tuple[int, ...]
 
 
@@ -60,6 +60,15 @@ class Layout:
     def pp_groups(self) -> tuple[Group, ...]:
         block = self.dp * self.tp
         return tuple(tuple(range(r, self.world_size, block)) for r in range(block))
+
+    @functools.cache  # noqa: B019
+    def mp_groups(self) -> tuple[Group, ...]:
+        """DeepSpeed's model-parallel groups: the ranks of one data-parallel index, every stage and
+        tensor-parallel rank (the pipeline groups when tp = 1)."""
+        return tuple(
+            tuple(self.rank(pipe=p, data=d, model=m) for p in range(self.pp) for m in range(self.tp))
+            for d in range(self.dp)
+        )
 
     @functools.cache  # noqa: B019
     def stage_pairs(self, src: int, dst: int) -> tuple[Group, ...]:

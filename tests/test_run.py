@@ -260,3 +260,20 @@ def test_capture_documents_round_trip_and_the_schema_rejects_garbage() -> None:
         validate_capture(doc | {"calls": [doc["calls"][0] | {"op": "allreduce"}]})
     with pytest.raises(jsonschema.ValidationError):
         validate_capture(doc | {"timeline": {"steps": -1.0}})
+
+
+@pytest.mark.parametrize(
+    ("dp", "par"),
+    [(1, ", activation_checkpointing: true"), (2, "")],
+    ids=["t2p2-checkpointing", "d2t2p2"],
+)
+def test_3d_deepspeed_pipeline_with_dtensor_stages_every_byte_explained(dp: int, par: str, tmp_path: Path) -> None:
+    (s,) = load_text(text("3d", f", tp: 2, pp: 2, micro_batches: 2{par}", scheme="3d", dp=dp))
+    rec = reconcile(predict(s), launch_local(s, workdir=tmp_path))
+    assert not rec.mismatches, rec.mismatches
+    assert all(o.unexplained_bytes == 0 for o in rec.ops), rec.ops
+    assert rec.traffic_measured == rec.traffic_predicted
+    # tensor-parallel all-reduces inside the stages, activations between them, gradients over dp
+    groups = {(k.op, len(k.group)) for k in rec.keys if k.window == "steps"}
+    assert {("all_reduce", 2), ("send", 2), ("recv", 2)} <= groups
+    assert {k.op for k in rec.keys if k.window == "init"} >= {"scatter", "broadcast"}

@@ -34,6 +34,6 @@ SCHEMES: dict[str, tuple[Component, ...]] = {
     "zero++": (Zero3(),),
     "tp": (TensorParallel(), DataParallel()),
     "pp": (PipelineParallel(), PipelineDataParallel()),
-    "3d": (TensorParallel(), PipelineParallel(), DataParallel()),
+    "3d": (TensorParallel(), PipelineParallel(), PipelineDataParallel()),
     "moe": (ExpertParallel(), MoEDataParallel()),
 }

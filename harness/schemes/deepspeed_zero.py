@@ -48,13 +48,14 @@ def modules(params: tuple[ParamTensor, ...]) -> list[int]:
 def _init_broadcasts(
     ctx: Context, base: ExpectedCollective, times: int, params: tuple[ParamTensor, ...] | None = None
 ) -> list[ExpectedCollective]:
-    isz = ctx.scenario.model.itemsize
+    """The engine's broadcast of each parameter (a rank's tensor-parallel shard of it) at construction."""
+    isz, tp = ctx.scenario.model.itemsize, ctx.scenario.parallelism.tp
     return [
         replace(
             base,
             op=Op.BROADCAST,
             dtype="uint8",
-            elements=p.numel * isz,
+            elements=p.numel_per_tp_rank(tp) * isz,
             calls=times,
             source="DeepSpeed initial parameter broadcast (per parameter, as bytes)",
         )

@@ -44,9 +44,10 @@ class PipelineParallel:
             calls=1,
             phase=Phase.INIT,
             once=True,
-            source="PP parameter counters (all-reduce, int64)",
+            source="",
         )
-        rows = [base]
+        counters = "PP parameter counters (all-reduce, int64, over the model-parallel group: stages x tp)"
+        rows = [replace(base, axis="mp", groups=lay.mp_groups(), source=counters)]
         for k in range(par.pp - 1):
             for op, pairs in ((Op.SEND, lay.stage_pairs(k, k + 1)), (Op.RECV, lay.stage_pairs(k + 1, k))):
                 rows.append(
@@ -87,7 +88,15 @@ class PipelineParallel:
                         )
                     )
         rows.append(replace(step, op=Op.BROADCAST, elements=2, source="PP loss broadcast from the last stage"))
-        rows.append(replace(step, elements=1, source="PP gradient-norm all-reduce over the pipeline"))
+        rows.append(
+            replace(
+                step,
+                axis="mp",
+                groups=lay.mp_groups(),
+                elements=1,
+                source="PP gradient-norm all-reduce over the model-parallel group (stages x tp)",
+            )
+        )
         if m.tied_embeddings:
             ends = tuple((g[0], g[-1]) for g in pipes)
             rows.append(
@@ -146,7 +155,8 @@ class PipelineDataParallel(DataParallel):
                 for r in _init_broadcasts(ctx, base, 1, params=stage_params)
             ]
             step = replace(base, op=Op.ALL_REDUCE, once=False, phase=Phase.PIPELINE, paper_term=term)
-            buckets = coalesced_chunks([p.numel for p in reversed(stage_params)], par.zero.bucket_elements)
+            shards = [p.numel_per_tp_rank(par.tp) for p in reversed(stage_params)]
+            buckets = coalesced_chunks(shards, par.zero.bucket_elements)
             for i, b in enumerate(buckets):
                 rows.append(
                     replace(

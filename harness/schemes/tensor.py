@@ -24,6 +24,8 @@ class TensorParallel:
         m, par = ctx.scenario.model, ctx.scenario.parallelism
         per_stage = m.L // par.pp
         mb = par.micro_batches
+        # inside DeepSpeed's pipeline engine (3D) everything outside autograd is the engine's phase
+        forward = Phase.PIPELINE if par.pp > 1 else Phase.FORWARD
         rows: list[ExpectedCollective] = []
         for stage in range(par.pp):
             groups = ctx.layout.tp_groups(stage)
@@ -57,16 +59,16 @@ class TensorParallel:
                 )
 
             if stage == 0:
-                row(1, Phase.FORWARD, "TP vocab-parallel embedding all-reduce")
-            row(2 * per_stage, Phase.FORWARD, "TP forward all-reduce (row-parallel attention and MLP outputs)")
+                row(1, forward, "TP vocab-parallel embedding all-reduce")
+            row(2 * per_stage, forward, "TP forward all-reduce (row-parallel attention and MLP outputs)")
             if par.activation_checkpointing:
-                row(per_stage, Phase.BACKWARD, "TP recompute all-reduce (attention output; recomputation stops early)")
+                row(per_stage * _recomputed(ctx), Phase.BACKWARD, "TP recompute all-reduce " + _RECOMPUTE[par.pp > 1])
             row(2 * per_stage, Phase.BACKWARD, "TP backward all-reduce (column-parallel input gradients)")
             if stage == par.pp - 1:
                 row(1, Phase.BACKWARD, "TP output-layer input-gradient all-reduce", None)
                 row(
                     3,
-                    Phase.FORWARD,
+                    forward,
                     "TP vocab-parallel cross-entropy all-reduce (max, sum of exp, target logit)",
                     None,
                     par.micro_batch * m.s,
@@ -90,29 +92,48 @@ class TensorParallel:
         ]
 
     def _per_micro_batch(self, ctx: Context) -> Fraction:
-        """Rank 0's TP volume for one micro-batch, in elements: (8L/p + 2) all-reduce units, plus L/p
-        recomputed ones with checkpointing (one per layer, not Eq. 5's two)."""
+        """Rank 0's TP volume for one micro-batch, in elements: (8L/p + 2) all-reduce units, plus the
+        recomputed ones with checkpointing (``_recomputed`` per layer)."""
         m, par = ctx.scenario.model, ctx.scenario.parallelism
         unit = 2 * Fraction(ctx.bsh * (par.tp - 1), par.tp)
-        return self._eq5(ctx, recompute=False) + (unit * (m.L // par.pp) if par.activation_checkpointing else 0)
+        recomputed = _recomputed(ctx) * (m.L // par.pp) if par.activation_checkpointing else 0
+        return self._eq5(ctx, recompute=False) + unit * recomputed
 
     def residuals(self, ctx: Context) -> list[Residual]:
         par, isz = ctx.scenario.parallelism, ctx.scenario.model.itemsize
         model = self._per_micro_batch(ctx)
-        out = [
-            Residual(
-                term=TERM,
-                name="recomputation stops early" if par.activation_checkpointing else "no activation checkpointing",
-                bytes=(model - self._eq5(ctx)) * isz,
-                detail="torch.utils.checkpoint re-runs each layer only up to its attention output: 1 all-reduce "
-                "per layer, Eq. 5 assumes 2"
-                if par.activation_checkpointing
-                else "4 all-reduces per layer without recomputation; Eq. 5 assumes 6",
+        out = []
+        if not par.activation_checkpointing:
+            name, detail = (
+                "no activation checkpointing",
+                "4 all-reduces per layer without recomputation; Eq. 5 assumes 6",
             )
-        ]
+        elif _recomputed(ctx) == 1:
+            name = "recomputation stops early"
+            detail = (
+                "torch.utils.checkpoint re-runs each layer only up to its attention output: 1 all-reduce per layer, "
+                "Eq. 5 assumes 2"
+            )
+        else:
+            name = detail = ""  # DeepSpeed's engine re-runs whole layers: Eq. 5 exactly
+        if name:
+            out.append(Residual(term=TERM, name=name, bytes=(model - self._eq5(ctx)) * isz, detail=detail))
         if par.micro_batches > 1:
             out.append(micro_batches(TERM, model * isz, par.micro_batches))
         return out
+
+
+_RECOMPUTE = {
+    False: "(attention output; torch.utils.checkpoint stops recomputing early)",
+    True: "(the pipeline engine's checkpoint re-runs whole layers)",
+}
+
+
+def _recomputed(ctx: Context) -> int:
+    """Forward all-reduces each layer repeats in the backward when checkpointed: torch.utils.checkpoint
+    (non-reentrant) stops once the saved tensors are rebuilt, before the MLP's all-reduce (1); DeepSpeed's
+    pipeline engine checkpoints with its own reentrant function, which re-runs the layer whole (2)."""
+    return 2 if ctx.scenario.parallelism.pp > 1 else 1
 
 
 def _distribute(ctx: Context, base: ExpectedCollective, stage: int) -> list[ExpectedCollective]:

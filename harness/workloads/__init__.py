@@ -24,6 +24,7 @@ REGISTRY: dict[str, str] = {
     "zero3": "harness.workloads.zero:ZeroWorkload",
     "tp": "harness.workloads.tp:TPWorkload",
     "pp": "harness.workloads.pp:PipelineWorkload",
+    "3d": "harness.workloads.pp:PipelineWorkload",
     "moe": "harness.workloads.moe:MoEWorkload",
 }
 

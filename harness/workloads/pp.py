@@ -5,12 +5,16 @@ batches per step through the engine's 1F1B schedule (``train_batch``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from harness.errors import CommgateError
 from harness.interpose import phase
@@ -30,18 +34,27 @@ class _Head(nn.Module):
 
 
 def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    # with tensor parallelism a replicated DTensor: the engine reduces the loss as a plain tensor
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 class PipelineWorkload:
+    """pp x dp (scheme ``pp``), and with tensor parallelism inside each stage pp x dp x tp (scheme ``3d``):
+    the engine's topology gets a model-parallel axis, and each stage's layers are sharded Megatron style
+    with DTensor over that axis (``harness.workloads.tp``), their parameters then handed to the engine as
+    local shards (torch's own DTensor-to-data-parallel transform), so that the engine's data-parallel
+    gradient all-reduce moves each rank's shards."""
+
     def __init__(self, scenario: Scenario, *, rank: int, device: torch.device) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu" if device.type == "cpu" else "cuda")
         import deepspeed
         from deepspeed.pipe import PipelineModule
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
         par = scenario.parallelism
-        if par.tp != 1 or scenario.model.tied_embeddings:
-            raise CommgateError("the pipeline workload runs pp x dp without tensor parallelism or tied embeddings")
+        if scenario.model.tied_embeddings:
+            raise CommgateError("the pipeline workload does not tie embeddings across stages")
         self.s, self.rank, self.device = scenario, rank, device
         # deepspeed.comm adopts the process group already initialised through the capturing backend
         deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl", auto_mpi_discovery=False)
@@ -50,11 +63,16 @@ class PipelineWorkload:
         layers = [model.embed, *model.layers, _Head(model)]
         self.module = PipelineModule(
             layers=layers,
-            num_stages=par.pp,
+            topology=PipeModelDataParallelTopology(num_pp=par.pp, num_mp=par.tp, num_dp=par.dp),
             loss_fn=_loss,
             partition_method="type:Layer",
             activation_checkpoint_interval=1 if par.activation_checkpointing else 0,
+            # as GPT-NeoX: the transformer layers only (the engine's reentrant checkpoint of the
+            # embedding, whose input needs no gradient, would cut the graph)
+            checkpointable_layers=["Layer"],
         )
+        if par.tp > 1:
+            _shard_stage(self.module, device)
         optimizer = torch.optim.AdamW([p for p in self.module.parameters()], lr=1e-4)
         self.engine, *_ = deepspeed.initialize(model=self.module, optimizer=optimizer, config=ds_config(scenario))
 
@@ -66,5 +84,54 @@ class PipelineWorkload:
             yield tokens[:, :-1], tokens[:, 1:]
 
     def step(self, k: int) -> float:
-        with phase("pipeline"):
+        # vocabulary-parallel cross-entropy on the last stage; the engine runs its backward inside
+        with phase("pipeline"), loss_parallel() if self.s.parallelism.tp > 1 else contextlib.nullcontext():
             return float(self.engine.train_batch(data_iter=self._data(k)))
+
+
+def _shard_stage(module: Any, device: torch.device) -> None:  # a deepspeed.pipe.PipelineModule
+    """Shard this stage's layers over the engine's model-parallel group with DTensor, Megatron style, and
+    hand their parameters to the engine as local shards (``_FromLocal``). (torch's own transform for DDP,
+    ``_pre_dp_module_transform``, swaps in new parameter objects at every forward, so that an engine
+    holding the first ones never sees their gradients.)"""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from harness.workloads.gpt import Embedding, Layer
+    from harness.workloads.tp import embedding_plan, head_plan, layer_plan
+
+    mesh = DeviceMesh.from_group(module._grid.get_slice_parallel_group(), device.type)
+    for layer in module.forward_funcs:
+        if isinstance(layer, Layer):
+            parallelize_module(layer, mesh, layer_plan())
+        elif isinstance(layer, Embedding):
+            parallelize_module(layer, mesh, embedding_plan())
+        elif isinstance(layer, _Head):
+            parallelize_module(layer, mesh, head_plan())
+    for sub in module.modules():
+        for name, param in list(sub.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):
+                _localize(sub, name, param)
+
+
+class _FromLocal(nn.Module):
+    """A parametrization: the module sees the DTensor, the engine the local shard it wraps (the same
+    ``Parameter`` object throughout, so that the engine's gradient reduction and optimizer find it)."""
+
+    def __init__(self, param: DTensor) -> None:
+        super().__init__()
+        self.mesh, self.placements = param.device_mesh, param.placements
+        self.shape, self.stride = param.shape, param.stride()
+
+    def forward(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
+
+
+def _localize(module: nn.Module, name: str, param: DTensor) -> None:
+    from torch.nn.utils import parametrize
+
+    delattr(module, name)
+    module.register_parameter(name, nn.Parameter(param.to_local().detach().clone()))
+    parametrize.register_parametrization(module, name, _FromLocal(param), unsafe=True)  # shapes differ

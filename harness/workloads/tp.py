@@ -27,18 +27,30 @@ from harness.scenario import Scenario
 from harness.workloads.gpt import DTYPES, GPT, batch
 
 
-def plan(model: GPT) -> dict[str, ParallelStyle]:
-    out: dict[str, ParallelStyle] = {
-        "embed.word": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+def layer_plan(prefix: str = "") -> dict[str, ParallelStyle]:
+    """One transformer layer: QKV and MLP input column-parallel, their outputs row-parallel."""
+    return {
+        f"{prefix}attention.qkv": ColwiseParallel(),
+        f"{prefix}attention.dense": RowwiseParallel(),
+        f"{prefix}mlp.fc_in": ColwiseParallel(),
+        f"{prefix}mlp.fc_out": RowwiseParallel(),
     }
+
+
+def embedding_plan(prefix: str = "") -> dict[str, ParallelStyle]:
+    """The token embedding, vocabulary-parallel (row-wise on its vocabulary dimension)."""
+    return {f"{prefix}word": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+
+
+def head_plan(prefix: str = "") -> dict[str, ParallelStyle]:
+    """The output layer, column-parallel, its logits left sharded for ``loss_parallel``."""
+    return {f"{prefix}head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+
+
+def plan(model: GPT) -> dict[str, ParallelStyle]:
+    out = embedding_plan("embed.") | head_plan()
     for i in range(len(model.layers)):
-        out |= {
-            f"layers.{i}.attention.qkv": ColwiseParallel(),
-            f"layers.{i}.attention.dense": RowwiseParallel(),
-            f"layers.{i}.mlp.fc_in": ColwiseParallel(),
-            f"layers.{i}.mlp.fc_out": RowwiseParallel(),
-        }
+        out |= layer_plan(f"layers.{i}.")
     return out
 
 

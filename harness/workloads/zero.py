@@ -45,6 +45,10 @@ def ds_config(s: Scenario) -> dict[str, Any]:
             "stage3_max_live_parameters": 0,
             "stage3_max_reuse_distance": 0,
         }
+    if par.pp > 1 and par.tp > 1:
+        # Each tensor-parallel rank sends its stage's whole activation to its peer in the next stage.
+        # (DeepSpeed's default, sending 1/t and all-gathering it there, aborts in gloo on CPU.)
+        cfg["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     if z.hpz > 1 or z.qwz or z.qgz:
         cfg["zero_optimization"] |= {
             "zero_hpz_partition_size": z.hpz,
