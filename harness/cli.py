@@ -118,11 +118,11 @@ def cmd_run(a: argparse.Namespace) -> int:
     import time
 
     from harness.expectation import predict
-    from harness.launcher import RunError, launch_local
+    from harness.launcher import RunError, gpu_visible, launch_local
     from harness.reconcile import reconcile
     from harness.report import Report, ScenarioResult
     from harness.scenario import load_paths
-    from harness.workloads import REGISTRY
+    from harness.workloads import skip_reason
 
     # A CI runner's cancel (SIGTERM) unwinds like Ctrl-C, so that rank processes are killed on the way out.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -138,12 +138,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         prediction = predict(s)
         print(f"[{i}/{len(scenarios)}] {s.id}: {s.parallelism.scheme} on {s.world_size} ranks ...", flush=True)
         started = time.monotonic()
-        if s.workload is None and s.parallelism.scheme not in REGISTRY:
-            result = ScenarioResult(
-                prediction=prediction,
-                status="skipped",
-                reason=f"no runnable workload for scheme {s.parallelism.scheme!r} yet",
-            )
+        if reason := skip_reason(s, gpus=gpu_visible()):
+            result = ScenarioResult(prediction=prediction, status="skipped", reason=reason)
         else:
             try:
                 capture = launch_local(s, deadline_s=a.deadline)
@@ -174,11 +170,14 @@ def _run_under_torchrun(scenarios: list[Any], a: argparse.Namespace) -> int:
     import time
     import traceback
 
+    import torch
+
     from harness.capture import Capture, timeline
     from harness.expectation import predict
     from harness.rank import resolve_backend, run_rank, torchrun_store
     from harness.reconcile import reconcile
     from harness.report import Report, ScenarioResult
+    from harness.workloads import skip_reason
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     lead = rank == 0
@@ -191,10 +190,11 @@ def _run_under_torchrun(scenarios: list[Any], a: argparse.Namespace) -> int:
                 flush=True,
             )
         started = time.monotonic()
+        reason = skip_reason(s, gpus=torch.cuda.is_available())
         if s.world_size != world:
-            result = ScenarioResult(
-                prediction=prediction, status="skipped", reason=f"needs {s.world_size} ranks; torchrun started {world}"
-            )
+            reason = f"needs {s.world_size} ranks; torchrun started {world}"
+        if reason:
+            result = ScenarioResult(prediction=prediction, status="skipped", reason=reason)
         else:
             try:
                 marks = {"entry": time.monotonic()}

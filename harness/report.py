@@ -4,12 +4,14 @@ every scenario, so an interrupted suite leaves a complete report of what ran."""
 
 from __future__ import annotations
 
+import functools
+import json
 import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
-from importlib import metadata
+from importlib import metadata, resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,6 +43,27 @@ def environment() -> dict[str, Any]:
         "deepspeed": version("deepspeed"),
         "commgate": __version__,
     }
+
+
+@functools.cache
+def schema() -> dict[str, Any]:
+    """The published report JSON Schema (draft 2020-12); its scenarios' ``capture`` is the capture schema."""
+    text = resources.files("harness").joinpath("schemas/report.schema.json").read_text(encoding="utf-8")
+    loaded: dict[str, Any] = json.loads(text)
+    return loaded
+
+
+def validate(doc: dict[str, Any]) -> None:
+    """Raise ``jsonschema.ValidationError`` unless ``doc`` is a valid report document."""
+    import jsonschema
+    from referencing import Registry, Resource
+
+    from harness import capture
+
+    registry: Registry[Any] = Registry().with_resource(
+        capture.schema()["$id"], Resource.from_contents(capture.schema())
+    )
+    jsonschema.Draft202012Validator(schema(), registry=registry).validate(doc)
 
 
 def _matrix(m: dict[tuple[int, int], Fraction]) -> list[dict[str, Any]]:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.scenario import SCHEMES
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -48,7 +50,7 @@ def test_predict_default_suite_writes_a_report(tmp_path: Path) -> None:
     assert "scenario(s) predicted" in proc.stdout and "Eq. 2" in proc.stdout
     doc = json.loads((tmp_path / "out" / "predictions.json").read_text())
     assert doc["schema_version"] == 1
-    assert {p["scheme"] for p in doc["predictions"]} == {"ddp", "zero1", "zero2", "zero3", "tp", "pp", "3d", "moe"}
+    assert {p["scheme"] for p in doc["predictions"]} == set(SCHEMES)
     assert not list((tmp_path / "out").glob(".*tmp"))
 
 

@@ -158,6 +158,13 @@ def test_cli_run_writes_the_report_and_fails_on_a_planted_crash(tmp_path: Path) 
     assert sc["status"] == "passed" and sc["scheme"] == "ddp" and sc["world_size"] == 2
     assert all(c["unexplained_bytes"] == 0 for c in sc["collectives"])
     assert sc["capture"]["calls"] and doc["environment"]["torch"]
+    import jsonschema
+
+    from harness.report import validate as validate_report
+
+    validate_report(doc)  # the published report schema, the capture schema inside
+    with pytest.raises(jsonschema.ValidationError):
+        validate_report(doc | {"scenarios": [sc | {"capture": sc["capture"] | {"backend": 1}}]})
     proc = subprocess.run(
         [sys.executable, "-m", "harness", "run", str(bad), "--report-dir", str(out)], capture_output=True, text=True
     )
@@ -172,11 +179,12 @@ def test_cli_run_writes_the_report_and_fails_on_a_planted_crash(tmp_path: Path) 
         ("zero1", 2, "", ""),
         ("zero2", 3, ", zero: {bucket_elements: 100000}", ""),  # five gradient buckets
         ("zero3", 2, "", "warmup_steps: 0\n"),  # the trace broadcasts of steps 0-1 are measured too
+        ("zero++", 4, ", zero: {hpz: 2}", ""),  # backward gathers within pairs
     ],
-    ids=["zero1", "zero2-buckets-dp3", "zero3-with-trace-steps"],
+    ids=["zero1", "zero2-buckets-dp3", "zero3-with-trace-steps", "zeropp-hpz2"],
 )
 def test_deepspeed_zero_every_byte_explained(scheme: str, dp: int, par: str, extra: str, tmp_path: Path) -> None:
-    (s,) = load_text(text(scheme, par, scheme=scheme, dp=dp) + extra)
+    (s,) = load_text(text(scheme.replace("+", "p"), par, scheme=scheme, dp=dp) + extra)
     rec = reconcile(predict(s), launch_local(s, workdir=tmp_path))
     assert not rec.mismatches, rec.mismatches
     assert all(o.unexplained_bytes == 0 for o in rec.ops), rec.ops
@@ -184,9 +192,12 @@ def test_deepspeed_zero_every_byte_explained(scheme: str, dp: int, par: str, ext
     ops = {o.op for o in rec.ops}
     assert ops == (
         {"all_gather", "all_reduce", "reduce_scatter", "broadcast"}
-        if scheme == "zero3"
+        if scheme in ("zero3", "zero++")
         else {"all_gather", "all_reduce"}
     )
+    if scheme == "zero++":
+        backward = {k.group for k in rec.keys if k.op == "all_gather" and k.phase == "backward"}
+        assert backward == {(0, 1), (2, 3)}
 
 
 @pytest.mark.parametrize(
@@ -277,3 +288,17 @@ def test_3d_deepspeed_pipeline_with_dtensor_stages_every_byte_explained(dp: int,
     groups = {(k.op, len(k.group)) for k in rec.keys if k.window == "steps"}
     assert {("all_reduce", 2), ("send", 2), ("recv", 2)} <= groups
     assert {k.op for k in rec.keys if k.window == "init"} >= {"scatter", "broadcast"}
+
+
+def test_what_cannot_run_here_is_skipped_with_the_reason() -> None:
+    from harness.workloads import skip_reason
+
+    (quantized,) = load_text(text("q", ", zero: {qwz: true}", scheme="zero++", dp=2))
+    (gpu,) = load_text(text("g") + "markers: [gpu]\n")
+    (tp_dp,) = load_text(text("t", ", tp: 2", scheme="tp", dp=2))
+    assert "no CPU kernel" in (skip_reason(quantized, gpus=False) or "")
+    assert skip_reason(quantized, gpus=True) is None
+    assert skip_reason(gpu, gpus=False) == "needs GPUs (marker gpu or backend nccl); this machine has none"
+    assert skip_reason(gpu, gpus=True) is None
+    assert "scheme '3d'" in (skip_reason(tp_dp, gpus=False) or "")
+    assert skip_reason(scenario(), gpus=False) is None

@@ -17,9 +17,9 @@ parallelism: {scheme: ddp, dp: 2}
 """
 
 
-def test_default_suite_covers_every_scheme_but_zero_plus_plus() -> None:
+def test_default_suite_covers_every_scheme() -> None:
     suite = load_paths([ROOT / "scenarios"])
-    assert {s.parallelism.scheme for s in suite} == set(SCHEMES) - {"zero++"}
+    assert {s.parallelism.scheme for s in suite} == set(SCHEMES)
     assert {s.world_size for s in suite} >= {2, 4, 8}
     assert len({s.id for s in suite}) == len(suite)
 

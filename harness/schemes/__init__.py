@@ -15,7 +15,6 @@ from harness.schemes.deepspeed_zero import DeepSpeedZero3, DeepSpeedZero12
 from harness.schemes.moe import ExpertParallel, MoEDataParallel
 from harness.schemes.pipeline import PipelineDataParallel, PipelineParallel
 from harness.schemes.tensor import TensorParallel
-from harness.schemes.zero3 import Zero3
 
 
 class Component(Protocol):
@@ -31,7 +30,7 @@ SCHEMES: dict[str, tuple[Component, ...]] = {
     "zero1": (DeepSpeedZero12(),),
     "zero2": (DeepSpeedZero12(),),
     "zero3": (DeepSpeedZero3(),),
-    "zero++": (Zero3(),),
+    "zero++": (DeepSpeedZero3(),),
     "tp": (TensorParallel(), DataParallel()),
     "pp": (PipelineParallel(), PipelineDataParallel()),
     "3d": (TensorParallel(), PipelineParallel(), PipelineDataParallel()),

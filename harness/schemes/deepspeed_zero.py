@@ -19,6 +19,11 @@ ZeRO-3 (``stage3.py``, ``partitioned_param_coordinator.py``)
 * Steps 0 and 1 also carry the coordinator's trace broadcasts (int64): step 0 one of 1 element and one
   empty; step 1 three of 1 element, one of 3 x (modules with parameters), two of 2 x (parameters).
 
+ZeRO++ (the same engine with ``zero_hpz_partition_size``): hpZ keeps a secondary copy of the
+parameters partitioned within groups of hpz ranks, and the backward all-gathers come from it, over those
+groups; everything else is ZeRO-3's. Its quantized weights and gradients (qwZ, qgZ) run on GPUs only
+(DeepSpeed's quantizer has no CPU kernel); for them the paper-level ZeRO++ model stands.
+
 Partition padding (flat buffers aligned to 2 x dp elements) is not modelled yet; the default suite's
 layouts have none.
 """
@@ -130,7 +135,8 @@ class DeepSpeedZero12(DataParallel):
 @dataclass(frozen=True, slots=True)
 class DeepSpeedZero3(Zero3):
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
-        if ctx.scenario.parallelism.scheme == "zero++":
+        z = ctx.scenario.parallelism.zero
+        if z.qwz or z.qgz:  # quantized collectives: DeepSpeed runs them on GPUs only; the plain model
             return Zero3.collectives(self, ctx)
         base = _init_row(ctx, Op.ALL_GATHER)
         rows = _init_broadcasts(ctx, base, 2)
@@ -148,10 +154,18 @@ class DeepSpeedZero3(Zero3):
             replace(trace, elements=2 * len(ctx.params), calls=2, at_step=1),
         ]
         step = replace(base, once=False, phase=Phase.FORWARD, paper_term="Eq. 3")
-        for phase in (Phase.FORWARD, Phase.BACKWARD):
+        # ZeRO++ hpZ: the backward gathers from the secondary partition, within hpz ranks
+        hpz = {"axis": "hpz", "groups": ctx.layout.hpz_groups()} if z.hpz > 1 else {}
+        for phase, where, groups in ((Phase.FORWARD, "", {}), (Phase.BACKWARD, ", hpZ" if hpz else "", hpz)):
             for size in modules(ctx.params):
                 rows.append(
-                    replace(step, phase=phase, elements=size, source=f"ZeRO-3 module parameter all-gather ({phase})")
+                    replace(
+                        step,
+                        phase=phase,
+                        elements=size,
+                        source=f"ZeRO-3 module parameter all-gather ({phase}{where})",
+                        **groups,  # type: ignore[arg-type]
+                    )
                 )
         for i, b in enumerate(buckets := _gradient_buckets(ctx)):
             rows.append(

@@ -11,6 +11,7 @@ import importlib
 from typing import Any, Protocol
 
 from harness.errors import CommgateError
+from harness.scenario import Scenario
 
 
 class Workload(Protocol):
@@ -22,11 +23,28 @@ REGISTRY: dict[str, str] = {
     "zero1": "harness.workloads.zero:ZeroWorkload",
     "zero2": "harness.workloads.zero:ZeroWorkload",
     "zero3": "harness.workloads.zero:ZeroWorkload",
+    "zero++": "harness.workloads.zero:ZeroWorkload",
     "tp": "harness.workloads.tp:TPWorkload",
     "pp": "harness.workloads.pp:PipelineWorkload",
     "3d": "harness.workloads.pp:PipelineWorkload",
     "moe": "harness.workloads.moe:MoEWorkload",
 }
+
+
+def skip_reason(scenario: Scenario, *, gpus: bool) -> str | None:
+    """Why ``scenario`` cannot run here (``gpus``: whether this machine has any), or None."""
+    par = scenario.parallelism
+    if not gpus and ("gpu" in scenario.markers or scenario.backend == "nccl"):
+        return "needs GPUs (marker gpu or backend nccl); this machine has none"
+    if scenario.workload is not None:
+        return None
+    if par.scheme not in REGISTRY:
+        return f"no runnable workload for scheme {par.scheme!r} yet"
+    if par.scheme == "zero++" and (par.zero.qwz or par.zero.qgz) and (not gpus or scenario.backend == "gloo"):
+        return "ZeRO++ qwZ/qgZ run on GPUs only: DeepSpeed's quantizer has no CPU kernel (hpZ alone runs on CPU)"
+    if par.scheme == "tp" and par.dp > 1:
+        return "tensor parallelism with dp > 1 runs as scheme '3d' (DeepSpeed's engine) for now"
+    return None
 
 
 def resolve(scheme: str, workload: str | None = None) -> Any:
