@@ -11,14 +11,13 @@ measured steps. Phases: ``init``, ``forward`` (anything outside backward and the
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from harness import schemas
 from harness.fsutil import atomic_write_json
 
 CAPTURE_VERSION = 1
@@ -93,12 +92,9 @@ class Capture:
         )
 
 
-@functools.cache
 def schema() -> dict[str, Any]:
     """The published capture JSON Schema (draft 2020-12)."""
-    text = resources.files("harness").joinpath("schemas/capture.schema.json").read_text(encoding="utf-8")
-    loaded: dict[str, Any] = json.loads(text)
-    return loaded
+    return schemas.load("capture")
 
 
 def validate(doc: dict[str, Any]) -> None:

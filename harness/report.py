@@ -4,18 +4,16 @@ every scenario, so an interrupted suite leaves a complete report of what ran."""
 
 from __future__ import annotations
 
-import functools
-import json
 import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
-from importlib import metadata, resources
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
 
-from harness import __version__
+from harness import __version__, schemas
 from harness.capture import Capture
 from harness.expectation import Prediction
 from harness.fsutil import atomic_write_json
@@ -45,12 +43,9 @@ def environment() -> dict[str, Any]:
     }
 
 
-@functools.cache
 def schema() -> dict[str, Any]:
     """The published report JSON Schema (draft 2020-12); its scenarios' ``capture`` is the capture schema."""
-    text = resources.files("harness").joinpath("schemas/report.schema.json").read_text(encoding="utf-8")
-    loaded: dict[str, Any] = json.loads(text)
-    return loaded
+    return schemas.load("report")
 
 
 def validate(doc: dict[str, Any]) -> None:

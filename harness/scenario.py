@@ -14,13 +14,13 @@ import itertools
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
 import jsonschema
 import yaml
 
+from harness import schemas
 from harness.errors import Problem, ScenarioError
 from harness.model import PRESETS, ModelSpec
 
@@ -141,12 +141,9 @@ class Scenario:
 # --------------------------------------------------------------------------------------------- schema
 
 
-@functools.cache
 def schema() -> dict[str, Any]:
     """The published scenario JSON Schema (draft 2020-12)."""
-    text = resources.files("harness").joinpath("schemas/scenario.schema.json").read_text(encoding="utf-8")
-    loaded: dict[str, Any] = json.loads(text)
-    return loaded
+    return schemas.load("scenario")
 
 
 @functools.cache
