@@ -81,6 +81,21 @@ def _context() -> ForkServerContext:
     return _CONTEXT
 
 
+def _sweep_orphans(parent: Path) -> None:
+    """Remove the private directories of launchers that were killed outright (SIGKILL leaves no chance
+    to clean up): ``commgate-{pid}-*`` whose launcher process no longer exists."""
+    for d in parent.glob("commgate-*-*"):
+        pid = d.name.split("-")[1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:  # alive, someone else's
+            continue
+
+
 def _kill(procs: list[BaseProcess]) -> None:
     for p in procs:
         if p.exitcode is None and p.pid is not None:
@@ -142,7 +157,8 @@ def launch_local(
     """
     world = scenario.world_size
     deadline = deadline_s if deadline_s is not None else scenario.deadline_s
-    tmp = Path(tempfile.mkdtemp(prefix="commgate-", dir=workdir))
+    _sweep_orphans(Path(workdir or tempfile.gettempdir()))
+    tmp = Path(tempfile.mkdtemp(prefix=f"commgate-{os.getpid()}-", dir=workdir))
     procs: list[BaseProcess] = []
     started = time.monotonic()
     try:

@@ -51,7 +51,11 @@ def rank_processes(workdir: Path) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("bucket", ["", ", ddp_bucket_mb: 0.5"], ids=["default-buckets", "half-MiB-buckets"])
+@pytest.mark.parametrize(
+    "bucket",
+    ["", ", ddp_bucket_mb: 0.5", ", micro_batches: 3"],
+    ids=["default-buckets", "half-MiB-buckets", "no-sync-accumulation"],
+)
 def test_ddp_every_byte_explained(bucket: str, tmp_path: Path) -> None:
     s = scenario(par=bucket)
     capture = launch_local(s, workdir=tmp_path)
@@ -65,7 +69,9 @@ def test_ddp_every_byte_explained(bucket: str, tmp_path: Path) -> None:
     assert rec.traffic_measured == rec.traffic_predicted
     assert rec.ok
     buckets = [k for k in rec.keys if k.window == "steps" and k.op == "all_reduce"]
-    assert len(buckets) == (2 if not bucket else 3)
+    assert len(buckets) == (3 if "bucket_mb" in bucket else 2)
+    # with accumulation only the last micro-batch of a step all-reduces (no_sync on the others)
+    assert {k.measured_calls for k in buckets} == {2 * s.steps}
 
 
 def test_capture_sees_every_path(tmp_path: Path) -> None:
@@ -136,6 +142,9 @@ def test_ranks_die_with_a_launcher_killed_outright(tmp_path: Path) -> None:
             break
         time.sleep(0.05)
     assert rank_processes(tmp_path) == []
+    (orphan,) = tmp_path.iterdir()  # the killed launcher's private directory; the next launch removes it
+    launch_local(scenario(), workdir=tmp_path)
+    assert not orphan.exists() and list(tmp_path.iterdir()) == []
 
 
 def test_cli_run_writes_the_report_and_fails_on_a_planted_crash(tmp_path: Path) -> None:
