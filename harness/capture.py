@@ -46,6 +46,15 @@ class CapturedCall:
     """Issue time, from the rank's own clock origin (its first call)."""
     duration_ns: int | None
     """Issue to completion; None when the call never completed (a hang)."""
+    root: int | None = None
+    """Global rank of the root of a broadcast, reduce, gather or scatter (None for other ops)."""
+
+    @property
+    def rooted_group(self) -> tuple[int, ...]:
+        """The group with the root listed first (the convention of ``harness.collectives``)."""
+        if self.root is None:
+            return self.group
+        return (self.root, *(r for r in self.group if r != self.root))
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> CapturedCall:

@@ -14,7 +14,8 @@ send, recv the buffer. This is nccl-tests' "size" convention.
   sends nothing.
 * traffic: who sends how much to whom, assuming ring algorithms (rank i of the group sends to rank
   i+1; NCCL's and gloo's default for large messages), pairwise exchange for all_to_all, and a
-  pipelined chain from/to the root (group rank 0) for broadcast/reduce.
+  pipelined chain from/to the root for broadcast/reduce. A rooted op's group lists its root first
+  (predicted rows so, and captured calls by their recorded ``root``).
 """
 
 from __future__ import annotations

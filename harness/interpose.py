@@ -56,7 +56,15 @@ class Recorder:
             self._t0 = t
         return t - self._t0
 
-    def issue(self, *, op: str, group: Sequence[int], tensors: Sequence[torch.Tensor], peer: int | None) -> int:
+    def issue(
+        self,
+        *,
+        op: str,
+        group: Sequence[int],
+        tensors: Sequence[torch.Tensor],
+        peer: int | None,
+        root: int | None = None,
+    ) -> int:
         elements = sum(t.numel() for t in tensors)
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else "none"
@@ -76,6 +84,7 @@ class Recorder:
             bytes=nbytes,
             tensors=len(tensors),
             start_ns=self.now(),
+            root=root,
         )
         with self._lock:
             self._open[seq] = rec
@@ -202,6 +211,7 @@ _COLLECTIVES: dict[str, tuple[str, int, str]] = {
     "gather": ("gather", 1, "gather"),
     "scatter": ("scatter", 1, "scatter"),
 }
+_ROOTED = {"broadcast", "reduce", "gather", "scatter"}
 # Coalesced forms the gloo binding lacks: one call per tensor, joined into one work.
 _PER_TENSOR = {
     "allgather_into_tensor_coalesced": "_allgather_base",
@@ -226,11 +236,13 @@ class CapturingProcessGroup(ProcessGroup):
     def getBackendName(self) -> str:
         return BACKEND_NAME
 
-    def _record(self, op: str, tensors: list[torch.Tensor], peer: int | None = None) -> tuple[Recorder, int] | None:
+    def _record(
+        self, op: str, tensors: list[torch.Tensor], peer: int | None = None, root: int | None = None
+    ) -> tuple[Recorder, int] | None:
         rec = RECORDER
         if rec is None:
             return None
-        return rec, rec.issue(op=op, group=self.global_ranks, tensors=tensors, peer=peer)
+        return rec, rec.issue(op=op, group=self.global_ranks, tensors=tensors, peer=peer, root=root)
 
     @staticmethod
     def _timed(token: tuple[Recorder, int] | None, work: Any) -> Any:
@@ -271,7 +283,8 @@ def _make_collective(name: str, op: str, arg: int, method: str) -> Callable[...,
         tensors = _flat(args[arg])
         if not tensors:  # scatter/gather off the root: this rank's shard, standing for 1/n of the message
             tensors = _flat(args[1 - arg]) * self.size()
-        token = self._record(op, tensors)
+        root = self.global_ranks[args[-1].rootRank] if op in _ROOTED else None  # the options come last
+        token = self._record(op, tensors, root=root)
         return self._timed(token, self._run(method, args))
 
     collective.__name__ = collective.__qualname__ = name

@@ -95,7 +95,7 @@ def reconcile(prediction: Prediction, capture: Capture) -> Reconciliation:
         which = "init" if c.step == INIT_STEP else ("steps" if c.step in steps else None)
         if which is None:
             continue
-        group = (c.rank, c.peer) if c.peer is not None else c.group
+        group = (c.rank, c.peer) if c.peer is not None else c.rooted_group
         measured[which][(c.op, group, c.dtype, c.bytes, c.phase)] += 1
 
     keys: list[KeyCount] = []

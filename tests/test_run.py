@@ -224,7 +224,12 @@ def test_dtensor_tensor_parallel_every_byte_explained(par: str, tmp_path: Path) 
 @pytest.mark.parametrize(("pp", "dp", "m"), [(2, 1, 4), (3, 2, 2)], ids=["p2-m4", "p3-dp2-m2"])
 def test_deepspeed_pipeline_every_byte_explained(pp: int, dp: int, m: int, tmp_path: Path) -> None:
     (s,) = load_text(text("pp", f", pp: {pp}, micro_batches: {m}", scheme="pp", dp=dp))
-    rec = reconcile(predict(s), launch_local(s, workdir=tmp_path))
+    capture = launch_local(s, workdir=tmp_path)
+    rec = reconcile(predict(s), capture)
+    # the loss is broadcast from the last stage: the recorded root, listed first in the reconciled group
+    last = set(range((pp - 1) * dp, pp * dp))
+    assert {c.root for c in capture.calls if c.op == "broadcast" and c.step >= 0} == last
+    assert {k.group[0] for k in rec.keys if k.op == "broadcast" and k.window == "steps"} == last
     assert not rec.mismatches, rec.mismatches
     assert all(o.unexplained_bytes == 0 for o in rec.ops), rec.ops
     assert rec.traffic_measured == rec.traffic_predicted
@@ -270,6 +275,7 @@ def test_capture_documents_round_trip_and_the_schema_rejects_garbage() -> None:
                 "tensors": 1,
                 "start_ns": 0,
                 "duration_ns": 5,
+                "root": 0,
             }
         ],
         "timeline": {"start": 0.01, "join": 0.02, "build": 0.5, "steps": 1.25, "finish": 0.03},

@@ -87,7 +87,12 @@ class PipelineParallel:
                             source=f"PP {what} {op} (stage {src} -> {dst})",
                         )
                     )
-        rows.append(replace(step, op=Op.BROADCAST, elements=2, source="PP loss broadcast from the last stage"))
+        last_first = tuple((g[-1], *g[:-1]) for g in pipes)  # a rooted op lists its root first
+        rows.append(
+            replace(
+                step, op=Op.BROADCAST, groups=last_first, elements=2, source="PP loss broadcast from the last stage"
+            )
+        )
         rows.append(
             replace(
                 step,
