@@ -132,6 +132,8 @@ GRID = [
     dict(scheme="zero1", dp=4),
     dict(scheme="zero2", dp=3),
     dict(scheme="zero3", dp=4),
+    dict(scheme="zero1", dp=5),  # partition padding
+    dict(scheme="zero3", dp=7),
     dict(scheme="zero++", dp=8, zero={"hpz": 2}),
     dict(scheme="zero++", dp=4, zero={"qwz": True, "qgz": True}),
     dict(scheme="tp", tp=2),

@@ -189,8 +189,10 @@ def test_cli_run_writes_the_report_and_fails_on_a_planted_crash(tmp_path: Path) 
         ("zero2", 3, ", zero: {bucket_elements: 100000}", ""),  # five gradient buckets
         ("zero3", 2, "", "warmup_steps: 0\n"),  # the trace broadcasts of steps 0-1 are measured too
         ("zero++", 4, ", zero: {hpz: 2}", ""),  # backward gathers within pairs
+        ("zero1", 5, "", ""),  # the flat buffer padded to 2 x 5 elements
+        ("zero3", 5, "", ""),  # every parameter padded to a multiple of 5
     ],
-    ids=["zero1", "zero2-buckets-dp3", "zero3-with-trace-steps", "zeropp-hpz2"],
+    ids=["zero1", "zero2-buckets-dp3", "zero3-with-trace-steps", "zeropp-hpz2", "zero1-padded", "zero3-padded"],
 )
 def test_deepspeed_zero_every_byte_explained(scheme: str, dp: int, par: str, extra: str, tmp_path: Path) -> None:
     (s,) = load_text(text(scheme.replace("+", "p"), par, scheme=scheme, dp=dp) + extra)
@@ -207,6 +209,8 @@ def test_deepspeed_zero_every_byte_explained(scheme: str, dp: int, par: str, ext
     if scheme == "zero++":
         backward = {k.group for k in rec.keys if k.op == "all_gather" and k.phase == "backward"}
         assert backward == {(0, 1), (2, 3)}
+    padding = [r for r in predict(s).residuals if r.name == "partition padding"]
+    assert bool(padding) == (dp == 5)
 
 
 @pytest.mark.parametrize(

@@ -24,8 +24,9 @@ parameters partitioned within groups of hpz ranks, and the backward all-gathers 
 groups; everything else is ZeRO-3's. Its quantized weights and gradients (qwZ, qgZ) run on GPUs only
 (DeepSpeed's quantizer has no CPU kernel); for them the paper-level ZeRO++ model stands.
 
-Partition padding (flat buffers aligned to 2 x dp elements) is not modelled yet; the default suite's
-layouts have none.
+Partition padding: ZeRO-1/2 pad their flat buffer to a multiple of 2 x d elements, ZeRO-3 each
+parameter to a multiple of d; the padded sizes are what is gathered and reduce-scattered, and the
+difference to Eq. 2/3 is the named term "partition padding".
 """
 
 from __future__ import annotations
@@ -41,13 +42,39 @@ from harness.schemes.ddp import coalesced_chunks
 from harness.schemes.zero3 import Zero3
 
 
-def modules(params: tuple[ParamTensor, ...]) -> list[int]:
-    """Parameters per module that owns parameters, in registration order (``a.b.weight`` -> ``a.b``)."""
+def padded(numel: int, n: int) -> int:
+    """``numel`` rounded up to a multiple of ``n``: a tensor partitioned over n ranks, gathered whole."""
+    return -(-numel // n) * n
+
+
+def modules(params: tuple[ParamTensor, ...], over: int = 1) -> list[int]:
+    """Parameters per module that owns parameters, in registration order (``a.b.weight`` -> ``a.b``),
+    each parameter padded to a multiple of ``over`` (its ZeRO-3 partitioning)."""
     sizes: dict[str, int] = {}
     for p in params:
         owner = p.name.rsplit(".", 1)[0]
-        sizes[owner] = sizes.get(owner, 0) + p.numel
+        sizes[owner] = sizes.get(owner, 0) + padded(p.numel, over)
     return list(sizes.values())
+
+
+def _padding(
+    ctx: Context, term: str, rows: list[ExpectedCollective], unpadded: list[ExpectedCollective]
+) -> list[Residual]:
+    """The named term for partition padding: rank 0's paper-weighted bytes of the padded rows minus
+    those of the same rows unpadded (none when nothing is padded)."""
+
+    def volume(rs: list[ExpectedCollective]) -> Fraction:
+        return sum(
+            (r.paper_bytes_per_step for r in rs if r.paper_term == term and not r.once and 0 in r.participants()),
+            Fraction(0),
+        )
+
+    extra = volume(rows) - volume(unpadded)
+    if not extra:
+        return []
+    d = ctx.scenario.parallelism.dp
+    detail = f"DeepSpeed pads partitioned parameters so that each of the d={d} ranks holds an equal share"
+    return [Residual(term=term, name="partition padding", bytes=extra, detail=detail)]
 
 
 def _init_broadcasts(
@@ -83,15 +110,15 @@ def _init_row(ctx: Context, op: Op) -> ExpectedCollective:
     )
 
 
-def _gradient_buckets(ctx: Context) -> list[int]:
+def _gradient_buckets(ctx: Context, over: int = 1) -> list[int]:
     z = ctx.scenario.parallelism.zero
-    return coalesced_chunks([p.numel for p in reversed(ctx.params)], z.bucket_elements)
+    return coalesced_chunks([padded(p.numel, over) for p in reversed(ctx.params)], z.bucket_elements)
 
 
 @dataclass(frozen=True, slots=True)
 class DeepSpeedZero12(DataParallel):
-    def collectives(self, ctx: Context) -> list[ExpectedCollective]:
-        zs = ctx.scenario.parallelism.zero.stage
+    def collectives(self, ctx: Context, *, pad: bool = True) -> list[ExpectedCollective]:
+        zs, d = ctx.scenario.parallelism.zero.stage, ctx.scenario.parallelism.dp
         base = _init_row(ctx, Op.ALL_REDUCE)
         rows = _init_broadcasts(ctx, base, 1)
         step = replace(base, once=False, phase=Phase.BACKWARD, paper_term="Eq. 2")
@@ -113,7 +140,8 @@ class DeepSpeedZero12(DataParallel):
             replace(
                 step,
                 op=Op.ALL_GATHER,
-                elements=ctx.param_count,
+                # the flat buffer is padded to a multiple of 2 x d elements (nccl_start_alignment_factor)
+                elements=padded(ctx.param_count, 2 * d) if pad else ctx.param_count,
                 phase=Phase.OPTIMIZER,
                 source=f"ZeRO-{zs} all-gather of the updated fp32 partitions",
             )
@@ -129,19 +157,22 @@ class DeepSpeedZero12(DataParallel):
             detail="DeepSpeed reduces ZeRO-1/2 gradients with all_reduce (2N(d-1)/d); Eq. 2 assumes "
             "reduce_scatter (N(d-1)/d) + all_gather",
         )
-        return [*DataParallel.residuals(self, ctx), extra]
+        padding = _padding(ctx, "Eq. 2", self.collectives(ctx), self.collectives(ctx, pad=False))
+        return [*DataParallel.residuals(self, ctx), extra, *padding]
 
 
 @dataclass(frozen=True, slots=True)
 class DeepSpeedZero3(Zero3):
-    def collectives(self, ctx: Context) -> list[ExpectedCollective]:
-        z = ctx.scenario.parallelism.zero
+    def collectives(self, ctx: Context, *, pad: bool = True) -> list[ExpectedCollective]:
+        z, d = ctx.scenario.parallelism.zero, ctx.scenario.parallelism.dp
         if z.qwz or z.qgz:  # quantized collectives: DeepSpeed runs them on GPUs only; the plain model
             return Zero3.collectives(self, ctx)
+        over = d if pad else 1  # each parameter is partitioned (padded) on its own
         base = _init_row(ctx, Op.ALL_GATHER)
         rows = _init_broadcasts(ctx, base, 2)
         rows += [
-            replace(base, elements=p.numel, source="ZeRO-3 initial all-gather (per parameter)") for p in ctx.params
+            replace(base, elements=padded(p.numel, over), source="ZeRO-3 initial all-gather (per parameter)")
+            for p in ctx.params
         ]
         rows.append(replace(base, op=Op.BARRIER, dtype="none", calls=3, source="ZeRO-3 construction barriers"))
         trace = replace(base, op=Op.BROADCAST, dtype="int64", phase=Phase.FORWARD, source="ZeRO-3 trace broadcast")
@@ -157,7 +188,7 @@ class DeepSpeedZero3(Zero3):
         # ZeRO++ hpZ: the backward gathers from the secondary partition, within hpz ranks
         hpz = {"axis": "hpz", "groups": ctx.layout.hpz_groups()} if z.hpz > 1 else {}
         for phase, where, groups in ((Phase.FORWARD, "", {}), (Phase.BACKWARD, ", hpZ" if hpz else "", hpz)):
-            for size in modules(ctx.params):
+            for size in modules(ctx.params, over):
                 rows.append(
                     replace(
                         step,
@@ -167,7 +198,7 @@ class DeepSpeedZero3(Zero3):
                         **groups,  # type: ignore[arg-type]
                     )
                 )
-        for i, b in enumerate(buckets := _gradient_buckets(ctx)):
+        for i, b in enumerate(buckets := _gradient_buckets(ctx, over)):
             rows.append(
                 replace(
                     step,
@@ -189,3 +220,7 @@ class DeepSpeedZero3(Zero3):
             )
         )
         return rows
+
+    def residuals(self, ctx: Context) -> list[Residual]:
+        padding = _padding(ctx, "Eq. 3", self.collectives(ctx), self.collectives(ctx, pad=False))
+        return [*Zero3.residuals(self, ctx), *padding]
