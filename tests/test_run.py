@@ -225,9 +225,13 @@ def test_dtensor_tensor_parallel_every_byte_explained(par: str, tmp_path: Path) 
     assert {k.op for k in rec.keys if k.window == "init"} == {"scatter", "broadcast"}
 
 
-@pytest.mark.parametrize(("pp", "dp", "m"), [(2, 1, 4), (3, 2, 2)], ids=["p2-m4", "p3-dp2-m2"])
-def test_deepspeed_pipeline_every_byte_explained(pp: int, dp: int, m: int, tmp_path: Path) -> None:
-    (s,) = load_text(text("pp", f", pp: {pp}, micro_batches: {m}", scheme="pp", dp=dp))
+@pytest.mark.parametrize(
+    ("pp", "dp", "m", "zero"),
+    [(2, 1, 4, 0), (3, 2, 2, 0), (2, 2, 2, 1)],
+    ids=["p2-m4", "p3-dp2-m2", "p2-dp2-zero1"],
+)
+def test_deepspeed_pipeline_every_byte_explained(pp: int, dp: int, m: int, zero: int, tmp_path: Path) -> None:
+    (s,) = load_text(text("pp", f", pp: {pp}, micro_batches: {m}, zero: {{stage: {zero}}}", scheme="pp", dp=dp))
     capture = launch_local(s, workdir=tmp_path)
     rec = reconcile(predict(s), capture)
     # the loss is broadcast from the last stage: the recorded root, listed first in the reconciled group
@@ -237,6 +241,7 @@ def test_deepspeed_pipeline_every_byte_explained(pp: int, dp: int, m: int, tmp_p
     assert not rec.mismatches, rec.mismatches
     assert all(o.unexplained_bytes == 0 for o in rec.ops), rec.ops
     assert rec.traffic_measured == rec.traffic_predicted
+    assert ("all_gather" in {o.op for o in rec.ops}) == (zero == 1)  # ZeRO-1 gathers the updated partitions
     sends = next(o for o in rec.ops if o.op == "send")
     # Eq. 4 per micro-batch, m micro-batches, for each of the dp pipelines
     assert sends.measured_bytes == 2 * 128 * 64 * (pp - 1) * m * dp * 4

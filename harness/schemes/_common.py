@@ -77,3 +77,8 @@ def rank0_term(ctx: Context, *, equation: str, formula: str, elements: Fraction)
         ranks=frozenset({0}),
         scope="per rank",
     )
+
+
+def padded(numel: int, n: int) -> int:
+    """``numel`` rounded up to a multiple of ``n``: a tensor partitioned over n ranks, gathered whole."""
+    return -(-numel // n) * n

@@ -37,14 +37,10 @@ from fractions import Fraction
 from harness.collectives import Op
 from harness.expectation import Context, ExpectedCollective, Phase, Residual
 from harness.model import ParamTensor
+from harness.schemes._common import padded
 from harness.schemes.data_parallel import DataParallel
 from harness.schemes.ddp import coalesced_chunks
 from harness.schemes.zero3 import Zero3
-
-
-def padded(numel: int, n: int) -> int:
-    """``numel`` rounded up to a multiple of ``n``: a tensor partitioned over n ranks, gathered whole."""
-    return -(-numel // n) * n
 
 
 def modules(params: tuple[ParamTensor, ...], over: int = 1) -> list[int]:

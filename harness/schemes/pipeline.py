@@ -23,7 +23,7 @@ from fractions import Fraction
 from harness.collectives import Op
 from harness.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
 from harness.paper import eq4_pipeline
-from harness.schemes._common import init_broadcast, micro_batches
+from harness.schemes._common import init_broadcast, micro_batches, padded
 from harness.schemes.data_parallel import DataParallel
 
 TERM = "Eq. 4"
@@ -142,7 +142,7 @@ class PipelineDataParallel(DataParallel):
     construction, then every step one all-reduce of the stage's gradients (buckets of
     ``reduce_bucket_size``) and one of its gradient norm, and on the last stage, when dp > 1, one of the
     loss. The engine issues these even when the data-parallel group has a single rank (they then move
-    nothing)."""
+    nothing). With ZeRO-1 each stage's updated partitions are all-gathered after the step."""
 
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         from harness.schemes.ddp import coalesced_chunks
@@ -184,4 +184,39 @@ class PipelineDataParallel(DataParallel):
                         step, elements=1, paper_term=None, source="PP loss all-reduce over data parallel (last stage)"
                     )
                 )
+            if par.zero.stage == 1:  # the engine's ZeRO-1 optimizer: the updated partitions gathered back
+                rows.append(
+                    replace(
+                        step,
+                        op=Op.ALL_GATHER,
+                        elements=padded(sum(shards), 2 * par.dp),
+                        source=f"PP ZeRO-1 all-gather of the updated fp32 partitions (stage {stage})",
+                    )
+                )
         return rows
+
+    def residuals(self, ctx: Context) -> list[Residual]:
+        par, isz = ctx.scenario.parallelism, ctx.scenario.model.itemsize
+        out = DataParallel.residuals(self, ctx)
+        if par.zero.stage == 1 and par.dp > 1:
+            d, n = par.dp, ctx.rank_params(0)
+            share = Fraction(d - 1, d)
+            out.append(
+                Residual(
+                    term="Eq. 2",
+                    name="gradients all-reduced, not reduce-scattered",
+                    bytes=share * n * isz,
+                    detail="DeepSpeed's pipeline engine with ZeRO-1 all-reduces gradients (2N(d-1)/d) and "
+                    "all-gathers the updated partitions; Eq. 2 assumes reduce_scatter + all_gather",
+                )
+            )
+            if pad := padded(n, 2 * d) - n:
+                out.append(
+                    Residual(
+                        term="Eq. 2",
+                        name="partition padding",
+                        bytes=share * pad * isz,
+                        detail=f"the stage's flat buffer is padded to a multiple of 2 x d = {2 * d} elements",
+                    )
+                )
+        return out
