@@ -214,15 +214,22 @@ def test_deepspeed_zero_every_byte_explained(scheme: str, dp: int, par: str, ext
 
 
 @pytest.mark.parametrize(
-    "par", [", activation_checkpointing: true", ", micro_batches: 2"], ids=["checkpointing", "two-micro-batches"]
+    ("dp", "par"),
+    [(1, ", activation_checkpointing: true"), (1, ", micro_batches: 2"), (2, ", micro_batches: 2")],
+    ids=["checkpointing", "two-micro-batches", "with-ddp-dp2"],
 )
-def test_dtensor_tensor_parallel_every_byte_explained(par: str, tmp_path: Path) -> None:
-    (s,) = load_text(text("tp", par, scheme="tp", dp=1).replace("dp: 1", "tp: 2"))
+def test_dtensor_tensor_parallel_every_byte_explained(dp: int, par: str, tmp_path: Path) -> None:
+    (s,) = load_text(text("tp", ", tp: 2" + par, scheme="tp", dp=dp))
     rec = reconcile(predict(s), launch_local(s, workdir=tmp_path))
     assert not rec.mismatches, rec.mismatches
-    assert [o.op for o in rec.ops] == ["all_reduce"] and rec.ops[0].unexplained_bytes == 0
+    assert all(o.unexplained_bytes == 0 for o in rec.ops), rec.ops
     assert rec.traffic_measured == rec.traffic_predicted
-    assert {k.op for k in rec.keys if k.window == "init"} == {"scatter", "broadcast"}
+    assert {k.op for k in rec.keys if k.window == "init"} >= {"scatter", "broadcast"}
+    steps = {(k.op, k.group) for k in rec.keys if k.window == "steps"}
+    if dp == 1:
+        assert [o.op for o in rec.ops] == ["all_reduce"] and steps == {("all_reduce", (0, 1))}
+    else:  # DDP over the replicas: each tensor-parallel rank's shards with its peer in the other replica
+        assert {("all_reduce", (0, 2)), ("all_reduce", (1, 3)), ("all_reduce", (0, 1))} <= steps
 
 
 @pytest.mark.parametrize(
@@ -319,10 +326,8 @@ def test_what_cannot_run_here_is_skipped_with_the_reason() -> None:
 
     (quantized,) = load_text(text("q", ", zero: {qwz: true}", scheme="zero++", dp=2))
     (gpu,) = load_text(text("g") + "markers: [gpu]\n")
-    (tp_dp,) = load_text(text("t", ", tp: 2", scheme="tp", dp=2))
     assert "no CPU kernel" in (skip_reason(quantized, gpus=False) or "")
     assert skip_reason(quantized, gpus=True) is None
     assert skip_reason(gpu, gpus=False) == "needs GPUs (marker gpu or backend nccl); this machine has none"
     assert skip_reason(gpu, gpus=True) is None
-    assert "scheme '3d'" in (skip_reason(tp_dp, gpus=False) or "")
     assert skip_reason(scenario(), gpus=False) is None

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Protocol
 
 from harness.expectation import Context, ExpectedCollective, PaperTerm, Residual
-from harness.schemes.data_parallel import DataParallel
 from harness.schemes.ddp import DistributedDataParallel
 from harness.schemes.deepspeed_zero import DeepSpeedZero3, DeepSpeedZero12
 from harness.schemes.moe import ExpertParallel, MoEDataParallel
@@ -31,7 +30,7 @@ SCHEMES: dict[str, tuple[Component, ...]] = {
     "zero2": (DeepSpeedZero12(),),
     "zero3": (DeepSpeedZero3(),),
     "zero++": (DeepSpeedZero3(),),
-    "tp": (TensorParallel(), DataParallel()),
+    "tp": (TensorParallel(), DistributedDataParallel()),
     "pp": (PipelineParallel(), PipelineDataParallel()),
     "3d": (TensorParallel(), PipelineParallel(), PipelineDataParallel()),
     "moe": (ExpertParallel(), MoEDataParallel()),

@@ -55,11 +55,12 @@ def coalesced_chunks(sizes: list[int], limit: int) -> list[int]:
     return out
 
 
-def rebuilt_buckets(params: tuple[ParamTensor, ...], itemsize: int, bucket_mb: float | None) -> list[int]:
-    """Elements per bucket after DDP's rebuild, in the order they are all-reduced."""
+def rebuilt_buckets(params: tuple[ParamTensor, ...], itemsize: int, bucket_mb: float | None, tp: int = 1) -> list[int]:
+    """Elements per bucket after DDP's rebuild, in the order they are all-reduced (a rank's
+    tensor-parallel shards with ``tp`` > 1)."""
     cap = int((bucket_mb if bucket_mb is not None else DEFAULT_BUCKET_MB) * MIB)
     limits = [FIRST_BUCKET_BYTES, cap] if bucket_mb is None else [cap]
-    sizes = [p.numel * itemsize for p in reversed(params)]
+    sizes = [p.numel_per_tp_rank(tp) * itemsize for p in reversed(params)]
     return [b // itemsize for b in buckets_by_size(sizes, limits)]
 
 
@@ -68,8 +69,10 @@ class DistributedDataParallel(DataParallel):
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         s, m = ctx.scenario, ctx.scenario.model
         par, params, isz = s.parallelism, ctx.params, m.itemsize
-        groups = ctx.layout.dp_groups()
-        n = ctx.param_count
+        if par.dp == 1:  # tensor parallelism alone: no DDP
+            return []
+        groups = ctx.layout.dp_groups()  # one per tensor-parallel rank with tp > 1
+        n = ctx.rank_params(0)  # with tp > 1 the rank's shards
         init = ExpectedCollective(
             op=Op.BROADCAST,
             axis="dp",
@@ -89,7 +92,7 @@ class DistributedDataParallel(DataParallel):
                 source="DDP parameter check: sizes and strides (broadcast, int64)",
             ),
         ]
-        for chunk in coalesced_chunks([p.numel * isz for p in params], BROADCAST_BUCKET_BYTES):
+        for chunk in coalesced_chunks([p.numel_per_tp_rank(par.tp) * isz for p in params], BROADCAST_BUCKET_BYTES):
             rows.append(
                 replace(init, dtype=m.dtype, elements=chunk // isz, source="DDP initial module-state broadcast")
             )
@@ -106,7 +109,7 @@ class DistributedDataParallel(DataParallel):
             at_step=0,
         )
         rows.append(grad)
-        buckets = rebuilt_buckets(params, isz, par.ddp_bucket_mb)
+        buckets = rebuilt_buckets(params, isz, par.ddp_bucket_mb, par.tp)
         if s.warmup_steps + s.steps > 1:
             rebuild = replace(init, dtype="int32", phase=Phase.FORWARD, at_step=1)
             rows += [

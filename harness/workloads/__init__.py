@@ -42,8 +42,6 @@ def skip_reason(scenario: Scenario, *, gpus: bool) -> str | None:
         return f"no runnable workload for scheme {par.scheme!r} yet"
     if par.scheme == "zero++" and (par.zero.qwz or par.zero.qgz) and (not gpus or scenario.backend == "gloo"):
         return "ZeRO++ qwZ/qgZ run on GPUs only: DeepSpeed's quantizer has no CPU kernel (hpZ alone runs on CPU)"
-    if par.scheme == "tp" and par.dp > 1:
-        return "tensor parallelism with dp > 1 runs as scheme '3d' (DeepSpeed's engine) for now"
     return None
 
 

@@ -91,14 +91,12 @@ class PipelineWorkload:
 
 def _shard_stage(module: Any, device: torch.device) -> None:  # a deepspeed.pipe.PipelineModule
     """Shard this stage's layers over the engine's model-parallel group with DTensor, Megatron style, and
-    hand their parameters to the engine as local shards (``_FromLocal``). (torch's own transform for DDP,
-    ``_pre_dp_module_transform``, swaps in new parameter objects at every forward, so that an engine
-    holding the first ones never sees their gradients.)"""
+    hand their parameters to the engine as local shards (``harness.workloads.tp.localize``)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     from harness.workloads.gpt import Embedding, Layer
-    from harness.workloads.tp import embedding_plan, head_plan, layer_plan
+    from harness.workloads.tp import embedding_plan, head_plan, layer_plan, localize
 
     mesh = DeviceMesh.from_group(module._grid.get_slice_parallel_group(), device.type)
     for layer in module.forward_funcs:
@@ -108,30 +106,4 @@ def _shard_stage(module: Any, device: torch.device) -> None:  # a deepspeed.pipe
             parallelize_module(layer, mesh, embedding_plan())
         elif isinstance(layer, _Head):
             parallelize_module(layer, mesh, head_plan())
-    for sub in module.modules():
-        for name, param in list(sub.named_parameters(recurse=False)):
-            if isinstance(param, DTensor):
-                _localize(sub, name, param)
-
-
-class _FromLocal(nn.Module):
-    """A parametrization: the module sees the DTensor, the engine the local shard it wraps (the same
-    ``Parameter`` object throughout, so that the engine's gradient reduction and optimizer find it)."""
-
-    def __init__(self, param: DTensor) -> None:
-        super().__init__()
-        self.mesh, self.placements = param.device_mesh, param.placements
-        self.shape, self.stride = param.shape, param.stride()
-
-    def forward(self, local: torch.Tensor) -> DTensor:
-        return DTensor.from_local(
-            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
-        )
-
-
-def _localize(module: nn.Module, name: str, param: DTensor) -> None:
-    from torch.nn.utils import parametrize
-
-    delattr(module, name)
-    module.register_parameter(name, nn.Parameter(param.to_local().detach().clone()))
-    parametrize.register_parametrization(module, name, _FromLocal(param), unsafe=True)  # shapes differ
+    localize(module)
