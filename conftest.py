@@ -4,3 +4,6 @@
 """
 
 pytest_plugins = ["pytester"]
+
+# The malformed-scenario corpus is read by tests/test_malformed.py, not collected by the gate.
+collect_ignore = ["tests/data"]

@@ -71,6 +71,9 @@ class Capture:
     steps: int
     backend: str
     calls: tuple[CapturedCall, ...]
+    stack: dict[str, str | None] = field(default_factory=dict)
+    """What rank 0 ran on: ``hardware`` (GPU model and count, or CPU model and cores), ``cuda``,
+    ``rocm``, ``backend_version`` (NCCL/RCCL; None for gloo). Empty when not recorded."""
     timeline: dict[str, float] = field(default_factory=dict)
     """Where rank 0's wall time went, in seconds: ``start`` (launch to the rank's first line), ``join``
     (process-group rendezvous), ``build`` (workload and engine construction), ``steps`` (warm-up and
@@ -86,6 +89,7 @@ class Capture:
             "backend": self.backend,
             "calls": [asdict(c) | {"group": list(c.group)} for c in self.calls],
             "timeline": dict(self.timeline),
+            "stack": dict(self.stack),
         }
 
     @classmethod
@@ -98,6 +102,7 @@ class Capture:
             backend=d["backend"],
             calls=tuple(CapturedCall.from_json(c) for c in d["calls"]),
             timeline=dict(d.get("timeline", {})),
+            stack=dict(d.get("stack", {})),
         )
 
 
@@ -133,6 +138,7 @@ def merge(
     steps: int,
     backend: str,
     timeline: dict[str, float] | None = None,
+    stack: dict[str, str | None] | None = None,
 ) -> Capture:
     """One capture from every rank's file, ordered by (rank, seq)."""
     calls: list[CapturedCall] = []
@@ -147,4 +153,5 @@ def merge(
         backend=backend,
         calls=tuple(calls),
         timeline=timeline or {},
+        stack=stack or {},
     )

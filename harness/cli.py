@@ -174,7 +174,7 @@ def _run_under_torchrun(scenarios: list[Any], a: argparse.Namespace) -> int:
 
     from harness.capture import Capture, timeline
     from harness.expectation import predict
-    from harness.rank import resolve_backend, run_rank, torchrun_store
+    from harness.rank import resolve_backend, run_rank, stack, torchrun_store
     from harness.reconcile import reconcile
     from harness.report import Report, ScenarioResult
     from harness.workloads import skip_reason
@@ -213,6 +213,7 @@ def _run_under_torchrun(scenarios: list[Any], a: argparse.Namespace) -> int:
                 backend=resolve_backend(s),
                 calls=tuple(sorted(calls, key=lambda c: (c.rank, c.seq))),
                 timeline=timeline(marks),
+                stack=stack(resolve_backend(s)),
             )
             rec = reconcile(prediction, capture)
             result = ScenarioResult(

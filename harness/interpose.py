@@ -49,6 +49,8 @@ class Recorder:
         self.calls: list[CapturedCall] = []
         self.on_issue: Callable[[str], None] | None = None
         """Called with a description of each call as it is issued (the launcher's hang report)."""
+        self.delay_first_recv_s = 0.0
+        """A planted fault (``harness.inject``): the first recv of step 0 waits this long."""
 
     def now(self) -> int:
         t = time.perf_counter_ns()
@@ -267,6 +269,9 @@ class CapturingProcessGroup(ProcessGroup):
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
         token = self._record("recv", tensors, self.global_ranks[src])
+        if token is not None and token[0].delay_first_recv_s and token[0].step == 0:
+            time.sleep(token[0].delay_first_recv_s)  # planted fault: once, counted in this recv's latency
+            token[0].delay_first_recv_s = 0.0
         return self._timed(token, self._real.recv(tensors, src, tag))
 
     def barrier(self, opts: Any = None) -> Any:

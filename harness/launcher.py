@@ -33,6 +33,7 @@ from pathlib import Path
 
 from harness.capture import Capture, merge, timeline
 from harness.errors import CommgateError
+from harness.inject import Faults
 from harness.rank import child
 from harness.scenario import Scenario
 
@@ -149,6 +150,7 @@ def launch_local(
     deadline_s: float | None = None,
     progress: Callable[[str], None] | None = None,
     workdir: Path | None = None,
+    faults: Faults | None = None,
 ) -> Capture:
     """Run ``scenario`` on ``world_size`` local processes and return the merged capture.
 
@@ -163,13 +165,23 @@ def launch_local(
     started = time.monotonic()
     try:
         spec = tmp / "scenario.pickle"
+        faults = faults or Faults()
         with open(spec, "wb") as f:
-            pickle.dump(scenario, f)
+            pickle.dump(faults.apply(scenario), f)  # what runs; the caller predicts from what was declared
         ctx = _context()
         for rank in range(world):
             # what torchrun sets (DeepSpeed insists on LOCAL_RANK)
             env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
-            args = (str(spec), rank, world, str(tmp / "store"), str(tmp), env | {"OMP_NUM_THREADS": "1"}, started)
+            args = (
+                str(spec),
+                rank,
+                world,
+                str(tmp / "store"),
+                str(tmp),
+                env | {"OMP_NUM_THREADS": "1"},
+                started,
+                faults,
+            )
             p = ctx.Process(target=child, args=args, name=f"commgate-rank{rank}", daemon=False)
             p.start()
             procs.append(p)
@@ -193,6 +205,7 @@ def launch_local(
             steps=scenario.steps,
             backend=meta["backend"],  # as the ranks resolved it (auto: nccl on GPUs)
             timeline=timeline(meta["marks"] | {"done": time.monotonic()}),  # finish: up to the merge
+            stack=meta["stack"],
         )
     finally:
         _kill(procs)

@@ -19,6 +19,7 @@ from typing import Any
 
 from harness.capture import CapturedCall, write_rank_calls
 from harness.fsutil import atomic_write_json
+from harness.inject import Faults
 from harness.scenario import Scenario
 
 STATUS_WIDTH = 240
@@ -32,6 +33,21 @@ def resolve_backend(scenario: Scenario) -> str:
     return scenario.backend
 
 
+def stack(backend: str) -> dict[str, str | None]:
+    """``Capture.stack`` as this rank sees it."""
+    import torch
+
+    from harness.baseline import cpu_fingerprint
+
+    gpus = backend != "gloo" and torch.cuda.is_available()
+    return {
+        "hardware": f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}" if gpus else cpu_fingerprint(),
+        "cuda": torch.version.cuda,
+        "rocm": getattr(torch.version, "hip", None),
+        "backend_version": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None,  # type: ignore[no-untyped-call]
+    }
+
+
 def run_rank(
     scenario: Scenario,
     *,
@@ -42,6 +58,7 @@ def run_rank(
     out_dir: Path | None = None,
     on_issue: Callable[[str], None] | None = None,
     marks: dict[str, float] | None = None,
+    faults: Faults | None = None,
 ) -> list[CapturedCall] | None:
     """Run ``scenario`` as ``rank``. With ``out_dir`` the rank writes its own calls there and returns
     None (the local launcher); without, the calls of every rank are gathered over the process group
@@ -66,6 +83,8 @@ def run_rank(
     functional = dict(vars(torch.nn.functional))  # restored after the scenario (see _forget_deepspeed_state)
     rec = interpose.install(backend, rank)
     rec.on_issue = on_issue
+    faults = faults or Faults()
+    rec.delay_first_recv_s = faults.delay_first_recv_ms / 1000
     dist.init_process_group(
         interpose.BACKEND_NAME,
         init_method=init_method,
@@ -82,6 +101,8 @@ def run_rank(
         rec.poll()
         rec.step, rec.phase = k, "forward"
         workload.step(k)
+        if faults.extra_collective:  # planted fault
+            dist.all_reduce(torch.zeros(1, device=device))
     if device.type == "cuda":
         torch.cuda.synchronize()
     rec.poll()
@@ -176,7 +197,9 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def child(spec: str, rank: int, world: int, store: str, out_s: str, env: dict[str, str], launched: float) -> None:
+def child(
+    spec: str, rank: int, world: int, store: str, out_s: str, env: dict[str, str], launched: float, faults: Faults
+) -> None:
     """One rank started by the local launcher, forked from its forkserver (torch, DeepSpeed imported).
 
     SPEC is the scenario pickled by the launcher into its private directory OUT (inter-process hand-over,
@@ -209,8 +232,10 @@ def child(spec: str, rank: int, world: int, store: str, out_s: str, env: dict[st
             init_method=f"file://{store}",
             on_issue=on_issue,
             marks=marks,
+            faults=faults,
         )
-        meta = {"backend": resolve_backend(scenario), "marks": marks}
+        backend = resolve_backend(scenario)
+        meta = {"backend": backend, "marks": marks, "stack": stack(backend) if rank == 0 else {}}
         atomic_write_json(out / f"rank{rank}.meta.json", meta)
     except BaseException:
         (out / f"rank{rank}.err").write_text(traceback.format_exc())

@@ -14,6 +14,7 @@ import itertools
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal
 
@@ -86,8 +87,10 @@ class Tolerance:
     rtol: float = 0.0
     atol: int = 0
 
-    def allows(self, obtained: float, expected: float) -> bool:
-        return abs(obtained - expected) <= self.atol + self.rtol * abs(expected)
+    def allows(self, obtained: float | Fraction, expected: float | Fraction) -> bool:
+        if not self.rtol and not self.atol:
+            return obtained == expected  # exact (Fractions stay exact)
+        return abs(float(obtained) - float(expected)) <= self.atol + self.rtol * abs(float(expected))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,11 +98,13 @@ class LatencyRule:
     factor: float = 1.25
     p_value: float = 0.01
     min_samples: int = 10
+    action: Literal["warn", "fail"] = "warn"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ColdStartRule:
     factor: float = 10.0
+    min_excess_ms: float = 100.0
     action: Literal["warn", "fail"] = "warn"
 
 

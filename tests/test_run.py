@@ -295,6 +295,7 @@ def test_capture_documents_round_trip_and_the_schema_rejects_garbage() -> None:
             }
         ],
         "timeline": {"start": 0.01, "join": 0.02, "build": 0.5, "steps": 1.25, "finish": 0.03},
+        "stack": {"hardware": "AMD EPYC x2", "cuda": None, "rocm": None, "backend_version": None},
     }
     validate_capture(doc)
     assert Capture.from_json(doc).to_json() == doc

@@ -1,0 +1,73 @@
+"""The gate's quality, measured: planted faults caught, and false alarms over back-to-back A/A runs.
+
+    .venv/bin/python benchmarks/gate_quality.py [--aa 20] [--faults-only | --aa-only]
+
+* Faults: each planted fault (``--commgate-fault``) on the default-suite scenario it targets must fail
+  the gate, with the fault named and the expected kind of finding in the failure.
+* A/A: the unchanged default gate (``pytest scenarios``, committed baselines) run ``--aa`` times back to
+  back; every run must pass. Latency shifts only warn by default, so they are counted apart.
+
+Prints one line per run and the two figures; exits 1 unless every fault is caught and no A/A run fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FAULTS = [
+    ("delay-first-recv", "scenarios/pp.yaml", "[cold-start]"),
+    ("extra-collective", "scenarios/ddp.yaml", "[model]"),
+    ("ddp-bucket-mb=0.5", "scenarios/ddp.yaml", "[baseline]"),
+    ("zero-stage=3", "scenarios/zero1.yaml", "[model]"),
+]
+
+
+def pytest(*args: str) -> tuple[int, str, float]:
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--aa", type=int, default=20, help="back-to-back runs of the unchanged gate")
+    ap.add_argument("--faults-only", action="store_true")
+    ap.add_argument("--aa-only", action="store_true")
+    a = ap.parse_args(argv)
+    caught = 0
+    if not a.aa_only:
+        for fault, target, kind in FAULTS:
+            rc, out, wall = pytest(target, "--commgate-fault", fault)
+            ok = rc == 1 and f"(planted fault: {fault})" in out and kind in out
+            caught += ok
+            print(
+                f"fault {fault:<20} on {target:<22} {'caught' if ok else 'MISSED'} ({kind}, {wall:.0f} s)", flush=True
+            )
+    failures = warned = 0
+    if not a.faults_only:
+        for i in range(a.aa):
+            rc, out, wall = pytest("scenarios")
+            failures += rc != 0
+            warned += "latency shifted" in out
+            summary = out.strip().splitlines()[-1] if out.strip() else ""
+            print(f"A/A run {i + 1:>2}/{a.aa}: rc {rc} ({wall:.0f} s) {summary}", flush=True)
+    if not a.aa_only:
+        print(f"planted faults caught: {caught} of {len(FAULTS)}")
+    if not a.faults_only:
+        print(f"A/A: {failures} failed of {a.aa} (latency-shift warnings in {warned})")
+    return 0 if caught == (0 if a.aa_only else len(FAULTS)) and failures == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,159 @@
+"""The regression gate's verdict on one run: the three kinds of assertion and the drift checks, each a
+``Finding`` that shows only what differs (obtained / expected / difference), bounded in length.
+
+1. Model: every (window, op, group, dtype, size, phase) call count and every op's bytes per step
+   against the per-collective model (exact unless the scenario declares tolerances), and the traffic
+   matrix when both are exact.
+2. Paper: each equation against the model, after the named residual terms, within ``paper.rtol``.
+3. Baseline: counts, bytes and the message-size histogram exactly (``harness.baseline``); latency by
+   ``harness.drift`` (warn, or fail where the scenario says so).
+Plus the cold-start check within the run. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Literal
+
+from harness.baseline import Baseline, compare
+from harness.capture import Capture
+from harness.drift import changed, cold_starts, shifts
+from harness.expectation import Prediction
+from harness.reconcile import Reconciliation
+from harness.render import human_bytes, number
+from harness.scenario import Scenario
+
+MAX_LINES = 12
+UPDATE_FLAG = "--commgate-update-baselines"
+
+Kind = Literal["model", "paper", "baseline", "cold-start", "latency"]
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    kind: Kind
+    fail: bool
+    title: str
+    lines: tuple[str, ...] = ()
+    hint: str = ""
+
+    def text(self) -> str:
+        shown = list(self.lines[:MAX_LINES])
+        if len(self.lines) > MAX_LINES:
+            shown.append(f"... and {len(self.lines) - MAX_LINES} more (report.json has them all)")
+        body = "".join(f"\n    {line}" for line in shown)
+        return f"[{self.kind}] {self.title}{body}" + (f"\n    {self.hint}" if self.hint else "")
+
+
+@dataclass(kw_only=True)
+class Verdict:
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def failures(self) -> list[Finding]:
+        return [f for f in self.findings if f.fail]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        return [f for f in self.findings if not f.fail]
+
+
+def against_model(s: Scenario, rec: Reconciliation) -> Finding | None:
+    e = s.expectations
+    lines = [
+        f"calls [{k.window}] {k.op} {k.dtype} {k.bytes_per_call} B {k.phase} group {list(k.group)}: "
+        f"obtained {k.measured_calls}, expected {k.predicted_calls} ({k.source})"
+        for k in rec.keys
+        if not e.model_calls.allows(k.measured_calls, k.predicted_calls)
+    ]
+    for o in rec.ops:
+        expected = o.predicted_bytes + sum((b for _, b in o.residuals), Fraction(0))
+        if not e.model_bytes.allows(o.measured_bytes, expected):
+            lines.append(
+                f"bytes per step, {o.op}: obtained {number(o.measured_bytes)}, expected {number(expected)} "
+                f"({'+' if o.unexplained_bytes > 0 else ''}{number(o.unexplained_bytes)} unexplained)"
+            )
+    exact = e.model_calls.rtol == e.model_calls.atol == e.model_bytes.rtol == e.model_bytes.atol == 0
+    if exact and rec.traffic_measured != rec.traffic_predicted:
+        pairs = sorted(set(rec.traffic_measured) | set(rec.traffic_predicted))
+        for src, dst in pairs:
+            a, b = rec.traffic_measured.get((src, dst), Fraction(0)), rec.traffic_predicted.get((src, dst), Fraction(0))
+            if a != b:
+                lines.append(f"traffic {src} -> {dst}: obtained {number(a)} B/step, expected {number(b)} B/step")
+    if not lines:
+        return None
+    return Finding("model", True, "measured communication differs from the per-collective model", tuple(lines))
+
+
+def against_paper(s: Scenario, prediction: Prediction) -> Finding | None:
+    lines = []
+    for c in prediction.comparison():
+        paper = c.term.bytes
+        if abs(c.unexplained_bytes) > s.expectations.paper_rtol * paper:
+            named = ", ".join(f"{r.name} {human_bytes(r.bytes)}" for r in c.residuals) or "none"
+            lines.append(
+                f"{c.term.equation}: model {human_bytes(c.model_bytes)}, paper {human_bytes(paper)}, "
+                f"named terms: {named}; unexplained {number(c.unexplained_bytes)} B "
+                f"(> rtol {s.expectations.paper_rtol:g})"
+            )
+    if not lines:
+        return None
+    return Finding("paper", True, "the model differs from the paper's equations beyond the named terms", tuple(lines))
+
+
+def against_baseline(s: Scenario, now: Baseline, stored: Baseline) -> list[Finding]:
+    e = s.expectations
+    out = []
+    diffs = compare(now, stored, bytes_tol=e.baseline_bytes, calls_tol=e.baseline_calls)
+    if diffs:
+        taken = stored.provenance
+        out.append(
+            Finding(
+                "baseline",
+                True,
+                f"communication differs from the baseline (taken {taken.get('date')} at {taken.get('commit')}, "
+                f"torch {taken.get('torch')}, deepspeed {taken.get('deepspeed')})",
+                tuple(d.text() for d in diffs),
+                f"if the change is intended, accept it with {UPDATE_FLAG}",
+            )
+        )
+    hw = now.provenance["hardware"]
+    if hw in stored.latency:
+        moved = changed(shifts(now.latency[hw], stored.latency[hw], e.latency))
+        if moved:
+            out.append(
+                Finding(
+                    "latency",
+                    e.latency.action == "fail",
+                    f"latency shifted against the baseline on {hw}",
+                    tuple(m.text() for m in moved),
+                    f"accept with {UPDATE_FLAG}",
+                )
+            )
+    return out
+
+
+def cold_start(s: Scenario, capture: Capture) -> Finding | None:
+    rule = s.expectations.cold_start
+    spikes = cold_starts(capture, rule)
+    if not spikes:
+        return None
+    return Finding(
+        "cold-start",
+        rule.action == "fail",
+        f"first-step latency spikes (> {rule.factor:g}x the steady median and > {rule.min_excess_ms:g} ms slower)",
+        tuple(c.text() for c in spikes),
+    )
+
+
+def evaluate(
+    s: Scenario, prediction: Prediction, capture: Capture, rec: Reconciliation, now: Baseline, stored: Baseline | None
+) -> Verdict:
+    v = Verdict()
+    for f in (against_model(s, rec), against_paper(s, prediction), cold_start(s, capture)):
+        if f is not None:
+            v.findings.append(f)
+    if stored is not None:
+        v.findings += against_baseline(s, now, stored)
+    return v

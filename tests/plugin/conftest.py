@@ -1,0 +1,28 @@
+"""Helpers for driving the commgate pytest plugin through pytester: scenario files in a fresh
+directory (its rootdir, so baselines go to ``<it>/baselines``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+# Imported here, so that pytester's inline runs (which forget modules they import) share one launcher
+# and its forkserver instead of starting one per run.
+import harness.launcher  # noqa: F401
+
+SCENARIO = (
+    "schema_version: 1\nname: {name}\nmodel: {{preset: 19M-cpu}}\n"
+    "parallelism: {{scheme: {scheme}, dp: 2{extra}}}\nsteps: 2\n"
+)
+
+
+@pytest.fixture
+def scenario_file(pytester: pytest.Pytester) -> Callable[..., Path]:
+    """Write ``<name>.yaml``: a 2-rank scenario (DDP unless told), extra parallelism fields appended."""
+
+    def write(name: str = "g", extra: str = "", scheme: str = "ddp", tail: str = "") -> Path:
+        return pytester.makefile(".yaml", **{name: SCENARIO.format(name=name, scheme=scheme, extra=extra) + tail})
+
+    return write

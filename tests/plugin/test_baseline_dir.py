@@ -1,0 +1,38 @@
+"""--commgate-baseline-dir, and what the gate does with bad or unused baseline files."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+
+def test_baselines_go_where_told(pytester: pytest.Pytester, scenario_file: Callable[..., Path]) -> None:
+    scenario_file("g")
+    where = pytester.path / "elsewhere"
+    pytester.runpytest("--commgate-update-baselines", "--commgate-baseline-dir", str(where)).assert_outcomes(passed=1)
+    assert (where / "gloo" / "g.json").exists() and not (pytester.path / "baselines").exists()
+
+
+def test_a_truncated_baseline_is_a_one_line_error(
+    pytester: pytest.Pytester, scenario_file: Callable[..., Path]
+) -> None:
+    scenario_file("g")
+    pytester.runpytest("--commgate-update-baselines").assert_outcomes(passed=1)
+    path = pytester.path / "baselines" / "gloo" / "g.json"
+    path.write_text(path.read_text()[:200])
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([f"{path}:*: not valid JSON (*); delete it or rerun with --commgate-update-baselines"])
+    assert "Traceback" not in result.stdout.str()
+
+
+def test_unused_baselines_are_reported(pytester: pytest.Pytester, scenario_file: Callable[..., Path]) -> None:
+    scenario_file("g")
+    pytester.runpytest("--commgate-update-baselines").assert_outcomes(passed=1)
+    gone = pytester.path / "baselines" / "gloo" / "gone.json"
+    gone.write_text("{}")
+    result = pytester.runpytest(str(pytester.path))
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*commgate: baselines no scenario used*", f"{gone}"])

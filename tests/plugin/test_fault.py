@@ -1,0 +1,51 @@
+"""--commgate-fault: each planted fault fails the gate with a message naming it and what differs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    ("fault", "expected"),
+    [
+        (
+            "extra-collective",
+            "*calls [[]steps[]] all_reduce fp32 4 B forward group [[]0, 1[]]: obtained 4, expected 0*",
+        ),
+        (
+            "ddp-bucket-mb=0.5",
+            "*calls [[]steps[]] all_reduce fp32 * backward group [[]0, 1[]]: obtained 0, expected 4*",
+        ),
+    ],
+)
+def test_planted_faults_fail_naming_them(
+    fault: str, expected: str, pytester: pytest.Pytester, scenario_file: Callable[..., Path]
+) -> None:
+    scenario_file("g")
+    pytester.runpytest("--commgate-update-baselines").assert_outcomes(passed=1)
+    result = pytester.runpytest("--commgate-fault", fault)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([f"g: (planted fault: {fault})", "*[[]model[]]*", expected, "*[[]baseline[]]*"])
+
+
+def test_a_delayed_first_recv_is_a_cold_start_spike(
+    pytester: pytest.Pytester, scenario_file: Callable[..., Path]
+) -> None:
+    tail = "expectations: {drift: {cold_start: {factor: 10, min_excess_ms: 500, action: fail}}}\n"
+    scenario_file("p", extra=", pp: 2, micro_batches: 2", scheme="pp", tail=tail)
+    pytester.runpytest("--commgate-update-baselines").assert_outcomes(passed=1)
+    result = pytester.runpytest("--commgate-fault", "delay-first-recv=1500")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["*[[]cold-start[]]*", "*cold-start spike: rank * recv peer * took 1[56]??.* ms in step 0*"]
+    )
+
+
+def test_an_unknown_fault_is_a_usage_error(pytester: pytest.Pytester, scenario_file: Callable[..., Path]) -> None:
+    scenario_file("g")
+    result = pytester.runpytest("--commgate-fault", "unplug-cable")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--commgate-fault 'unplug-cable': expected one of delay-first-recv*"])
