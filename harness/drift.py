@@ -9,8 +9,8 @@ includes waiting for its sender: exactly what the paper's cold-cache anomaly loo
   taking seconds is not).
 * Shift: per (op, peer or group, size, phase), the measured steps' samples against the baseline's;
   "slower"/"faster" only when the ratio of medians passes the factor *and* a two-sided Mann-Whitney U
-  test rejects equality at ``p_value`` with at least ``min_samples`` on each side (as asv does); "~"
-  otherwise. Raw samples, never trimmed means.
+  test rejects equality at ``p_value`` (shared among the keys tested: Bonferroni) with at least
+  ``min_samples`` on each side (as asv does); "~" otherwise. Raw samples, never trimmed means.
 """
 
 from __future__ import annotations
@@ -145,19 +145,21 @@ class Shift:
 
 
 def shifts(now: dict[LatencyKey, list[int]], base: dict[LatencyKey, list[int]], rule: LatencyRule) -> list[Shift]:
-    """Every key with enough samples on both sides, with its verdict."""
+    """Every key with enough samples on both sides, with its verdict. A scenario tests many keys at
+    once, so the significance level is shared among them (Bonferroni: ``p_value`` / keys tested);
+    otherwise some key of a noisy run would always look shifted."""
+    keys = [k for k in sorted(set(now) & set(base)) if min(len(now[k]), len(base[k])) >= rule.min_samples]
+    alpha = rule.p_value / max(len(keys), 1)
     out = []
-    for key in sorted(set(now) & set(base)):
+    for key in keys:
         a, b = now[key], base[key]
-        if min(len(a), len(b)) < rule.min_samples:
-            continue
         ma, mb = statistics.median(a), statistics.median(b)
         ratio = ma / mb if mb > 0 else math.inf
         p = mann_whitney_u(a, b)
         verdict: Verdict = "~"
-        if p < rule.p_value and ratio >= rule.factor:
+        if p < alpha and ratio >= rule.factor:
             verdict = "slower"
-        elif p < rule.p_value and ratio <= 1 / rule.factor:
+        elif p < alpha and ratio <= 1 / rule.factor:
             verdict = "faster"
         out.append(Shift(key=key, verdict=verdict, ratio=ratio, p=p, n_now=len(a), n_base=len(b)))
     return out
