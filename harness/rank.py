@@ -64,8 +64,6 @@ def run_rank(
     None (the local launcher); without, the calls of every rank are gathered over the process group
     and rank 0 returns them all (torchrun, where ranks share no file system). ``marks`` receives the
     monotonic clock at ``joined``, ``built``, ``stepped`` and ``done`` (``harness.capture.timeline``)."""
-    import time
-
     import torch
     import torch.distributed as dist
 
