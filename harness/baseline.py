@@ -227,12 +227,11 @@ class Difference:
     obtained: Fraction | int
     expected: Fraction | int
 
-    def text(self) -> str:
+    def text(self, labels: tuple[str, str] = ("obtained", "expected")) -> str:
         delta = Fraction(self.obtained) - Fraction(self.expected)
         sign = "+" if delta > 0 else ""
-        return (
-            f"{self.what}: obtained {_shown(self.obtained)}, expected {_shown(self.expected)} ({sign}{_shown(delta)})"
-        )
+        now, then = labels
+        return f"{self.what}: {now} {_shown(self.obtained)}, {then} {_shown(self.expected)} ({sign}{_shown(delta)})"
 
 
 def _shown(x: Fraction | int) -> str:

@@ -267,13 +267,44 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--report-dir", type=Path, help="write report.json there (rewritten after every scenario)")
     r.add_argument("--deadline", type=float, help="seconds per scenario (default: each scenario's deadline_s)")
     r.add_argument("-k", "--select", action="append", help="run only scenarios whose id contains this (repeatable)")
+    c = sub.add_parser(
+        "compare",
+        help="what changed in communication between two runs (reports or baseline directories)",
+        description="Compare two runs, e.g. before and after an upgrade: per scenario and collective, calls, bytes "
+        "per step and message sizes exactly, latency with a Mann-Whitney U test. Exit status 1 on a change in "
+        "volume, a scenario on one side only, or a significant slowdown.",
+    )
+    c.add_argument("before", type=Path, help="report.json or baseline directory")
+    c.add_argument("after", type=Path, help="report.json or baseline directory")
+    c.add_argument("--latency-factor", type=float, default=1.25, help="ratio of medians that counts (default 1.25)")
+    c.add_argument("--p-value", type=float, default=0.01, help="significance level, shared among keys (default 0.01)")
     v = sub.add_parser("validate", help="check scenario files; one line per problem")
     v.add_argument("paths", nargs="*", help=f"scenario files or directories (default: ./{DEFAULT_SUITE})")
     sub.add_parser("presets", help="list the model presets")
     return parser
 
 
-COMMANDS = {"predict": cmd_predict, "run": cmd_run, "validate": cmd_validate, "presets": cmd_presets}
+def cmd_compare(a: argparse.Namespace) -> int:
+    from harness.compare import compare, load_side
+    from harness.scenario import LatencyRule
+
+    if a.latency_factor <= 1 or not 0 < a.p_value < 1:
+        raise UsageError("--latency-factor must be > 1 and --p-value within (0, 1)")
+    changes = compare(load_side(a.before), load_side(a.after), LatencyRule(factor=a.latency_factor, p_value=a.p_value))
+    for change in changes:
+        print("\n".join(change.lines()))
+    n = sum(c.changed for c in changes)
+    print(f"{n} of {len(changes)} scenario(s) changed" + ("" if n else ": the two runs communicate the same"))
+    return 1 if n else 0
+
+
+COMMANDS = {
+    "predict": cmd_predict,
+    "run": cmd_run,
+    "compare": cmd_compare,
+    "validate": cmd_validate,
+    "presets": cmd_presets,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
