@@ -27,3 +27,38 @@ def test_ci_run_calls_the_readme_test_command() -> None:
 def test_pyproject_declares_a_torch_range_not_a_pin() -> None:
     text = (ROOT / "pyproject.toml").read_text()
     assert re.search(r'"torch>=[\d.]+,<\d+"', text)
+
+
+def test_pre_upgrade_dry_run_prints_the_a_b_commands(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path)}
+    proc = subprocess.run(
+        [str(root / "ci" / "pre-upgrade.sh"), "deepspeed==0.18.9"], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert ".venv-candidate/bin/pip install -q torch==2.13.0 deepspeed==0.18.9 -e . " in lines
+    assert f".venv/bin/commgate compare {tmp_path}/before/report.json {tmp_path}/after/report.json " in lines
+    usage = subprocess.run([str(root / "ci" / "pre-upgrade.sh")], capture_output=True, text=True)
+    assert usage.returncode == 2 and usage.stderr.startswith("usage: ci/pre-upgrade.sh")
+
+
+def test_nightly_dry_run_prints_the_srun_torchrun_line() -> None:
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {"DRY_RUN": "1", "HEAD": "n001"}
+    proc = subprocess.run([str(root / "ci" / "nightly.sbatch")], capture_output=True, text=True, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    srun = proc.stdout.splitlines()[-1]
+    for part in (
+        "srun --nodes 2 --ntasks-per-node 1",
+        "--nnodes 2 --nproc-per-node 8 --max-restarts 0",
+        "--rdzv-backend c10d --rdzv-endpoint n001:29500",
+        "-m harness run ci/cluster --report-dir reports/nightly/",
+    ):
+        assert part in srun, (part, srun)
