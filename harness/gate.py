@@ -12,11 +12,12 @@ Plus the cold-start check within the run. Torch-free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
+from pathlib import Path
 from typing import Literal
 
-from harness.baseline import Baseline, compare
+from harness.baseline import Baseline, compare, write
 from harness.capture import Capture
 from harness.drift import changed, cold_starts, shifts
 from harness.expectation import Prediction
@@ -157,3 +158,30 @@ def evaluate(
     if stored is not None:
         v.findings += against_baseline(s, now, stored)
     return v
+
+
+def settle_baseline(
+    v: Verdict, now: Baseline, stored: Baseline | None, path: Path, *, update: bool
+) -> tuple[list[Finding], str | None]:
+    """The baseline policy. A missing baseline is written and the test fails (nothing passes silently);
+    with ``update`` it is rewritten, keeping other machines' latency samples, and what changed is
+    reported instead of failing; a run that fails the model or the paper is never stored. Returns the
+    findings that stand and, when a file was written, a line saying so."""
+    if stored is not None and not update:
+        return v.findings, None
+    changed = [f for f in v.findings if f.kind in ("baseline", "latency")]
+    findings = [f for f in v.findings if f.kind not in ("baseline", "latency")]
+    if any(f.fail for f in findings):
+        return findings, None
+    if stored is not None:
+        now = replace(now, latency={**stored.latency, **now.latency})
+    write(path, now)
+    if stored is None:
+        if not update:
+            findings.append(
+                Finding("baseline", True, f"no baseline yet: wrote {path}", hint="rerun to compare against it")
+            )
+        return findings, f"{path} written"
+    if changed:
+        return findings, f"{path} updated: " + "; ".join(line for f in changed for line in f.lines[:3])
+    return findings, f"{path} rewritten, unchanged"

@@ -116,7 +116,7 @@ class ScenarioItem(pytest.Item):
 
         from harness import baseline as bl
         from harness.expectation import predict
-        from harness.gate import Finding, evaluate
+        from harness.gate import evaluate, settle_baseline
         from harness.launcher import RunError, gpu_visible, launch_local
         from harness.reconcile import reconcile
         from harness.report import ScenarioResult
@@ -143,29 +143,11 @@ class ScenarioItem(pytest.Item):
         session.used.add(path.resolve())
         stored = bl.load(path) if path.exists() else None
         verdict = evaluate(s, prediction, capture, rec, now, stored)
-        update = config.getoption("commgate_update_baselines")
-        findings = verdict.findings
-        if stored is None or update:
-            changed = [f for f in findings if f.kind in ("baseline", "latency")]
-            findings = [f for f in findings if f.kind not in ("baseline", "latency")]
-            if stored is not None:  # keep other machines' latency samples
-                now = replace(now, latency={**stored.latency, **now.latency})
-            if not [f for f in findings if f.fail]:
-                bl.write(path, now)
-                what = (
-                    "written"
-                    if stored is None
-                    else (
-                        "updated: " + "; ".join(line for f in changed for line in f.lines[:3])
-                        if changed
-                        else "rewritten, unchanged"
-                    )
-                )
-                session.updated.append(f"{s.id}: {path} {what}")
-                if stored is None and not update:
-                    findings.append(
-                        Finding("baseline", True, f"no baseline yet: wrote {path}", hint="rerun to compare against it")
-                    )
+        findings, written = settle_baseline(
+            verdict, now, stored, path, update=config.getoption("commgate_update_baselines")
+        )
+        if written:
+            session.updated.append(f"{s.id}: {written}")
         fail = [f for f in findings if f.fail]
         warn = [f for f in findings if not f.fail]
         session.results.append(
