@@ -11,6 +11,7 @@ one-line ``BaselineError`` naming the file.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -55,25 +56,34 @@ class Baseline:
     """Hardware fingerprint -> latency key -> raw durations (ns) of the measured steps."""
 
     @classmethod
-    def from_run(cls, capture: Capture, rec: Reconciliation, provenance: dict[str, Any]) -> Baseline:
+    def of(
+        cls,
+        capture: Capture,
+        calls: dict[CallKey, int],
+        bytes_per_step: dict[str, Fraction],
+        provenance: dict[str, Any],
+    ) -> Baseline:
+        """A run's measured counts and bytes, its message-size histogram derived from the counts, its
+        latency samples under ``provenance["hardware"]``."""
         steps = max(capture.steps, 1)
         hist: dict[int, Fraction] = {}
-        for k in rec.keys:
-            if k.window == "steps" and k.measured_calls:
-                hist[k.bytes_per_call] = hist.get(k.bytes_per_call, Fraction(0)) + Fraction(k.measured_calls, steps)
+        for (window, _, _, _, nbytes, _), n in calls.items():
+            if window == "steps":
+                hist[nbytes] = hist.get(nbytes, Fraction(0)) + Fraction(n, steps)
         return cls(
             scenario=capture.scenario,
             backend=capture.backend,
             provenance=provenance,
-            calls={
-                (k.window, k.op, k.group, k.dtype, k.bytes_per_call, k.phase): k.measured_calls
-                for k in rec.keys
-                if k.measured_calls
-            },
-            bytes_per_step={o.op: o.measured_bytes for o in rec.ops if o.measured_bytes},
-            histogram=hist,
+            calls={k: n for k, n in calls.items() if n},
+            bytes_per_step={op: b for op, b in bytes_per_step.items() if b},
+            histogram={size: n for size, n in hist.items() if n},
             latency={provenance["hardware"]: samples(capture)},
         )
+
+    @classmethod
+    def from_run(cls, capture: Capture, rec: Reconciliation, provenance: dict[str, Any]) -> Baseline:
+        calls = {(k.window, k.op, k.group, k.dtype, k.bytes_per_call, k.phase): k.measured_calls for k in rec.keys}
+        return cls.of(capture, calls, {o.op: o.measured_bytes for o in rec.ops}, provenance)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -191,17 +201,23 @@ def cpu_fingerprint() -> str:
     return f"{model} x{os.cpu_count()}"
 
 
+@functools.cache
+def _commit() -> str | None:
+    """git HEAD of the working directory (looked up once per process)."""
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def provenance(capture: Capture, world_size: int) -> dict[str, Any]:
     """The stack a run was taken on: package versions from metadata, the rest as rank 0 saw it."""
     from harness.report import environment
 
     env = environment()
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = None
+    commit = _commit()
     st = capture.stack
     return {
         "torch": env["torch"],

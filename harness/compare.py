@@ -18,7 +18,7 @@ from typing import Any
 
 from harness import baseline as bl
 from harness.capture import Capture
-from harness.drift import Shift, samples, shifts
+from harness.drift import Shift, shifts
 from harness.errors import CommgateError
 from harness.scenario import LatencyRule, Tolerance
 
@@ -30,26 +30,12 @@ def _from_report_entry(sc: dict[str, Any]) -> bl.Baseline | None:
     if "calls" not in sc or "capture" not in sc:
         return None
     capture = Capture.from_json(sc["capture"])
-    steps = max(capture.steps, 1)
-    calls: dict[bl.CallKey, int] = {}
-    hist: dict[int, Fraction] = {}
-    for k in sc["calls"]:
-        if k["measured_calls"]:
-            key = (k["window"], k["op"], tuple(k["group"]), k["dtype"], k["bytes_per_call"], k["phase"])
-            calls[key] = k["measured_calls"]
-            if k["window"] == "steps":
-                hist[k["bytes_per_call"]] = hist.get(k["bytes_per_call"], Fraction(0)) + Fraction(
-                    k["measured_calls"], steps
-                )
-    return bl.Baseline(
-        scenario=sc["name"],
-        backend=capture.backend,
-        provenance={"hardware": capture.stack.get("hardware", "")},
-        calls=calls,
-        bytes_per_step={c["op"]: Fraction(c["measured_bytes"]) for c in sc["collectives"] if c["measured_bytes"]},
-        histogram=hist,
-        latency={capture.stack.get("hardware") or "": samples(capture)},
-    )
+    calls = {
+        (k["window"], k["op"], tuple(k["group"]), k["dtype"], k["bytes_per_call"], k["phase"]): k["measured_calls"]
+        for k in sc["calls"]
+    }
+    bytes_per_step = {c["op"]: Fraction(c["measured_bytes"]) for c in sc["collectives"]}
+    return bl.Baseline.of(capture, calls, bytes_per_step, {"hardware": capture.stack.get("hardware") or ""})
 
 
 def load_side(path: Path) -> dict[str, bl.Baseline]:
