@@ -51,14 +51,6 @@ class Finding:
 class Verdict:
     findings: list[Finding] = field(default_factory=list)
 
-    @property
-    def failures(self) -> list[Finding]:
-        return [f for f in self.findings if f.fail]
-
-    @property
-    def warnings(self) -> list[Finding]:
-        return [f for f in self.findings if not f.fail]
-
 
 def against_model(s: Scenario, rec: Reconciliation) -> Finding | None:
     e = s.expectations
