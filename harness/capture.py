@@ -62,6 +62,20 @@ class CapturedCall:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StepWindow:
+    """When one rank ran one training step, on the clock of its calls' ``start_ns``."""
+
+    rank: int
+    step: int
+    start_ns: int
+    end_ns: int
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Capture:
     """The merged capture of one run."""
 
@@ -78,6 +92,8 @@ class Capture:
     """Where rank 0's wall time went, in seconds: ``start`` (launch to the rank's first line), ``join``
     (process-group rendezvous), ``build`` (workload and engine construction), ``steps`` (warm-up and
     measured steps), ``finish`` (collecting the calls, teardown). Empty when not measured."""
+    step_windows: tuple[StepWindow, ...] = ()
+    """Every rank's step boundaries (warm-up included), for step times and the communication fraction."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -90,6 +106,7 @@ class Capture:
             "calls": [asdict(c) | {"group": list(c.group)} for c in self.calls],
             "timeline": dict(self.timeline),
             "stack": dict(self.stack),
+            "step_windows": [asdict(w) for w in self.step_windows],
         }
 
     @classmethod
@@ -103,6 +120,7 @@ class Capture:
             calls=tuple(CapturedCall.from_json(c) for c in d["calls"]),
             timeline=dict(d.get("timeline", {})),
             stack=dict(d.get("stack", {})),
+            step_windows=tuple(StepWindow(**w) for w in d.get("step_windows", [])),
         )
 
 
@@ -118,8 +136,10 @@ def validate(doc: dict[str, Any]) -> None:
     jsonschema.validate(doc, schema(), cls=jsonschema.Draft202012Validator)
 
 
-def write_rank_calls(path: Path, calls: Iterable[CapturedCall]) -> None:
-    atomic_write_json(path, [asdict(c) | {"group": list(c.group)} for c in calls])
+def write_rank_calls(path: Path, calls: Iterable[CapturedCall], windows: Iterable[StepWindow] = ()) -> None:
+    """One rank's file: its calls and its step windows."""
+    doc = {"calls": [asdict(c) | {"group": list(c.group)} for c in calls], "step_windows": [asdict(w) for w in windows]}
+    atomic_write_json(path, doc)
 
 
 def timeline(marks: dict[str, float]) -> dict[str, float]:
@@ -142,9 +162,13 @@ def merge(
 ) -> Capture:
     """One capture from every rank's file, ordered by (rank, seq)."""
     calls: list[CapturedCall] = []
+    windows: list[StepWindow] = []
     for f in rank_files:
-        calls += [CapturedCall.from_json(c) for c in json.loads(f.read_text())]
+        doc = json.loads(f.read_text())
+        calls += [CapturedCall.from_json(c) for c in doc["calls"]]
+        windows += [StepWindow(**w) for w in doc["step_windows"]]
     calls.sort(key=lambda c: (c.rank, c.seq))
+    windows.sort(key=lambda w: (w.rank, w.step))
     return Capture(
         scenario=scenario,
         world_size=len(rank_files),
@@ -154,4 +178,5 @@ def merge(
         calls=tuple(calls),
         timeline=timeline or {},
         stack=stack or {},
+        step_windows=tuple(windows),
     )

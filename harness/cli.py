@@ -119,13 +119,14 @@ def cmd_run(a: argparse.Namespace) -> int:
 
     from harness.expectation import predict
     from harness.launcher import RunError, gpu_visible, launch_local
-    from harness.reconcile import reconcile
     from harness.report import Report, ScenarioResult
     from harness.scenario import load_paths
     from harness.workloads import skip_reason
 
     # A CI runner's cancel (SIGTERM) unwinds like Ctrl-C, so that rank processes are killed on the way out.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    if a.update_baselines and not a.gate:
+        raise UsageError("--update-baselines needs --gate")
     scenarios = load_paths(a.paths or [DEFAULT_SUITE])
     if a.select:
         scenarios = [s for s in scenarios if any(k in s.id for k in a.select)]
@@ -146,15 +147,50 @@ def cmd_run(a: argparse.Namespace) -> int:
             except RunError as exc:
                 result = ScenarioResult(prediction=prediction, status="error", reason=str(exc))
             else:
-                rec = reconcile(prediction, capture)
-                result = ScenarioResult(
-                    prediction=prediction, status="passed" if rec.ok else "failed", capture=capture, reconciliation=rec
-                )
+                result = _judged(s, prediction, capture, a)
         result.wall_s = time.monotonic() - started
         report.add(result)
         print(result.summary(), flush=True)
-    counts = report.document()["summary"]
-    print(", ".join(f"{n} {k}" for k, n in counts.items()) + (f"; report: {report.path}" if report.path else ""))
+    return _finish(report)
+
+
+def _judged(s: Any, prediction: Any, capture: Any, a: argparse.Namespace) -> Any:
+    """A run's result: reconciled with the model, the time model beside it and, with ``--gate``, judged as
+    ``pytest scenarios`` judges it (paper, baseline, drift; for torchrun, where pytest does not run the
+    ranks). The gate's findings go to the result's reason; failing ones fail it."""
+    from harness.gate import judge
+    from harness.reconcile import reconcile
+    from harness.report import ScenarioResult
+    from harness.timemodel import assess
+
+    rec = reconcile(prediction, capture)
+    result = ScenarioResult(
+        prediction=prediction,
+        status="passed" if rec.ok else "failed",
+        capture=capture,
+        reconciliation=rec,
+        time_model=assess(prediction, capture, a.baseline_dir),
+    )
+    if a.gate:
+        j = judge(
+            s, prediction, capture, rec, a.baseline_dir, update=a.update_baselines, update_flag="--update-baselines"
+        )
+        result.status = "failed" if j.failed else "passed"
+        result.reason = "\n".join([f.text() for f in j.findings] + ([j.written] if j.written else []))
+    return result
+
+
+def _finish(report: Any) -> int:
+    """The summary line, the HTML page beside report.json, and the exit status."""
+    doc = report.document()
+    counts = doc["summary"]
+    where = ""
+    if report.path is not None:
+        from harness.htmlreport import write
+
+        print("writing the HTML report ...", flush=True)
+        where = f"; report: {report.path}, {write(report.path.parent, doc)}"
+    print(", ".join(f"{n} {k}" for k, n in counts.items()) + where)
     return 1 if counts["failed"] or counts["error"] else 0
 
 
@@ -175,7 +211,6 @@ def _run_under_torchrun(scenarios: list[Any], a: argparse.Namespace) -> int:
     from harness.capture import Capture, timeline
     from harness.expectation import predict
     from harness.rank import resolve_backend, run_rank, stack, torchrun_store
-    from harness.reconcile import reconcile
     from harness.report import Report, ScenarioResult
     from harness.workloads import skip_reason
 
@@ -198,13 +233,14 @@ def _run_under_torchrun(scenarios: list[Any], a: argparse.Namespace) -> int:
         else:
             try:
                 marks = {"entry": time.monotonic()}
-                calls = run_rank(s, rank=rank, world_size=world, store=torchrun_store(i), marks=marks)
+                gathered = run_rank(s, rank=rank, world_size=world, store=torchrun_store(i), marks=marks)
             except Exception:
                 print(f"{s.id}: rank {rank} raised\n{traceback.format_exc()}", file=sys.stderr, flush=True)
                 os._exit(1)
             if not lead:
                 continue
-            assert calls is not None
+            assert gathered is not None
+            calls, windows = gathered
             capture = Capture(
                 scenario=s.id,
                 world_size=world,
@@ -214,20 +250,69 @@ def _run_under_torchrun(scenarios: list[Any], a: argparse.Namespace) -> int:
                 calls=tuple(sorted(calls, key=lambda c: (c.rank, c.seq))),
                 timeline=timeline(marks),
                 stack=stack(resolve_backend(s)),
+                step_windows=tuple(sorted(windows, key=lambda w: (w.rank, w.step))),
             )
-            rec = reconcile(prediction, capture)
-            result = ScenarioResult(
-                prediction=prediction, status="passed" if rec.ok else "failed", capture=capture, reconciliation=rec
-            )
+            result = _judged(s, prediction, capture, a)
         result.wall_s = time.monotonic() - started
         if lead:
             report.add(result)
             print(result.summary(), flush=True)
     if not lead:
         return 0
-    counts = report.document()["summary"]
-    print(", ".join(f"{n} {k}" for k, n in counts.items()) + (f"; report: {report.path}" if report.path else ""))
-    return 1 if counts["failed"] or counts["error"] else 0
+    return _finish(report)
+
+
+def cmd_html(a: argparse.Namespace) -> int:
+    from harness.htmlreport import write
+
+    print(write(a.out or a.report.parent, _load_report(a.report)))
+    return 0
+
+
+def _load_report(path: Path) -> dict[str, Any]:
+    """A report document, validated; a one-line usage error otherwise."""
+    import jsonschema
+
+    from harness.report import validate
+
+    try:
+        doc: dict[str, Any] = json.loads(path.read_text())
+        validate(doc)
+    except OSError as exc:
+        raise UsageError(f"{path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{path}: not JSON ({exc})") from None
+    except jsonschema.ValidationError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "(top level)"
+        raise UsageError(f"{path}: {where}: {exc.message}") from None
+    return doc
+
+
+def cmd_calibrate(a: argparse.Namespace) -> int:
+    import datetime
+    import statistics
+
+    from harness import bandwidth
+    from harness.timemodel import implied_utilization
+
+    doc = _load_report(a.report)
+    by: dict[tuple[str, str], list[tuple[str, float]]] = {}
+    for s in doc["scenarios"]:
+        u = implied_utilization(s.get("time_model") or {})
+        if u is None or not s.get("capture"):
+            continue
+        cap = s["capture"]
+        by.setdefault((cap["backend"], cap["stack"].get("hardware") or ""), []).append((s["name"], u))
+    if not by:
+        raise UsageError(f"{a.report}: no scenario has both a predicted and a measured time (is there a curve?)")
+    for (backend, hardware), rows in sorted(by.items()):
+        for name, u in rows:
+            print(f"  {name:<32} implied u = {u:.3f}")
+        u = statistics.median(u for _, u in rows)
+        how = f"median of {len(rows)} scenarios in {a.report} ({datetime.date.today().isoformat()})"
+        bandwidth.calibrate(bandwidth.path_for(a.baseline_dir, backend), hardware, u, how)
+        print(f"{hardware} ({backend}): u = {u:.3f}, {how}")
+    return 0
 
 
 def cmd_validate(a: argparse.Namespace) -> int:
@@ -264,8 +349,27 @@ def build_parser() -> argparse.ArgumentParser:
         "call, and reconcile the capture with the per-collective model. Exit status 1 if any scenario failed.",
     )
     r.add_argument("paths", nargs="*", help=f"scenario files or directories (default: ./{DEFAULT_SUITE})")
-    r.add_argument("--report-dir", type=Path, help="write report.json there (rewritten after every scenario)")
+    r.add_argument(
+        "--report-dir",
+        type=Path,
+        help="write report.json there (rewritten after every scenario), then index.html, plots/ and trace.json",
+    )
     r.add_argument("--deadline", type=float, help="seconds per scenario (default: each scenario's deadline_s)")
+    r.add_argument(
+        "--baseline-dir",
+        type=Path,
+        default=Path("baselines"),
+        help="baselines ({backend}/{id}.json) and bandwidth curves (bandwidth-{backend}.json); default ./baselines",
+    )
+    r.add_argument(
+        "--gate",
+        action="store_true",
+        help="also judge each run as `pytest scenarios` does: paper, baseline (a missing one is written and "
+        "fails), latency and cold-start drift; for torchrun/Slurm where pytest does not run the ranks",
+    )
+    r.add_argument(
+        "--update-baselines", action="store_true", help="with --gate: rewrite the baselines and report what changed"
+    )
     r.add_argument("-k", "--select", action="append", help="run only scenarios whose id contains this (repeatable)")
     c = sub.add_parser(
         "compare",
@@ -278,6 +382,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("after", type=Path, help="report.json or baseline directory")
     c.add_argument("--latency-factor", type=float, default=1.25, help="ratio of medians that counts (default 1.25)")
     c.add_argument("--p-value", type=float, default=0.01, help="significance level, shared among keys (default 0.01)")
+    h = sub.add_parser(
+        "html",
+        help="render a report.json as index.html with plots and trace.json (what run --report-dir writes)",
+    )
+    h.add_argument("report", type=Path, help="a report.json written by `commgate run` or the pytest gate")
+    h.add_argument("--out", type=Path, help="directory for index.html, plots/ and trace.json (default: beside it)")
+    k = sub.add_parser(
+        "calibrate",
+        help="set the time model's utilisation u for this hardware from a report's measured compute times",
+        description="Seed 003's u (the share of the measured GEMM rate a training step reaches) as the median over "
+        "a report's scenarios of the u that makes each one's predicted compute time equal its measured one (the "
+        "step less the time with a call in flight); stored with the hardware's bandwidth curve.",
+    )
+    k.add_argument("report", type=Path, help="a report.json from `commgate run` with a bandwidth curve")
+    k.add_argument("--baseline-dir", type=Path, default=Path("baselines"), help="where bandwidth-{backend}.json is")
     v = sub.add_parser("validate", help="check scenario files; one line per problem")
     v.add_argument("paths", nargs="*", help=f"scenario files or directories (default: ./{DEFAULT_SUITE})")
     sub.add_parser("presets", help="list the model presets")
@@ -302,6 +421,8 @@ COMMANDS = {
     "predict": cmd_predict,
     "run": cmd_run,
     "compare": cmd_compare,
+    "html": cmd_html,
+    "calibrate": cmd_calibrate,
     "validate": cmd_validate,
     "presets": cmd_presets,
 }

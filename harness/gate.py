@@ -95,7 +95,7 @@ def against_paper(s: Scenario, prediction: Prediction) -> Finding | None:
     return Finding("paper", True, "the model differs from the paper's equations beyond the named terms", tuple(lines))
 
 
-def against_baseline(s: Scenario, now: Baseline, stored: Baseline) -> list[Finding]:
+def against_baseline(s: Scenario, now: Baseline, stored: Baseline, update_flag: str = UPDATE_FLAG) -> list[Finding]:
     e = s.expectations
     out = []
     diffs = compare(now, stored, bytes_tol=e.baseline_bytes, calls_tol=e.baseline_calls)
@@ -108,7 +108,7 @@ def against_baseline(s: Scenario, now: Baseline, stored: Baseline) -> list[Findi
                 f"communication differs from the baseline (taken {taken.get('date')} at {taken.get('commit')}, "
                 f"torch {taken.get('torch')}, deepspeed {taken.get('deepspeed')})",
                 tuple(d.text() for d in diffs),
-                f"if the change is intended, accept it with {UPDATE_FLAG}",
+                f"if the change is intended, accept it with {update_flag}",
             )
         )
     hw = now.provenance["hardware"]
@@ -121,7 +121,7 @@ def against_baseline(s: Scenario, now: Baseline, stored: Baseline) -> list[Findi
                     e.latency.action == "fail",
                     f"latency shifted against the baseline on {hw}",
                     tuple(m.text() for m in moved),
-                    f"accept with {UPDATE_FLAG}",
+                    f"accept with {update_flag}",
                 )
             )
     return out
@@ -141,14 +141,20 @@ def cold_start(s: Scenario, capture: Capture) -> Finding | None:
 
 
 def evaluate(
-    s: Scenario, prediction: Prediction, capture: Capture, rec: Reconciliation, now: Baseline, stored: Baseline | None
+    s: Scenario,
+    prediction: Prediction,
+    capture: Capture,
+    rec: Reconciliation,
+    now: Baseline,
+    stored: Baseline | None,
+    update_flag: str = UPDATE_FLAG,
 ) -> Verdict:
     v = Verdict()
     for f in (against_model(s, rec), against_paper(s, prediction), cold_start(s, capture)):
         if f is not None:
             v.findings.append(f)
     if stored is not None:
-        v.findings += against_baseline(s, now, stored)
+        v.findings += against_baseline(s, now, stored, update_flag)
     return v
 
 
@@ -177,3 +183,40 @@ def settle_baseline(
     if changed:
         return findings, f"{path} updated: " + "; ".join(line for f in changed for line in f.lines[:3])
     return findings, f"{path} rewritten, unchanged"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Judgement:
+    findings: tuple[Finding, ...]
+    baseline: Path
+    """The baseline file this run was judged against (or wrote)."""
+    written: str | None
+    """A line saying what was written to the baseline, if anything."""
+
+    @property
+    def failed(self) -> bool:
+        return any(f.fail for f in self.findings)
+
+
+def judge(
+    s: Scenario,
+    prediction: Prediction,
+    capture: Capture,
+    rec: Reconciliation,
+    root: Path,
+    *,
+    update: bool = False,
+    update_flag: str = UPDATE_FLAG,
+) -> Judgement:
+    """The whole gate for one run (the pytest plugin's and ``commgate run --gate``'s): its baseline from
+    ``root/{backend}/{id}.json``, the verdict, and the baseline policy (``settle_baseline``). A failure
+    names ``update_flag`` as the way to accept a change."""
+    from harness import baseline as bl
+
+    now = bl.Baseline.from_run(capture, rec, bl.provenance(capture, s.world_size))
+    path = bl.path_for(root, capture.backend, s.id)
+    stored = bl.load(path) if path.exists() else None
+    findings, written = settle_baseline(
+        evaluate(s, prediction, capture, rec, now, stored, update_flag), now, stored, path, update=update
+    )
+    return Judgement(findings=tuple(findings), baseline=path, written=written)

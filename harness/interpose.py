@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from harness.capture import INIT_STEP, CapturedCall
+from harness.capture import INIT_STEP, CapturedCall, StepWindow
 
 BACKEND_NAME = "commgate"
 DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -47,6 +47,9 @@ class Recorder:
         self._open: dict[int, dict[str, Any]] = {}
         self._works: dict[int, Any] = {}
         self.calls: list[CapturedCall] = []
+        self._done: list[dict[str, Any]] = []
+        self.windows: list[StepWindow] = []
+        """Step boundaries (``harness.rank`` stamps them around each step)."""
         self.on_issue: Callable[[str], None] | None = None
         """Called with a description of each call as it is issued (the launcher's hang report)."""
         self.delay_first_recv_s = 0.0
@@ -100,8 +103,9 @@ class Recorder:
         with self._lock:
             rec = self._open.pop(seq, None)
             self._works.pop(seq, None)
-            if rec is not None:
-                self.calls.append(CapturedCall(**rec, duration_ns=end - rec["start_ns"]))
+            if rec is not None:  # the record is made at drain: this runs on every call's critical path
+                rec["duration_ns"] = end - rec["start_ns"]
+                self._done.append(rec)
 
     def watch(self, seq: int, work: Any) -> None:
         """Keep ``work`` to stamp its completion when it is next seen completed (see ``poll``)."""
@@ -116,9 +120,18 @@ class Recorder:
         for seq in done:
             self.complete(seq)
 
+    def take(self) -> list[CapturedCall]:
+        """The completed calls so far, forgotten here (the microbenchmarks read them point by point)."""
+        with self._lock:
+            done = sorted(self.calls + [CapturedCall(**rec) for rec in self._done], key=lambda c: c.seq)
+            self.calls, self._done = [], []
+            return done
+
     def drain(self) -> list[CapturedCall]:
         """All calls, the never-completed ones with ``duration_ns=None``, in issue order."""
         with self._lock:
+            self.calls += [CapturedCall(**rec) for rec in self._done]
+            self._done.clear()
             pending = [CapturedCall(**rec, duration_ns=None) for rec in self._open.values()]
             return sorted(self.calls + pending, key=lambda c: c.seq)
 

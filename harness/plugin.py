@@ -10,11 +10,14 @@ Options live in one group, ``--commgate-*``. The plugin is thin: the work is in 
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from harness.fsutil import atomic_write_json
 
 MARKERS: dict[str, str] = {
     "gpu": "needs a GPU (NCCL/RCCL); skipped where none is present",
@@ -114,12 +117,12 @@ class ScenarioItem(pytest.Item):
     def runtest(self) -> None:
         from dataclasses import replace
 
-        from harness import baseline as bl
         from harness.expectation import predict
-        from harness.gate import evaluate, settle_baseline
+        from harness.gate import judge
         from harness.launcher import RunError, gpu_visible, launch_local
         from harness.reconcile import reconcile
         from harness.report import ScenarioResult
+        from harness.timemodel import assess
         from harness.workloads import skip_reason
 
         config = self.config
@@ -137,22 +140,20 @@ class ScenarioItem(pytest.Item):
             session.results.append(ScenarioResult(prediction=prediction, status="error", reason=str(exc)))
             raise GateFailure(str(exc)) from None
         rec = reconcile(prediction, capture)
-        now = bl.Baseline.from_run(capture, rec, bl.provenance(capture, s.world_size))
         root = config.getoption("commgate_baseline_dir") or config.rootpath / "baselines"
-        path = bl.path_for(root, capture.backend, s.id)
-        session.used.add(path.resolve())
-        stored = bl.load(path) if path.exists() else None
-        verdict = evaluate(s, prediction, capture, rec, now, stored)
-        findings, written = settle_baseline(
-            verdict, now, stored, path, update=config.getoption("commgate_update_baselines")
-        )
-        if written:
-            session.updated.append(f"{s.id}: {written}")
-        fail = [f for f in findings if f.fail]
-        warn = [f for f in findings if not f.fail]
+        j = judge(s, prediction, capture, rec, root, update=config.getoption("commgate_update_baselines"))
+        session.used.add(j.baseline.resolve())
+        if j.written:
+            session.updated.append(f"{s.id}: {j.written}")
+        fail = [f for f in j.findings if f.fail]
+        warn = [f for f in j.findings if not f.fail]
         session.results.append(
             ScenarioResult(
-                prediction=prediction, status="failed" if fail else "passed", capture=capture, reconciliation=rec
+                prediction=prediction,
+                status="failed" if fail else "passed",
+                capture=capture,
+                reconciliation=rec,
+                time_model=assess(prediction, capture, root),
             )
         )
         if warn:
@@ -183,6 +184,7 @@ class _Session:
         self.updated: list[str] = []
         self.warnings: list[str] = []
         self.used: set[Path] = set()
+        self.html: Path | None = None
 
 
 SESSION = pytest.StashKey[_Session]()
@@ -190,22 +192,42 @@ FAULTS = pytest.StashKey[Any]()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Write report.json and the HTML page. Under xdist each worker writes report-gwN.json and the
+    controller, which runs no scenario, merges them into report.json and the page."""
     state = session.config.stash.get(SESSION, None)
     out = session.config.getoption("commgate_report_dir", None)
-    if state is None or out is None or not state.results:
+    if state is None or out is None:
         return
-    from harness.report import Report
+    from harness import htmlreport
+    from harness.report import Report, merge_documents
 
     worker = os.environ.get("PYTEST_XDIST_WORKER")
-    report = Report(Path(out) / (f"report-{worker}.json" if worker else "report.json"))
-    for r in state.results:
-        report.add(r)
+    if worker:
+        if state.results:
+            report = Report(Path(out) / f"report-{worker}.json")
+            for r in state.results:
+                report.add(r)
+        return
+    if state.results:
+        report = Report(Path(out) / "report.json")
+        for r in state.results:
+            report.add(r)
+        doc = report.document()
+    else:
+        parts = sorted(Path(out).glob("report-gw*.json"))
+        if not parts:
+            return
+        doc = merge_documents([json.loads(p.read_text()) for p in parts])
+        atomic_write_json(Path(out) / "report.json", doc)
+    state.html = htmlreport.write(Path(out), doc)
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     state = config.stash.get(SESSION, None)
     if state is None:
         return
+    if state.html is not None:
+        terminalreporter.write_line(f"commgate report: {state.html}")
     if state.updated:
         terminalreporter.section("commgate baselines")
         for line in state.updated:

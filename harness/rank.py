@@ -17,7 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from harness.capture import CapturedCall, write_rank_calls
+from harness.capture import CapturedCall, StepWindow, write_rank_calls
 from harness.fsutil import atomic_write_json
 from harness.inject import Faults
 from harness.scenario import Scenario
@@ -59,11 +59,11 @@ def run_rank(
     on_issue: Callable[[str], None] | None = None,
     marks: dict[str, float] | None = None,
     faults: Faults | None = None,
-) -> list[CapturedCall] | None:
+) -> tuple[list[CapturedCall], list[StepWindow]] | None:
     """Run ``scenario`` as ``rank``. With ``out_dir`` the rank writes its own calls there and returns
-    None (the local launcher); without, the calls of every rank are gathered over the process group
-    and rank 0 returns them all (torchrun, where ranks share no file system). ``marks`` receives the
-    monotonic clock at ``joined``, ``built``, ``stepped`` and ``done`` (``harness.capture.timeline``)."""
+    None (the local launcher); without, the calls and step windows of every rank are gathered over the
+    process group and rank 0 returns them all (torchrun, where ranks share no file system). ``marks``
+    receives the monotonic clock at ``joined``, ``built``, ``stepped`` and ``done`` (``harness.capture.timeline``)."""
     import torch
     import torch.distributed as dist
 
@@ -98,24 +98,27 @@ def run_rank(
     for k in range(scenario.warmup_steps + scenario.steps):
         rec.poll()
         rec.step, rec.phase = k, "forward"
+        begun = rec.now()
         workload.step(k)
         if faults.extra_collective:  # planted fault
             dist.all_reduce(torch.zeros(1, device=device))
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    rec.poll()
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the step's kernels are inside its window
+        rec.poll()
+        rec.windows.append(StepWindow(rank=rank, step=k, start_ns=begun, end_ns=rec.now()))
     marks["stepped"] = time.monotonic()
     # Only a successful rank tears down: a failing one must not close its connections (and make its
     # peers fail) before its own error is written; its process exits right after.
     interpose.RECORDER = None  # the teardown below is not part of the scenario
-    calls = rec.drain()
-    gathered: list[CapturedCall] | None = None
+    calls, windows = rec.drain(), rec.windows
+    gathered: tuple[list[CapturedCall], list[StepWindow]] | None = None
     if out_dir is not None:
-        write_rank_calls(out_dir / f"rank{rank}.json", calls)
+        write_rank_calls(out_dir / f"rank{rank}.json", calls, windows)
     else:
-        everyone: list[list[CapturedCall]] | None = [[] for _ in range(world_size)] if rank == 0 else None
-        dist.gather_object(calls, everyone, dst=0)
-        gathered = [c for per_rank in everyone for c in per_rank] if everyone is not None else None
+        everyone: list[Any] | None = [None] * world_size if rank == 0 else None
+        dist.gather_object((calls, windows), everyone, dst=0)
+        if everyone is not None:
+            gathered = ([c for cs, _ in everyone for c in cs], [w for _, ws in everyone for w in ws])
     dist.barrier()  # no rank leaves while a peer may still be sending to it
     if out_dir is None:  # in-process (torchrun): the next scenario runs in this process; leave nothing
         dist.destroy_process_group()

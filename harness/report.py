@@ -19,6 +19,7 @@ from harness.expectation import Prediction
 from harness.fsutil import atomic_write_json
 from harness.reconcile import Reconciliation
 from harness.render import human_bytes, number, prediction_document
+from harness.timemodel import TimeAssessment
 
 REPORT_VERSION = 1
 Status = Literal["passed", "failed", "error", "skipped"]
@@ -73,6 +74,7 @@ class ScenarioResult:
     wall_s: float = 0.0
     capture: Capture | None = None
     reconciliation: Reconciliation | None = None
+    time_model: TimeAssessment | None = None
 
     def document(self) -> dict[str, Any]:
         s = self.prediction.scenario
@@ -99,6 +101,13 @@ class ScenarioResult:
             ]
             doc["calls"] = [asdict(k) | {"ok": k.ok} for k in r.keys]
             doc["traffic_matrix"] = {"measured": _matrix(r.traffic_measured), "predicted": _matrix(r.traffic_predicted)}
+        if self.time_model is not None:
+            doc["time_model"] = self.time_model.document()
+            p, m = self.time_model.predicted, self.time_model.measured
+            doc["comm_fraction"] = {
+                "predicted": p.in_flight_fraction if p else None,
+                "measured": m.comm_fraction if m else None,
+            }
         if self.capture is not None:
             doc["capture"] = self.capture.to_json()
         return doc
@@ -109,6 +118,10 @@ class ScenarioResult:
         t = self.capture.timeline if self.capture is not None else {}
         if "steps" in t and "build" in t:
             head += f" [build {t['build']:.1f} s, steps {t['steps']:.1f} s]"
+        tm = self.time_model
+        if tm is not None and tm.measured is not None:
+            pred = f"{tm.predicted.in_flight_fraction:.0%}" if tm.predicted else "-"
+            head += f" comm fraction {tm.measured.comm_fraction:.0%} (model {pred})"
         r = self.reconciliation
         if r is None:
             return f"{head}: {self.reason}" if self.reason else head
@@ -128,6 +141,7 @@ class ScenarioResult:
             lines.append(f"    ... and {len(r.mismatches) - 10} more mismatches (see report.json)")
         if r.traffic_measured != r.traffic_predicted:
             lines.append("    traffic matrix differs from the prediction (see report.json)")
+        lines += [f"    {line}" for line in self.reason.splitlines()]  # the gate's findings (run --gate)
         return "\n".join(lines)
 
 
@@ -154,3 +168,11 @@ class Report:
     def write(self) -> None:
         if self.path is not None:
             atomic_write_json(self.path, self.document())
+
+
+def merge_documents(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from several (the workers of ``pytest -n``): scenarios in name order, counts summed."""
+    scenarios = sorted((s for d in docs for s in d["scenarios"]), key=lambda s: s["name"])
+    counts = {k: sum(d["summary"][k] for d in docs) for k in ("passed", "failed", "error", "skipped")}
+    first = min(docs, key=lambda d: d["created"])
+    return first | {"summary": counts, "scenarios": scenarios}

@@ -59,6 +59,10 @@ def test_nightly_dry_run_prints_the_srun_torchrun_line() -> None:
         "srun --nodes 2 --ntasks-per-node 1",
         "--nnodes 2 --nproc-per-node 8 --max-restarts 0",
         "--rdzv-backend c10d --rdzv-endpoint n001:29500",
-        "-m harness run ci/cluster --report-dir reports/nightly/",
+        "-m harness run ci/cluster --gate --baseline-dir baselines --report-dir reports/nightly/",
     ):
         assert part in srun, (part, srun)
+    bench = proc.stdout.splitlines()[-2]  # the microbenchmarks first, on one node, refitting the curve
+    for part in ("srun --nodes 1 --ntasks 1", "benchmarks/test_collectives.py", "--commgate-bench-backend nccl"):
+        assert part in bench, (part, bench)
+    assert "--benchmark-compare-fail=median:25%" in bench and "--commgate-curve-dir baselines" in bench

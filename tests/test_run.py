@@ -296,6 +296,7 @@ def test_capture_documents_round_trip_and_the_schema_rejects_garbage() -> None:
         ],
         "timeline": {"start": 0.01, "join": 0.02, "build": 0.5, "steps": 1.25, "finish": 0.03},
         "stack": {"hardware": "AMD EPYC x2", "cuda": None, "rocm": None, "backend_version": None},
+        "step_windows": [{"rank": 0, "step": 0, "start_ns": 3, "end_ns": 90}],
     }
     validate_capture(doc)
     assert Capture.from_json(doc).to_json() == doc
@@ -303,6 +304,8 @@ def test_capture_documents_round_trip_and_the_schema_rejects_garbage() -> None:
         validate_capture(doc | {"calls": [doc["calls"][0] | {"op": "allreduce"}]})
     with pytest.raises(jsonschema.ValidationError):
         validate_capture(doc | {"timeline": {"steps": -1.0}})
+    with pytest.raises(jsonschema.ValidationError):
+        validate_capture(doc | {"step_windows": [{"rank": 0, "step": 0, "start_ns": 3}]})
 
 
 @pytest.mark.parametrize(
@@ -332,3 +335,32 @@ def test_what_cannot_run_here_is_skipped_with_the_reason() -> None:
     assert skip_reason(gpu, gpus=False) == "needs GPUs (marker gpu or backend nccl); this machine has none"
     assert skip_reason(gpu, gpus=True) is None
     assert skip_reason(scenario(), gpus=False) is None
+
+
+def test_cli_run_gate_judges_against_baselines_like_pytest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`commgate run --gate` (what the nightly torchrun job runs): a missing baseline is written and fails,
+    the next run passes against it, and a planted change of the stored volume fails naming the flag."""
+    from harness.cli import main
+
+    f = tmp_path / "g.yaml"
+    f.write_text(text("g"))
+    base = tmp_path / "baselines"
+    argv = ["run", str(f), "--gate", "--baseline-dir", str(base)]
+    assert main(argv) == 1
+    assert "no baseline yet: wrote" in capsys.readouterr().out
+    stored = base / "gloo" / "g.json"
+    assert stored.exists()
+    assert main(argv) == 0
+    capsys.readouterr()
+    import json
+
+    doc = json.loads(stored.read_text())
+    doc["calls"][0]["calls"] += 1
+    stored.write_text(json.dumps(doc))
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "FAILED  g" in out and "[baseline] communication differs from the baseline" in out
+    assert "accept it with --update-baselines" in out
+    assert main([*argv, "--update-baselines"]) == 0
+    assert main(argv) == 0
+    assert main(["run", str(f), "--update-baselines"]) == 2

@@ -1,4 +1,4 @@
-"""The published JSON Schemas (draft 2020-12): ``scenario``, ``capture`` and ``report``."""
+"""The published JSON Schemas (draft 2020-12): ``scenario``, ``capture``, ``report``, ``baseline``, ``bandwidth``."""
 
 from __future__ import annotations
 

@@ -8,9 +8,13 @@ from pathlib import Path
 
 import pytest
 
+import harness.htmlreport
+
 # Imported here, so that pytester's inline runs (which forget modules they import) share one launcher
 # and its forkserver instead of starting one per run.
-import harness.launcher  # noqa: F401
+import harness.launcher
+
+harness.htmlreport._plt()  # matplotlib and numpy too: C extensions cannot be imported twice in a process
 
 SCENARIO = (
     "schema_version: 1\nname: {name}\nmodel: {{preset: 19M-cpu}}\n"

@@ -1,4 +1,4 @@
-"""--commgate-report-dir: the run's report.json, valid against the published schema."""
+"""--commgate-report-dir: the run's report.json, valid against the published schema, and the HTML page."""
 
 from __future__ import annotations
 
@@ -14,7 +14,11 @@ from harness.report import validate
 def test_report_dir_gets_a_valid_report(pytester: pytest.Pytester, scenario_file: Callable[..., Path]) -> None:
     scenario_file("g")
     out = pytester.path / "out"
-    pytester.runpytest("--commgate-update-baselines", "--commgate-report-dir", str(out)).assert_outcomes(passed=1)
+    result = pytester.runpytest("--commgate-update-baselines", "--commgate-report-dir", str(out))
+    result.assert_outcomes(passed=1)
     doc = json.loads((out / "report.json").read_text())
     validate(doc)
     assert [s["name"] for s in doc["scenarios"]] == ["g"] and doc["summary"]["passed"] == 1
+    assert (out / "trace.json").exists() and (out / "plots" / "matrix-g.png").exists()
+    assert 'src="plots/timeline-g.png"' in (out / "index.html").read_text()
+    result.stdout.fnmatch_lines([f"commgate report: {out / 'index.html'}"])

@@ -1,0 +1,102 @@
+"""The effective-bandwidth curve: interpolation, the busbw factors, storage per hardware, bad files."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from harness import bandwidth
+from harness.bandwidth import Curve, Sample, fit
+from harness.errors import CommgateError
+
+
+def sample(op: str = "all_reduce", nbytes: int = 4, median_s: float = 1e-3, world: int = 2, g: int = 2) -> Sample:
+    return Sample(op=op, world=world, group_size=g, nbytes=nbytes, median_s=median_s, p99_s=median_s * 2)
+
+
+def curve(*samples: Sample, flops: dict[int, float] | None = None) -> Curve:
+    return fit(samples, backend="gloo", hardware="cpu x2", compute_flops=flops or {2: 1e9})
+
+
+def test_nccl_tests_bus_factors() -> None:
+    assert bandwidth.busbw("all_reduce", 8, 1000, 1.0) == pytest.approx(1750)  # 2(n-1)/n
+    assert bandwidth.busbw("all_gather", 4, 1000, 1.0) == pytest.approx(750)  # (n-1)/n
+    assert bandwidth.busbw("broadcast", 4, 1000, 1.0) == 1000
+    assert bandwidth.algbw(1000, 0.5) == 2000
+
+
+def test_latency_is_interpolated_log_log_floored_below_and_linear_above() -> None:
+    c = curve(sample(nbytes=1024, median_s=1e-4), sample(nbytes=1024**2, median_s=1e-2))
+    kw = {"group_size": 2, "world": 2}
+    assert c.seconds("all_reduce", nbytes=4, **kw) == 1e-4  # the latency floor
+    assert c.seconds("all_reduce", nbytes=32 * 1024, **kw) == pytest.approx(1e-3)  # halfway in log-log
+    assert c.seconds("all_reduce", nbytes=4 * 1024**2, **kw) == pytest.approx(4e-2)  # the bandwidth bound
+    assert c.seconds("reduce", nbytes=1024, **kw) == 1e-4  # a reduce costs at most an all-reduce
+    assert c.seconds("all_reduce", nbytes=1024, group_size=1, world=2) == 0  # no peers, no time
+
+
+def test_the_nearest_measured_group_and_world_stand_in() -> None:
+    c = curve(
+        sample(median_s=1.0, world=2, g=2), sample(median_s=2.0, world=8, g=2), sample(median_s=3.0, world=8, g=8)
+    )
+    assert c.seconds("all_reduce", group_size=2, world=3, nbytes=4) == 1.0
+    assert c.seconds("all_reduce", group_size=2, world=4, nbytes=4) == 2.0  # a tie goes to the busier world
+    assert c.seconds("all_reduce", group_size=4, world=8, nbytes=4) in (2.0, 3.0)
+    assert c.seconds("all_reduce", group_size=8, world=8, nbytes=4) == 3.0
+    with pytest.raises(CommgateError, match="no all_to_all measurements"):
+        c.seconds("all_to_all", group_size=2, world=2, nbytes=4)
+
+
+def test_fit_keeps_the_least_disturbed_repeat_and_rejects_unknown_ops() -> None:
+    c = curve(sample(median_s=2.0), sample(median_s=1.0))
+    assert [s.median_s for s in c.samples] == [1.0]
+    with pytest.raises(CommgateError, match="unknown op 'allreduce'"):
+        curve(sample(op="allreduce"))
+    with pytest.raises(CommgateError, match="no samples"):
+        fit([], backend="gloo", hardware="x")
+
+
+def test_curves_are_stored_per_hardware_and_round_trip(tmp_path: Path) -> None:
+    path = bandwidth.path_for(tmp_path, "gloo")
+    assert path.name == "bandwidth-gloo.json"
+    a = curve(sample(nbytes=64, median_s=0.5), flops={2: 3e9, 8: 1e9})
+    bandwidth.store(path, a)
+    other = fit([sample()], backend="gloo", hardware="gpu x8")
+    bandwidth.store(path, other)
+    curves = bandwidth.load_all(path)
+    assert set(curves) == {"cpu x2", "gpu x8"}
+    assert curves["cpu x2"] == a and curves["cpu x2"].flops(3) == 3e9 and curves["cpu x2"].flops(8) == 1e9
+    found, note = bandwidth.lookup(path, "cpu x2")
+    assert found == a and "this hardware" in note
+    found, note = bandwidth.lookup(path, "tpu")
+    assert found is not None and "no bandwidth curve for 'tpu'" in note
+    found, note = bandwidth.lookup(tmp_path / "none.json", "cpu x2")
+    assert found is None and "benchmarks/test_collectives.py" in note
+
+
+def test_bad_files_are_one_line_errors(tmp_path: Path) -> None:
+    path = tmp_path / "bandwidth-gloo.json"
+    path.write_text("{truncated")
+    with pytest.raises(CommgateError, match="not JSON"):
+        bandwidth.load_all(path)
+    doc = {"schema_version": 1, "curves": {"cpu": curve(sample()).to_json()}}
+    doc["curves"]["cpu"]["samples"][0]["median_s"] = -1
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CommgateError, match=r"curves/cpu/samples/0/median_s: -1 is less than or equal to"):
+        bandwidth.load_all(path)
+
+
+def test_the_committed_curve_is_valid_and_monotone_enough() -> None:
+    """The curve this repository ships (this machine's sweep) loads, and latency grows with size overall."""
+    path = bandwidth.path_for(Path(__file__).parents[1] / "baselines", "gloo")
+    curves = bandwidth.load_all(path)
+    assert curves
+    for c in curves.values():
+        assert {s.op for s in c.samples} == set(bandwidth.OPS)
+        assert c.compute_flops and all(math.isfinite(f) for f in c.compute_flops.values())
+        small = c.seconds("all_reduce", group_size=2, world=2, nbytes=4)
+        big = c.seconds("all_reduce", group_size=2, world=2, nbytes=64 << 20)
+        assert big > 10 * small

@@ -1,0 +1,101 @@
+"""The HTML report, its plots and the Chrome trace, from a real `commgate run` (DDP and a pipeline
+sequence-length sweep), and the time model's fields in report.json."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.cli import main
+from harness.report import validate
+
+ROOT = Path(__file__).parents[1]
+SCENARIOS = {
+    "d.yaml": (
+        "schema_version: 1\nname: d\nmodel: {preset: 19M-cpu, s: 64}\nparallelism: {scheme: ddp, dp: 2}\nsteps: 2\n"
+    ),
+    "p.yaml": (
+        "schema_version: 1\nname: p\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: pp, pp: 2, micro_batches: 2}\n"
+        "steps: 2\nsweep: {model.s: [32, 64]}\n"
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("html")
+    for name, text in SCENARIOS.items():
+        (tmp / name).write_text(text)
+    argv = [sys.executable, "-m", "harness", "run", *(str(tmp / f) for f in SCENARIOS)]
+    argv += ["--report-dir", str(tmp / "out"), "--baseline-dir", str(ROOT / "baselines")]
+    run = subprocess.run(argv, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "index.html" in run.stdout.splitlines()[-1]
+    return tmp / "out"
+
+
+def is_png(path: Path) -> bool:
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def test_the_page_shows_every_plot_it_wrote(out: Path) -> None:
+    page = (out / "index.html").read_text()
+    pngs = sorted(p.name for p in (out / "plots").glob("*.png"))
+    for name in ("volume.png", "predicted_vs_measured.png", "time_model.png", "message_sizes.png", "seq_sweeps.png"):
+        assert name in pngs
+    assert {f"matrix-{s}.png" for s in ("d", "p_s_32_", "p_s_64_")} <= set(pngs)
+    assert {f"timeline-{s}.png" for s in ("d", "p_s_32_", "p_s_64_")} <= set(pngs)
+    for name in pngs:
+        assert f'src="plots/{name}"' in page
+        assert is_png(out / "plots" / name), name
+    assert "3 passed" in page and "every byte explained" in page
+    assert not list(out.rglob(".*.tmp"))  # nothing half-written
+
+
+def test_report_json_carries_the_time_model_next_to_the_measurement(out: Path) -> None:
+    doc = json.loads((out / "report.json").read_text())
+    validate(doc)
+    for s in doc["scenarios"]:
+        frac = s["comm_fraction"]
+        assert 0 < frac["measured"] < 1 and 0 < frac["predicted"] < 1
+        tm = s["time_model"]
+        assert "bandwidth curve" in tm["note"]
+        p = tm["predicted"]
+        total = p["t_comp_s"] + p["t_tp_s"] + p["t_pp_s"] + p["t_dp_s"] + p["t_ep_s"] + p["t_bubble_s"]
+        assert p["t_iter_s"] == pytest.approx(total)
+        assert tm["comm_fraction_error"] == pytest.approx(frac["predicted"] - frac["measured"])
+        assert tm["measured"]["steps"] == 2 and tm["measured"]["t_comm_s"] <= tm["measured"]["t_iter_s"]
+        windows = s["capture"]["step_windows"]
+        assert sorted({(w["rank"], w["step"]) for w in windows}) == [(r, k) for r in range(2) for k in range(3)]
+    pp = [s for s in doc["scenarios"] if s["scheme"] == "pp"]
+    assert all(s["time_model"]["predicted"]["bubble_ratio"] > 0 for s in pp)  # (p-1)/(p-1+m) with p=2, m=2
+    assert all(s["time_model"]["predicted"]["t_pp_s"] > 0 and s["time_model"]["predicted"]["t_dp_s"] == 0 for s in pp)
+
+
+def test_the_trace_has_every_completed_call_and_step(out: Path) -> None:
+    doc = json.loads((out / "report.json").read_text())
+    events: list[dict[str, Any]] = json.loads((out / "trace.json").read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {s["name"] for s in doc["scenarios"]}
+    calls = sum(1 for s in doc["scenarios"] for c in s["capture"]["calls"] if c["duration_ns"] is not None)
+    assert sum(1 for e in events if e["ph"] == "X" and e["cat"] != "step") == calls
+    steps = sum(len(s["capture"]["step_windows"]) for s in doc["scenarios"])
+    assert sum(1 for e in events if e["ph"] == "X" and e["cat"] == "step") == steps
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in events if e["ph"] == "X")
+
+
+def test_commgate_html_re_renders_a_saved_report(out: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["html", str(out / "report.json"), "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "index.html").exists() and is_png(tmp_path / "again" / "plots" / "volume.png")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema_version": 1}))
+    capsys.readouterr()
+    assert main(["html", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"commgate: error: {bad}: (top level): ") and "\n" not in err
+    assert main(["html", str(tmp_path / "missing.json")]) == 2
