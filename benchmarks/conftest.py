@@ -91,3 +91,4 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         curve = bandwidth.fit(samples(rows), backend=backend, hardware=hardware(backend), compute_flops=compute)
         path = bandwidth.store(bandwidth.path_for(curve_dir, backend), curve)
         tr.write_line(f"bandwidth curve for {curve.hardware!r}: {len(curve.samples)} points -> {path}")
+        tr.write_line("the time model's u is reset to 1 for it: calibrate with `commgate calibrate REPORT.json`")

@@ -289,7 +289,6 @@ def _load_report(path: Path) -> dict[str, Any]:
 
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
-    import datetime
     import statistics
 
     from harness import bandwidth
@@ -309,7 +308,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
         for name, u in rows:
             print(f"  {name:<32} implied u = {u:.3f}")
         u = statistics.median(u for _, u in rows)
-        how = f"median of {len(rows)} scenarios in {a.report} ({datetime.date.today().isoformat()})"
+        how = f"median of {len(rows)} scenarios of the report created {doc['created']}"
         bandwidth.calibrate(bandwidth.path_for(a.baseline_dir, backend), hardware, u, how)
         print(f"{hardware} ({backend}): u = {u:.3f}, {how}")
     return 0

@@ -4,9 +4,10 @@ written next to ``report.json`` from the report document alone (so any saved rep
 
 Plots (the seed papers' figures they follow in brackets): volume per collective per scenario [000 Figs.
 7-8]; paper vs model vs measured volume and the communication fraction, predicted vs measured [000 Figs.
-10, 13; 002 table; 003]; message-size histograms [000 Fig. 9]; sequence-length sweeps [000 Figs. 14-15];
-traffic matrices, predicted next to measured [003]; per-rank call timelines with cold-start spikes marked
-[000 Section V]; and seed 003's iteration-time breakdown. matplotlib only, Agg backend (no display).
+10, 13; 002 table; 003]; message-size histograms [000 Fig. 9]; sweeps over sequence length [000 Figs.
+14-15] and scale [002]; traffic matrices, predicted next to measured [003]; per-rank call timelines
+with cold-start spikes marked [000 Section V]; and seed 003's iteration-time breakdown. matplotlib only,
+Agg backend (no display).
 """
 
 from __future__ import annotations
@@ -63,11 +64,14 @@ def _save(fig: Any, path: Path) -> str:
 
 
 def _bytes_axis(ax: Any, axis: str = "x") -> None:
-    """A log axis in bytes with ticks at powers of 4 (1 KiB, 4 KiB, ...) labelled as such."""
+    """A log axis in bytes (call after plotting) with ticks at powers of 4 (1 KiB, 4 KiB, ...), or of 2 on a
+    narrow range, labelled as such."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     a = ax.xaxis if axis == "x" else ax.yaxis
-    a.set_major_locator(LogLocator(base=4, numticks=12))
+    lo, hi = ax.get_xlim() if axis == "x" else ax.get_ylim()
+    base = 2 if lo > 0 and hi / lo < 64 else 4  # enough ticks on a narrow range, few on a wide one
+    a.set_major_locator(LogLocator(base=base, numticks=12))
     a.set_major_formatter(FuncFormatter(lambda v, _: human_bytes(v).replace(".00", "") if v > 0 else "0"))
     a.set_minor_formatter(NullFormatter())
 
@@ -75,6 +79,12 @@ def _bytes_axis(ax: Any, axis: str = "x") -> None:
 def _legend_above(ax: Any, ncol: int, **kw: Any) -> None:
     """The legend in a row between the title and the plot, where it covers nothing."""
     ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=ncol, fontsize=8, frameon=False, **kw)
+
+
+def _modelled(op_row: dict[str, Any]) -> float:
+    """The model's bytes per step for one op of a report: its steady rows plus the named once-per-run
+    terms the reconciliation attributes to the measured steps (e.g. DDP's bucket-rebuild broadcast)."""
+    return float(op_row["predicted_bytes"]) + sum(float(r["bytes"]) for r in op_row["residuals"])
 
 
 def _ran(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -124,7 +134,7 @@ def plot_predicted_measured(scenarios: list[dict[str, Any]], path: Path) -> str:
     y = list(range(len(names)))
     h = 0.27
     measured = [sum(o["measured_bytes"] for o in s["collectives"]) for s in scenarios]
-    model = [sum(o["predicted_bytes"] for o in s["collectives"]) for s in scenarios]
+    model = [sum(_modelled(o) for o in s["collectives"]) for s in scenarios]
     paper = [sum(c["paper_bytes"] for c in s["prediction"]["paper_comparison"]) for s in scenarios]
     a1.barh([v - h for v in y], paper, h, label="paper Eqs. 2-5 (idealised)", color="#bbbbbb")
     a1.barh(y, model, h, label="commgate model", color="#4c72b0")
@@ -218,6 +228,7 @@ def plot_histograms(scenarios: list[dict[str, Any]], path: Path) -> str:
         ax.set_xticks(xs[::step], [human_bytes(2**x).replace(".00", "") for x in xs[::step]], fontsize=7)
         ax.set_title(s["name"], fontsize=9)
         ax.set_ylabel("calls (all ranks)")
+        ax.margins(y=0.12)
         ax.legend(fontsize=6, loc="upper left")
     for ax in list(axes.flat)[n:]:
         ax.set_axis_off()
@@ -226,43 +237,70 @@ def plot_histograms(scenarios: list[dict[str, Any]], path: Path) -> str:
     return _save(fig, path)
 
 
-def sweeps(scenarios: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Scenario families that differ only in sequence length, by scenario name (2+ members)."""
+SWEEP_AXES: tuple[tuple[str, str, str], ...] = (
+    ("model", "s", "sequence length s (tokens)"),
+    ("parallelism", "dp", "data-parallel ranks d"),
+    ("parallelism", "tp", "tensor-parallel ranks t"),
+    ("parallelism", "pp", "pipeline stages p"),
+    ("parallelism", "micro_batches", "micro-batches m"),
+)
+
+
+def _x(s: dict[str, Any], where: str, key: str) -> Any:
+    return s["prediction"][where][key]
+
+
+def sweeps(scenarios: list[dict[str, Any]]) -> dict[str, tuple[str, str, list[dict[str, Any]]]]:
+    """Scenario families (one name, 2+ variants) -> (field, axis label, members in order of the field):
+    the first of sequence length, dp, tp, pp, micro-batches that varies across the family."""
     fam: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for s in scenarios:
         fam[s["prediction"]["scenario"]].append(s)
     out = {}
     for name, members in fam.items():
-        seqs = {m["prediction"]["model"]["s"] for m in members}
-        if len(members) > 1 and len(seqs) == len(members):
-            out[name] = sorted(members, key=lambda m: m["prediction"]["model"]["s"])
+        for where, key, label in SWEEP_AXES:
+            values = [_x(m, where, key) for m in members]
+            if len(members) > 1 and len(set(values)) == len(members):
+                order = sorted(range(len(members)), key=values.__getitem__)
+                out[name] = (key, label, [members[i] for i in order])
+                break
     return out
 
 
-def plot_seq_sweeps(scenarios: list[dict[str, Any]], path: Path) -> str | None:
-    """Bytes per step per collective against sequence length: model lines, measured markers."""
+def plot_sweeps(scenarios: list[dict[str, Any]], path: Path) -> str | None:
+    """Per family: bytes per step per collective against the swept field (model lines, measured circles),
+    and the share of rank 0's step with a call in flight (seed 003's model and the run)."""
     fams = sweeps(scenarios)
     if not fams:
         return None
     plt = _plt()
-    fig, axes = plt.subplots(1, len(fams), figsize=(6.4 * len(fams), 3.6), squeeze=False)
-    for ax, (name, members) in zip(axes.flat, sorted(fams.items()), strict=True):
-        seqs = [m["prediction"]["model"]["s"] for m in members]
-        ops = sorted({o["op"] for m in members for o in m["collectives"]})
-        for op in ops:
+    fig, axes = plt.subplots(len(fams), 2, figsize=(12.5, 3.7 * len(fams)), squeeze=False)
+    for (a1, a2), (name, (key, label, members)) in zip(axes, sorted(fams.items()), strict=True):
+        where = "model" if key == "s" else "parallelism"
+        xs = [_x(m, where, key) for m in members]
+        for op in sorted({o["op"] for m in members for o in m["collectives"]}):
             color = OP_COLORS.get(op, "#999999")
-            pred = [sum(o["predicted_bytes"] for o in m["collectives"] if o["op"] == op) for m in members]
+            pred = [sum(_modelled(o) for o in m["collectives"] if o["op"] == op) for m in members]
             meas = [sum(o["measured_bytes"] for o in m["collectives"] if o["op"] == op) for m in members]
-            ax.plot(seqs, pred, "-", color=color, label=f"{op} (model)")
-            ax.plot(seqs, meas, "o", color=color, mfc="none", ms=7, label=f"{op} (measured)")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(seqs, [str(v) for v in seqs])
-        ax.set_xlabel("sequence length s (tokens)")
-        ax.set_ylabel("bytes per step, all ranks (log)")
-        _bytes_axis(ax, "y")
-        ax.set_title(f"{name}: volume vs sequence length")
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+            a1.plot(xs, pred, "-", color=color, label=f"{op} (model)")
+            a1.plot(xs, meas, "o", color=color, mfc="none", ms=7, label=f"{op} (measured)")
+        for ax in (a1, a2):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [str(v) for v in xs])
+            ax.set_xlabel(label)
+        a1.set_yscale("log")
+        _bytes_axis(a1, "y")
+        a1.set_ylabel("bytes per step, all ranks (log)")
+        a1.set_title(f"{name}: volume")
+        a1.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+        pf, mf = [_frac(m, "predicted") for m in members], [_frac(m, "measured") for m in members]
+        if any(v is not None for v in pf):
+            a2.plot(xs, [100 * v if v is not None else float("nan") for v in pf], "-s", color="#4c72b0", label="model")
+        a2.plot(xs, [100 * v if v is not None else float("nan") for v in mf], "-o", color="#dd8452", label="measured")
+        a2.set_ylim(0, 100)
+        a2.set_ylabel("% of rank 0's step with a call in flight")
+        a2.set_title(f"{name}: communication fraction")
+        a2.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     return _save(fig, path)
 
@@ -425,7 +463,7 @@ def _table(doc: dict[str, Any]) -> str:
         cells = [s["name"], s["scheme"], str(s["world_size"]), s["status"]]
         if "collectives" in s:
             meas = sum(o["measured_bytes"] for o in s["collectives"])
-            pred = sum(o["predicted_bytes"] for o in s["collectives"])
+            pred = sum(_modelled(o) for o in s["collectives"])
             unexp = sum(o["unexplained_bytes"] for o in s["collectives"])
             cells += [human_bytes(meas), human_bytes(pred), f"{unexp:g} B"]
         else:
@@ -464,8 +502,8 @@ FIGURES = (
      "the bandwidth curve C and the measured GEMM rate; lower bar: the measured step and the time a call was in "
      "flight."),
     ("histograms", "Message sizes", "Calls per message-size bucket in the measured steps (seed 000, Fig. 9)."),
-    ("sweeps", "Sequence-length sweeps", "Volume per collective against s: model lines, measured circles "
-     "(seed 000, Figs. 14-15)."),
+    ("sweeps", "Sweeps", "Sequence-length sweeps (seed 000, Figs. 14-15) and strong/weak scaling (seed 002): volume "
+     "per collective (model lines, measured circles) and the communication fraction, model and measured."),
 )  # fmt: skip
 
 
@@ -527,7 +565,7 @@ def write(out: Path, doc: dict[str, Any], *, progress: Callable[[str], None] | N
         figures["predicted"] = plot_predicted_measured(ran, plots / "predicted_vs_measured.png")
         figures["time"] = plot_time_model(ran, plots / "time_model.png")
         figures["histograms"] = plot_histograms(ran[: MAX_DETAIL * 2], plots / "message_sizes.png")
-        figures["sweeps"] = plot_seq_sweeps(ran, plots / "seq_sweeps.png")
+        figures["sweeps"] = plot_sweeps(ran, plots / "sweeps.png")
         for i, s in enumerate(ran[:MAX_DETAIL]):
             if progress:
                 progress(f"report: plots for {s['name']} ({i + 1}/{min(len(ran), MAX_DETAIL)})")

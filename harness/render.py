@@ -18,7 +18,7 @@ def number(x: int | Fraction) -> int | float:
     return f.numerator if f.denominator == 1 else float(f)
 
 
-def human_bytes(x: int | Fraction) -> str:
+def human_bytes(x: float | Fraction) -> str:
     v = float(x)
     sign = "-" if v < 0 else ""
     v = abs(v)

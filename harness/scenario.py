@@ -398,10 +398,25 @@ def _expand(doc: dict[str, Any], file: str, where: _Located) -> Iterator[tuple[s
     if not sweep:
         yield "", base
         return
-    keys = list(sweep)
-    for values in itertools.product(*(sweep[k] for k in keys)):
+    # A key "a.b+c.d" moves its paths together: each of its values is a list with one value per path
+    # (a strong-scaling sweep: dp up while micro-batches go down). Keys are combined as a product.
+    axes: list[list[list[tuple[str, Any]]]] = []
+    for key, values in sweep.items():
+        paths = key.split("+")
+        if len(paths) == 1:
+            axes.append([[(key, v)] for v in values])
+            continue
+        bad = [v for v in values if not isinstance(v, list) or len(v) != len(paths)]
+        if bad:
+            msg = f"{bad[0]!r}: each value of a joined key is a list of {len(paths)} values, one per path"
+            raise ScenarioError(
+                [Problem(file=file, path=f"$.sweep.{key}", message=msg, line=where.line(["sweep", key]))]
+            )
+        axes.append([list(zip(paths, v, strict=True)) for v in values])
+    for combo in itertools.product(*axes):
         variant = copy.deepcopy(base)
-        for key, value in zip(keys, values, strict=False):
+        assignments = [pair for group in combo for pair in group]
+        for key, value in assignments:
             node = variant
             parts = key.split(".")
             for part in parts[:-1]:
@@ -418,7 +433,7 @@ def _expand(doc: dict[str, Any], file: str, where: _Located) -> Iterator[tuple[s
                         ]
                     )
             node[parts[-1]] = value
-        yield ",".join(f"{k.split('.')[-1]}={v}" for k, v in zip(keys, values, strict=False)), variant
+        yield ",".join(f"{k.split('.')[-1]}={v}" for k, v in assignments), variant
 
 
 # -------------------------------------------------------------------------------- consistency, build

@@ -46,7 +46,7 @@ def is_png(path: Path) -> bool:
 def test_the_page_shows_every_plot_it_wrote(out: Path) -> None:
     page = (out / "index.html").read_text()
     pngs = sorted(p.name for p in (out / "plots").glob("*.png"))
-    for name in ("volume.png", "predicted_vs_measured.png", "time_model.png", "message_sizes.png", "seq_sweeps.png"):
+    for name in ("volume.png", "predicted_vs_measured.png", "time_model.png", "message_sizes.png", "sweeps.png"):
         assert name in pngs
     assert {f"matrix-{s}.png" for s in ("d", "p_s_32_", "p_s_64_")} <= set(pngs)
     assert {f"timeline-{s}.png" for s in ("d", "p_s_32_", "p_s_64_")} <= set(pngs)

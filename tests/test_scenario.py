@@ -43,6 +43,19 @@ def test_sweep_expands_into_readable_ids() -> None:
     assert [s.model.s for s in load_text(text)] == [128, 128, 256, 256]
 
 
+def test_joined_sweep_keys_move_together_for_strong_scaling() -> None:
+    text = BASE + "sweep:\n  parallelism.dp+parallelism.micro_batches: [[2, 4], [4, 2]]\n  model.s: [64, 128]\n"
+    got = [(s.id, s.world_size, s.parallelism.micro_batches, s.model.s) for s in load_text(text)]
+    assert got == [
+        ("s[dp=2,micro_batches=4,s=64]", 2, 4, 64),
+        ("s[dp=2,micro_batches=4,s=128]", 2, 4, 128),
+        ("s[dp=4,micro_batches=2,s=64]", 4, 2, 64),
+        ("s[dp=4,micro_batches=2,s=128]", 4, 2, 128),
+    ]
+    with pytest.raises(ScenarioError, match=r"\$\.sweep\.parallelism\.dp\+parallelism\.micro_batches: \[2, 4, 8\]: "):
+        load_text(BASE + "sweep:\n  parallelism.dp+parallelism.micro_batches: [[2, 4, 8]]\n")
+
+
 def test_zero_scheme_implies_its_stage() -> None:
     (s,) = load_text(BASE.replace("scheme: ddp", "scheme: zero2"))
     assert s.parallelism.zero.stage == 2
