@@ -31,6 +31,7 @@ from pathlib import Path
 from harness import bandwidth
 from harness.bandwidth import Curve
 from harness.capture import Capture, CapturedCall
+from harness.errors import CommgateError
 from harness.expectation import Prediction
 from harness.model import ModelSpec
 
@@ -199,12 +200,15 @@ def assess(prediction: Prediction, capture: Capture, curves: Path) -> TimeAssess
     """The model with the bandwidth curve of the capture's hardware from the baseline directory ``curves``."""
     measured = measure(capture)
     hardware = capture.stack.get("hardware") or ""
-    curve, note = bandwidth.lookup(bandwidth.path_for(curves, capture.backend), hardware)
-    if curve is None:
-        return TimeAssessment(predicted=None, measured=measured, note=note)
-    u = curve.utilization
-    note += f"; u = {u:.3g}" + (" (calibrated)" if curve.calibrated else " (not calibrated: `commgate calibrate`)")
-    predicted = predict_time(prediction, curve, note=note, utilization=u)
+    try:
+        curve, note = bandwidth.lookup(bandwidth.path_for(curves, capture.backend), hardware)
+        if curve is None:
+            return TimeAssessment(predicted=None, measured=measured, note=note)
+        u = curve.utilization
+        note += f"; u = {u:.3g}" + (" (calibrated)" if curve.calibrated else " (not calibrated: `commgate calibrate`)")
+        predicted = predict_time(prediction, curve, note=note, utilization=u)
+    except CommgateError as exc:  # a bad or partial curve leaves the model out of this report, saying why
+        return TimeAssessment(predicted=None, measured=measured, note=f"no time model: {exc}")
     return TimeAssessment(predicted=predicted, measured=measured, note=note)
 
 

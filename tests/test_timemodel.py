@@ -85,3 +85,20 @@ def test_flops_follow_megatron_and_checkpointing_adds_a_forward() -> None:
     assert step_flops(base) == 3 * fwd and step_flops(ckpt) == 4 * fwd
     tp2 = predict(scenario("{scheme: tp, tp: 2}", "{preset: 19M-cpu, s: 128}"))  # type: ignore[arg-type]
     assert step_flops(tp2) == 3 * fwd / 2
+
+
+def test_assess_names_a_missing_or_bad_curve_instead_of_failing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from harness.timemodel import assess
+
+    pred = predict(scenario("{scheme: ddp, dp: 2}"))  # type: ignore[arg-type]
+    windows = (StepWindow(rank=0, step=1, start_ns=0, end_ns=100),)
+    cap = Capture(
+        scenario="s", world_size=2, warmup_steps=1, steps=1, backend="gloo", calls=(call(0, 1, 10, 20),),
+        stack={"hardware": "cpu"}, step_windows=windows,
+    )  # fmt: skip
+    t = assess(pred, cap, tmp_path)
+    assert t.predicted is None and t.measured is not None and "no bandwidth curve" in t.note
+    (tmp_path / "bandwidth-gloo.json").write_text("{")
+    t = assess(pred, cap, tmp_path)
+    assert t.predicted is None and t.note.startswith("no time model:") and "not JSON" in t.note
+    assert t.document()["comm_fraction_error"] is None
