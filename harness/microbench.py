@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import itertools
 import json
 import os
 import subprocess
@@ -128,13 +129,16 @@ class Groups:
                     self.by[g, path] = (mine, tuple(dist.get_process_group_ranks(mine)))
 
     def op(self, command: dict[str, Any]) -> Callable[[], None]:
-        """The call a command names; path ``pair`` is one bare call then one harness call."""
+        """The call a command names; path ``pair`` is one bare and one harness call, the bare one first on
+        even calls and second on odd ones (so that neither always pays for the other's stragglers)."""
         if command["path"] == "pair":
             bare, har = (self.op(command | {"path": p}) for p in PATHS)
+            calls = itertools.count()
 
             def pair() -> None:
-                bare()
-                har()
+                first, second = (bare, har) if next(calls) % 2 == 0 else (har, bare)
+                first()
+                second()
 
             return pair
         grp, ranks = self.by[command["group_size"], command["path"]]
@@ -185,21 +189,20 @@ class World:
     def prepare_pair(
         self, op: str, nbytes: int, group_size: int, calls: int
     ) -> tuple[Callable[[], None], dict[str, list[float]]]:
-        """Rank 0's bare call and harness call, alternated, each timed into the returned lists (the A/B
-        of the harness's cost, interleaved so that the machine's drift hits both alike)."""
+        """Rank 0's bare call and harness call, alternated call for call and in alternating order (as the
+        followers do), each timed into the returned lists: the A/B of the harness's cost, interleaved so
+        that the machine's drift hits both alike."""
         self.prepare(op, nbytes, group_size, "pair", calls)
-        bare, har = (self.groups.op({"op": op, "bytes": nbytes, "group_size": group_size, "path": p}) for p in PATHS)
+        fns = {p: self.groups.op({"op": op, "bytes": nbytes, "group_size": group_size, "path": p}) for p in PATHS}
         times: dict[str, list[float]] = {"bare": [], "harness": []}
         clock = time.perf_counter
+        order = itertools.count()
 
         def pair() -> None:
-            t0 = clock()
-            bare()
-            t1 = clock()
-            har()
-            t2 = clock()
-            times["bare"].append(t1 - t0)
-            times["harness"].append(t2 - t1)
+            for path in PATHS if next(order) % 2 == 0 else PATHS[::-1]:
+                t0 = clock()
+                fns[path]()
+                times[path].append(clock() - t0)
 
         return pair, times
 
