@@ -245,9 +245,22 @@ def calibrate(path: Path, hardware: str, utilization: float, how: str) -> Curve:
     return curve
 
 
+def merged(old: Curve, new: Curve) -> Curve:
+    """``new``'s points over ``old``'s: a partial sweep (a few ops, sizes or worlds) refits those points and
+    keeps the rest. u is reset (the rates it was calibrated against changed): calibrate again."""
+    import dataclasses
+
+    points = {(s.op, s.world, s.group_size, s.nbytes): s for s in (*old.samples, *new.samples)}
+    flops = {**old.compute_flops, **new.compute_flops}
+    return dataclasses.replace(new, samples=tuple(points.values()), compute_flops=flops)
+
+
 def store(path: Path, curve: Curve) -> Path:
-    """Add or replace ``curve``'s hardware entry, keeping the others (atomic)."""
+    """Add ``curve`` as its hardware's entry, merged into the one stored (``merged``), keeping the other
+    machines' (atomic)."""
     curves = load_all(path)
+    if curve.hardware in curves and curves[curve.hardware].backend == curve.backend:
+        curve = merged(curves[curve.hardware], curve)
     curves[curve.hardware] = curve
     doc = {"schema_version": CURVE_VERSION, "curves": {hw: c.to_json() for hw, c in sorted(curves.items())}}
     validate(doc)

@@ -100,3 +100,16 @@ def test_the_committed_curve_is_valid_and_monotone_enough() -> None:
         small = c.seconds("all_reduce", group_size=2, world=2, nbytes=4)
         big = c.seconds("all_reduce", group_size=2, world=2, nbytes=64 << 20)
         assert big > 10 * small
+
+
+def test_a_partial_sweep_refits_its_points_and_keeps_the_rest(tmp_path: Path) -> None:
+    path = bandwidth.path_for(tmp_path, "gloo")
+    bandwidth.store(
+        path, curve(sample(nbytes=4, median_s=1.0), sample(nbytes=64, median_s=2.0), flops={2: 1e9, 8: 3e8})
+    )
+    bandwidth.calibrate(path, "cpu x2", 0.2, "test")
+    bandwidth.store(path, curve(sample(nbytes=64, median_s=5.0), flops={8: 4e8}))
+    c = bandwidth.load_all(path)["cpu x2"]
+    assert sorted((s.nbytes, s.median_s) for s in c.samples) == [(4, 1.0), (64, 5.0)]
+    assert dict(c.compute_flops) == {2: 1e9, 8: 4e8}
+    assert c.utilization == 1.0 and c.calibrated is None  # the rates changed: calibrate again
