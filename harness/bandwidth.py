@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import datetime
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from typing import Any
 
 from harness import schemas
 from harness.errors import CommgateError
-from harness.fsutil import atomic_write_json
+from harness.fsutil import atomic_write_json, read_json
 
 CURVE_VERSION = 1
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
@@ -201,21 +202,17 @@ def validate(doc: Any) -> None:
 
 
 def load_all(path: Path) -> dict[str, Curve]:
-    """Every hardware's curve in a bandwidth file ({} when there is none); bad files are one-line errors."""
-    import json
-
-    import jsonschema
-
+    """Every hardware's curve in a bandwidth file ({} when there is none); bad files are one-line errors.
+    The file is parsed and validated once per version of it (the time model asks for every scenario)."""
     if not path.exists():
         return {}
-    try:
-        doc = json.loads(path.read_text())
-        validate(doc)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CommgateError(f"{path}: not JSON ({exc}); re-run the microbenchmarks to rewrite it") from None
-    except jsonschema.ValidationError as exc:
-        where = "/".join(str(p) for p in exc.absolute_path) or "(top level)"
-        raise CommgateError(f"{path}: {where}: {exc.message}") from None
+    st = path.stat()
+    return dict(_parsed(str(path), st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(path: str, mtime_ns: int, size: int) -> dict[str, Curve]:
+    doc = read_json(Path(path), validate, hint="; re-run the microbenchmarks to rewrite it")
     return {hw: Curve.from_json(hw, d) for hw, d in doc["curves"].items()}
 
 

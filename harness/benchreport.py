@@ -14,6 +14,8 @@ def harness_vs_bare(rows: Iterable[Mapping[str, Any]]) -> tuple[list[str], float
     """One line per interleaved A/B point (bare p50, harness p50, the capture's own p50 and the ratios
     harness/bare and captured/bare) and the largest harness/bare ratio."""
     ab = sorted((r for r in rows if r.get("path") == "ab"), key=lambda r: (r["world"], r["op"], r["bytes"]))
+    if not ab:
+        return [], None
     head = f"{'world':>5} {'op':<15} {'bytes':>10} {'bare':>10} {'harness':>10} {'captured':>10} {'h/b':>6} {'c/b':>6}"
     lines = [head]
     for r in ab:
@@ -22,8 +24,7 @@ def harness_vs_bare(rows: Iterable[Mapping[str, Any]]) -> tuple[list[str], float
             f"{r['world']:>5} {r['op']:<15} {r['bytes']:>10} {bare * 1e3:>8.3f}ms {har * 1e3:>8.3f}ms "
             f"{cap * 1e3:>8.3f}ms {har / bare:>6.3f} {cap / bare:>6.3f}"
         )
-    worst = max((r["harness_p50_s"] / r["bare_p50_s"] for r in ab), default=None)
-    return (lines if ab else []), worst
+    return lines, max(r["harness_p50_s"] / r["bare_p50_s"] for r in ab)
 
 
 def samples(rows: Iterable[Mapping[str, Any]]) -> list[Sample]:

@@ -271,20 +271,13 @@ def cmd_html(a: argparse.Namespace) -> int:
 
 def _load_report(path: Path) -> dict[str, Any]:
     """A report document, validated; a one-line usage error otherwise."""
-    import jsonschema
-
+    from harness.fsutil import read_json
     from harness.report import validate
 
     try:
-        doc: dict[str, Any] = json.loads(path.read_text())
-        validate(doc)
-    except OSError as exc:
-        raise UsageError(f"{path}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"{path}: not JSON ({exc})") from None
-    except jsonschema.ValidationError as exc:
-        where = "/".join(str(p) for p in exc.absolute_path) or "(top level)"
-        raise UsageError(f"{path}: {where}: {exc.message}") from None
+        doc: dict[str, Any] = read_json(path, validate)
+    except CommgateError as exc:
+        raise UsageError(str(exc)) from None
     return doc
 
 

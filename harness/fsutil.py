@@ -1,12 +1,34 @@
-"""Writing files so that a crash or a kill never leaves a half-written one behind."""
+"""Writing files so that a crash or a kill never leaves a half-written one behind, and reading JSON
+documents so that a bad one is a one-line error naming the file and the place."""
 
 from __future__ import annotations
 
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from harness.errors import CommgateError
+
+
+def read_json(path: Path, validate: Callable[[Any], None], *, hint: str = "") -> Any:
+    """The JSON document at ``path`` after ``validate`` (which raises ``jsonschema.ValidationError``);
+    ``CommgateError`` with one line otherwise (``hint`` follows a parse error: how to get a good file)."""
+    import jsonschema
+
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        validate(doc)
+    except OSError as exc:
+        raise CommgateError(f"{path}: {exc.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CommgateError(f"{path}: not JSON ({exc}){hint}") from None
+    except jsonschema.ValidationError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "(top level)"
+        raise CommgateError(f"{path}: {where}: {exc.message}") from None
+    return doc
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:

@@ -120,20 +120,24 @@ class Recorder:
         for seq in done:
             self.complete(seq)
 
+    def _completed(self) -> list[CapturedCall]:
+        """``calls`` with the records of the calls completed since the last look (hold the lock)."""
+        self.calls += [CapturedCall(**rec) for rec in self._done]
+        self._done.clear()
+        return self.calls
+
     def take(self) -> list[CapturedCall]:
         """The completed calls so far, forgotten here (the microbenchmarks read them point by point)."""
         with self._lock:
-            done = sorted(self.calls + [CapturedCall(**rec) for rec in self._done], key=lambda c: c.seq)
-            self.calls, self._done = [], []
+            done = sorted(self._completed(), key=lambda c: c.seq)
+            self.calls = []
             return done
 
     def drain(self) -> list[CapturedCall]:
         """All calls, the never-completed ones with ``duration_ns=None``, in issue order."""
         with self._lock:
-            self.calls += [CapturedCall(**rec) for rec in self._done]
-            self._done.clear()
             pending = [CapturedCall(**rec, duration_ns=None) for rec in self._open.values()]
-            return sorted(self.calls + pending, key=lambda c: c.seq)
+            return sorted(self._completed() + pending, key=lambda c: c.seq)
 
 
 RECORDER: Recorder | None = None

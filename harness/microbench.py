@@ -122,11 +122,8 @@ class Groups:
         for g in sizes:
             for path in PATHS:
                 name = backend if path == "bare" else interpose.BACKEND_NAME
-                if g == world:
-                    self.by[g, path] = (dist.new_group(list(range(world)), backend=name), tuple(range(world)))
-                else:
-                    mine, _ = dist.new_subgroups(group_size=g, backend=name)  # type: ignore[no-untyped-call]
-                    self.by[g, path] = (mine, tuple(dist.get_process_group_ranks(mine)))
+                mine, _ = dist.new_subgroups(group_size=g, backend=name)  # type: ignore[no-untyped-call]
+                self.by[g, path] = (mine, tuple(dist.get_process_group_ranks(mine)))
 
     def op(self, command: dict[str, Any]) -> Callable[[], None]:
         """The call a command names; path ``pair`` is one bare and one harness call, the bare one first on

@@ -204,14 +204,11 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
         if state.results:
-            report = Report(Path(out) / f"report-{worker}.json")
-            for r in state.results:
-                report.add(r)
+            Report(Path(out) / f"report-{worker}.json", list(state.results)).write()
         return
     if state.results:
-        report = Report(Path(out) / "report.json")
-        for r in state.results:
-            report.add(r)
+        report = Report(Path(out) / "report.json", list(state.results))
+        report.write()
         doc = report.document()
     else:
         parts = sorted(Path(out).glob("report-gw*.json"))
