@@ -29,11 +29,11 @@ import torch.multiprocessing as mp
 def _rank(rank: int, world: int, store: str, steps: int, preset: str, out: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
-    from harness import interpose
-    from harness.model import PRESETS
-    from harness.scenario import load_text
-    from harness.workloads.gpt import GPT, batch
-    from harness.workloads.zero import ds_config
+    from commgate.model.scenario import load_text
+    from commgate.model.transformer import PRESETS
+    from commgate.run import interpose
+    from commgate.run.workloads.gpt import GPT, batch
+    from commgate.run.workloads.zero import ds_config
 
     rec = interpose.install("gloo", rank)
     dist.init_process_group(interpose.BACKEND_NAME, init_method=f"file://{store}", rank=rank, world_size=world)

@@ -60,13 +60,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def hardware(backend: str) -> str:
     """The fingerprint a scenario's capture records on this machine (``Capture.stack``), so that the time
     model finds this curve for it."""
-    from harness.rank import stack
+    from commgate.run.rank import stack
 
     return stack(backend)["hardware"] or ""
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
-    from harness.benchreport import harness_vs_bare
+    from commgate.report.benchreport import harness_vs_bare
 
     rows = config.stash.get(RESULTS, [])
     if not rows:
@@ -80,8 +80,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         tr.write_line(f"largest harness/bare ratio: {worst:.3f} (goal <= 1.1)")
     curve_dir = config.getoption("--commgate-curve-dir")
     if curve_dir is not None:
-        from harness import bandwidth
-        from harness.benchreport import samples
+        from commgate.report import bandwidth
+        from commgate.report.benchreport import samples
 
         compute = {r["world"]: r["flops"] for r in rows if r["op"] == "gemm"}
         if not samples(rows):

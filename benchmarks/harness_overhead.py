@@ -23,8 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from harness.launcher import launch_local
-from harness.scenario import load_paths
+from commgate.model.scenario import load_paths
+from commgate.run.launcher import launch_local
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = [ROOT / "scenarios" / "ddp.yaml", ROOT / "scenarios" / "zero1.yaml"]

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch")
-microbench = pytest.importorskip("harness.microbench")
+microbench = pytest.importorskip("commgate.report.microbench")
 
 
 def _ints(text: str) -> list[int]:

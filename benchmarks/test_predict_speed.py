@@ -6,10 +6,10 @@ Run: .venv/bin/python -m pytest benchmarks --benchmark-only
 from typing import Any
 
 import pytest
-
-from harness import layout, model
-from harness.expectation import predict
-from harness.scenario import Scenario, load_document
+from commgate.model import layout
+from commgate.model import transformer as model
+from commgate.model.expectation import predict
+from commgate.model.scenario import Scenario, load_document
 
 BIG = {"scheme": "3d", "dp": 64, "tp": 8, "pp": 8, "micro_batches": 16}
 
@@ -44,7 +44,7 @@ def test_predict_4096_rank_3d(benchmark: Any, cold: bool) -> None:
 def test_load_and_predict_default_suite(benchmark: Any) -> None:
     from pathlib import Path
 
-    from harness.scenario import load_paths
+    from commgate.model.scenario import load_paths
 
     root = Path(__file__).resolve().parents[1] / "scenarios"
     benchmark(lambda: [predict(s) for s in load_paths([root])])

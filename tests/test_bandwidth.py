@@ -7,10 +7,9 @@ import math
 from pathlib import Path
 
 import pytest
-
-from harness import bandwidth
-from harness.bandwidth import Curve, Sample, fit
-from harness.errors import CommgateError
+from commgate.core.errors import CommgateError
+from commgate.report import bandwidth
+from commgate.report.bandwidth import Curve, Sample, fit
 
 
 def sample(op: str = "all_reduce", nbytes: int = 4, median_s: float = 1e-3, world: int = 2, g: int = 2) -> Sample:

@@ -8,11 +8,10 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
-
-from harness import baseline as bl
-from harness.capture import Capture, CapturedCall
-from harness.drift import cold_starts, mann_whitney_u, shifts
-from harness.scenario import ColdStartRule, LatencyRule, Tolerance
+from commgate.judge import baseline as bl
+from commgate.judge.drift import cold_starts, mann_whitney_u, shifts
+from commgate.model.scenario import ColdStartRule, LatencyRule, Tolerance
+from commgate.run.capture import Capture, CapturedCall
 
 DATA = Path(__file__).parent / "data" / "baselines"
 EXACT = Tolerance()

@@ -6,14 +6,13 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from harness.scenario import SCHEMES
+from commgate.model.scenario import SCHEMES
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def commgate(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True, cwd=cwd)
+    return subprocess.run([sys.executable, "-m", "commgate", *args], capture_output=True, text=True, cwd=cwd)
 
 
 def test_predict_13b_ddp_json_reproduces_eqs_1_and_2() -> None:
@@ -36,7 +35,7 @@ def test_predict_13b_zero3_json_reproduces_eq_3() -> None:
 
 def test_predict_does_not_import_torch_or_deepspeed() -> None:
     code = (
-        "import sys; from harness.cli import main; "
+        "import sys; from commgate.cli import main; "
         "rc = main(['predict', '--model', '19M-cpu', '--scheme', '3d', '--dp', '2', '--tp', '2', '--pp', '2']); "
         "assert rc == 0; assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules, 'heavy import'"
     )

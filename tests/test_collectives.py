@@ -3,8 +3,7 @@
 from fractions import Fraction
 
 import pytest
-
-from harness.collectives import OPS, Op
+from commgate.model.collectives import OPS, Op
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from harness.cli import main
+from commgate.cli import main
 
 DATA = Path(__file__).parent / "data" / "baselines"
 
@@ -45,7 +44,7 @@ def test_reports_of_real_runs(tmp_path: Path) -> None:
         "schema_version: 1\nname: s\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: ddp, dp: 2}\nsteps: 2\n"
     )
     run = subprocess.run(
-        [sys.executable, "-m", "harness", "run", str(scenario), "--report-dir", str(tmp_path / "a")],
+        [sys.executable, "-m", "commgate", "run", str(scenario), "--report-dir", str(tmp_path / "a")],
         capture_output=True,
         text=True,
     )

@@ -59,7 +59,7 @@ def test_nightly_dry_run_prints_the_srun_torchrun_line() -> None:
         "srun --nodes 2 --ntasks-per-node 1",
         "--nnodes 2 --nproc-per-node 8 --max-restarts 0",
         "--rdzv-backend c10d --rdzv-endpoint n001:29500",
-        "-m harness run ci/cluster --gate --baseline-dir baselines --report-dir reports/nightly/",
+        "-m commgate run ci/cluster --gate --baseline-dir baselines --report-dir reports/nightly/",
     ):
         assert part in srun, (part, srun)
     bench = proc.stdout.splitlines()[-2]  # the microbenchmarks first, on one node, refitting the curve

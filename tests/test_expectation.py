@@ -5,10 +5,9 @@ from fractions import Fraction
 from typing import Any
 
 import pytest
-
-from harness.collectives import Op
-from harness.expectation import Phase, Prediction, predict
-from harness.scenario import load_document
+from commgate.model.collectives import Op
+from commgate.model.expectation import Phase, Prediction, predict
+from commgate.model.scenario import load_document
 
 
 def scenario(model: dict[str, Any] | str = "19M-cpu", **par: Any) -> Prediction:
@@ -38,7 +37,7 @@ def test_13b_ddp_dp16_reproduces_eqs_1_and_2() -> None:
 
 
 def test_ddp_bucket_and_broadcast_chunking() -> None:
-    from harness.schemes.ddp import buckets_by_size, coalesced_chunks
+    from commgate.model.schemes.ddp import buckets_by_size, coalesced_chunks
 
     assert buckets_by_size([3, 3, 3, 3, 3], [4, 7]) == [6, 9]  # a bucket closes once it reaches its cap
     assert buckets_by_size([10, 1], [4]) == [10, 1]

@@ -7,8 +7,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-
-from harness.fsutil import atomic_write_json, atomic_write_text, dumps
+from commgate.core.fsutil import atomic_write_json, atomic_write_text, dumps
 
 
 def test_writes_canonical_json(tmp_path: Path) -> None:

@@ -4,8 +4,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from harness.model import PRESETS, ModelSpec, inventory, param_count  # noqa: E402
-from harness.workloads.gpt import GPT, batch  # noqa: E402
+from commgate.model.transformer import PRESETS, ModelSpec, inventory, param_count  # noqa: E402
+from commgate.run.workloads.gpt import GPT, batch  # noqa: E402
 
 SPECS = [
     PRESETS["19M-cpu"],

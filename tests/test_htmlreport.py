@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from harness.cli import main
-from harness.report import validate
+from commgate.cli import main
+from commgate.report.report import validate
 
 ROOT = Path(__file__).parents[1]
 SCENARIOS = {
@@ -31,7 +30,7 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("html")
     for name, text in SCENARIOS.items():
         (tmp / name).write_text(text)
-    argv = [sys.executable, "-m", "harness", "run", *(str(tmp / f) for f in SCENARIOS)]
+    argv = [sys.executable, "-m", "commgate", "run", *(str(tmp / f) for f in SCENARIOS)]
     argv += ["--report-dir", str(tmp / "out"), "--baseline-dir", str(ROOT / "baselines")]
     run = subprocess.run(argv, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr

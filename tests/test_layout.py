@@ -3,8 +3,7 @@
 import itertools
 
 import pytest
-
-from harness.layout import Layout
+from commgate.model.layout import Layout
 
 
 def test_3d_groups_on_8_ranks() -> None:

@@ -5,9 +5,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from harness.errors import ScenarioError
-from harness.scenario import load_file
+from commgate.core.errors import ScenarioError
+from commgate.model.scenario import load_file
 
 CORPUS = sorted((Path(__file__).parent / "data" / "malformed").glob("*.yaml"))
 
@@ -42,7 +41,7 @@ def test_all_problems_of_a_file_are_reported_at_once() -> None:
 
 def test_cli_exits_2_with_one_line_per_problem_and_no_traceback() -> None:
     path = next(p for p in CORPUS if p.stem == "heads_not_divisible_by_tp")
-    proc = subprocess.run([sys.executable, "-m", "harness", "validate", str(path)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "commgate", "validate", str(path)], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -54,6 +53,6 @@ def test_problems_of_several_files_are_reported_together(tmp_path: Path) -> None
     for name in ("bad_scheme", "zero_steps"):
         src = next(p for p in CORPUS if p.stem == name)
         (tmp_path / src.name).write_text(src.read_text())
-    proc = subprocess.run([sys.executable, "-m", "harness", "validate", str(tmp_path)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "commgate", "validate", str(tmp_path)], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "bad_scheme.yaml" in proc.stderr and "zero_steps.yaml" in proc.stderr

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness import bandwidth
+from commgate.report import bandwidth
 
 ROOT = Path(__file__).parents[1]
 SMALL = [

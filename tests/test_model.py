@@ -1,9 +1,8 @@
 """Presets and the parameter inventory (the model as built) against Eq. 1 and hand counts."""
 
 import pytest
-
-from harness.model import PRESETS, ModelSpec, Shard, inventory, param_count, stage_split
-from harness.paper import eq1_param_count
+from commgate.model.paper import eq1_param_count
+from commgate.model.transformer import PRESETS, ModelSpec, Shard, inventory, param_count, stage_split
 
 # (L, h, a) from GPT-NeoX's configs, as the seed paper uses them.
 NEOX = {

@@ -55,7 +55,7 @@ def test_two_nodes_over_loopback(tmp_path: Path) -> None:
                 "--rdzv-id",
                 "commgate-test",
                 "-m",
-                "harness",
+                "commgate",
                 "run",
                 str(tmp_path),
                 "--report-dir",

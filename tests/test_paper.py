@@ -3,8 +3,7 @@
 from fractions import Fraction
 
 import pytest
-
-from harness import paper
+from commgate.model import paper
 
 
 def test_eq1_13b_literal() -> None:

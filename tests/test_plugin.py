@@ -34,4 +34,4 @@ def test_markers_are_listed(pytester: pytest.Pytester) -> None:
 
 def test_plugin_is_registered_through_the_pytest11_entry_point(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("--trace-config")
-    result.stdout.fnmatch_lines(["*commgate*harness/plugin.py*"])
+    result.stdout.fnmatch_lines(["*commgate*commgate/plugin.py*"])

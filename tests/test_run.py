@@ -13,13 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
-
-from harness.capture import INIT_STEP, Capture
-from harness.capture import validate as validate_capture
-from harness.expectation import predict
-from harness.launcher import RunError, launch_local
-from harness.reconcile import reconcile
-from harness.scenario import Scenario, load_text
+from commgate.judge.reconcile import reconcile
+from commgate.model.expectation import predict
+from commgate.model.scenario import Scenario, load_text
+from commgate.run.capture import INIT_STEP, Capture
+from commgate.run.capture import validate as validate_capture
+from commgate.run.launcher import RunError, launch_local
 
 BASE = (
     "schema_version: 1\nname: {name}\nmodel: {{preset: 19M-cpu}}\n"
@@ -75,7 +74,7 @@ def test_ddp_every_byte_explained(bucket: str, tmp_path: Path) -> None:
 
 
 def test_capture_sees_every_path(tmp_path: Path) -> None:
-    s = scenario(extra="workload: harness.workloads.probes:paths\n")
+    s = scenario(extra="workload: commgate.run.workloads.probes:paths\n")
     cap = launch_local(s, workdir=tmp_path)
     validate_capture(cap.to_json())
     calls = [c for c in cap.calls if c.step == 1]
@@ -92,7 +91,7 @@ def test_capture_sees_every_path(tmp_path: Path) -> None:
 
 
 def test_a_rank_that_raises_is_named_with_its_traceback(tmp_path: Path) -> None:
-    s = scenario(extra="workload: harness.workloads.faults:crash\n")
+    s = scenario(extra="workload: commgate.run.workloads.faults:crash\n")
     with pytest.raises(RunError) as info:
         launch_local(s, workdir=tmp_path)
     text = str(info.value)
@@ -103,14 +102,14 @@ def test_a_rank_that_raises_is_named_with_its_traceback(tmp_path: Path) -> None:
 
 
 def test_a_rank_killed_by_a_signal_is_named(tmp_path: Path) -> None:
-    s = scenario(extra="workload: harness.workloads.faults:die\n")
+    s = scenario(extra="workload: commgate.run.workloads.faults:die\n")
     with pytest.raises(RunError, match=r"^t: rank 1 died by signal SIGKILL$"):
         launch_local(s, workdir=tmp_path)
     assert rank_processes(tmp_path) == []
 
 
 def test_a_hang_fails_at_the_deadline_naming_each_ranks_call(tmp_path: Path) -> None:
-    s = scenario(extra="workload: harness.workloads.faults:hang\ndeadline_s: 20\n")
+    s = scenario(extra="workload: commgate.run.workloads.faults:hang\ndeadline_s: 20\n")
     with pytest.raises(RunError) as info:
         launch_local(s, workdir=tmp_path)
     lines = str(info.value).splitlines()
@@ -122,9 +121,9 @@ def test_a_hang_fails_at_the_deadline_naming_each_ranks_call(tmp_path: Path) -> 
 
 def test_ranks_die_with_a_launcher_killed_outright(tmp_path: Path) -> None:
     code = (
-        "import sys; from pathlib import Path; from harness.scenario import load_text; "
-        "from harness.launcher import launch_local; "
-        f"(s,) = load_text({(text('t') + 'workload: harness.workloads.faults:hang').__repr__()}); "
+        "import sys; from pathlib import Path; from commgate.model.scenario import load_text; "
+        "from commgate.run.launcher import launch_local; "
+        f"(s,) = load_text({(text('t') + 'workload: commgate.run.workloads.faults:hang').__repr__()}); "
         f"launch_local(s, workdir=Path({str(tmp_path)!r}))"
     )
     launcher = subprocess.Popen([sys.executable, "-c", code])
@@ -150,10 +149,10 @@ def test_ranks_die_with_a_launcher_killed_outright(tmp_path: Path) -> None:
 def test_cli_run_writes_the_report_and_fails_on_a_planted_crash(tmp_path: Path) -> None:
     good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
     good.write_text(text("good"))
-    bad.write_text(text("bad") + "workload: harness.workloads.faults:crash\n")
+    bad.write_text(text("bad") + "workload: commgate.run.workloads.faults:crash\n")
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "harness", "run", str(good), "--report-dir", str(out)],
+        [sys.executable, "-m", "commgate", "run", str(good), "--report-dir", str(out)],
         capture_output=True,
         text=True,
         env={**os.environ},
@@ -168,14 +167,13 @@ def test_cli_run_writes_the_report_and_fails_on_a_planted_crash(tmp_path: Path) 
     assert all(c["unexplained_bytes"] == 0 for c in sc["collectives"])
     assert sc["capture"]["calls"] and doc["environment"]["torch"]
     import jsonschema
-
-    from harness.report import validate as validate_report
+    from commgate.report.report import validate as validate_report
 
     validate_report(doc)  # the published report schema, the capture schema inside
     with pytest.raises(jsonschema.ValidationError):
         validate_report(doc | {"scenarios": [sc | {"capture": sc["capture"] | {"backend": 1}}]})
     proc = subprocess.run(
-        [sys.executable, "-m", "harness", "run", str(bad), "--report-dir", str(out)], capture_output=True, text=True
+        [sys.executable, "-m", "commgate", "run", str(bad), "--report-dir", str(out)], capture_output=True, text=True
     )
     assert proc.returncode == 1
     assert "ERROR   bad" in proc.stdout and "planted crash on rank 1" in proc.stdout
@@ -326,7 +324,7 @@ def test_3d_deepspeed_pipeline_with_dtensor_stages_every_byte_explained(dp: int,
 
 
 def test_what_cannot_run_here_is_skipped_with_the_reason() -> None:
-    from harness.workloads import skip_reason
+    from commgate.run.workloads import skip_reason
 
     (quantized,) = load_text(text("q", ", zero: {qwz: true}", scheme="zero++", dp=2))
     (gpu,) = load_text(text("g") + "markers: [gpu]\n")
@@ -340,7 +338,7 @@ def test_what_cannot_run_here_is_skipped_with_the_reason() -> None:
 def test_cli_run_gate_judges_against_baselines_like_pytest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`commgate run --gate` (what the nightly torchrun job runs): a missing baseline is written and fails,
     the next run passes against it, and a planted change of the stored volume fails naming the flag."""
-    from harness.cli import main
+    from commgate.cli import main
 
     f = tmp_path / "g.yaml"
     f.write_text(text("g"))

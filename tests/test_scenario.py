@@ -3,9 +3,8 @@
 from pathlib import Path
 
 import pytest
-
-from harness.errors import ScenarioError
-from harness.scenario import SCHEMES, load_paths, load_text
+from commgate.core.errors import ScenarioError
+from commgate.model.scenario import SCHEMES, load_paths, load_text
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,10 +1,9 @@
 """The published scenario schema stays valid and in step with the records and registries."""
 
 import jsonschema
-
-from harness.model import PRESETS
-from harness.scenario import SCHEMES, MoEConfig, Parallelism, Scenario, ZeroConfig, field_names, schema
-from harness.schemes import SCHEMES as REGISTRY
+from commgate.model.scenario import SCHEMES, MoEConfig, Parallelism, Scenario, ZeroConfig, field_names, schema
+from commgate.model.schemes import SCHEMES as REGISTRY
+from commgate.model.transformer import PRESETS
 
 
 def test_schema_is_a_valid_draft_2020_12_schema_with_an_id() -> None:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
-
-from harness.bandwidth import Sample, fit
-from harness.capture import Capture, CapturedCall, StepWindow
-from harness.expectation import predict
-from harness.scenario import load_text
-from harness.timemodel import busy_ns, measure, predict_time, step_flops
+from commgate.model.expectation import predict
+from commgate.model.scenario import load_text
+from commgate.report.bandwidth import Sample, fit
+from commgate.report.timemodel import busy_ns, measure, predict_time, step_flops
+from commgate.run.capture import Capture, CapturedCall, StepWindow
 
 
 def call(rank: int, step: int, start: int, dur: int | None, op: str = "all_reduce") -> CapturedCall:
@@ -88,7 +87,7 @@ def test_flops_follow_megatron_and_checkpointing_adds_a_forward() -> None:
 
 
 def test_assess_names_a_missing_or_bad_curve_instead_of_failing(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from harness.timemodel import assess
+    from commgate.report.timemodel import assess
 
     pred = predict(scenario("{scheme: ddp, dp: 2}"))  # type: ignore[arg-type]
     windows = (StepWindow(rank=0, step=1, start_ns=0, end_ns=100),)

@@ -1,4 +1,4 @@
-"""``torchrun -m harness run``: every process is a rank; rank 0 gathers, reconciles and reports."""
+"""``torchrun -m commgate run``: every process is a rank; rank 0 gathers, reconciles and reports."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def torchrun(*args: str) -> subprocess.CompletedProcess[str]:
     if exe is None:
         pytest.skip("torchrun is not installed next to this Python")
     return subprocess.run(
-        [exe, "--standalone", "--nproc-per-node", "2", "-m", "harness", "run", *args],
+        [exe, "--standalone", "--nproc-per-node", "2", "-m", "commgate", "run", *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -55,7 +55,8 @@ def test_scenarios_in_sequence_under_torchrun(tmp_path: Path) -> None:
 
 
 def test_a_crash_under_torchrun_fails_the_job(tmp_path: Path) -> None:
-    text = SCENARIO.format(name="crash", scheme="ddp", degrees="dp: 2") + "workload: harness.workloads.faults:crash\n"
+    text = SCENARIO.format(name="crash", scheme="ddp", degrees="dp: 2")
+    text += "workload: commgate.run.workloads.faults:crash\n"
     (tmp_path / "crash.yaml").write_text(text)
     proc = torchrun(str(tmp_path / "crash.yaml"))
     assert proc.returncode != 0

@@ -6,15 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
-import harness.htmlreport
+import commgate.report.htmlreport
 
 # Imported here, so that pytester's inline runs (which forget modules they import) share one launcher
 # and its forkserver instead of starting one per run.
-import harness.launcher
+import commgate.run.launcher
+import pytest
 
-harness.htmlreport._plt()  # matplotlib and numpy too: C extensions cannot be imported twice in a process
+commgate.report.htmlreport._plt()  # matplotlib and numpy too: C extensions cannot be imported twice in a process
 
 SCENARIO = (
     "schema_version: 1\nname: {name}\nmodel: {{preset: 19M-cpu}}\n"

@@ -11,7 +11,7 @@ import pytest
 def test_nccl_without_gpus_is_skipped_with_the_reason(
     pytester: pytest.Pytester, scenario_file: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("harness.launcher.gpu_visible", lambda: False)
+    monkeypatch.setattr("commgate.run.launcher.gpu_visible", lambda: False)
     scenario_file("g")
     result = pytester.runpytest("--commgate-backend", "nccl", "-rs", "--junitxml", "out.xml")
     result.assert_outcomes(skipped=1)

@@ -39,7 +39,7 @@ def test_a_malformed_scenario_is_a_one_line_collection_error(
 def test_hardware_this_machine_lacks_is_a_skip_with_the_reason(
     pytester: pytest.Pytester, scenario_file: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("harness.launcher.gpu_visible", lambda: False)
+    monkeypatch.setattr("commgate.run.launcher.gpu_visible", lambda: False)
     scenario_file("gpu", tail="markers: [gpu]\n")
     result = pytester.runpytest("-rs")
     result.assert_outcomes(skipped=1)

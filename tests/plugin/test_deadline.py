@@ -9,7 +9,7 @@ import pytest
 
 
 def test_a_hang_fails_at_the_deadline(pytester: pytest.Pytester, scenario_file: Callable[..., Path]) -> None:
-    scenario_file("h", tail="workload: harness.workloads.faults:hang\n")
+    scenario_file("h", tail="workload: commgate.run.workloads.faults:hang\n")
     result = pytester.runpytest("--commgate-deadline", "8", "--junitxml", "out.xml")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(

@@ -7,8 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-from harness.report import validate
+from commgate.report.report import validate
 
 
 def test_report_dir_gets_a_valid_report(pytester: pytest.Pytester, scenario_file: Callable[..., Path]) -> None:

@@ -7,8 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-from harness.baseline import load
+from commgate.judge.baseline import load
 
 
 def test_create_pass_change_fail_update_pass(pytester: pytest.Pytester, scenario_file: Callable[..., Path]) -> None:

@@ -1,0 +1,435 @@
+"""The ``commgate`` command line.
+
+Exit status: 0 success; 1 a check failed; 2 bad input or usage (one line per problem on stderr).
+``predict`` imports neither torch nor deepspeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from commgate import __version__
+from commgate.core.errors import CommgateError, UsageError
+
+DEFAULT_SUITE = "scenarios"
+
+
+def _add_predict(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "predict",
+        help="expected communication of scenarios (no torch needed)",
+        description="Print the per-collective expectation and the paper's equations for scenario files, "
+        "directories of them, or a scenario given by flags.",
+    )
+    p.add_argument("paths", nargs="*", help=f"scenario files or directories (default: ./{DEFAULT_SUITE})")
+    g = p.add_argument_group("a scenario from flags (instead of files)")
+    g.add_argument("--model", metavar="PRESET", help="model preset, e.g. 13B or 19M-cpu (see `commgate presets`)")
+    g.add_argument("--scheme", choices=["ddp", "zero1", "zero2", "zero3", "zero++", "tp", "pp", "3d", "moe"])
+    g.add_argument("--dp", type=int, default=1)
+    g.add_argument("--tp", type=int, default=1)
+    g.add_argument("--pp", type=int, default=1)
+    g.add_argument("--seq", type=int, help="sequence length s (default: the preset's)")
+    g.add_argument("--micro-batch", type=int, default=1, help="micro-batch size b")
+    g.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step m")
+    g.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="default: the preset's")
+    g.add_argument("--checkpointing", action="store_true", help="activation checkpointing (Eq. 5's assumption)")
+    g.add_argument("--tied", action="store_true", help="tied input/output embeddings")
+    g.add_argument("--experts", type=int, help="MoE experts per layer (scheme moe)")
+    g.add_argument("--ep", type=int, default=1, help="MoE expert-parallel size")
+    g.add_argument("--hpz", type=int, help="ZeRO++ hpZ partition size")
+    g.add_argument("--qwz", action="store_true", help="ZeRO++ quantized weights")
+    g.add_argument("--qgz", action="store_true", help="ZeRO++ quantized gradients")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    o.add_argument("--matrix", action="store_true", help="include the rank x rank traffic matrix")
+    o.add_argument("--report-dir", type=Path, help="also write predictions.json there (atomically)")
+
+
+def _flags_document(a: argparse.Namespace) -> dict[str, Any]:
+    if not a.scheme:
+        raise UsageError("--model needs --scheme (ddp, zero1, zero2, zero3, zero++, tp, pp, 3d, moe)")
+    model: dict[str, Any] = {"preset": a.model}
+    if a.seq is not None:
+        model["s"] = a.seq
+    if a.dtype:
+        model["dtype"] = a.dtype
+    if a.tied:
+        model["tied_embeddings"] = True
+    par: dict[str, Any] = {
+        "scheme": a.scheme,
+        "dp": a.dp,
+        "tp": a.tp,
+        "pp": a.pp,
+        "micro_batch": a.micro_batch,
+        "micro_batches": a.micro_batches,
+        "activation_checkpointing": a.checkpointing,
+    }
+    zero = {k: v for k, v in (("hpz", a.hpz), ("qwz", a.qwz or None), ("qgz", a.qgz or None)) if v is not None}
+    if zero:
+        par["zero"] = zero
+    if a.experts is not None:
+        par["moe"] = {"experts": a.experts, "ep": a.ep}
+    name = f"{a.model}-{a.scheme}-dp{a.dp}-tp{a.tp}-pp{a.pp}".replace("+", "p")
+    return {"schema_version": 1, "name": name, "model": model, "parallelism": par}
+
+
+def cmd_predict(a: argparse.Namespace) -> int:
+    from commgate.core.fsutil import atomic_write_json
+    from commgate.model.expectation import predict
+    from commgate.model.scenario import load_document, load_paths
+    from commgate.report.render import prediction_document, prediction_text, predictions_document
+
+    if a.model and a.paths:
+        raise UsageError("give scenario paths or --model/--scheme flags, not both")
+    if a.model:
+        scenarios = load_document(_flags_document(a), file="<command line>")
+    elif a.scheme:
+        raise UsageError("--scheme needs --model PRESET (or give scenario files instead)")
+    else:
+        paths = a.paths or [DEFAULT_SUITE]
+        if not a.paths and not Path(DEFAULT_SUITE).is_dir():
+            raise UsageError(f"no ./{DEFAULT_SUITE} directory here; give scenario files or --model/--scheme")
+        scenarios = load_paths(paths)
+    preds = [predict(s) for s in scenarios]
+    if a.report_dir:
+        out = atomic_write_json(a.report_dir / "predictions.json", predictions_document(preds, matrix=a.matrix))
+        print(f"wrote {out}", file=sys.stderr)
+    if a.json:
+        doc = (
+            prediction_document(preds[0], matrix=a.matrix)
+            if len(preds) == 1
+            else predictions_document(preds, matrix=a.matrix)
+        )
+        print(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        print("\n\n".join(prediction_text(p, matrix=a.matrix) for p in preds))
+        print(f"\n{len(preds)} scenario(s) predicted.")
+    return 0
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    import signal
+    import time
+
+    from commgate.model.expectation import predict
+    from commgate.model.scenario import load_paths
+    from commgate.report.report import Report, ScenarioResult
+    from commgate.run.launcher import RunError, gpu_visible, launch_local
+    from commgate.run.workloads import skip_reason
+
+    # A CI runner's cancel (SIGTERM) unwinds like Ctrl-C, so that rank processes are killed on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    if a.update_baselines and not a.gate:
+        raise UsageError("--update-baselines needs --gate")
+    scenarios = load_paths(a.paths or [DEFAULT_SUITE])
+    if a.select:
+        scenarios = [s for s in scenarios if any(k in s.id for k in a.select)]
+        if not scenarios:
+            raise UsageError(f"no scenario id contains any of {a.select}")
+    if under_torchrun():
+        return _run_under_torchrun(scenarios, a)
+    report = Report(a.report_dir / "report.json" if a.report_dir else None)
+    for i, s in enumerate(scenarios, 1):
+        prediction = predict(s)
+        print(f"[{i}/{len(scenarios)}] {s.id}: {s.parallelism.scheme} on {s.world_size} ranks ...", flush=True)
+        started = time.monotonic()
+        if reason := skip_reason(s, gpus=gpu_visible()):
+            result = ScenarioResult(prediction=prediction, status="skipped", reason=reason)
+        else:
+            try:
+                capture = launch_local(s, deadline_s=a.deadline)
+            except RunError as exc:
+                result = ScenarioResult(prediction=prediction, status="error", reason=str(exc))
+            else:
+                result = _judged(s, prediction, capture, a)
+        result.wall_s = time.monotonic() - started
+        report.add(result)
+        print(result.summary(), flush=True)
+    return _finish(report)
+
+
+def _judged(s: Any, prediction: Any, capture: Any, a: argparse.Namespace) -> Any:
+    """A run's result: reconciled with the model, the time model beside it and, with ``--gate``, judged as
+    ``pytest scenarios`` judges it (paper, baseline, drift; for torchrun, where pytest does not run the
+    ranks). The gate's findings go to the result's reason; failing ones fail it."""
+    from commgate.judge.gate import judge
+    from commgate.judge.reconcile import reconcile
+    from commgate.report.report import ScenarioResult
+    from commgate.report.timemodel import assess
+
+    rec = reconcile(prediction, capture)
+    result = ScenarioResult(
+        prediction=prediction,
+        status="passed" if rec.ok else "failed",
+        capture=capture,
+        reconciliation=rec,
+        time_model=assess(prediction, capture, a.baseline_dir),
+    )
+    if a.gate:
+        j = judge(
+            s, prediction, capture, rec, a.baseline_dir, update=a.update_baselines, update_flag="--update-baselines"
+        )
+        result.status = "failed" if j.failed else "passed"
+        result.reason = "\n".join([f.text() for f in j.findings] + ([j.written] if j.written else []))
+    return result
+
+
+def _finish(report: Any) -> int:
+    """The summary line, the HTML page beside report.json, and the exit status."""
+    doc = report.document()
+    counts = doc["summary"]
+    where = ""
+    if report.path is not None:
+        from commgate.report.htmlreport import write
+
+        print("writing the HTML report ...", flush=True)
+        where = f"; report: {report.path}, {write(report.path.parent, doc)}"
+    print(", ".join(f"{n} {k}" for k, n in counts.items()) + where)
+    return 1 if counts["failed"] or counts["error"] else 0
+
+
+def under_torchrun() -> bool:
+    """Started by torchrun (or srun + torchrun): every process is one rank of the job."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _run_under_torchrun(scenarios: list[Any], a: argparse.Namespace) -> int:
+    """Each scenario runs in this process as one rank (``env://`` rendezvous, the job's backend); rank 0
+    gathers every rank's calls, reconciles them and writes the report. A rank that raises ends the job
+    (torchrun stops the others)."""
+    import time
+    import traceback
+
+    import torch
+
+    from commgate.model.expectation import predict
+    from commgate.report.report import Report, ScenarioResult
+    from commgate.run.capture import Capture, timeline
+    from commgate.run.rank import resolve_backend, run_rank, stack, torchrun_store
+    from commgate.run.workloads import skip_reason
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    lead = rank == 0
+    report = Report(a.report_dir / "report.json" if a.report_dir and lead else None)
+    for i, s in enumerate(scenarios, 1):
+        prediction = predict(s)
+        if lead:
+            print(
+                f"[{i}/{len(scenarios)}] {s.id}: {s.parallelism.scheme} on {s.world_size} ranks (torchrun) ...",
+                flush=True,
+            )
+        started = time.monotonic()
+        reason = skip_reason(s, gpus=torch.cuda.is_available())
+        if s.world_size != world:
+            reason = f"needs {s.world_size} ranks; torchrun started {world}"
+        if reason:
+            result = ScenarioResult(prediction=prediction, status="skipped", reason=reason)
+        else:
+            try:
+                marks = {"entry": time.monotonic()}
+                gathered = run_rank(s, rank=rank, world_size=world, store=torchrun_store(i), marks=marks)
+            except Exception:
+                print(f"{s.id}: rank {rank} raised\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+                os._exit(1)
+            if not lead:
+                continue
+            assert gathered is not None
+            calls, windows = gathered
+            capture = Capture(
+                scenario=s.id,
+                world_size=world,
+                warmup_steps=s.warmup_steps,
+                steps=s.steps,
+                backend=resolve_backend(s),
+                calls=tuple(sorted(calls, key=lambda c: (c.rank, c.seq))),
+                timeline=timeline(marks),
+                stack=stack(resolve_backend(s)),
+                step_windows=tuple(sorted(windows, key=lambda w: (w.rank, w.step))),
+            )
+            result = _judged(s, prediction, capture, a)
+        result.wall_s = time.monotonic() - started
+        if lead:
+            report.add(result)
+            print(result.summary(), flush=True)
+    if not lead:
+        return 0
+    return _finish(report)
+
+
+def cmd_html(a: argparse.Namespace) -> int:
+    from commgate.report.htmlreport import write
+
+    print(write(a.out or a.report.parent, _load_report(a.report)))
+    return 0
+
+
+def _load_report(path: Path) -> dict[str, Any]:
+    """A report document, validated; a one-line usage error otherwise."""
+    from commgate.core.fsutil import read_json
+    from commgate.report.report import validate
+
+    try:
+        doc: dict[str, Any] = read_json(path, validate)
+    except CommgateError as exc:
+        raise UsageError(str(exc)) from None
+    return doc
+
+
+def cmd_calibrate(a: argparse.Namespace) -> int:
+    import statistics
+
+    from commgate.report import bandwidth
+    from commgate.report.timemodel import implied_utilization
+
+    doc = _load_report(a.report)
+    by: dict[tuple[str, str], list[tuple[str, float]]] = {}
+    for s in doc["scenarios"]:
+        u = implied_utilization(s.get("time_model") or {})
+        if u is None or not s.get("capture"):
+            continue
+        cap = s["capture"]
+        by.setdefault((cap["backend"], cap["stack"].get("hardware") or ""), []).append((s["name"], u))
+    if not by:
+        raise UsageError(f"{a.report}: no scenario has both a predicted and a measured time (is there a curve?)")
+    for (backend, hardware), rows in sorted(by.items()):
+        for name, u in rows:
+            print(f"  {name:<32} implied u = {u:.3f}")
+        u = statistics.median(u for _, u in rows)
+        how = f"median of {len(rows)} scenarios of the report created {doc['created']}"
+        bandwidth.calibrate(bandwidth.path_for(a.baseline_dir, backend), hardware, u, how)
+        print(f"{hardware} ({backend}): u = {u:.3f}, {how}")
+    return 0
+
+
+def cmd_validate(a: argparse.Namespace) -> int:
+    from commgate.model.scenario import load_paths
+
+    scenarios = load_paths(a.paths or [DEFAULT_SUITE])
+    for s in scenarios:
+        print(f"ok  {s.id}  ({s.file}; {s.parallelism.scheme}, world {s.world_size})")
+    print(f"{len(scenarios)} scenario(s) valid.")
+    return 0
+
+
+def cmd_presets(a: argparse.Namespace) -> int:
+    from commgate.model.transformer import PRESETS, param_count
+
+    print(f"{'preset':<10} {'L':>3} {'h':>5} {'a':>3} {'V':>6} {'s':>5} {'dtype':<5} {'parameters':>15}")
+    for name, m in PRESETS.items():
+        print(f"{name:<10} {m.L:>3} {m.h:>5} {m.a:>3} {m.V:>6} {m.s:>5} {m.dtype:<5} {param_count(m):>15,}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="commgate",
+        description="Regression harness for the communication behaviour of distributed transformer training.",
+    )
+    parser.add_argument("--version", action="version", version=f"commgate {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_predict(sub)
+    r = sub.add_parser(
+        "run",
+        help="run scenarios on local ranks (CPU gloo), capture every call, reconcile with the model",
+        description="Run each scenario on world_size local processes, capture every collective and point-to-point "
+        "call, and reconcile the capture with the per-collective model. Exit status 1 if any scenario failed.",
+    )
+    r.add_argument("paths", nargs="*", help=f"scenario files or directories (default: ./{DEFAULT_SUITE})")
+    r.add_argument(
+        "--report-dir",
+        type=Path,
+        help="write report.json there (rewritten after every scenario), then index.html, plots/ and trace.json",
+    )
+    r.add_argument("--deadline", type=float, help="seconds per scenario (default: each scenario's deadline_s)")
+    r.add_argument(
+        "--baseline-dir",
+        type=Path,
+        default=Path("baselines"),
+        help="baselines ({backend}/{id}.json) and bandwidth curves (bandwidth-{backend}.json); default ./baselines",
+    )
+    r.add_argument(
+        "--gate",
+        action="store_true",
+        help="also judge each run as `pytest scenarios` does: paper, baseline (a missing one is written and "
+        "fails), latency and cold-start drift; for torchrun/Slurm where pytest does not run the ranks",
+    )
+    r.add_argument(
+        "--update-baselines", action="store_true", help="with --gate: rewrite the baselines and report what changed"
+    )
+    r.add_argument("-k", "--select", action="append", help="run only scenarios whose id contains this (repeatable)")
+    c = sub.add_parser(
+        "compare",
+        help="what changed in communication between two runs (reports or baseline directories)",
+        description="Compare two runs, e.g. before and after an upgrade: per scenario and collective, calls, bytes "
+        "per step and message sizes exactly, latency with a Mann-Whitney U test. Exit status 1 on a change in "
+        "volume, a scenario on one side only, or a significant slowdown.",
+    )
+    c.add_argument("before", type=Path, help="report.json or baseline directory")
+    c.add_argument("after", type=Path, help="report.json or baseline directory")
+    c.add_argument("--latency-factor", type=float, default=1.25, help="ratio of medians that counts (default 1.25)")
+    c.add_argument("--p-value", type=float, default=0.01, help="significance level, shared among keys (default 0.01)")
+    h = sub.add_parser(
+        "html",
+        help="render a report.json as index.html with plots and trace.json (what run --report-dir writes)",
+    )
+    h.add_argument("report", type=Path, help="a report.json written by `commgate run` or the pytest gate")
+    h.add_argument("--out", type=Path, help="directory for index.html, plots/ and trace.json (default: beside it)")
+    k = sub.add_parser(
+        "calibrate",
+        help="set the time model's utilisation u for this hardware from a report's measured compute times",
+        description="Seed 003's u (the share of the measured GEMM rate a training step reaches) as the median over "
+        "a report's scenarios of the u that makes each one's predicted compute time equal its measured one (the "
+        "step less the time with a call in flight); stored with the hardware's bandwidth curve.",
+    )
+    k.add_argument("report", type=Path, help="a report.json from `commgate run` with a bandwidth curve")
+    k.add_argument("--baseline-dir", type=Path, default=Path("baselines"), help="where bandwidth-{backend}.json is")
+    v = sub.add_parser("validate", help="check scenario files; one line per problem")
+    v.add_argument("paths", nargs="*", help=f"scenario files or directories (default: ./{DEFAULT_SUITE})")
+    sub.add_parser("presets", help="list the model presets")
+    return parser
+
+
+def cmd_compare(a: argparse.Namespace) -> int:
+    from commgate.judge.compare import compare, load_side
+    from commgate.model.scenario import LatencyRule
+
+    if a.latency_factor <= 1 or not 0 < a.p_value < 1:
+        raise UsageError("--latency-factor must be > 1 and --p-value within (0, 1)")
+    changes = compare(load_side(a.before), load_side(a.after), LatencyRule(factor=a.latency_factor, p_value=a.p_value))
+    for change in changes:
+        print("\n".join(change.lines()))
+    n = sum(c.changed for c in changes)
+    print(f"{n} of {len(changes)} scenario(s) changed" + ("" if n else ": the two runs communicate the same"))
+    return 1 if n else 0
+
+
+COMMANDS = {
+    "predict": cmd_predict,
+    "run": cmd_run,
+    "compare": cmd_compare,
+    "html": cmd_html,
+    "calibrate": cmd_calibrate,
+    "validate": cmd_validate,
+    "presets": cmd_presets,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except CommgateError as exc:
+        print(f"commgate: error: {exc}" if isinstance(exc, UsageError) else str(exc), file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # e.g. `commgate predict | head`
+        sys.stderr.close()
+        return 0
+    except KeyboardInterrupt:
+        print("commgate: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,275 @@
+"""Stored baselines: what a scenario sent last time it was accepted, one JSON file per scenario and
+backend (``baselines/{backend}/{scenario id}.json``), validated by a published schema.
+
+Volumes and counts (calls per (window, op, group, dtype, size, phase), bytes per step per op, the
+message-size histogram) are hardware-independent and compared exactly; latency samples (raw, ns) are
+kept per hardware fingerprint and compared statistically (``commgate.judge.drift``). Provenance records the
+stack the baseline was taken on. Files are written atomically (temporary file, fsync, ``os.replace``).
+A file with an older ``schema_version`` is migrated on load (``MIGRATIONS``); a malformed one is a
+one-line ``BaselineError`` naming the file.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+import re
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from commgate.core import schemas
+from commgate.core.errors import CommgateError
+from commgate.core.fsutil import atomic_write_json
+from commgate.judge.drift import LatencyKey, key_text, samples
+from commgate.judge.reconcile import Reconciliation
+from commgate.run.capture import Capture
+
+BASELINE_VERSION = 1
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+"""``MIGRATIONS[v]`` turns a version-v document into a version-(v+1) one (none yet: version 1 is the first)."""
+
+CallKey = tuple[str, str, tuple[int, ...], str, int, str]
+"""(window, op, group, dtype, bytes per call, phase), as in ``commgate.judge.reconcile``."""
+
+
+class BaselineError(CommgateError):
+    """A baseline file that cannot be used: unreadable, malformed, or from a newer commgate."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Baseline:
+    scenario: str
+    backend: str
+    provenance: dict[str, Any]
+    calls: dict[CallKey, int]
+    bytes_per_step: dict[str, Fraction]
+    histogram: dict[int, Fraction]
+    """Message size (bytes) -> calls per measured step, all ranks."""
+    latency: dict[str, dict[LatencyKey, list[int]]] = field(default_factory=dict)
+    """Hardware fingerprint -> latency key -> raw durations (ns) of the measured steps."""
+
+    @classmethod
+    def of(
+        cls,
+        capture: Capture,
+        calls: dict[CallKey, int],
+        bytes_per_step: dict[str, Fraction],
+        provenance: dict[str, Any],
+    ) -> Baseline:
+        """A run's measured counts and bytes, its message-size histogram derived from the counts, its
+        latency samples under ``provenance["hardware"]``."""
+        steps = max(capture.steps, 1)
+        hist: dict[int, Fraction] = {}
+        for (window, _, _, _, nbytes, _), n in calls.items():
+            if window == "steps":
+                hist[nbytes] = hist.get(nbytes, Fraction(0)) + Fraction(n, steps)
+        return cls(
+            scenario=capture.scenario,
+            backend=capture.backend,
+            provenance=provenance,
+            calls={k: n for k, n in calls.items() if n},
+            bytes_per_step={op: b for op, b in bytes_per_step.items() if b},
+            histogram={size: n for size, n in hist.items() if n},
+            latency={provenance["hardware"]: samples(capture)},
+        )
+
+    @classmethod
+    def from_run(cls, capture: Capture, rec: Reconciliation, provenance: dict[str, Any]) -> Baseline:
+        calls = {(k.window, k.op, k.group, k.dtype, k.bytes_per_call, k.phase): k.measured_calls for k in rec.keys}
+        return cls.of(capture, calls, {o.op: o.measured_bytes for o in rec.ops}, provenance)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": BASELINE_VERSION,
+            "scenario": self.scenario,
+            "backend": self.backend,
+            "provenance": self.provenance,
+            "calls": [
+                {"window": w, "op": o, "group": list(g), "dtype": d, "bytes_per_call": b, "phase": p, "calls": n}
+                for (w, o, g, d, b, p), n in sorted(self.calls.items(), key=str)
+            ],
+            "bytes_per_step": {op: exact(b) for op, b in sorted(self.bytes_per_step.items())},
+            "histogram": {str(size): exact(n) for size, n in sorted(self.histogram.items())},
+            "latency": {
+                hw: [
+                    {"key": key_text(k), "op": k[0], "where": k[1], "bytes": k[2], "phase": k[3], "ns": v}
+                    for k, v in sorted(per.items())
+                ]
+                for hw, per in sorted(self.latency.items())
+            },
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Baseline:
+        return cls(
+            scenario=doc["scenario"],
+            backend=doc["backend"],
+            provenance=doc["provenance"],
+            calls={
+                (c["window"], c["op"], tuple(c["group"]), c["dtype"], c["bytes_per_call"], c["phase"]): c["calls"]
+                for c in doc["calls"]
+            },
+            bytes_per_step={op: Fraction(b) for op, b in doc["bytes_per_step"].items()},
+            histogram={int(size): Fraction(n) for size, n in doc["histogram"].items()},
+            latency={
+                hw: {(s["op"], s["where"], s["bytes"], s["phase"]): list(s["ns"]) for s in per}
+                for hw, per in doc["latency"].items()
+            },
+        )
+
+
+def exact(x: Fraction | int) -> int | str:
+    """An integer, or a fraction as ``"p/q"``: stored values compare exactly after a round trip."""
+    f = Fraction(x)
+    return f.numerator if f.denominator == 1 else f"{f.numerator}/{f.denominator}"
+
+
+def path_for(root: Path, backend: str, scenario_id: str) -> Path:
+    """``root/backend/<id>.json``, the id made file-name safe (``tp[s=128]`` -> ``tp[s=128]`` stays readable)."""
+    safe = re.sub(r"[^A-Za-z0-9_.=,\[\]+-]", "_", scenario_id)
+    return root / backend / f"{safe}.json"
+
+
+def validate(doc: Any) -> None:
+    """Raise ``jsonschema.ValidationError`` unless ``doc`` is a valid current-version baseline."""
+    import jsonschema
+
+    jsonschema.Draft202012Validator(schemas.load("baseline")).validate(doc)
+
+
+def migrate(doc: dict[str, Any], *, file: str = "<baseline>") -> dict[str, Any]:
+    version = doc.get("schema_version")
+    if not isinstance(version, int):
+        raise BaselineError(f"{file}: $.schema_version: {version!r} is not a baseline schema version")
+    if version > BASELINE_VERSION:
+        raise BaselineError(
+            f"{file}: $.schema_version: {version} is newer than this commgate reads "
+            f"({BASELINE_VERSION}); upgrade commgate"
+        )
+    while version < BASELINE_VERSION:
+        if version not in MIGRATIONS:
+            raise BaselineError(f"{file}: $.schema_version: {version} has no migration to {BASELINE_VERSION}")
+        doc = MIGRATIONS[version](doc)
+        version = doc["schema_version"]
+    return doc
+
+
+def load(path: Path) -> Baseline:
+    """The baseline at ``path``, migrated and validated; ``BaselineError`` (one line) otherwise."""
+    import jsonschema
+
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BaselineError(f"{path}: cannot be read ({exc.__class__.__name__}: {exc})") from None
+    except json.JSONDecodeError as exc:
+        raise BaselineError(
+            f"{path}:{exc.lineno}: not valid JSON ({exc.msg}); delete it or rerun with --commgate-update-baselines"
+        ) from None
+    if not isinstance(doc, dict):
+        raise BaselineError(f"{path}: $: expected a JSON object, found {type(doc).__name__}")
+    doc = migrate(doc, file=str(path))
+    try:
+        validate(doc)
+    except jsonschema.ValidationError as exc:
+        where = "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.absolute_path)
+        raise BaselineError(f"{path}: {where}: {exc.message}") from None
+    return Baseline.from_json(doc)
+
+
+def write(path: Path, baseline: Baseline) -> Path:
+    return atomic_write_json(path, baseline.to_json())
+
+
+def cpu_fingerprint() -> str:
+    """The CPU model and core count (what gloo latencies depend on)."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model} x{os.cpu_count()}"
+
+
+@functools.cache
+def _commit() -> str | None:
+    """git HEAD of the working directory (looked up once per process)."""
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def provenance(capture: Capture, world_size: int) -> dict[str, Any]:
+    """The stack a run was taken on: package versions from metadata, the rest as rank 0 saw it."""
+    from commgate.report.report import environment
+
+    env = environment()
+    commit = _commit()
+    st = capture.stack
+    return {
+        "torch": env["torch"],
+        "deepspeed": env["deepspeed"],
+        "commgate": env["commgate"],
+        "python": env["python"],
+        "backend": capture.backend,
+        "backend_version": st.get("backend_version"),
+        "cuda": st.get("cuda"),
+        "rocm": st.get("rocm"),
+        "hardware": st.get("hardware") or cpu_fingerprint(),
+        "world_size": world_size,
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Difference:
+    """One thing that differs from the baseline: what, obtained, expected."""
+
+    what: str
+    obtained: Fraction | int
+    expected: Fraction | int
+
+    def text(self, labels: tuple[str, str] = ("obtained", "expected")) -> str:
+        delta = Fraction(self.obtained) - Fraction(self.expected)
+        sign = "+" if delta > 0 else ""
+        now, then = labels
+        return f"{self.what}: {now} {_shown(self.obtained)}, {then} {_shown(self.expected)} ({sign}{_shown(delta)})"
+
+
+def _shown(x: Fraction | int) -> str:
+    f = Fraction(x)
+    return str(f.numerator) if f.denominator == 1 else f"{float(f):.6g}"
+
+
+def compare(now: Baseline, stored: Baseline, *, bytes_tol: Any, calls_tol: Any) -> list[Difference]:
+    """Counts, bytes per step and the histogram of ``now`` against ``stored`` (tolerances from the
+    scenario's ``expectations.baseline``; exact by default)."""
+    out: list[Difference] = []
+    for key in sorted(set(now.calls) | set(stored.calls), key=str):
+        a, b = now.calls.get(key, 0), stored.calls.get(key, 0)
+        if not calls_tol.allows(a, b):
+            w, op, g, dtype, nbytes, phase = key
+            out.append(Difference(f"calls [{w}] {op} {dtype} {nbytes} B {phase} group {list(g)}", a, b))
+    for op in sorted(set(now.bytes_per_step) | set(stored.bytes_per_step)):
+        a2, b2 = now.bytes_per_step.get(op, Fraction(0)), stored.bytes_per_step.get(op, Fraction(0))
+        if not bytes_tol.allows(a2, b2):
+            out.append(Difference(f"bytes per step, {op}", a2, b2))
+    for size in sorted(set(now.histogram) | set(stored.histogram)):
+        a3, b3 = now.histogram.get(size, Fraction(0)), stored.histogram.get(size, Fraction(0))
+        if a3 != b3:
+            out.append(Difference(f"messages of {size} B per step", a3, b3))
+    return out

@@ -1,0 +1,222 @@
+"""The regression gate's verdict on one run: the three kinds of assertion and the drift checks, each a
+``Finding`` that shows only what differs (obtained / expected / difference), bounded in length.
+
+1. Model: every (window, op, group, dtype, size, phase) call count and every op's bytes per step
+   against the per-collective model (exact unless the scenario declares tolerances), and the traffic
+   matrix when both are exact.
+2. Paper: each equation against the model, after the named residual terms, within ``paper.rtol``.
+3. Baseline: counts, bytes and the message-size histogram exactly (``commgate.judge.baseline``); latency by
+   ``commgate.judge.drift`` (warn, or fail where the scenario says so).
+Plus the cold-start check within the run. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from fractions import Fraction
+from pathlib import Path
+from typing import Literal
+
+from commgate.judge.baseline import Baseline, compare, write
+from commgate.judge.drift import changed, cold_starts, shifts
+from commgate.judge.reconcile import Reconciliation
+from commgate.model.expectation import Prediction
+from commgate.model.scenario import Scenario
+from commgate.report.render import human_bytes, number
+from commgate.run.capture import Capture
+
+MAX_LINES = 12
+UPDATE_FLAG = "--commgate-update-baselines"
+
+Kind = Literal["model", "paper", "baseline", "cold-start", "latency"]
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    kind: Kind
+    fail: bool
+    title: str
+    lines: tuple[str, ...] = ()
+    hint: str = ""
+
+    def text(self) -> str:
+        shown = list(self.lines[:MAX_LINES])
+        if len(self.lines) > MAX_LINES:
+            shown.append(f"... and {len(self.lines) - MAX_LINES} more (report.json has them all)")
+        body = "".join(f"\n    {line}" for line in shown)
+        return f"[{self.kind}] {self.title}{body}" + (f"\n    {self.hint}" if self.hint else "")
+
+
+@dataclass(kw_only=True)
+class Verdict:
+    findings: list[Finding] = field(default_factory=list)
+
+
+def against_model(s: Scenario, rec: Reconciliation) -> Finding | None:
+    e = s.expectations
+    lines = [
+        f"calls [{k.window}] {k.op} {k.dtype} {k.bytes_per_call} B {k.phase} group {list(k.group)}: "
+        f"obtained {k.measured_calls}, expected {k.predicted_calls} ({k.source})"
+        for k in rec.keys
+        if not e.model_calls.allows(k.measured_calls, k.predicted_calls)
+    ]
+    for o in rec.ops:
+        expected = o.predicted_bytes + sum((b for _, b in o.residuals), Fraction(0))
+        if not e.model_bytes.allows(o.measured_bytes, expected):
+            lines.append(
+                f"bytes per step, {o.op}: obtained {number(o.measured_bytes)}, expected {number(expected)} "
+                f"({'+' if o.unexplained_bytes > 0 else ''}{number(o.unexplained_bytes)} unexplained)"
+            )
+    exact = e.model_calls.rtol == e.model_calls.atol == e.model_bytes.rtol == e.model_bytes.atol == 0
+    if exact and rec.traffic_measured != rec.traffic_predicted:
+        pairs = sorted(set(rec.traffic_measured) | set(rec.traffic_predicted))
+        for src, dst in pairs:
+            a, b = rec.traffic_measured.get((src, dst), Fraction(0)), rec.traffic_predicted.get((src, dst), Fraction(0))
+            if a != b:
+                lines.append(f"traffic {src} -> {dst}: obtained {number(a)} B/step, expected {number(b)} B/step")
+    if not lines:
+        return None
+    return Finding("model", True, "measured communication differs from the per-collective model", tuple(lines))
+
+
+def against_paper(s: Scenario, prediction: Prediction) -> Finding | None:
+    lines = []
+    for c in prediction.comparison():
+        paper = c.term.bytes
+        if abs(c.unexplained_bytes) > s.expectations.paper_rtol * paper:
+            named = ", ".join(f"{r.name} {human_bytes(r.bytes)}" for r in c.residuals) or "none"
+            lines.append(
+                f"{c.term.equation}: model {human_bytes(c.model_bytes)}, paper {human_bytes(paper)}, "
+                f"named terms: {named}; unexplained {number(c.unexplained_bytes)} B "
+                f"(> rtol {s.expectations.paper_rtol:g})"
+            )
+    if not lines:
+        return None
+    return Finding("paper", True, "the model differs from the paper's equations beyond the named terms", tuple(lines))
+
+
+def against_baseline(s: Scenario, now: Baseline, stored: Baseline, update_flag: str = UPDATE_FLAG) -> list[Finding]:
+    e = s.expectations
+    out = []
+    diffs = compare(now, stored, bytes_tol=e.baseline_bytes, calls_tol=e.baseline_calls)
+    if diffs:
+        taken = stored.provenance
+        out.append(
+            Finding(
+                "baseline",
+                True,
+                f"communication differs from the baseline (taken {taken.get('date')} at {taken.get('commit')}, "
+                f"torch {taken.get('torch')}, deepspeed {taken.get('deepspeed')})",
+                tuple(d.text() for d in diffs),
+                f"if the change is intended, accept it with {update_flag}",
+            )
+        )
+    hw = now.provenance["hardware"]
+    if hw in stored.latency:
+        moved = changed(shifts(now.latency[hw], stored.latency[hw], e.latency))
+        if moved:
+            out.append(
+                Finding(
+                    "latency",
+                    e.latency.action == "fail",
+                    f"latency shifted against the baseline on {hw}",
+                    tuple(m.text() for m in moved),
+                    f"accept with {update_flag}",
+                )
+            )
+    return out
+
+
+def cold_start(s: Scenario, capture: Capture) -> Finding | None:
+    rule = s.expectations.cold_start
+    spikes = cold_starts(capture, rule)
+    if not spikes:
+        return None
+    return Finding(
+        "cold-start",
+        rule.action == "fail",
+        f"first-step latency spikes (> {rule.factor:g}x the steady median and > {rule.min_excess_ms:g} ms slower)",
+        tuple(c.text() for c in spikes),
+    )
+
+
+def evaluate(
+    s: Scenario,
+    prediction: Prediction,
+    capture: Capture,
+    rec: Reconciliation,
+    now: Baseline,
+    stored: Baseline | None,
+    update_flag: str = UPDATE_FLAG,
+) -> Verdict:
+    v = Verdict()
+    for f in (against_model(s, rec), against_paper(s, prediction), cold_start(s, capture)):
+        if f is not None:
+            v.findings.append(f)
+    if stored is not None:
+        v.findings += against_baseline(s, now, stored, update_flag)
+    return v
+
+
+def settle_baseline(
+    v: Verdict, now: Baseline, stored: Baseline | None, path: Path, *, update: bool
+) -> tuple[list[Finding], str | None]:
+    """The baseline policy. A missing baseline is written and the test fails (nothing passes silently);
+    with ``update`` it is rewritten, keeping other machines' latency samples, and what changed is
+    reported instead of failing; a run that fails the model or the paper is never stored. Returns the
+    findings that stand and, when a file was written, a line saying so."""
+    if stored is not None and not update:
+        return v.findings, None
+    changed = [f for f in v.findings if f.kind in ("baseline", "latency")]
+    findings = [f for f in v.findings if f.kind not in ("baseline", "latency")]
+    if any(f.fail for f in findings):
+        return findings, None
+    if stored is not None:
+        now = replace(now, latency={**stored.latency, **now.latency})
+    write(path, now)
+    if stored is None:
+        if not update:
+            findings.append(
+                Finding("baseline", True, f"no baseline yet: wrote {path}", hint="rerun to compare against it")
+            )
+        return findings, f"{path} written"
+    if changed:
+        return findings, f"{path} updated: " + "; ".join(line for f in changed for line in f.lines[:3])
+    return findings, f"{path} rewritten, unchanged"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Judgement:
+    findings: tuple[Finding, ...]
+    baseline: Path
+    """The baseline file this run was judged against (or wrote)."""
+    written: str | None
+    """A line saying what was written to the baseline, if anything."""
+
+    @property
+    def failed(self) -> bool:
+        return any(f.fail for f in self.findings)
+
+
+def judge(
+    s: Scenario,
+    prediction: Prediction,
+    capture: Capture,
+    rec: Reconciliation,
+    root: Path,
+    *,
+    update: bool = False,
+    update_flag: str = UPDATE_FLAG,
+) -> Judgement:
+    """The whole gate for one run (the pytest plugin's and ``commgate run --gate``'s): its baseline from
+    ``root/{backend}/{id}.json``, the verdict, and the baseline policy (``settle_baseline``). A failure
+    names ``update_flag`` as the way to accept a change."""
+    from commgate.judge import baseline as bl
+
+    now = bl.Baseline.from_run(capture, rec, bl.provenance(capture, s.world_size))
+    path = bl.path_for(root, capture.backend, s.id)
+    stored = bl.load(path) if path.exists() else None
+    findings, written = settle_baseline(
+        evaluate(s, prediction, capture, rec, now, stored, update_flag), now, stored, path, update=update
+    )
+    return Judgement(findings=tuple(findings), baseline=path, written=written)

@@ -1,0 +1,167 @@
+"""Measured vs predicted: every captured call matched to a row of the per-collective model.
+
+Two windows are compared: initialisation (step -1) and the measured steps (after warm-up). A *key* is
+(op, process group — or (rank, peer) for send/recv —, dtype, bytes per call, phase); for each key the
+calls counted over all ranks must equal the model's. Per op, the measured bytes per step are set
+against the model's steady rows, the named residual terms (rows that happen once, such as DDP's
+bucket rebuild, when they fall into the window), and what is left: ``unexplained_bytes``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from fractions import Fraction
+
+from commgate.model.collectives import OPS, Op
+from commgate.model.expectation import ExpectedCollective, Prediction
+from commgate.run.capture import INIT_STEP, Capture
+
+Key = tuple[str, tuple[int, ...], str, int, str]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KeyCount:
+    window: str
+    op: str
+    group: tuple[int, ...]
+    dtype: str
+    bytes_per_call: int
+    phase: str
+    measured_calls: int
+    predicted_calls: int
+    source: str
+
+    @property
+    def ok(self) -> bool:
+        return self.measured_calls == self.predicted_calls
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OpBalance:
+    """One op's bytes per measured step, whole job."""
+
+    op: str
+    measured_bytes: Fraction
+    predicted_bytes: Fraction
+    residuals: tuple[tuple[str, Fraction], ...]
+
+    @property
+    def unexplained_bytes(self) -> Fraction:
+        return self.measured_bytes - self.predicted_bytes - sum((b for _, b in self.residuals), Fraction(0))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reconciliation:
+    scenario: str
+    keys: tuple[KeyCount, ...]
+    ops: tuple[OpBalance, ...]
+    traffic_measured: dict[tuple[int, int], Fraction]
+    traffic_predicted: dict[tuple[int, int], Fraction]
+
+    @property
+    def mismatches(self) -> tuple[KeyCount, ...]:
+        return tuple(k for k in self.keys if not k.ok)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            not self.mismatches
+            and all(o.unexplained_bytes == 0 for o in self.ops)
+            and self.traffic_measured == self.traffic_predicted
+        )
+
+
+def _row_keys(row: ExpectedCollective) -> list[tuple[Key, int]]:
+    """(key, participants) for every process group instance of a predicted row."""
+    p2p = OPS[row.op].p2p
+    return [
+        ((str(row.op), tuple(g), row.dtype, row.bytes_per_call, str(row.phase)), 1 if p2p else len(g))
+        for g in row.groups
+    ]
+
+
+def _traffic(op: str, group: tuple[int, ...], wire: Fraction, out: dict[tuple[int, int], Fraction]) -> None:
+    for src, dst, nbytes in OPS[Op(op)].traffic(group, wire):
+        out[(src, dst)] = out.get((src, dst), Fraction(0)) + nbytes
+
+
+def reconcile(prediction: Prediction, capture: Capture) -> Reconciliation:
+    steps = range(capture.warmup_steps, capture.warmup_steps + capture.steps)
+    n_steps = max(len(steps), 1)
+    windows: dict[str, range | None] = {"init": None, "steps": steps}
+    measured: dict[str, Counter[Key]] = {w: Counter() for w in windows}
+    for c in capture.calls:
+        which = "init" if c.step == INIT_STEP else ("steps" if c.step in steps else None)
+        if which is None:
+            continue
+        group = (c.rank, c.peer) if c.peer is not None else c.rooted_group
+        measured[which][(c.op, group, c.dtype, c.bytes, c.phase)] += 1
+
+    keys: list[KeyCount] = []
+    predicted_bytes: dict[str, Fraction] = defaultdict(Fraction)
+    residuals: dict[str, list[tuple[str, Fraction]]] = defaultdict(list)
+    traffic_predicted: dict[tuple[int, int], Fraction] = {}
+    for name, window in windows.items():
+        predicted: Counter[Key] = Counter()
+        sources: dict[Key, str] = {}
+        for row in prediction.collectives:
+            calls = row.calls_in(window)
+            if not calls:
+                continue
+            for key, participants in _row_keys(row):
+                predicted[key] += calls * participants
+                sources.setdefault(key, row.source)
+            if name == "steps":
+                job = Fraction(calls * row.bytes_per_call * row.participant_count, n_steps)
+                if row.once:
+                    residuals[str(row.op)].append((row.source, job))
+                else:
+                    predicted_bytes[str(row.op)] += job
+                for g in row.groups:
+                    _traffic(
+                        str(row.op),
+                        tuple(g),
+                        Fraction(calls) * row.bytes_per_call * row.bus_factor / n_steps,
+                        traffic_predicted,
+                    )
+        for key in sorted(set(predicted) | set(measured[name]), key=str):
+            op, group, dtype, nbytes, phase = key
+            keys.append(
+                KeyCount(
+                    window=name,
+                    op=op,
+                    group=group,
+                    dtype=dtype,
+                    bytes_per_call=nbytes,
+                    phase=phase,
+                    measured_calls=measured[name][key],
+                    predicted_calls=predicted[key],
+                    source=sources.get(key, "not in the model"),
+                )
+            )
+
+    measured_bytes: dict[str, Fraction] = defaultdict(Fraction)
+    traffic_measured: dict[tuple[int, int], Fraction] = {}
+    for (op, group, _dtype, nbytes, _phase), count in measured["steps"].items():
+        measured_bytes[op] += Fraction(count * nbytes, n_steps)
+        spec = OPS[Op(op)]
+        instances = count if spec.p2p else Fraction(count, len(group))
+        _traffic(op, group, instances * nbytes * spec.bus(len(group)) / n_steps, traffic_measured)
+
+    ops = tuple(
+        OpBalance(
+            op=op,
+            measured_bytes=measured_bytes[op],
+            predicted_bytes=predicted_bytes[op],
+            residuals=tuple(residuals[op]),
+        )
+        for op in sorted(set(measured_bytes) | set(predicted_bytes) | set(residuals))
+    )
+    return Reconciliation(
+        scenario=capture.scenario,
+        keys=tuple(keys),
+        ops=ops,
+        traffic_measured={k: v for k, v in traffic_measured.items() if v},
+        traffic_predicted={k: v for k, v in traffic_predicted.items() if v},
+    )

@@ -1,0 +1,309 @@
+"""What a scenario is expected to send: per-collective rows, the paper's terms, and the named residuals.
+
+``predict(scenario)`` composes the scheme's components (``commgate.model.schemes``) into a ``Prediction``.
+Bytes of one row are per participating rank; job-wide figures multiply by the participants.
+``Prediction.comparison()`` puts each paper equation next to the model rows it corresponds to and the
+named terms that explain the difference; what is left is ``unexplained`` and is 0 by construction
+of a correct model (a test checks it over a grid of scenarios).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import Counter
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import cached_property
+
+from commgate.model.collectives import OPS, Op
+from commgate.model.layout import Axis, Group, Layout
+from commgate.model.paper import eq1_param_count
+from commgate.model.scenario import Scenario
+from commgate.model.transformer import ITEMSIZE, ParamTensor, inventory, param_stages, stage_split
+
+WIRE_ITEMSIZE: dict[str, Fraction] = {
+    **{k: Fraction(v) for k, v in ITEMSIZE.items()},
+    "float64": Fraction(8),
+    "int64": Fraction(8),
+    "int32": Fraction(4),
+    "int8": Fraction(1),
+    "uint8": Fraction(1),
+    "none": Fraction(0),
+    "int4": Fraction(1, 2),
+}
+
+
+class Phase(enum.Enum):
+    INIT = "init"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    PIPELINE = "pipeline"
+    """Inside a pipeline engine's step, whose schedule interleaves forwards, backwards and the update."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExpectedCollective:
+    """One kind of call a training step issues: the same op, groups, size and phase, ``calls`` times."""
+
+    op: Op
+    axis: Axis
+    groups: tuple[Group, ...]
+    """Every process group that issues it; for send/recv, (self, peer) pairs."""
+    dtype: str
+    elements: int
+    """Message size m of one call, in elements (see commgate.model.collectives for which buffer)."""
+    calls: int
+    """Calls per step on each participating rank (INIT rows: per run)."""
+    phase: Phase
+    source: str
+    """What issues it, in words a framework engineer recognises."""
+    paper_term: str | None = None
+    """The equation ("Eq. 2" ...) whose volume this row is part of; None if the paper has no such traffic."""
+    once: bool = False
+    """``calls`` happen once per run, at step ``at_step`` (initialisation when None), not every step."""
+    at_step: int | None = None
+    from_step: int = 0
+    """A per-step row applies from this step on (DDP's rebuilt buckets serve from the second iteration)."""
+
+    @property
+    def when(self) -> str:
+        """When the row's calls happen, in words: ``init``, ``step 1``, ``every step``, ``steps >= 1``."""
+        if self.once:
+            return "init" if self.at_step is None else f"step {self.at_step}"
+        return "every step" if self.from_step == 0 else f"steps >= {self.from_step}"
+
+    def calls_in(self, steps: range | None) -> int:
+        """Calls on one participating rank within ``steps`` (None: the initialisation window)."""
+        if self.once:
+            hit = self.at_step is None if steps is None else (self.at_step is not None and self.at_step in steps)
+            return self.calls if hit else 0
+        if steps is None:
+            return 0
+        return self.calls * sum(1 for k in steps if k >= self.from_step)
+
+    @property
+    def group_size(self) -> int:
+        return len(self.groups[0])
+
+    @property
+    def bytes_per_call(self) -> int:
+        return math.ceil(self.elements * WIRE_ITEMSIZE[self.dtype])
+
+    @property
+    def bytes_per_step(self) -> int:
+        """Message bytes per step on one participating rank."""
+        return self.bytes_per_call * self.calls
+
+    @property
+    def bus_factor(self) -> Fraction:
+        return OPS[self.op].bus(self.group_size)
+
+    @property
+    def wire_bytes_per_step(self) -> Fraction:
+        return self.bytes_per_step * self.bus_factor
+
+    @property
+    def paper_bytes_per_step(self) -> Fraction:
+        """Volume per rank per step by the paper's definition of the op."""
+        return self.bytes_per_step * OPS[self.op].paper(self.group_size)
+
+    def participants(self) -> frozenset[int]:
+        """Ranks that issue this row (for send/recv, the rank that calls send or recv)."""
+        if OPS[self.op].p2p:
+            return frozenset(next(zip(*self.groups, strict=False)))
+        return frozenset().union(*self.groups)
+
+    @property
+    def participant_count(self) -> int:
+        return len(self.groups) if OPS[self.op].p2p else len(self.groups) * self.group_size
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PaperTerm:
+    equation: str
+    formula: str
+    """The equation with the scenario's numbers substituted."""
+    elements: Fraction
+    itemsize: int
+    ranks: frozenset[int]
+    """Whose volume the equation gives: one rank (Eqs. 2, 3, 5), or every stage of one pipeline (Eq. 4)."""
+    scope: str
+
+    @property
+    def bytes(self) -> Fraction:
+        return self.elements * self.itemsize
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Residual:
+    """A named reason why the model differs from a paper equation, with its size in bytes per step."""
+
+    term: str
+    name: str
+    bytes: Fraction
+    detail: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TermComparison:
+    term: PaperTerm
+    model_bytes: Fraction
+    residuals: tuple[Residual, ...]
+
+    @property
+    def unexplained_bytes(self) -> Fraction:
+        return self.model_bytes - self.term.bytes - sum((r.bytes for r in self.residuals), Fraction(0))
+
+
+@dataclass(frozen=True, kw_only=True)  # no slots: cached_property needs a __dict__
+class Context:
+    """Everything a scheme component needs to know about a scenario, computed once."""
+
+    scenario: Scenario
+
+    @cached_property
+    def layout(self) -> Layout:
+        par = self.scenario.parallelism
+        return Layout(dp=par.dp, tp=par.tp, pp=par.pp, ep=par.ep, hpz=par.zero.hpz)
+
+    @cached_property
+    def params(self) -> tuple[ParamTensor, ...]:
+        moe = self.scenario.parallelism.moe
+        return inventory(self.scenario.model, experts=moe.experts if moe else 0, moe_every=moe.every if moe else 1)
+
+    @cached_property
+    def _stage_split(self) -> tuple[tuple[int, int], ...]:
+        par = self.scenario.parallelism
+        return stage_split(self.params, L=self.scenario.model.L, tp=par.tp, pp=par.pp)
+
+    def stage_params(self, stage: int) -> tuple[ParamTensor, ...]:
+        """The parameter tensors pipeline ``stage`` holds, in registration order."""
+        m, pp = self.scenario.model, self.scenario.parallelism.pp
+        return tuple(p for p in self.params if stage in param_stages(p, L=m.L, pp=pp, tied=m.tied_embeddings))
+
+    def rank_params(self, stage: int, *, expert: bool | None = None) -> int:
+        """Parameters a rank of pipeline ``stage`` holds (tensor-parallel shard; experts: its own share).
+
+        ``expert`` None counts all parameters, False the non-expert ones, True the rank's experts.
+        """
+        dense, experts = self._stage_split[stage]
+        ep = self.scenario.parallelism.ep
+        return {None: dense + experts // ep, False: dense, True: experts // ep}[expert]
+
+    @cached_property
+    def param_count(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @cached_property
+    def expert_param_count(self) -> int:
+        return sum(p.numel for p in self.params if p.expert)
+
+    @cached_property
+    def eq1(self) -> int:
+        """Eq. 1 with the scenario's switches (tied embeddings, positions, expansion factor)."""
+        m = self.scenario.model
+        return eq1_param_count(
+            V=m.V, h=m.h, s=m.s, L=m.L, tied_embeddings=m.tied_embeddings, position=m.position, x=m.x
+        )
+
+    @property
+    def bsh(self) -> int:
+        m, par = self.scenario.model, self.scenario.parallelism
+        return par.micro_batch * m.s * m.h
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Prediction:
+    scenario: Scenario
+    param_count: int
+    """Parameters of the model as built."""
+    param_count_eq1: int
+    """Eq. 1 taken literally (untied embeddings, learned positions, x = 4)."""
+    collectives: tuple[ExpectedCollective, ...]
+    paper_terms: tuple[PaperTerm, ...]
+    residuals: tuple[Residual, ...]
+
+    @property
+    def steady(self) -> tuple[ExpectedCollective, ...]:
+        """Rows issued every step (not once per run)."""
+        return tuple(c for c in self.collectives if not c.once)
+
+    @property
+    def paper_volume_elements(self) -> Fraction:
+        return sum((t.elements for t in self.paper_terms), Fraction(0))
+
+    def comparison(self) -> tuple[TermComparison, ...]:
+        out = []
+        members = {id(c): c.participants() for c in self.steady if c.paper_term is not None}
+        for term in self.paper_terms:
+            model = Fraction(0)
+            for c in self.steady:
+                if c.paper_term == term.equation:
+                    model += c.paper_bytes_per_step * len(term.ranks & members[id(c)])
+            residuals = tuple(r for r in self.residuals if r.term == term.equation)
+            out.append(TermComparison(term=term, model_bytes=model, residuals=residuals))
+        return tuple(out)
+
+    def not_in_paper(self, rank: int = 0) -> tuple[tuple[str, int], ...]:
+        """(source, bytes per step on ``rank``) of the steady rows no paper equation covers."""
+        return tuple(
+            (c.source, c.bytes_per_step) for c in self.steady if c.paper_term is None and rank in c.participants()
+        )
+
+    def job_bytes_per_step(self) -> int:
+        return sum(c.bytes_per_step * c.participant_count for c in self.steady)
+
+    def job_wire_bytes_per_step(self) -> Fraction:
+        """Bytes crossing links per step, whole job: what the traffic matrix sums to."""
+        return sum(
+            (c.wire_bytes_per_step * len(c.groups) * OPS[c.op].senders(c.group_size) for c in self.steady if c.calls),
+            Fraction(0),
+        )
+
+    def message_sizes(self) -> dict[int, int]:
+        """Histogram of message sizes: bytes per call -> calls per step over the whole job."""
+        hist: Counter[int] = Counter()
+        for c in self.steady:
+            hist[c.bytes_per_call] += c.calls * c.participant_count
+        return dict(sorted(hist.items()))
+
+    def traffic_matrix(self) -> dict[tuple[int, int], Fraction]:
+        """Bytes per step rank -> rank (sparse), by the traffic model of ``commgate.model.collectives``."""
+        out: dict[tuple[int, int], Fraction] = {}
+        for c in self.steady:
+            spec = OPS[c.op]
+            wire = c.wire_bytes_per_step
+            if wire == 0:
+                continue
+            for g in c.groups:
+                for src, dst, nbytes in spec.traffic(g, wire):
+                    out[(src, dst)] = out.get((src, dst), Fraction(0)) + nbytes
+        return out
+
+
+def predict(scenario: Scenario) -> Prediction:
+    """The per-collective expectation of ``scenario`` and its paper terms."""
+    from commgate.model.schemes import SCHEMES
+
+    ctx = Context(scenario=scenario)
+    rows: list[ExpectedCollective] = []
+    terms: list[PaperTerm] = []
+    residuals: list[Residual] = []
+    for component in SCHEMES[scenario.parallelism.scheme]:
+        rows += component.collectives(ctx)
+        terms += component.paper_terms(ctx)
+        residuals += component.residuals(ctx)
+    m = scenario.model
+    return Prediction(
+        scenario=scenario,
+        param_count=ctx.param_count,
+        param_count_eq1=eq1_param_count(V=m.V, h=m.h, s=m.s, L=m.L),
+        collectives=tuple(rows),
+        paper_terms=tuple(terms),
+        residuals=tuple(r for r in residuals if r.bytes != 0),
+    )

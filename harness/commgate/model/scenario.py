@@ -1,0 +1,585 @@
+"""Scenario files: YAML -> JSON-Schema validation -> consistency checks -> sweep expansion -> records.
+
+Every problem of a file is reported at once, one line each, naming the file, its line, the JSON path,
+the offending value and what was expected (``commgate.core.errors.Problem``). Only ``yaml.SafeLoader`` is
+used, so ``!!python/...`` tags are rejected.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import functools
+import itertools
+import json
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Literal
+
+import jsonschema
+import yaml
+
+from commgate.core import schemas
+from commgate.core.errors import Problem, ScenarioError
+from commgate.model.transformer import PRESETS, ModelSpec
+
+SCHEMA_VERSION = 1
+Scheme = Literal["ddp", "zero1", "zero2", "zero3", "zero++", "tp", "pp", "3d", "moe"]
+SCHEMES: tuple[str, ...] = ("ddp", "zero1", "zero2", "zero3", "zero++", "tp", "pp", "3d", "moe")
+Backend = Literal["gloo", "nccl", "auto"]
+MARKERS: tuple[str, ...] = ("gpu", "multinode", "slow", "nightly")
+SCENARIO_SUFFIXES = (".yaml", ".yml")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ZeroConfig:
+    stage: int = 0
+    hpz: int = 1
+    """ZeRO++ hierarchical partition size (secondary copy of the parameters within hpz ranks)."""
+    qwz: bool = False
+    """ZeRO++ quantized (int8) weight all-gather."""
+    qgz: bool = False
+    """ZeRO++ quantized (int4) gradient all-to-all."""
+    bucket_elements: int = 500_000_000
+    """DeepSpeed reduce_bucket_size / allgather_bucket_size (elements)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MoEConfig:
+    experts: int
+    ep: int = 1
+    top_k: int = 1
+    capacity_factor: float = 1.0
+    min_capacity: int = 4
+    every: int = 1
+    """Every ``every``-th layer is an MoE layer."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Parallelism:
+    scheme: Scheme
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    moe: MoEConfig | None = None
+    micro_batch: int = 1
+    """Micro-batch size b."""
+    micro_batches: int = 1
+    """Micro-batches per step m: pipeline micro-batches, or gradient-accumulation steps."""
+    activation_checkpointing: bool = False
+    ddp_bucket_mb: float | None = None
+    """torch DDP ``bucket_cap_mb``; None keeps DDP's default (25 MiB, with a 1 MiB first bucket)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def ep(self) -> int:
+        return self.moe.ep if self.moe else 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tolerance:
+    rtol: float = 0.0
+    atol: int = 0
+
+    def allows(self, obtained: float | Fraction, expected: float | Fraction) -> bool:
+        if not self.rtol and not self.atol:
+            return obtained == expected  # exact (Fractions stay exact)
+        return abs(float(obtained) - float(expected)) <= self.atol + self.rtol * abs(float(expected))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LatencyRule:
+    factor: float = 1.25
+    p_value: float = 0.01
+    min_samples: int = 10
+    action: Literal["warn", "fail"] = "warn"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ColdStartRule:
+    factor: float = 10.0
+    min_excess_ms: float = 100.0
+    action: Literal["warn", "fail"] = "warn"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Expectations:
+    model_bytes: Tolerance = field(default_factory=Tolerance)
+    model_calls: Tolerance = field(default_factory=Tolerance)
+    paper_rtol: float = 0.01
+    baseline_bytes: Tolerance = field(default_factory=Tolerance)
+    baseline_calls: Tolerance = field(default_factory=Tolerance)
+    latency: LatencyRule = field(default_factory=LatencyRule)
+    cold_start: ColdStartRule = field(default_factory=ColdStartRule)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Scenario:
+    """One runnable scenario (a sweep expands into several of these)."""
+
+    id: str
+    """Unique, readable id: the name, plus ``[key=value,...]`` for a sweep variant."""
+    name: str
+    model: ModelSpec
+    parallelism: Parallelism
+    description: str = ""
+    file: str | None = None
+    backend: Backend = "auto"
+    steps: int = 3
+    warmup_steps: int = 1
+    deadline_s: float = 300.0
+    markers: tuple[str, ...] = ()
+    workload: str | None = None
+    expectations: Expectations = field(default_factory=Expectations)
+
+    @property
+    def world_size(self) -> int:
+        return self.parallelism.world_size
+
+
+# --------------------------------------------------------------------------------------------- schema
+
+
+def schema() -> dict[str, Any]:
+    """The published scenario JSON Schema (draft 2020-12)."""
+    return schemas.load("scenario")
+
+
+@functools.cache
+def _validator() -> jsonschema.protocols.Validator:
+    cls = jsonschema.validators.validator_for(schema())
+    cls.check_schema(schema())
+    return cls(schema())
+
+
+def _json_path(parts: Iterable[Any]) -> str:
+    out = "$"
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else f".{p}"
+    return out
+
+
+def _show(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _type_name(value: Any) -> str:
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", dict: "mapping"}.get(
+        type(value), type(value).__name__
+    )
+
+
+class _Located:
+    """Maps JSON paths of a YAML document to line numbers."""
+
+    def __init__(self, node: yaml.Node | None) -> None:
+        self.node = node
+
+    def line(self, parts: Sequence[Any]) -> int | None:
+        node = self.node
+        if node is None:
+            return None
+        best = node.start_mark.line + 1
+        for part in parts:
+            nxt: yaml.Node | None = None
+            if isinstance(node, yaml.MappingNode):
+                for k, v in node.value:
+                    if k.value == str(part):
+                        nxt = v
+                        best = k.start_mark.line + 1
+                        break
+            elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+                nxt = node.value[part]
+                best = nxt.start_mark.line + 1
+            if nxt is None:
+                break
+            node = nxt
+        return best
+
+
+def _schema_problems(doc: Any, file: str, where: _Located, context: str = "") -> list[Problem]:
+    problems: list[Problem] = []
+    for err in _validator().iter_errors(doc):
+        for parts, message in _describe(err):
+            problems.append(
+                Problem(file=file, path=_json_path(parts), message=message + context, line=where.line(parts))
+            )
+    return problems
+
+
+def _describe(err: jsonschema.ValidationError) -> Iterator[tuple[list[Any], str]]:
+    """One or more (path, message) pairs for a jsonschema error, worded for people."""
+    path = list(err.absolute_path)
+    inst: Any = err.instance
+    kind: Any = err.validator
+    want: Any = err.validator_value
+    sub: Any = err.schema
+    if kind == "required":
+        for name in want:
+            if isinstance(inst, Mapping) and name not in inst:
+                yield path, f"missing required field {name!r}"
+    elif kind == "additionalProperties" and isinstance(inst, Mapping):
+        allowed = sorted(sub.get("properties", {}))
+        for key in sorted(set(inst) - set(allowed), key=str):
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            yield [*path, key], f"unknown field {key!r}; {hint}expected one of: {', '.join(allowed)}"
+    elif kind == "type":
+        yield (
+            path,
+            f"{_show(inst)} is a {_type_name(inst)}, expected {want if isinstance(want, str) else ' or '.join(want)}",
+        )
+    elif kind == "enum":
+        yield path, f"{_show(inst)} is not one of: {', '.join(str(v) for v in want)}"
+    elif kind == "const":
+        yield path, f"{_show(inst)} is not supported, expected {_show(want)}"
+    elif kind in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        relation = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}[kind]
+        yield path, f"{_show(inst)} is out of range, expected a value {relation} {want}"
+    elif kind == "pattern" and "propertyNames" not in err.schema_path:
+        yield path, f"{_show(inst)} is malformed; {sub.get('description', 'expected pattern ' + want)}"
+    elif kind in ("propertyNames", "pattern"):
+        yield (
+            path,
+            (
+                f"sweep key {_show(inst)} is not a field path; expected a dotted path under "
+                "model, parallelism, steps, warmup_steps or backend (e.g. 'model.s')"
+            ),
+        )
+    elif kind == "uniqueItems":
+        yield path, f"{_show(inst)} has duplicate items"
+    elif kind in ("minItems", "minProperties"):
+        yield path, "must not be empty"
+    else:  # pragma: no cover - wording for validators the schema does not use yet
+        yield path, err.message
+
+
+# ------------------------------------------------------------------------------------------- loading
+
+
+def _parse_yaml(text: str, file: str) -> tuple[Any, _Located]:
+    """Safe-load one YAML document, rejecting duplicate keys; raises ScenarioError on syntax errors."""
+    try:
+        loader = yaml.SafeLoader(text)
+        try:
+            node = loader.get_single_node()
+            problems = list(_duplicate_keys(node, file, [])) if node is not None else []
+            if problems:
+                raise ScenarioError(problems)
+            data = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else None
+        what = exc.problem or str(exc)
+        if isinstance(exc, yaml.constructor.ConstructorError) and "tag" in what:
+            what = f"{what.split(' for the tag ')[-1].strip()} tag is not allowed; scenarios are plain YAML"
+            kind = "unsupported YAML tag"
+        else:
+            kind = "YAML syntax error"
+        raise ScenarioError([Problem(file=file, path="$", message=f"{kind}: {what}", line=line)]) from None
+    except yaml.YAMLError as exc:
+        raise ScenarioError([Problem(file=file, path="$", message=f"YAML error: {exc}")]) from None
+    return data, _Located(node)
+
+
+def _duplicate_keys(node: yaml.Node, file: str, path: list[Any]) -> Iterator[Problem]:
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for k, v in node.value:
+            key = str(k.value)
+            if key in seen:
+                yield Problem(
+                    file=file,
+                    path=_json_path([*path, key]),
+                    message=f"duplicate key {key!r} (first on line {seen[key]}); YAML would keep only the last",
+                    line=k.start_mark.line + 1,
+                )
+            else:
+                seen[key] = k.start_mark.line + 1
+            yield from _duplicate_keys(v, file, [*path, key])
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            yield from _duplicate_keys(v, file, [*path, i])
+
+
+def load_text(text: str, *, file: str = "<string>") -> list[Scenario]:
+    """All scenarios (sweeps expanded) defined by one YAML document."""
+    doc, where = _parse_yaml(text, file)
+    return load_document(doc, file=file, where=where)
+
+
+def load_document(doc: Any, *, file: str, where: _Located | None = None) -> list[Scenario]:
+    """All scenarios defined by an already parsed document (e.g. one built from command-line flags)."""
+    where = where or _Located(None)
+    if doc is None:
+        raise ScenarioError([Problem(file=file, path="$", message="the file is empty; expected a scenario mapping")])
+    problems = _schema_problems(doc, file, where)
+    if problems:
+        raise ScenarioError(problems)
+    scenarios: list[Scenario] = []
+    for label, variant in _expand(doc, file, where):
+        context = f" (sweep variant {label})" if label else ""
+        problems += _schema_problems(variant, file, where, context)
+        if not problems:
+            built, found = _build(variant, file=file, where=where, label=label)
+            problems += [replace(p, message=p.message + context) for p in found]
+            if built is not None:
+                scenarios.append(built)
+    if problems:
+        raise ScenarioError(problems)
+    return scenarios
+
+
+def load_file(path: str | Path) -> list[Scenario]:
+    file = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ScenarioError([Problem(file=file, path="$", message=f"cannot read: {exc}")]) from None
+    return load_text(text, file=file)
+
+
+def scenario_files(paths: Iterable[str | Path]) -> list[Path]:
+    """The scenario files named by ``paths`` (directories are searched recursively)."""
+    out: list[Path] = []
+    for raw in paths:
+        p = Path(raw)
+        if p.is_dir():
+            out += sorted(f for f in p.rglob("*") if f.suffix in SCENARIO_SUFFIXES and f.is_file())
+        else:
+            out.append(p)
+    return out
+
+
+def load_paths(paths: Iterable[str | Path]) -> list[Scenario]:
+    """Scenarios of every file under ``paths``; all problems of all files are raised together."""
+    files = scenario_files(paths)
+    problems: list[Problem] = []
+    scenarios: list[Scenario] = []
+    for f in files:
+        try:
+            scenarios += load_file(f)
+        except ScenarioError as exc:
+            problems += exc.problems
+    if not files and not problems:
+        problems.append(Problem(file=", ".join(map(str, paths)) or ".", path="$", message="no scenario files (*.yaml)"))
+    seen: dict[str, str | None] = {}
+    for s in scenarios:
+        if s.id in seen:
+            problems.append(
+                Problem(
+                    file=s.file or "?", path="$.name", message=f"scenario id {s.id!r} is also defined in {seen[s.id]}"
+                )
+            )
+        seen[s.id] = s.file
+    if problems:
+        raise ScenarioError(problems)
+    return scenarios
+
+
+# -------------------------------------------------------------------------------------------- sweeps
+
+
+def _expand(doc: dict[str, Any], file: str, where: _Located) -> Iterator[tuple[str, dict[str, Any]]]:
+    sweep: dict[str, list[Any]] = doc.get("sweep") or {}
+    base = {k: v for k, v in doc.items() if k != "sweep"}
+    if not sweep:
+        yield "", base
+        return
+    # A key "a.b+c.d" moves its paths together: each of its values is a list with one value per path
+    # (a strong-scaling sweep: dp up while micro-batches go down). Keys are combined as a product.
+    axes: list[list[list[tuple[str, Any]]]] = []
+    for key, values in sweep.items():
+        paths = key.split("+")
+        if len(paths) == 1:
+            axes.append([[(key, v)] for v in values])
+            continue
+        bad = [v for v in values if not isinstance(v, list) or len(v) != len(paths)]
+        if bad:
+            msg = f"{bad[0]!r}: each value of a joined key is a list of {len(paths)} values, one per path"
+            raise ScenarioError(
+                [Problem(file=file, path=f"$.sweep.{key}", message=msg, line=where.line(["sweep", key]))]
+            )
+        axes.append([list(zip(paths, v, strict=True)) for v in values])
+    for combo in itertools.product(*axes):
+        variant = copy.deepcopy(base)
+        assignments = [pair for group in combo for pair in group]
+        for key, value in assignments:
+            node = variant
+            parts = key.split(".")
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise ScenarioError(
+                        [
+                            Problem(
+                                file=file,
+                                path=f"$.sweep.{key}",
+                                message=f"{part!r} is not a mapping",
+                                line=where.line(["sweep", key]),
+                            )
+                        ]
+                    )
+            node[parts[-1]] = value
+        yield ",".join(f"{k.split('.')[-1]}={v}" for k, v in assignments), variant
+
+
+# -------------------------------------------------------------------------------- consistency, build
+
+
+def _build(doc: dict[str, Any], *, file: str, where: _Located, label: str) -> tuple[Scenario | None, list[Problem]]:
+    problems: list[Problem] = []
+
+    def bad(parts: list[Any], message: str) -> None:
+        problems.append(Problem(file=file, path=_json_path(parts), message=message, line=where.line(parts)))
+
+    model = _build_model(doc["model"], bad)
+    par = _build_parallelism(doc["parallelism"], bad)
+    if model is None:
+        return None, problems
+    _check_consistency(doc, model, par, bad)
+    if problems:
+        return None, problems
+    markers = tuple(doc.get("markers", ()))
+    backend = doc.get("backend", "auto")
+    if backend == "nccl" and "gpu" not in markers:
+        markers += ("gpu",)
+    name = doc["name"]
+    return (
+        Scenario(
+            id=f"{name}[{label}]" if label else name,
+            name=name,
+            description=doc.get("description", ""),
+            file=file,
+            model=model,
+            parallelism=par,
+            backend=backend,
+            steps=doc.get("steps", 3),
+            warmup_steps=doc.get("warmup_steps", 1),
+            deadline_s=float(doc.get("deadline_s", 300.0)),
+            markers=markers,
+            workload=doc.get("workload"),
+            expectations=_build_expectations(doc.get("expectations", {})),
+        ),
+        problems,
+    )
+
+
+_DIMS = ("L", "h", "a", "V", "s")
+
+
+def _build_model(m: dict[str, Any], bad: Any) -> ModelSpec | None:
+    explicit = {k: v for k, v in m.items() if k != "preset"}
+    if "preset" in m:
+        return replace(PRESETS[m["preset"]], **explicit)
+    missing = [d for d in _DIMS if d not in m]
+    for d in missing:
+        bad(["model"], f"missing field {d!r}; give a preset (e.g. preset: 19M-cpu) or all of {', '.join(_DIMS)}")
+    return None if missing else ModelSpec(**explicit)
+
+
+def _build_parallelism(p: dict[str, Any], bad: Any) -> Parallelism:
+    scheme = p["scheme"]
+    implied = {"zero1": 1, "zero2": 2, "zero3": 3, "zero++": 3}.get(scheme)
+    zero_doc = dict(p.get("zero", {}))
+    if implied is not None:
+        if zero_doc.get("stage", implied) != implied:
+            bad(
+                ["parallelism", "zero", "stage"],
+                f"{zero_doc['stage']} contradicts scheme {scheme!r} (ZeRO stage {implied})",
+            )
+        zero_doc["stage"] = implied
+    moe = MoEConfig(**p["moe"]) if "moe" in p else None
+    rest = {k: v for k, v in p.items() if k not in ("zero", "moe")}
+    return Parallelism(**rest, zero=ZeroConfig(**zero_doc), moe=moe)
+
+
+def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad: Any) -> None:
+    P = "parallelism"
+    s = par.scheme
+    if "world_size" in doc and doc["world_size"] != par.world_size:
+        bad(["world_size"], f"{doc['world_size']} != dp*tp*pp = {par.dp}*{par.tp}*{par.pp} = {par.world_size}")
+    if m.h % m.a:
+        bad(["model", "a"], f"hidden size h={m.h} is not divisible by heads a={m.a}")
+    # Which axes each scheme allows (beyond dp, which all allow).
+    need_tp = s in ("tp", "3d")
+    need_pp = s in ("pp", "3d")
+    if need_tp and par.tp < 2:
+        bad([P, "tp"], f"{par.tp}: scheme {s!r} needs tp >= 2")
+    if not need_tp and par.tp != 1:
+        bad([P, "tp"], f"{par.tp}: scheme {s!r} has no tensor parallelism; use scheme 'tp' or '3d'")
+    if need_pp and par.pp < 2:
+        bad([P, "pp"], f"{par.pp}: scheme {s!r} needs pp >= 2")
+    if not need_pp and par.pp != 1:
+        bad([P, "pp"], f"{par.pp}: scheme {s!r} has no pipeline parallelism; use scheme 'pp' or '3d'")
+    if s in ("ddp", "zero1", "zero2", "zero3", "zero++", "moe") and par.dp < 2:
+        bad([P, "dp"], f"{par.dp}: scheme {s!r} needs dp >= 2")
+    if par.tp > 1 and m.a % par.tp:
+        bad([P, "tp"], f"{par.tp}: heads a={m.a} are not divisible by tp")
+    if par.tp > 1 and m.V % par.tp:
+        bad([P, "tp"], f"{par.tp}: vocabulary V={m.V} is not divisible by tp (vocab-parallel embedding)")
+    if par.pp > 1 and m.L % par.pp:
+        bad([P, "pp"], f"{par.pp}: layers L={m.L} are not divisible by pp")
+    stage = par.zero.stage
+    if s == "ddp" and stage:
+        bad([P, "zero", "stage"], f"{stage}: torch DDP has no ZeRO; use scheme 'zero{stage}'")
+    if par.pp > 1 and stage >= 2:
+        bad([P, "zero", "stage"], f"{stage}: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only")
+    if par.tp > 1 and stage >= 3:
+        bad([P, "zero", "stage"], f"{stage}: ZeRO-3 with tensor parallelism (tp={par.tp}) is unsupported")
+    zpp = par.zero.hpz > 1 or par.zero.qwz or par.zero.qgz
+    if s == "zero++" and not zpp:
+        bad([P, "zero"], "scheme 'zero++' needs at least one of hpz > 1, qwz: true, qgz: true")
+    if s != "zero++" and zpp:
+        bad([P, "zero"], f"ZeRO++ options (hpz, qwz, qgz) need scheme 'zero++', not {s!r}")
+    if par.zero.hpz > 1 and par.dp % par.zero.hpz:
+        bad([P, "zero", "hpz"], f"{par.zero.hpz}: dp={par.dp} is not divisible by the hpZ partition size")
+    if s == "moe":
+        if par.moe is None:
+            bad([P], "scheme 'moe' needs a 'moe' block with 'experts'")
+        else:
+            moe = par.moe
+            if par.dp % moe.ep:
+                bad([P, "moe", "ep"], f"{moe.ep}: dp={par.dp} is not divisible by the expert-parallel size")
+            if moe.experts % moe.ep:
+                bad([P, "moe", "ep"], f"{moe.ep}: experts={moe.experts} are not divisible by the expert-parallel size")
+            if moe.every > m.L:
+                bad([P, "moe", "every"], f"{moe.every}: greater than layers L={m.L}, so no layer would be MoE")
+            if stage >= 3:
+                bad([P, "zero", "stage"], f"{stage}: DeepSpeed MoE supports ZeRO stage 0-2 only")
+    elif par.moe is not None:
+        bad([P, "moe"], f"MoE settings need scheme 'moe', not {s!r}")
+
+
+def _build_expectations(e: dict[str, Any]) -> Expectations:
+    def tol(d: dict[str, Any] | None, default: Tolerance) -> Tolerance:
+        return replace(default, **d) if d else default
+
+    base = Expectations()
+    model, paper, baseline = e.get("model", {}), e.get("paper", {}), e.get("baseline", {})
+    return Expectations(
+        model_bytes=tol(model.get("bytes"), base.model_bytes),
+        model_calls=tol(model.get("calls"), base.model_calls),
+        paper_rtol=paper.get("rtol", base.paper_rtol),
+        baseline_bytes=tol(baseline.get("bytes"), base.baseline_bytes),
+        baseline_calls=tol(baseline.get("calls"), base.baseline_calls),
+        latency=replace(base.latency, **baseline.get("latency", {})),
+        cold_start=replace(base.cold_start, **e.get("drift", {}).get("cold_start", {})),
+    )
+
+
+def field_names(cls: type) -> tuple[str, ...]:
+    """Field names of a record dataclass (used by tests to keep schema and records in step)."""
+    return tuple(f.name for f in fields(cls))

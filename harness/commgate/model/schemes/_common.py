@@ -1,0 +1,84 @@
+"""Pieces shared by the scheme components."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+from commgate.model.collectives import Op
+from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
+from commgate.model.layout import Axis, Group
+
+
+def init_broadcast(
+    ctx: Context, *, elements: int, groups: tuple[Group, ...], axis: Axis, what: str, where: str = ""
+) -> ExpectedCollective:
+    """The engine's broadcast of initial parameters from the group's first rank (DDP and DeepSpeed both do it)."""
+    return ExpectedCollective(
+        op=Op.BROADCAST,
+        axis=axis,
+        groups=groups,
+        dtype=ctx.scenario.model.dtype,
+        elements=elements,
+        calls=1,
+        phase=Phase.INIT,
+        once=True,
+        source=f"initial {what}parameter broadcast{where}",
+    )
+
+
+def beyond_eq1(ctx: Context, *, term: str, factor: Fraction, counted: int) -> Residual:
+    """Parameters of the model as built (``counted`` of them are reduced in ``term``) vs Eq. 1."""
+    m = ctx.scenario.model
+    moe = (
+        " MoE layers swap the MLP for a gate and experts (experts are counted separately)."
+        if ctx.expert_param_count
+        else ""
+    )
+    return Residual(
+        term=term,
+        name="parameters beyond Eq. 1",
+        bytes=factor * (counted - ctx.eq1) * m.itemsize,
+        detail=(
+            f"the model has {counted:,} such parameters, Eq. 1 gives {ctx.eq1:,}: each layer's attention/MLP biases "
+            f"and two LayerNorms are (9+x)h = {(9 + m.x) * m.h:,}, Eq. 1 counts 8h = {8 * m.h:,}.{moe}"
+        ),
+    )
+
+
+def sharding(ctx: Context, *, term: str, factor: Fraction, full: int, rank0: int) -> Residual:
+    par = ctx.scenario.parallelism
+    return Residual(
+        term=term,
+        name="tensor/pipeline sharding",
+        bytes=factor * (rank0 - full) * ctx.scenario.model.itemsize,
+        detail=(
+            f"rank 0 (pipeline stage 0, tensor shard 0 of tp={par.tp}, pp={par.pp}) holds and reduces "
+            f"{rank0:,} of the {full:,} parameters"
+        ),
+    )
+
+
+def micro_batches(term: str, per_micro_batch: Fraction, m: int) -> Residual:
+    return Residual(
+        term=term,
+        name="micro-batches",
+        bytes=per_micro_batch * (m - 1),
+        detail=f"{term} counts one micro-batch; a step runs m={m}",
+    )
+
+
+def rank0_term(ctx: Context, *, equation: str, formula: str, elements: Fraction) -> PaperTerm:
+    """A paper equation that gives the volume of one rank (Eqs. 2, 3, 5): compared on rank 0."""
+    return PaperTerm(
+        equation=equation,
+        formula=formula,
+        elements=elements,
+        itemsize=ctx.scenario.model.itemsize,
+        ranks=frozenset({0}),
+        scope="per rank",
+    )
+
+
+def padded(numel: int, n: int) -> int:
+    """``numel`` rounded up to a multiple of ``n``: a tensor partitioned over n ranks, gathered whole."""
+    return -(-numel // n) * n

@@ -1,0 +1,222 @@
+"""Pipeline parallelism on DeepSpeed's pipeline engine (``deepspeed.pipe``, 1F1B ``train_batch``).
+
+Per micro-batch every stage boundary carries the activations forward and their gradients backward,
+b*s*h elements each way: the paper's Eq. 4, times m micro-batches per step. What the engine sends
+besides (DeepSpeed 0.19, measured through the capture and read from ``deepspeed/runtime/pipe/``):
+
+* construction: an all-reduce of two int64 parameter counters over each pipeline, and one 1-element
+  send across each stage boundary (the point-to-point warm-up);
+* the first step: a 256-element int32 buffer of tensor metadata sent across each boundary, once;
+* every step: the loss broadcast from the last stage to the pipeline (2 fp32) and the gradient-norm
+  all-reduce over the pipeline (1 fp32).
+
+The data-parallel side of the engine is ``PipelineDataParallel``. With tied embeddings the first and
+last stages all-reduce the shared embedding's gradient. All of the engine's calls happen inside
+``train_batch``: phase ``pipeline``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from fractions import Fraction
+
+from commgate.model.collectives import Op
+from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
+from commgate.model.paper import eq4_pipeline
+from commgate.model.schemes._common import init_broadcast, micro_batches, padded
+from commgate.model.schemes.data_parallel import DataParallel
+
+TERM = "Eq. 4"
+META_ELEMENTS = 256  # the engine's int32 tensor-metadata buffer
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineParallel:
+    def collectives(self, ctx: Context) -> list[ExpectedCollective]:
+        m, par, lay = ctx.scenario.model, ctx.scenario.parallelism, ctx.layout
+        pipes = lay.pp_groups()
+        base = ExpectedCollective(
+            op=Op.ALL_REDUCE,
+            axis="pp",
+            groups=pipes,
+            dtype="int64",
+            elements=2,
+            calls=1,
+            phase=Phase.INIT,
+            once=True,
+            source="",
+        )
+        counters = "PP parameter counters (all-reduce, int64, over the model-parallel group: stages x tp)"
+        rows = [replace(base, axis="mp", groups=lay.mp_groups(), source=counters)]
+        for k in range(par.pp - 1):
+            for op, pairs in ((Op.SEND, lay.stage_pairs(k, k + 1)), (Op.RECV, lay.stage_pairs(k + 1, k))):
+                rows.append(
+                    replace(
+                        base,
+                        op=op,
+                        groups=pairs,
+                        dtype=m.dtype,
+                        elements=1,
+                        source=f"PP point-to-point warm-up {op} (stage {k} -> {k + 1})",
+                    )
+                )
+                rows.append(
+                    replace(
+                        base,
+                        op=op,
+                        groups=pairs,
+                        dtype="int32",
+                        elements=META_ELEMENTS,
+                        phase=Phase.PIPELINE,
+                        at_step=0,
+                        source=f"PP tensor-metadata {op} (stage {k} -> {k + 1}, first step)",
+                    )
+                )
+        step = replace(base, once=False, phase=Phase.PIPELINE, dtype=m.dtype)
+        for k in range(par.pp - 1):
+            for src, dst, what in ((k, k + 1, "activation"), (k + 1, k, "gradient")):
+                for op, pairs in ((Op.SEND, lay.stage_pairs(src, dst)), (Op.RECV, lay.stage_pairs(dst, src))):
+                    rows.append(
+                        replace(
+                            step,
+                            op=op,
+                            groups=pairs,
+                            elements=ctx.bsh,
+                            calls=par.micro_batches,
+                            paper_term=TERM,
+                            source=f"PP {what} {op} (stage {src} -> {dst})",
+                        )
+                    )
+        last_first = tuple((g[-1], *g[:-1]) for g in pipes)  # a rooted op lists its root first
+        rows.append(
+            replace(
+                step, op=Op.BROADCAST, groups=last_first, elements=2, source="PP loss broadcast from the last stage"
+            )
+        )
+        rows.append(
+            replace(
+                step,
+                axis="mp",
+                groups=lay.mp_groups(),
+                elements=1,
+                source="PP gradient-norm all-reduce over the model-parallel group (stages x tp)",
+            )
+        )
+        if m.tied_embeddings:
+            ends = tuple((g[0], g[-1]) for g in pipes)
+            rows.append(
+                replace(
+                    step,
+                    groups=ends,
+                    elements=m.V * m.h // par.tp,
+                    source="PP tied-embedding gradient all-reduce (first <-> last stage)",
+                )
+            )
+        return rows
+
+    def _eq4(self, ctx: Context) -> Fraction:
+        m, par = ctx.scenario.model, ctx.scenario.parallelism
+        return eq4_pipeline(b=par.micro_batch, s=m.s, h=m.h, p=par.pp)
+
+    def paper_terms(self, ctx: Context) -> list[PaperTerm]:
+        m, par = ctx.scenario.model, ctx.scenario.parallelism
+        return [
+            PaperTerm(
+                equation=TERM,
+                formula=f"2*b*s*h*(p-1), b={par.micro_batch}, s={m.s}, h={m.h}, p={par.pp}",
+                elements=self._eq4(ctx),
+                itemsize=m.itemsize,
+                ranks=frozenset(ctx.layout.pp_groups()[0]),
+                scope="one pipeline, summed over stages",
+            )
+        ]
+
+    def residuals(self, ctx: Context) -> list[Residual]:
+        mb = ctx.scenario.parallelism.micro_batches
+        return [micro_batches(TERM, self._eq4(ctx) * ctx.scenario.model.itemsize, mb)] if mb > 1 else []
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineDataParallel(DataParallel):
+    """The pipeline engine's data-parallel side, per stage: the parameters broadcast as bytes at
+    construction, then every step one all-reduce of the stage's gradients (buckets of
+    ``reduce_bucket_size``) and one of its gradient norm, and on the last stage, when dp > 1, one of the
+    loss. The engine issues these even when the data-parallel group has a single rank (they then move
+    nothing). With ZeRO-1 each stage's updated partitions are all-gathered after the step."""
+
+    def collectives(self, ctx: Context) -> list[ExpectedCollective]:
+        from commgate.model.schemes.ddp import coalesced_chunks
+        from commgate.model.schemes.deepspeed_zero import _init_broadcasts
+
+        par = ctx.scenario.parallelism
+        rows: list[ExpectedCollective] = []
+        term = "Eq. 2" if par.dp > 1 else None
+        for stage in range(par.pp):
+            groups = ctx.layout.dp_groups(stage)
+            base = init_broadcast(ctx, elements=0, groups=groups, axis="dp", what="")
+            stage_params = ctx.stage_params(stage)
+            rows += [
+                replace(r, groups=groups, source=r.source + f" (stage {stage})")
+                for r in _init_broadcasts(ctx, base, 1, params=stage_params)
+            ]
+            step = replace(base, op=Op.ALL_REDUCE, once=False, phase=Phase.PIPELINE, paper_term=term)
+            shards = [p.numel_per_tp_rank(par.tp) for p in reversed(stage_params)]
+            buckets = coalesced_chunks(shards, par.zero.bucket_elements)
+            for i, b in enumerate(buckets):
+                rows.append(
+                    replace(
+                        step,
+                        elements=b,
+                        source=f"PP data-parallel gradient all-reduce (stage {stage}, bucket {i} of {len(buckets)})",
+                    )
+                )
+            rows.append(
+                replace(
+                    step,
+                    elements=1,
+                    paper_term=None,
+                    source=f"PP gradient-norm all-reduce over data parallel (stage {stage})",
+                )
+            )
+            if stage == par.pp - 1 and par.dp > 1:
+                rows.append(
+                    replace(
+                        step, elements=1, paper_term=None, source="PP loss all-reduce over data parallel (last stage)"
+                    )
+                )
+            if par.zero.stage == 1:  # the engine's ZeRO-1 optimizer: the updated partitions gathered back
+                rows.append(
+                    replace(
+                        step,
+                        op=Op.ALL_GATHER,
+                        elements=padded(sum(shards), 2 * par.dp),
+                        source=f"PP ZeRO-1 all-gather of the updated fp32 partitions (stage {stage})",
+                    )
+                )
+        return rows
+
+    def residuals(self, ctx: Context) -> list[Residual]:
+        par, isz = ctx.scenario.parallelism, ctx.scenario.model.itemsize
+        out = DataParallel.residuals(self, ctx)
+        if par.zero.stage == 1 and par.dp > 1:
+            d, n = par.dp, ctx.rank_params(0)
+            share = Fraction(d - 1, d)
+            out.append(
+                Residual(
+                    term="Eq. 2",
+                    name="gradients all-reduced, not reduce-scattered",
+                    bytes=share * n * isz,
+                    detail="DeepSpeed's pipeline engine with ZeRO-1 all-reduces gradients (2N(d-1)/d) and "
+                    "all-gathers the updated partitions; Eq. 2 assumes reduce_scatter + all_gather",
+                )
+            )
+            if pad := padded(n, 2 * d) - n:
+                out.append(
+                    Residual(
+                        term="Eq. 2",
+                        name="partition padding",
+                        bytes=share * pad * isz,
+                        detail=f"the stage's flat buffer is padded to a multiple of 2 x d = {2 * d} elements",
+                    )
+                )
+        return out

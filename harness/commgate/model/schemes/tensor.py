@@ -1,0 +1,152 @@
+"""Megatron-style tensor parallelism: per layer, the row-parallel attention and MLP outputs are
+all-reduced in the forward and the column-parallel inputs' gradients in the backward; activation
+checkpointing repeats the forward ones; the vocab-parallel embedding all-reduces once in the forward
+and the vocab-parallel output layer its input gradient once in the backward. Paper: Eq. 5 (L -> L/p in 3D).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from fractions import Fraction
+
+from commgate.model.collectives import Op
+from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
+from commgate.model.paper import eq5_tensor
+from commgate.model.schemes._common import micro_batches, rank0_term
+from commgate.model.transformer import Shard
+
+TERM = "Eq. 5"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallel:
+    def collectives(self, ctx: Context) -> list[ExpectedCollective]:
+        m, par = ctx.scenario.model, ctx.scenario.parallelism
+        per_stage = m.L // par.pp
+        mb = par.micro_batches
+        # inside DeepSpeed's pipeline engine (3D) everything outside autograd is the engine's phase
+        forward = Phase.PIPELINE if par.pp > 1 else Phase.FORWARD
+        rows: list[ExpectedCollective] = []
+        for stage in range(par.pp):
+            groups = ctx.layout.tp_groups(stage)
+            where = f", stage {stage}" if par.pp > 1 else ""
+            base = ExpectedCollective(
+                op=Op.ALL_REDUCE,
+                axis="tp",
+                groups=groups,
+                dtype=m.dtype,
+                elements=ctx.bsh,
+                calls=0,
+                phase=Phase.FORWARD,
+                source="",
+                paper_term=TERM,
+            )
+            rows += _distribute(ctx, base, stage)
+
+            def row(
+                calls: int,
+                phase: Phase,
+                source: str,
+                term: str | None = TERM,
+                elements: int = ctx.bsh,
+                *,
+                _b: ExpectedCollective = base,
+                _w: str = where,
+                _rows: list[ExpectedCollective] = rows,
+            ) -> None:
+                _rows.append(
+                    replace(_b, calls=calls * mb, phase=phase, source=source + _w, paper_term=term, elements=elements)
+                )
+
+            if stage == 0:
+                row(1, forward, "TP vocab-parallel embedding all-reduce")
+            row(2 * per_stage, forward, "TP forward all-reduce (row-parallel attention and MLP outputs)")
+            if par.activation_checkpointing:
+                row(per_stage * _recomputed(ctx), Phase.BACKWARD, "TP recompute all-reduce " + _RECOMPUTE[par.pp > 1])
+            row(2 * per_stage, Phase.BACKWARD, "TP backward all-reduce (column-parallel input gradients)")
+            if stage == par.pp - 1:
+                row(1, Phase.BACKWARD, "TP output-layer input-gradient all-reduce", None)
+                row(
+                    3,
+                    forward,
+                    "TP vocab-parallel cross-entropy all-reduce (max, sum of exp, target logit)",
+                    None,
+                    par.micro_batch * m.s,
+                )
+        return rows
+
+    def _eq5(self, ctx: Context, recompute: bool = True) -> Fraction:
+        m, par = ctx.scenario.model, ctx.scenario.parallelism
+        return eq5_tensor(L=Fraction(m.L, par.pp), b=par.micro_batch, s=m.s, h=m.h, t=par.tp, recompute=recompute)
+
+    def paper_terms(self, ctx: Context) -> list[PaperTerm]:
+        m, par = ctx.scenario.model, ctx.scenario.parallelism
+        L = f"L/p={m.L}/{par.pp}" if par.pp > 1 else f"L={m.L}"
+        return [
+            rank0_term(
+                ctx,
+                equation=TERM,
+                formula=f"(12L+2)*b*s*h*(t-1)/t, {L}, b={par.micro_batch}, s={m.s}, h={m.h}, t={par.tp}",
+                elements=self._eq5(ctx),
+            )
+        ]
+
+    def _per_micro_batch(self, ctx: Context) -> Fraction:
+        """Rank 0's TP volume for one micro-batch, in elements: (8L/p + 2) all-reduce units, plus the
+        recomputed ones with checkpointing (``_recomputed`` per layer)."""
+        m, par = ctx.scenario.model, ctx.scenario.parallelism
+        unit = 2 * Fraction(ctx.bsh * (par.tp - 1), par.tp)
+        recomputed = _recomputed(ctx) * (m.L // par.pp) if par.activation_checkpointing else 0
+        return self._eq5(ctx, recompute=False) + unit * recomputed
+
+    def residuals(self, ctx: Context) -> list[Residual]:
+        par, isz = ctx.scenario.parallelism, ctx.scenario.model.itemsize
+        model = self._per_micro_batch(ctx)
+        out = []
+        if not par.activation_checkpointing:
+            name, detail = (
+                "no activation checkpointing",
+                "4 all-reduces per layer without recomputation; Eq. 5 assumes 6",
+            )
+        elif _recomputed(ctx) == 1:
+            name = "recomputation stops early"
+            detail = (
+                "torch.utils.checkpoint re-runs each layer only up to its attention output: 1 all-reduce per layer, "
+                "Eq. 5 assumes 2"
+            )
+        else:
+            name = detail = ""  # DeepSpeed's engine re-runs whole layers: Eq. 5 exactly
+        if name:
+            out.append(Residual(term=TERM, name=name, bytes=(model - self._eq5(ctx)) * isz, detail=detail))
+        if par.micro_batches > 1:
+            out.append(micro_batches(TERM, model * isz, par.micro_batches))
+        return out
+
+
+_RECOMPUTE = {
+    False: "(attention output; torch.utils.checkpoint stops recomputing early)",
+    True: "(the pipeline engine's checkpoint re-runs whole layers)",
+}
+
+
+def _recomputed(ctx: Context) -> int:
+    """Forward all-reduces each layer repeats in the backward when checkpointed: torch.utils.checkpoint
+    (non-reentrant) stops once the saved tensors are rebuilt, before the MLP's all-reduce (1); DeepSpeed's
+    pipeline engine checkpoints with its own reentrant function, which re-runs the layer whole (2)."""
+    return 2 if ctx.scenario.parallelism.pp > 1 else 1
+
+
+def _distribute(ctx: Context, base: ExpectedCollective, stage: int) -> list[ExpectedCollective]:
+    """DTensor's ``distribute_tensor`` of the parallelised modules' parameters at construction: sharded
+    ones are scattered from the group's first rank, the row-parallel biases broadcast."""
+    init = replace(base, calls=1, phase=Phase.INIT, once=True, paper_term=None)
+    out = []
+    for p in ctx.stage_params(stage):
+        if p.shard is not Shard.REPLICATED:
+            op, source = Op.SCATTER, "TP parameter scatter (DTensor distribute)"
+        elif p.name.endswith(("attention.dense.bias", "mlp.fc_out.bias")):
+            op, source = Op.BROADCAST, "TP row-parallel bias broadcast (DTensor distribute)"
+        else:
+            continue
+        out.append(replace(init, op=op, elements=p.numel, source=source))
+    return out

@@ -1,0 +1,188 @@
+"""Predictions as people read them (a table and a per-equation summary) and as JSON documents."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from fractions import Fraction
+from typing import Any
+
+from commgate import __version__
+from commgate.model.expectation import Prediction
+
+DOCUMENT_VERSION = 1
+
+
+def number(x: int | Fraction) -> int | float:
+    """An exact integer when it is one, else the nearest float."""
+    f = Fraction(x)
+    return f.numerator if f.denominator == 1 else float(f)
+
+
+def human_bytes(x: float | Fraction) -> str:
+    v = float(x)
+    sign = "-" if v < 0 else ""
+    v = abs(v)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if v < 1024 or unit == "TiB":
+            return f"{sign}{v:.0f} {unit}" if unit == "B" else f"{sign}{v:.2f} {unit}"
+        v /= 1024
+    raise AssertionError("unreachable")
+
+
+def prediction_document(p: Prediction, *, matrix: bool = False) -> dict[str, Any]:
+    s = p.scenario
+    par = s.parallelism
+    doc: dict[str, Any] = {
+        "name": s.id,
+        "scenario": s.name,
+        "file": s.file,
+        "scheme": par.scheme,
+        "world_size": s.world_size,
+        "status": "predicted",
+        "model": {k: v for k, v in asdict(s.model).items()},
+        "parallelism": asdict(par),
+        "param_count": p.param_count,
+        "param_count_eq1": p.param_count_eq1,
+        "paper_volume_elements": number(p.paper_volume_elements),
+        "paper_terms": [
+            {
+                "equation": t.equation,
+                "formula": t.formula,
+                "scope": t.scope,
+                "elements": number(t.elements),
+                "bytes": number(t.bytes),
+            }
+            for t in p.paper_terms
+        ],
+        "paper_comparison": [
+            {
+                "equation": c.term.equation,
+                "paper_bytes": number(c.term.bytes),
+                "model_bytes": number(c.model_bytes),
+                "residuals": [{"name": r.name, "bytes": number(r.bytes), "detail": r.detail} for r in c.residuals],
+                "unexplained_bytes": number(c.unexplained_bytes),
+            }
+            for c in p.comparison()
+        ],
+        "not_in_paper_rank0": [{"source": src, "bytes": b} for src, b in p.not_in_paper()],
+        "collectives": [
+            {
+                "op": str(c.op),
+                "axis": c.axis,
+                "group_size": c.group_size,
+                "group_count": len(c.groups),
+                "first_group": list(c.groups[0]),
+                "dtype": c.dtype,
+                "elements_per_call": c.elements,
+                "bytes_per_call": c.bytes_per_call,
+                "calls_per_step": c.calls,
+                "phase": str(c.phase),
+                "when": c.when,
+                "bytes_per_step": c.bytes_per_step,
+                "bus_factor": number(c.bus_factor),
+                "wire_bytes_per_step": number(c.wire_bytes_per_step),
+                "source": c.source,
+                "paper_term": c.paper_term,
+            }
+            for c in p.collectives
+        ],
+        "totals": {
+            "job_bytes_per_step": p.job_bytes_per_step(),
+            "job_wire_bytes_per_step": number(p.job_wire_bytes_per_step()),
+        },
+        "message_sizes": [{"bytes": b, "calls_per_step": n} for b, n in p.message_sizes().items()],
+    }
+    if matrix:
+        doc["traffic_matrix"] = [
+            {"src": src, "dst": dst, "bytes_per_step": number(b)}
+            for (src, dst), b in sorted(p.traffic_matrix().items())
+        ]
+    return doc
+
+
+def predictions_document(preds: list[Prediction], *, matrix: bool = False) -> dict[str, Any]:
+    return {
+        "schema_version": DOCUMENT_VERSION,
+        "commgate_version": __version__,
+        "predictions": [prediction_document(p, matrix=matrix) for p in preds],
+    }
+
+
+def _table(headers: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+
+    def fmt(cells: list[str]) -> str:
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=False))
+        ).rstrip()
+
+    return [fmt(headers), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)]
+
+
+def prediction_text(p: Prediction, *, matrix: bool = False) -> str:
+    s, m, par = p.scenario, p.scenario.model, p.scenario.parallelism
+    axes = ", ".join(f"{k}={v}" for k, v in (("dp", par.dp), ("tp", par.tp), ("pp", par.pp), ("ep", par.ep)) if v > 1)
+    lines = [
+        f"{s.id}: {par.scheme} on {s.world_size} ranks ({axes or 'single rank'}), zero stage {par.zero.stage}, "
+        f"b={par.micro_batch}, m={par.micro_batches}{', checkpointing' if par.activation_checkpointing else ''}",
+        f"  model {m.preset or 'custom'}: L={m.L} h={m.h} a={m.a} V={m.V} s={m.s} x={m.x} {m.dtype}"
+        f"{' tied' if m.tied_embeddings else ''} {m.position} positions; "
+        f"{p.param_count:,} parameters (Eq. 1: {p.param_count_eq1:,})",
+    ]
+    headers = [
+        "when",
+        "phase",
+        "op",
+        "axis",
+        "n",
+        "groups",
+        "calls",
+        "bytes/call",
+        "bytes",
+        "wire",
+        "eq",
+        "source",
+    ]
+    rows = [
+        [
+            c.when,
+            str(c.phase),
+            str(c.op),
+            c.axis,
+            str(c.group_size),
+            str(len(c.groups)),
+            str(c.calls),
+            human_bytes(c.bytes_per_call),
+            human_bytes(c.bytes_per_step),
+            human_bytes(c.wire_bytes_per_step),
+            c.paper_term or "-",
+            c.source,
+        ]
+        for c in p.collectives
+    ]
+    lines += ["  " + line for line in _table(headers, rows, right={4, 5, 6, 7, 8, 9})]
+    lines.append(
+        f"  per step, whole job: {human_bytes(p.job_bytes_per_step())} in messages, "
+        f"{human_bytes(p.job_wire_bytes_per_step())} on the wire (rows: per participating rank, per step or once)"
+    )
+    for c in p.comparison():
+        t = c.term
+        lines.append(
+            f"  {t.equation} ({t.scope}): {t.formula} = {number(t.elements):,} elements = {human_bytes(t.bytes)}; "
+            f"model {human_bytes(c.model_bytes)}"
+        )
+        for r in c.residuals:
+            lines.append(f"      {'+' if r.bytes >= 0 else '-'} {human_bytes(abs(r.bytes)):>11}  {r.name}: {r.detail}")
+        lines.append(f"      = unexplained {number(c.unexplained_bytes)} B")
+    for src, b in p.not_in_paper():
+        lines.append(f"  not in the paper (rank 0): {human_bytes(b)} per step from {src}")
+    if matrix:
+        tm = p.traffic_matrix()
+        n = s.world_size
+        lines.append("  traffic matrix, bytes per step sent row -> column (ring model):")
+        hdr = ["src\\dst", *(str(j) for j in range(n))]
+        body = [
+            [str(i), *(human_bytes(tm.get((i, j), 0)) if tm.get((i, j)) else "." for j in range(n))] for i in range(n)
+        ]
+        lines += ["    " + line for line in _table(hdr, body, right=set(range(1, n + 1)))]
+    return "\n".join(lines)

@@ -1,0 +1,179 @@
+"""The run report: ``report.json`` with, per scenario, its status, the reconciliation per collective
+type, the traffic matrices, the prediction and the raw per-call capture. Rewritten atomically after
+every scenario, so an interrupted suite leaves a complete report of what ran."""
+
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Literal
+
+from commgate import __version__
+from commgate.core import schemas
+from commgate.core.fsutil import atomic_write_json
+from commgate.judge.reconcile import Reconciliation
+from commgate.model.expectation import Prediction
+from commgate.report.render import human_bytes, number, prediction_document
+from commgate.report.timemodel import TimeAssessment
+from commgate.run.capture import Capture
+
+REPORT_VERSION = 1
+Status = Literal["passed", "failed", "error", "skipped"]
+
+
+def environment() -> dict[str, Any]:
+    """Versions of the stack, read from package metadata (nothing heavy is imported)."""
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "torch": version("torch"),
+        "deepspeed": version("deepspeed"),
+        "commgate": __version__,
+    }
+
+
+def schema() -> dict[str, Any]:
+    """The published report JSON Schema (draft 2020-12); its scenarios' ``capture`` is the capture schema."""
+    return schemas.load("report")
+
+
+def validate(doc: dict[str, Any]) -> None:
+    """Raise ``jsonschema.ValidationError`` unless ``doc`` is a valid report document."""
+    import jsonschema
+    from referencing import Registry, Resource
+
+    from commgate.run import capture
+
+    registry: Registry[Any] = Registry().with_resource(
+        capture.schema()["$id"], Resource.from_contents(capture.schema())
+    )
+    jsonschema.Draft202012Validator(schema(), registry=registry).validate(doc)
+
+
+def _matrix(m: dict[tuple[int, int], Fraction]) -> list[dict[str, Any]]:
+    return [{"src": s, "dst": d, "bytes_per_step": number(b)} for (s, d), b in sorted(m.items())]
+
+
+@dataclass(kw_only=True)
+class ScenarioResult:
+    prediction: Prediction
+    status: Status
+    reason: str = ""
+    wall_s: float = 0.0
+    capture: Capture | None = None
+    reconciliation: Reconciliation | None = None
+    time_model: TimeAssessment | None = None
+
+    def document(self) -> dict[str, Any]:
+        s = self.prediction.scenario
+        doc: dict[str, Any] = {
+            "name": s.id,
+            "scheme": s.parallelism.scheme,
+            "world_size": s.world_size,
+            "status": self.status,
+            "reason": self.reason,
+            "wall_s": round(self.wall_s, 3),
+            "prediction": prediction_document(self.prediction),
+        }
+        r = self.reconciliation
+        if r is not None:
+            doc["collectives"] = [
+                {
+                    "op": o.op,
+                    "measured_bytes": number(o.measured_bytes),
+                    "predicted_bytes": number(o.predicted_bytes),
+                    "residuals": [{"name": n, "bytes": number(b)} for n, b in o.residuals],
+                    "unexplained_bytes": number(o.unexplained_bytes),
+                }
+                for o in r.ops
+            ]
+            doc["calls"] = [asdict(k) | {"ok": k.ok} for k in r.keys]
+            doc["traffic_matrix"] = {"measured": _matrix(r.traffic_measured), "predicted": _matrix(r.traffic_predicted)}
+        if self.time_model is not None:
+            doc["time_model"] = self.time_model.document()
+            p, m = self.time_model.predicted, self.time_model.measured
+            doc["comm_fraction"] = {
+                "predicted": p.in_flight_fraction if p else None,
+                "measured": m.comm_fraction if m else None,
+            }
+        if self.capture is not None:
+            doc["capture"] = self.capture.to_json()
+        return doc
+
+    def summary(self) -> str:
+        s = self.prediction.scenario
+        head = f"{self.status.upper():7} {s.id} ({s.parallelism.scheme}, {s.world_size} ranks, {self.wall_s:.1f} s)"
+        t = self.capture.timeline if self.capture is not None else {}
+        if "steps" in t and "build" in t:
+            head += f" [build {t['build']:.1f} s, steps {t['steps']:.1f} s]"
+        tm = self.time_model
+        if tm is not None and tm.measured is not None:
+            pred = f"{tm.predicted.in_flight_fraction:.0%}" if tm.predicted else "-"
+            head += f" comm fraction {tm.measured.comm_fraction:.0%} (model {pred})"
+        r = self.reconciliation
+        if r is None:
+            return f"{head}: {self.reason}" if self.reason else head
+        lines = [head]
+        for o in r.ops:
+            extra = f" + {human_bytes(sum((b for _, b in o.residuals), Fraction(0)))} named" if o.residuals else ""
+            lines.append(
+                f"    {o.op:<15} measured {human_bytes(o.measured_bytes):>11}/step  predicted "
+                f"{human_bytes(o.predicted_bytes):>11}{extra}  unexplained {number(o.unexplained_bytes)} B"
+            )
+        for k in r.mismatches[:10]:
+            lines.append(
+                f"    mismatch [{k.window}] {k.op} {k.dtype} {k.bytes_per_call} B {k.phase} group {list(k.group)}: "
+                f"measured {k.measured_calls} calls, predicted {k.predicted_calls} ({k.source})"
+            )
+        if len(r.mismatches) > 10:
+            lines.append(f"    ... and {len(r.mismatches) - 10} more mismatches (see report.json)")
+        if r.traffic_measured != r.traffic_predicted:
+            lines.append("    traffic matrix differs from the prediction (see report.json)")
+        lines += [f"    {line}" for line in self.reason.splitlines()]  # the gate's findings (run --gate)
+        return "\n".join(lines)
+
+
+@dataclass
+class Report:
+    path: Path | None
+    results: list[ScenarioResult] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+
+    def add(self, result: ScenarioResult) -> None:
+        self.results.append(result)
+        self.write()
+
+    def document(self) -> dict[str, Any]:
+        counts = {k: sum(1 for r in self.results if r.status == k) for k in ("passed", "failed", "error", "skipped")}
+        return {
+            "schema_version": REPORT_VERSION,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
+            "environment": environment(),
+            "summary": counts,
+            "scenarios": [r.document() for r in self.results],
+        }
+
+    def write(self) -> None:
+        if self.path is not None:
+            atomic_write_json(self.path, self.document())
+
+
+def merge_documents(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from several (the workers of ``pytest -n``): scenarios in name order, counts summed."""
+    scenarios = sorted((s for d in docs for s in d["scenarios"]), key=lambda s: s["name"])
+    counts = {k: sum(d["summary"][k] for d in docs) for k in ("passed", "failed", "error", "skipped")}
+    first = min(docs, key=lambda d: d["created"])
+    return first | {"summary": counts, "scenarios": scenarios}

@@ -1,0 +1,72 @@
+"""Planted faults, to prove that a gate catches what it should (``--commgate-fault``).
+
+* ``delay-first-recv[=MS]``: the first recv of step 0 on every rank waits MS ms (default 2000) before it
+  is posted: a cold-start spike like the paper's first pipeline recv.
+* ``extra-collective``: one extra all-reduce (1 fp32, whole world) after every step.
+* ``ddp-bucket-mb=MB``: DDP runs with this ``bucket_cap_mb`` (the prediction keeps the scenario's).
+* ``zero-stage=N``: DeepSpeed runs ZeRO stage N (the prediction keeps the scenario's).
+
+A fault changes what runs, never what is expected: the gate must notice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from commgate.core.errors import UsageError
+from commgate.model.scenario import Scenario
+
+SPECS = ("delay-first-recv[=MS]", "extra-collective", "ddp-bucket-mb=MB", "zero-stage=N")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Faults:
+    delay_first_recv_ms: float = 0.0
+    extra_collective: bool = False
+    ddp_bucket_mb: float | None = None
+    zero_stage: int | None = None
+
+    def __bool__(self) -> bool:
+        return self != Faults()
+
+    def describe(self) -> str:
+        parts = []
+        if self.delay_first_recv_ms:
+            parts.append(f"delay-first-recv={self.delay_first_recv_ms:g}")
+        if self.extra_collective:
+            parts.append("extra-collective")
+        if self.ddp_bucket_mb is not None:
+            parts.append(f"ddp-bucket-mb={self.ddp_bucket_mb:g}")
+        if self.zero_stage is not None:
+            parts.append(f"zero-stage={self.zero_stage}")
+        return ", ".join(parts)
+
+    def apply(self, scenario: Scenario) -> Scenario:
+        """The scenario as it is run with these faults (configuration faults only)."""
+        par = scenario.parallelism
+        if self.ddp_bucket_mb is not None:
+            par = replace(par, ddp_bucket_mb=self.ddp_bucket_mb)
+        if self.zero_stage is not None and par.zero.stage:
+            par = replace(par, zero=replace(par.zero, stage=self.zero_stage))
+        return replace(scenario, parallelism=par)
+
+
+def parse(specs: list[str]) -> Faults:
+    """``--commgate-fault`` values; ``UsageError`` (one line) for anything else."""
+    faults = Faults()
+    for spec in specs:
+        name, _, value = spec.partition("=")
+        try:
+            if name == "delay-first-recv":
+                faults = replace(faults, delay_first_recv_ms=float(value) if value else 2000.0)
+            elif name == "extra-collective" and not value:
+                faults = replace(faults, extra_collective=True)
+            elif name == "ddp-bucket-mb" and value:
+                faults = replace(faults, ddp_bucket_mb=float(value))
+            elif name == "zero-stage" and value in ("1", "2", "3"):
+                faults = replace(faults, zero_stage=int(value))
+            else:
+                raise ValueError
+        except ValueError:
+            raise UsageError(f"--commgate-fault {spec!r}: expected one of {', '.join(SPECS)}") from None
+    return faults

@@ -1,0 +1,213 @@
+"""Start the ranks of a scenario on this machine and collect their capture.
+
+Each rank is a fresh process forked from a forkserver that has imported torch (and, on a machine without
+GPUs, DeepSpeed) once: a rank starts in milliseconds instead of the seconds those imports take, and no
+state passes from one scenario to the next. (No fork after torch is imported in this process, which
+imports neither; the forkserver itself never initialises CUDA.) Every rank runs in its own session, so
+that it and anything it started are killed at once. Ranks meet through a ``FileStore`` in a private
+temporary directory: no port to collide with. The launcher fails a run
+
+* when a rank raises: naming the rank and showing its traceback (the other ranks are killed at once),
+* when a rank dies by a signal: naming the rank and the signal,
+* at the deadline: naming what each rank last issued (the collective it is stuck in),
+
+and in every case leaves no rank process behind. A launcher killed outright takes its forkserver with
+it, and the kernel then kills the ranks (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable
+from multiprocessing.context import ForkServerContext
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+from commgate.core.errors import CommgateError
+from commgate.model.scenario import Scenario
+from commgate.run.capture import Capture, merge, timeline
+from commgate.run.inject import Faults
+from commgate.run.rank import child
+
+POLL_S = 0.02
+
+
+class RunError(CommgateError):
+    """A scenario's run failed: a rank raised, died, or the deadline passed."""
+
+
+# What a rank would otherwise import for seconds: torch, what DDP imports on construction (dynamo), DTensor.
+PRELOAD = (
+    "commgate.run.rank",
+    "commgate.run.interpose",
+    "torch._dynamo",
+    "torch.distributed.tensor.parallel",
+    "commgate.run.workloads.ddp",
+    "commgate.run.workloads.tp",
+)
+# DeepSpeed's import probes the accelerator, which on a GPU machine initialises CUDA: a process forked
+# after that could not use it. It is preloaded only where no GPU is visible.
+PRELOAD_CPU = (
+    "deepspeed",
+    "deepspeed.pipe",
+    "deepspeed.moe.layer",
+    "deepspeed.runtime.zero.muon.muon_optimizer",  # imported by deepspeed.initialize; it compiles (inductor)
+    "commgate.run.workloads.zero",
+    "commgate.run.workloads.pp",
+)
+
+_CONTEXT: ForkServerContext | None = None
+
+
+def gpu_visible() -> bool:
+    """Whether this machine shows an NVIDIA or AMD GPU device (without importing torch)."""
+    return any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()
+
+
+def _context() -> ForkServerContext:
+    """The forkserver every rank is forked from, started on first use with torch preloaded."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(list(PRELOAD if gpu_visible() else PRELOAD + PRELOAD_CPU))
+        _CONTEXT = ctx
+    return _CONTEXT
+
+
+def _sweep_orphans(parent: Path) -> None:
+    """Remove the private directories of launchers that were killed outright (SIGKILL leaves no chance
+    to clean up): ``commgate-{pid}-*`` whose launcher process no longer exists."""
+    for d in parent.glob("commgate-*-*"):
+        pid = d.name.split("-")[1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:  # alive, someone else's
+            continue
+
+
+def _kill(procs: list[BaseProcess]) -> None:
+    for p in procs:
+        if p.exitcode is None and p.pid is not None:
+            for kill in (os.killpg, os.kill):  # the rank's session, or the rank before it made one
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    kill(p.pid, signal.SIGKILL)
+    for p in procs:
+        p.join(timeout=10)
+
+
+def _failure(scenario: Scenario, procs: list[BaseProcess], tmp: Path) -> str | None:
+    """Why the run failed, or None while no rank has failed.
+
+    When one rank fails its peers soon fail too ("connection reset by peer"): the rank whose error was
+    written first is the cause. A rank killed by a signal writes no error and is named with the signal.
+    """
+    failed = [(rank, code) for rank, code in enumerate(p.exitcode for p in procs) if code is not None and code != 0]
+    if not failed:
+        return None
+    for rank, code in failed:
+        if code < 0:  # with what it printed last (an abort's C++ message, say)
+            return f"{scenario.id}: rank {rank} died by signal {signal.Signals(-code).name}" + _log_tail(tmp, rank)
+    errors = sorted((e.stat().st_mtime_ns, r) for r in range(len(procs)) if (e := tmp / f"rank{r}.err").exists())
+    if errors:
+        rank = errors[0][1]
+        tb = (tmp / f"rank{rank}.err").read_text().rstrip()
+        return f"{scenario.id}: rank {rank} raised {tb.splitlines()[-1]}\n{tb}"
+    rank, code = failed[0]
+    return f"{scenario.id}: rank {rank} exited with status {code}" + _log_tail(tmp, rank)
+
+
+def _log_tail(tmp: Path, rank: int, lines: int = 20) -> str:
+    """The last lines of a rank's output, each on its own line after the first; empty if it printed nothing."""
+    log = tmp / f"rank{rank}.log"
+    tail = log.read_text(errors="replace").strip().splitlines()[-lines:] if log.exists() else []
+    return "".join(f"\n{line}" for line in tail)
+
+
+def _hang_report(scenario: Scenario, tmp: Path, waited: float) -> str:
+    lines = [f"{scenario.id}: deadline of {waited:g} s passed; the last call each rank issued:"]
+    for r in range(scenario.world_size):
+        status = tmp / f"rank{r}.status"
+        text = status.read_text(errors="replace").strip() if status.exists() else ""
+        lines.append(f"  rank {r}: {'in ' + text if text else 'no call issued yet'}")
+    return "\n".join(lines)
+
+
+def launch_local(
+    scenario: Scenario,
+    *,
+    deadline_s: float | None = None,
+    progress: Callable[[str], None] | None = None,
+    workdir: Path | None = None,
+    faults: Faults | None = None,
+) -> Capture:
+    """Run ``scenario`` on ``world_size`` local processes and return the merged capture.
+
+    The ranks' private directory (store, status, logs) is made under ``workdir`` (default: the system's
+    temporary directory) and removed afterwards.
+    """
+    world = scenario.world_size
+    deadline = deadline_s if deadline_s is not None else scenario.deadline_s
+    _sweep_orphans(Path(workdir or tempfile.gettempdir()))
+    tmp = Path(tempfile.mkdtemp(prefix=f"commgate-{os.getpid()}-", dir=workdir))
+    procs: list[BaseProcess] = []
+    started = time.monotonic()
+    try:
+        spec = tmp / "scenario.pickle"
+        faults = faults or Faults()
+        with open(spec, "wb") as f:
+            pickle.dump(faults.apply(scenario), f)  # what runs; the caller predicts from what was declared
+        ctx = _context()
+        for rank in range(world):
+            # what torchrun sets (DeepSpeed insists on LOCAL_RANK)
+            env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
+            args = (
+                str(spec),
+                rank,
+                world,
+                str(tmp / "store"),
+                str(tmp),
+                env | {"OMP_NUM_THREADS": "1"},
+                started,
+                faults,
+            )
+            p = ctx.Process(target=child, args=args, name=f"commgate-rank{rank}", daemon=False)
+            p.start()
+            procs.append(p)
+        while any(p.exitcode is None for p in procs):
+            reason = _failure(scenario, procs, tmp)
+            if reason:
+                raise RunError(reason)
+            if time.monotonic() - started > deadline:
+                raise RunError(_hang_report(scenario, tmp, deadline))
+            time.sleep(POLL_S)
+        reason = _failure(scenario, procs, tmp)
+        if reason:
+            raise RunError(reason)
+        if progress:
+            progress(f"{scenario.id}: {world} ranks done in {time.monotonic() - started:.1f} s")
+        meta = json.loads((tmp / "rank0.meta.json").read_text())
+        return merge(
+            [tmp / f"rank{r}.json" for r in range(world)],
+            scenario=scenario.id,
+            warmup_steps=scenario.warmup_steps,
+            steps=scenario.steps,
+            backend=meta["backend"],  # as the ranks resolved it (auto: nccl on GPUs)
+            timeline=timeline(meta["marks"] | {"done": time.monotonic()}),  # finish: up to the merge
+            stack=meta["stack"],
+        )
+    finally:
+        _kill(procs)
+        with contextlib.suppress(OSError):
+            shutil.rmtree(tmp)

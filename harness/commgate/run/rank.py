@@ -1,0 +1,247 @@
+"""The body of one rank: join the group through the capturing backend, build the workload, run its steps.
+
+Started by ``commgate.run.launcher`` (one process per rank, forked from the launcher's forkserver, in its own
+session) or by torchrun (then every rank runs ``run_rank`` in-process, one scenario after another).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from commgate.core.fsutil import atomic_write_json
+from commgate.model.scenario import Scenario
+from commgate.run.capture import CapturedCall, StepWindow, write_rank_calls
+from commgate.run.inject import Faults
+
+STATUS_WIDTH = 240
+
+
+def resolve_backend(scenario: Scenario) -> str:
+    import torch
+
+    if scenario.backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return scenario.backend
+
+
+def stack(backend: str) -> dict[str, str | None]:
+    """``Capture.stack`` as this rank sees it."""
+    import torch
+
+    from commgate.judge.baseline import cpu_fingerprint
+
+    gpus = backend != "gloo" and torch.cuda.is_available()
+    return {
+        "hardware": f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}" if gpus else cpu_fingerprint(),
+        "cuda": torch.version.cuda,
+        "rocm": getattr(torch.version, "hip", None),
+        "backend_version": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None,  # type: ignore[no-untyped-call]
+    }
+
+
+def run_rank(
+    scenario: Scenario,
+    *,
+    rank: int,
+    world_size: int,
+    init_method: str | None = None,
+    store: Any = None,
+    out_dir: Path | None = None,
+    on_issue: Callable[[str], None] | None = None,
+    marks: dict[str, float] | None = None,
+    faults: Faults | None = None,
+) -> tuple[list[CapturedCall], list[StepWindow]] | None:
+    """Run ``scenario`` as ``rank``. With ``out_dir`` the rank writes its own calls there and returns
+    None (the local launcher); without, the calls and step windows of every rank are gathered over the
+    process group and rank 0 returns them all (torchrun, where ranks share no file system). ``marks``
+    receives the monotonic clock at ``joined``, ``built``, ``stepped`` and ``done``
+    (``commgate.run.capture.timeline``)."""
+    import torch
+    import torch.distributed as dist
+
+    from commgate.run import interpose
+    from commgate.run.workloads import resolve
+
+    backend = resolve_backend(scenario)
+    if backend == "gloo":
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+    else:
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    functional = dict(vars(torch.nn.functional))  # restored after the scenario (see _forget_deepspeed_state)
+    rec = interpose.install(backend, rank)
+    rec.on_issue = on_issue
+    faults = faults or Faults()
+    rec.delay_first_recv_s = faults.delay_first_recv_ms / 1000
+    dist.init_process_group(
+        interpose.BACKEND_NAME,
+        init_method=init_method,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=scenario.deadline_s),
+    )
+    marks = {} if marks is None else marks
+    marks["joined"] = time.monotonic()
+    workload = resolve(scenario.parallelism.scheme, scenario.workload)(scenario, rank=rank, device=device)
+    marks["built"] = time.monotonic()
+    for k in range(scenario.warmup_steps + scenario.steps):
+        rec.poll()
+        rec.step, rec.phase = k, "forward"
+        begun = rec.now()
+        workload.step(k)
+        if faults.extra_collective:  # planted fault
+            dist.all_reduce(torch.zeros(1, device=device))
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the step's kernels are inside its window
+        rec.poll()
+        rec.windows.append(StepWindow(rank=rank, step=k, start_ns=begun, end_ns=rec.now()))
+    marks["stepped"] = time.monotonic()
+    # Only a successful rank tears down: a failing one must not close its connections (and make its
+    # peers fail) before its own error is written; its process exits right after.
+    interpose.RECORDER = None  # the teardown below is not part of the scenario
+    calls, windows = rec.drain(), rec.windows
+    gathered: tuple[list[CapturedCall], list[StepWindow]] | None = None
+    if out_dir is not None:
+        write_rank_calls(out_dir / f"rank{rank}.json", calls, windows)
+    else:
+        everyone: list[Any] | None = [None] * world_size if rank == 0 else None
+        dist.gather_object((calls, windows), everyone, dst=0)
+        if everyone is not None:
+            gathered = ([c for cs, _ in everyone for c in cs], [w for _, ws in everyone for w in ws])
+    dist.barrier()  # no rank leaves while a peer may still be sending to it
+    if out_dir is None:  # in-process (torchrun): the next scenario runs in this process; leave nothing
+        dist.destroy_process_group()
+        _forget_deepspeed_state()
+        vars(torch.nn.functional).update(functional)  # ZeRO-3 leaves F.linear patched ("persists unless reset")
+        del workload
+        interpose.release_backends()
+    # else the launcher's rank process exits at once (os._exit), with no teardown at all
+    marks["done"] = time.monotonic()
+    return gathered
+
+
+def torchrun_store(scenario_index: int) -> Any:
+    """A fresh key namespace on the job's store for each scenario run in this process (re-initialising
+    the default group on the same keys would meet the previous scenario's leftovers)."""
+    import torch.distributed as dist
+
+    global _BASE_STORE
+    if _BASE_STORE is None:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts the store
+        _BASE_STORE = dist.TCPStore(  # type: ignore[attr-defined]
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world,
+            is_master=rank == 0 and not agent,
+            timeout=timedelta(seconds=300),
+        )
+    return dist.PrefixStore(f"commgate/{scenario_index}", _BASE_STORE)  # type: ignore[attr-defined]
+
+
+_BASE_STORE: Any = None
+
+
+def _forget_deepspeed_state() -> None:
+    """DeepSpeed keeps its comm backend and the process groups it made (data, expert, world clone, the
+    pipeline grid as ``mpu``) in module globals; the next scenario run in this process (torchrun) must
+    find none of the destroyed ones there. Reloading ``deepspeed.utils.groups`` re-binds its globals in
+    place, so every importer sees the fresh values."""
+    import importlib
+
+    comm = sys.modules.get("deepspeed.comm.comm")
+    if comm is not None:
+        comm.cdb = None  # type: ignore[attr-defined]
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None:
+        importlib.reload(groups)
+    checkpointing = sys.modules.get("deepspeed.runtime.activation_checkpointing.checkpointing")
+    if checkpointing is not None:
+        checkpointing.mpu = checkpointing.mp_group = None  # type: ignore[attr-defined]
+
+
+def _die_with_parent() -> None:
+    """Have the kernel kill this rank when its parent (the launcher's forkserver, which exits with the
+    launcher) dies, even by SIGKILL (Linux; elsewhere a no-op).
+
+    Ranks run in their own session so that the launcher can kill each as a group; without this, a
+    launcher killed outright would leave them running.
+    """
+    from multiprocessing import forkserver
+
+    # Every forked child inherits the write end of the pipe by which the forkserver learns that the
+    # launcher is gone; while a rank holds it, the forkserver (this rank's parent) would outlive the
+    # launcher, and so would the rank.
+    server: Any = getattr(forkserver, "_forkserver", None)
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if alive is not None:
+        os.close(alive)
+        server._forkserver_alive_fd = None
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before prctl took effect
+        os._exit(1)
+
+
+def child(
+    spec: str, rank: int, world: int, store: str, out_s: str, env: dict[str, str], launched: float, faults: Faults
+) -> None:
+    """One rank started by the local launcher, forked from its forkserver (torch, DeepSpeed imported).
+
+    SPEC is the scenario pickled by the launcher into its private directory OUT (inter-process hand-over,
+    never stored). The rank runs in its own session with stdout and stderr in ``OUT/rank{r}.log``, its
+    last issued call in ``OUT/rank{r}.status`` (hang reports), its calls in ``OUT/rank{r}.json`` and, on
+    an exception, the traceback in ``OUT/rank{r}.err``. It exits without interpreter teardown.
+    """
+    marks = {"launch": launched, "entry": time.monotonic()}
+    os.setsid()
+    _die_with_parent()
+    out = Path(out_s)
+    log = os.open(out / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.environ.update(env)
+    with open(spec, "rb") as f:
+        scenario = pickle.load(f)
+    fd = os.open(out / f"rank{rank}.status", os.O_WRONLY | os.O_CREAT, 0o644)
+
+    def on_issue(text: str) -> None:
+        os.pwrite(fd, text.encode()[:STATUS_WIDTH].ljust(STATUS_WIDTH), 0)
+
+    code = 0
+    try:
+        run_rank(
+            scenario,
+            rank=rank,
+            world_size=world,
+            out_dir=out,
+            init_method=f"file://{store}",
+            on_issue=on_issue,
+            marks=marks,
+            faults=faults,
+        )
+        backend = resolve_backend(scenario)
+        meta = {"backend": backend, "marks": marks, "stack": stack(backend) if rank == 0 else {}}
+        atomic_write_json(out / f"rank{rank}.meta.json", meta)
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        code = 1  # at once: no process-group shutdown (which would fail the peers) before the launcher sees it
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,63 @@
+"""Planted faults, as bring-your-own workloads, to prove the launcher and the gate catch them.
+
+Each all-reduces a small tensor every step; at step 1, rank 1 misbehaves:
+
+* ``crash``: raises ``RuntimeError``;
+* ``die``: is killed by SIGKILL (an OOM killer, a segfault);
+* ``hang``: skips the step's all-reduce and waits for a message nobody sends, so that rank 0 is stuck
+  in the all-reduce and rank 1 in the receive until the deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+
+from commgate.model.scenario import Scenario
+
+
+class _Faulty:
+    fault = ""
+
+    def __init__(self, scenario: Scenario, *, rank: int, device: torch.device) -> None:
+        self.rank, self.device = rank, device
+
+    def step(self, k: int) -> float:
+        if k == 1 and self.rank == 1:
+            self.misbehave()
+        else:
+            dist.all_reduce(torch.ones(4, device=self.device))
+        return 0.0
+
+    def misbehave(self) -> None:
+        raise NotImplementedError
+
+
+class _Crash(_Faulty):
+    def misbehave(self) -> None:
+        raise RuntimeError("planted crash on rank 1 at step 1")
+
+
+class _Die(_Faulty):
+    def misbehave(self) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Hang(_Faulty):
+    def misbehave(self) -> None:
+        dist.recv(torch.empty(1, device=self.device), src=0)
+
+
+def crash(scenario: Scenario, *, rank: int, device: torch.device) -> _Faulty:
+    return _Crash(scenario, rank=rank, device=device)
+
+
+def die(scenario: Scenario, *, rank: int, device: torch.device) -> _Faulty:
+    return _Die(scenario, rank=rank, device=device)
+
+
+def hang(scenario: Scenario, *, rank: int, device: torch.device) -> _Faulty:
+    return _Hang(scenario, rank=rank, device=device)

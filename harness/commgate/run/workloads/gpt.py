@@ -1,0 +1,118 @@
+"""A GPT-NeoX-shaped decoder in plain torch whose parameters are exactly ``commgate.model.transformer.inventory``.
+
+Token embedding, optional learned positions (or rotary, or none), L x [LayerNorm, fused QKV,
+causal attention, output projection, LayerNorm, MLP h -> xh -> h with GELU], final LayerNorm and an
+untied output layer (or the embedding reused when tied). Parameter names match the inventory's, so
+tests compare the two tensor by tensor. Residuals are sequential pre-LayerNorm (GPT-NeoX's parallel
+residual changes no parameter and no collective).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
+
+from commgate.model.transformer import ModelSpec
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def rotary(x: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding over the last dimension of (batch, heads, seq, head_dim)."""
+    s, d = x.shape[-2], x.shape[-1]
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    angles = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, m: ModelSpec) -> None:
+        super().__init__()
+        self.head_dim, self.rotary = m.h // m.a, m.position == "rotary"
+        self.qkv = nn.Linear(m.h, 3 * m.h)
+        self.dense = nn.Linear(m.h, m.h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # QKV outputs are laid out per head, [heads, 3, head_dim], as in GPT-NeoX: a column shard of
+        # the fused projection then holds whole heads (tensor parallelism splits the heads).
+        b, s, _ = x.shape
+        qkv = self.qkv(x)
+        heads = qkv.shape[-1] // (3 * self.head_dim)  # a, or a/t on a tensor-parallel shard
+        q, k, v = qkv.view(b, s, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+        if self.rotary:
+            q, k = rotary(q), rotary(k)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.dense(out.transpose(1, 2).reshape(b, s, heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, m: ModelSpec) -> None:
+        super().__init__()
+        self.fc_in = nn.Linear(m.h, m.x * m.h)
+        self.fc_out = nn.Linear(m.x * m.h, m.h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(F.gelu(self.fc_in(x)))
+
+
+class Layer(nn.Module):
+    def __init__(self, m: ModelSpec, mlp: nn.Module | None = None) -> None:
+        super().__init__()
+        self.checkpointed = False
+        self.input_norm = nn.LayerNorm(m.h)
+        self.attention = Attention(m)
+        self.post_attention_norm = nn.LayerNorm(m.h)
+        self.mlp = mlp if mlp is not None else MLP(m)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.input_norm(x))
+        return x + self.mlp(self.post_attention_norm(x))
+
+
+class Embedding(nn.Module):
+    def __init__(self, m: ModelSpec) -> None:
+        super().__init__()
+        self.word = nn.Embedding(m.V, m.h)
+        self.position = nn.Embedding(m.s, m.h) if m.position == "learned" else None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.word(tokens)
+        if self.position is not None:
+            x = x + self.position(torch.arange(tokens.shape[1], device=tokens.device))
+        return x
+
+
+class GPT(nn.Module):
+    """The decoder; ``forward(tokens)`` returns the next-token cross-entropy loss."""
+
+    def __init__(self, m: ModelSpec) -> None:
+        super().__init__()
+        self.spec = m
+        self.embed = Embedding(m)
+        self.layers = nn.ModuleList(Layer(m) for _ in range(m.L))
+        self.final_norm = nn.LayerNorm(m.h)
+        self.head = None if m.tied_embeddings else nn.Linear(m.h, m.V, bias=False)
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            if layer.checkpointed and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
+        x = self.final_norm(x)
+        return self.head(x) if self.head is not None else x @ self.embed.word.weight.t()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(tokens[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+
+
+def batch(m: ModelSpec, b: int, *, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Deterministic token ids of shape (b, s + 1): s inputs and their next-token targets."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, m.V, (b, m.s + 1), generator=g).to(device)

@@ -1,0 +1,139 @@
+"""Megatron-style tensor parallelism with torch DTensor (``parallelize_module``) on the GPT decoder.
+
+Per layer the fused QKV and the MLP input projection are column-parallel, the attention output and
+MLP output projections row-parallel; the token embedding is vocabulary-parallel (row-wise on its
+vocabulary dimension) and the output layer column-parallel with a vocabulary-parallel cross-entropy
+(``loss_parallel``). LayerNorms and learned positions stay replicated. With activation checkpointing
+each layer is recomputed in the backward. With dp > 1 the replicas are kept in sync by ``DistributedDataParallel``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from commgate.core.errors import CommgateError
+from commgate.model.scenario import Scenario
+from commgate.run.interpose import optimizer_phase
+from commgate.run.workloads.gpt import DTYPES, GPT, batch
+
+
+def layer_plan(prefix: str = "") -> dict[str, ParallelStyle]:
+    """One transformer layer: QKV and MLP input column-parallel, their outputs row-parallel."""
+    return {
+        f"{prefix}attention.qkv": ColwiseParallel(),
+        f"{prefix}attention.dense": RowwiseParallel(),
+        f"{prefix}mlp.fc_in": ColwiseParallel(),
+        f"{prefix}mlp.fc_out": RowwiseParallel(),
+    }
+
+
+def embedding_plan(prefix: str = "") -> dict[str, ParallelStyle]:
+    """The token embedding, vocabulary-parallel (row-wise on its vocabulary dimension)."""
+    return {f"{prefix}word": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+
+
+def head_plan(prefix: str = "") -> dict[str, ParallelStyle]:
+    """The output layer, column-parallel, its logits left sharded for ``loss_parallel``."""
+    return {f"{prefix}head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+
+
+def plan(model: GPT) -> dict[str, ParallelStyle]:
+    out = embedding_plan("embed.") | head_plan()
+    for i in range(len(model.layers)):
+        out |= layer_plan(f"layers.{i}.")
+    return out
+
+
+class TPWorkload:
+    """tp ranks per model replica; with dp > 1, ``DistributedDataParallel`` over the replicas (a
+    (dp, tp) device mesh, tensor-parallel ranks adjacent), reducing each rank's local shards."""
+
+    def __init__(self, scenario: Scenario, *, rank: int, device: torch.device) -> None:
+        par = scenario.parallelism
+        if par.pp != 1:
+            raise CommgateError("the DTensor tensor-parallel workload runs without pipeline stages (use scheme 3d)")
+        self.s, self.rank, self.device = scenario, rank, device
+        self.dp_rank = rank // par.tp
+        torch.manual_seed(0)
+        model = GPT(scenario.model).to(device=device, dtype=DTYPES[scenario.model.dtype])
+        if scenario.model.tied_embeddings:
+            raise CommgateError("tensor parallelism with tied embeddings is not supported by this workload")
+        for layer in model.layers:
+            layer.checkpointed = par.activation_checkpointing  # type: ignore[assignment]
+        if par.dp > 1:
+            mesh = init_device_mesh(device.type, (par.dp, par.tp), mesh_dim_names=("dp", "tp"))
+            parallelize_module(model, mesh["tp"], plan(model))  # in place
+            localize(model)
+            self.engine: nn.Module = DistributedDataParallel(
+                model, process_group=mesh["dp"].get_group(), bucket_cap_mb=par.ddp_bucket_mb
+            )
+        else:
+            parallelize_module(model, init_device_mesh(device.type, (par.tp,)), plan(model))
+            self.engine = model
+        self.optimizer = torch.optim.AdamW(self.engine.parameters(), lr=1e-4, foreach=False)
+
+    def step(self, k: int) -> float:
+        par, m = self.s.parallelism, self.s.model
+        loss = torch.zeros(())
+        for i in range(par.micro_batches):
+            last = i == par.micro_batches - 1
+            accumulate = (
+                self.engine.no_sync() if isinstance(self.engine, DistributedDataParallel) and not last else None
+            )
+            # the same data on a tp group, its own on each data-parallel replica
+            tokens = batch(m, par.micro_batch, seed=1000 * k + 10 * i + self.dp_rank, device=self.device)
+            with accumulate or contextlib.nullcontext(), loss_parallel():
+                loss = self.engine(tokens)
+                loss.backward()
+        with optimizer_phase():
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+
+
+def localize(module: nn.Module) -> None:
+    """Hand ``module``'s DTensor parameters to a data-parallel engine (DDP, DeepSpeed) as their local
+    shards: each becomes a plain ``Parameter`` holding the shard, wrapped back into its DTensor whenever
+    the module reads it (``_FromLocal``), so the engine reduces the shards' gradients. (torch's own
+    transform for DDP, ``_pre_dp_module_transform``, swaps in new parameter objects at every forward, so
+    an engine holding the first ones never sees their gradients.)"""
+    for sub in module.modules():
+        for name, param in list(sub.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):
+                _localize(sub, name, param)
+
+
+class _FromLocal(nn.Module):
+    """A parametrization: the module sees the DTensor, the engine the local shard it wraps (the same
+    ``Parameter`` object throughout, so that the engine's gradient reduction and optimizer find it)."""
+
+    def __init__(self, param: DTensor) -> None:
+        super().__init__()
+        self.mesh, self.placements = param.device_mesh, param.placements
+        self.shape, self.stride = param.shape, param.stride()
+
+    def forward(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
+
+
+def _localize(module: nn.Module, name: str, param: DTensor) -> None:
+    from torch.nn.utils import parametrize
+
+    delattr(module, name)
+    module.register_parameter(name, nn.Parameter(param.to_local().detach().clone()))
+    parametrize.register_parametrization(module, name, _FromLocal(param), unsafe=True)  # shapes differ
