@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from commgate.model import layout
 from commgate.model import transformer as model
-from commgate.model.expectation import predict
+from commgate.model.predict import predict
 from commgate.model.scenario import Scenario, load_document
 
 BIG = {"scheme": "3d", "dp": 64, "tp": 8, "pp": 8, "micro_batches": 16}

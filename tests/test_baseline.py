@@ -40,7 +40,7 @@ def test_compare_names_every_difference_with_obtained_expected_and_delta() -> No
     [
         (
             "truncated.json",
-            r"truncated\.json:\d+: not valid JSON \(.*\); delete it or rerun with --commgate-update-baselines$",
+            r"truncated\.json:\d+: \$: not valid JSON \(.*\); delete it or rerun with --commgate-update-baselines$",
         ),
         (
             "newer.json",

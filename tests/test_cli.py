@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from commgate.model.scenario import SCHEMES
+from commgate.model.schemes import SCHEMES
 
 ROOT = Path(__file__).resolve().parents[1]
 

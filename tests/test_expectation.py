@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 from commgate.model.collectives import Op
-from commgate.model.expectation import Phase, Prediction, predict
+from commgate.model.expectation import Phase, Prediction
+from commgate.model.predict import predict
 from commgate.model.scenario import load_document
 
 

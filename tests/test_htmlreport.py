@@ -96,5 +96,5 @@ def test_commgate_html_re_renders_a_saved_report(out: Path, tmp_path: Path, caps
     capsys.readouterr()
     assert main(["html", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"commgate: error: {bad}: (top level): ") and "\n" not in err
+    assert err.startswith(f"{bad}: $: ") and "required property" in err and "\n" not in err
     assert main(["html", str(tmp_path / "missing.json")]) == 2

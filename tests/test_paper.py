@@ -30,8 +30,6 @@ def test_eq1_switches() -> None:
 def test_collective_volume_definitions() -> None:
     assert paper.allreduce_volume(1000, 4) == 1500
     assert paper.allgather_volume(1000, 4) == 750
-    assert paper.reduce_scatter_volume(1000, 4) == 750
-    assert paper.reduce_volume(1000, 4) == 750
     assert paper.allreduce_volume(1000, 1) == 0
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from commgate.judge.reconcile import reconcile
-from commgate.model.expectation import predict
+from commgate.model.predict import predict
 from commgate.model.scenario import Scenario, load_text
 from commgate.run.capture import INIT_STEP, Capture
 from commgate.run.capture import validate as validate_capture

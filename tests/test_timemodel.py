@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from commgate.model.expectation import predict
+from commgate.model.predict import predict
 from commgate.model.scenario import load_text
 from commgate.report.bandwidth import Sample, fit
 from commgate.report.timemodel import busy_ns, measure, predict_time, step_flops
@@ -99,5 +99,5 @@ def test_assess_names_a_missing_or_bad_curve_instead_of_failing(tmp_path) -> Non
     assert t.predicted is None and t.measured is not None and "no bandwidth curve" in t.note
     (tmp_path / "bandwidth-gloo.json").write_text("{")
     t = assess(pred, cap, tmp_path)
-    assert t.predicted is None and t.note.startswith("no time model:") and "not JSON" in t.note
+    assert t.predicted is None and t.note.startswith("no time model:") and "not valid JSON" in t.note
     assert t.document()["comm_fraction_error"] is None

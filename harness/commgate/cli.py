@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from commgate import __version__
 from commgate.core.errors import CommgateError, UsageError
+from commgate.model.schemes import SCHEMES
+
+if TYPE_CHECKING:
+    from commgate.report.report import Report
 
 DEFAULT_SUITE = "scenarios"
 
@@ -30,7 +33,7 @@ def _add_predict(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("paths", nargs="*", help=f"scenario files or directories (default: ./{DEFAULT_SUITE})")
     g = p.add_argument_group("a scenario from flags (instead of files)")
     g.add_argument("--model", metavar="PRESET", help="model preset, e.g. 13B or 19M-cpu (see `commgate presets`)")
-    g.add_argument("--scheme", choices=["ddp", "zero1", "zero2", "zero3", "zero++", "tp", "pp", "3d", "moe"])
+    g.add_argument("--scheme", choices=list(SCHEMES), help="; ".join(f"{n}: {s.summary}" for n, s in SCHEMES.items()))
     g.add_argument("--dp", type=int, default=1)
     g.add_argument("--tp", type=int, default=1)
     g.add_argument("--pp", type=int, default=1)
@@ -53,7 +56,7 @@ def _add_predict(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 def _flags_document(a: argparse.Namespace) -> dict[str, Any]:
     if not a.scheme:
-        raise UsageError("--model needs --scheme (ddp, zero1, zero2, zero3, zero++, tp, pp, 3d, moe)")
+        raise UsageError(f"--model needs --scheme ({', '.join(SCHEMES)})")
     model: dict[str, Any] = {"preset": a.model}
     if a.seq is not None:
         model["s"] = a.seq
@@ -81,7 +84,7 @@ def _flags_document(a: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_predict(a: argparse.Namespace) -> int:
     from commgate.core.fsutil import atomic_write_json
-    from commgate.model.expectation import predict
+    from commgate.model.predict import predict
     from commgate.model.scenario import load_document, load_paths
     from commgate.report.render import prediction_document, prediction_text, predictions_document
 
@@ -114,14 +117,14 @@ def cmd_predict(a: argparse.Namespace) -> int:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
+    """Every scenario through ``commgate.pipeline.run_scenario``: on local ranks, or, under torchrun, with
+    this process as one rank of the job (rank 0 reports)."""
     import signal
-    import time
 
-    from commgate.model.expectation import predict
     from commgate.model.scenario import load_paths
-    from commgate.report.report import Report, ScenarioResult
-    from commgate.run.launcher import RunError, gpu_visible, launch_local
-    from commgate.run.workloads import skip_reason
+    from commgate.pipeline import Options, run_scenario
+    from commgate.report.report import Report
+    from commgate.run.runners import LocalRanks, Runner, TorchrunRank, under_torchrun
 
     # A CI runner's cancel (SIGTERM) unwinds like Ctrl-C, so that rank processes are killed on the way out.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -132,55 +135,27 @@ def cmd_run(a: argparse.Namespace) -> int:
         scenarios = [s for s in scenarios if any(k in s.id for k in a.select)]
         if not scenarios:
             raise UsageError(f"no scenario id contains any of {a.select}")
+    runner: Runner
     if under_torchrun():
-        return _run_under_torchrun(scenarios, a)
-    report = Report(a.report_dir / "report.json" if a.report_dir else None)
-    for i, s in enumerate(scenarios, 1):
-        prediction = predict(s)
-        print(f"[{i}/{len(scenarios)}] {s.id}: {s.parallelism.scheme} on {s.world_size} ranks ...", flush=True)
-        started = time.monotonic()
-        if reason := skip_reason(s, gpus=gpu_visible()):
-            result = ScenarioResult(prediction=prediction, status="skipped", reason=reason)
-        else:
-            try:
-                capture = launch_local(s, deadline_s=a.deadline)
-            except RunError as exc:
-                result = ScenarioResult(prediction=prediction, status="error", reason=str(exc))
-            else:
-                result = _judged(s, prediction, capture, a)
-        result.wall_s = time.monotonic() - started
-        report.add(result)
-        print(result.summary(), flush=True)
-    return _finish(report)
-
-
-def _judged(s: Any, prediction: Any, capture: Any, a: argparse.Namespace) -> Any:
-    """A run's result: reconciled with the model, the time model beside it and, with ``--gate``, judged as
-    ``pytest scenarios`` judges it (paper, baseline, drift; for torchrun, where pytest does not run the
-    ranks). The gate's findings go to the result's reason; failing ones fail it."""
-    from commgate.judge.gate import judge
-    from commgate.judge.reconcile import reconcile
-    from commgate.report.report import ScenarioResult
-    from commgate.report.timemodel import assess
-
-    rec = reconcile(prediction, capture)
-    result = ScenarioResult(
-        prediction=prediction,
-        status="passed" if rec.ok else "failed",
-        capture=capture,
-        reconciliation=rec,
-        time_model=assess(prediction, capture, a.baseline_dir),
+        runner = rank = TorchrunRank()
+        lead, how = rank.lead, " (torchrun)"
+    else:
+        runner, lead, how = LocalRanks(deadline_s=a.deadline), True, ""
+    options = Options(
+        baseline_dir=a.baseline_dir, gate=a.gate, update_baselines=a.update_baselines, update_flag="--update-baselines"
     )
-    if a.gate:
-        j = judge(
-            s, prediction, capture, rec, a.baseline_dir, update=a.update_baselines, update_flag="--update-baselines"
-        )
-        result.status = "failed" if j.failed else "passed"
-        result.reason = "\n".join([f.text() for f in j.findings] + ([j.written] if j.written else []))
-    return result
+    report = Report(a.report_dir / "report.json" if a.report_dir and lead else None)
+    for i, s in enumerate(scenarios, 1):
+        if lead:
+            print(f"[{i}/{len(scenarios)}] {s.id}: {s.parallelism.scheme} on {s.world_size} ranks{how} ...", flush=True)
+        result = run_scenario(s, runner, options)
+        if result is not None and lead:
+            report.add(result)
+            print(result.summary(), flush=True)
+    return _finish(report) if lead else 0
 
 
-def _finish(report: Any) -> int:
+def _finish(report: Report) -> int:
     """The summary line, the HTML page beside report.json, and the exit status."""
     doc = report.document()
     counts = doc["summary"]
@@ -194,74 +169,6 @@ def _finish(report: Any) -> int:
     return 1 if counts["failed"] or counts["error"] else 0
 
 
-def under_torchrun() -> bool:
-    """Started by torchrun (or srun + torchrun): every process is one rank of the job."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
-
-
-def _run_under_torchrun(scenarios: list[Any], a: argparse.Namespace) -> int:
-    """Each scenario runs in this process as one rank (``env://`` rendezvous, the job's backend); rank 0
-    gathers every rank's calls, reconciles them and writes the report. A rank that raises ends the job
-    (torchrun stops the others)."""
-    import time
-    import traceback
-
-    import torch
-
-    from commgate.model.expectation import predict
-    from commgate.report.report import Report, ScenarioResult
-    from commgate.run.capture import Capture, timeline
-    from commgate.run.rank import resolve_backend, run_rank, stack, torchrun_store
-    from commgate.run.workloads import skip_reason
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    lead = rank == 0
-    report = Report(a.report_dir / "report.json" if a.report_dir and lead else None)
-    for i, s in enumerate(scenarios, 1):
-        prediction = predict(s)
-        if lead:
-            print(
-                f"[{i}/{len(scenarios)}] {s.id}: {s.parallelism.scheme} on {s.world_size} ranks (torchrun) ...",
-                flush=True,
-            )
-        started = time.monotonic()
-        reason = skip_reason(s, gpus=torch.cuda.is_available())
-        if s.world_size != world:
-            reason = f"needs {s.world_size} ranks; torchrun started {world}"
-        if reason:
-            result = ScenarioResult(prediction=prediction, status="skipped", reason=reason)
-        else:
-            try:
-                marks = {"entry": time.monotonic()}
-                gathered = run_rank(s, rank=rank, world_size=world, store=torchrun_store(i), marks=marks)
-            except Exception:
-                print(f"{s.id}: rank {rank} raised\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-                os._exit(1)
-            if not lead:
-                continue
-            assert gathered is not None
-            calls, windows = gathered
-            capture = Capture(
-                scenario=s.id,
-                world_size=world,
-                warmup_steps=s.warmup_steps,
-                steps=s.steps,
-                backend=resolve_backend(s),
-                calls=tuple(sorted(calls, key=lambda c: (c.rank, c.seq))),
-                timeline=timeline(marks),
-                stack=stack(resolve_backend(s)),
-                step_windows=tuple(sorted(windows, key=lambda w: (w.rank, w.step))),
-            )
-            result = _judged(s, prediction, capture, a)
-        result.wall_s = time.monotonic() - started
-        if lead:
-            report.add(result)
-            print(result.summary(), flush=True)
-    if not lead:
-        return 0
-    return _finish(report)
-
-
 def cmd_html(a: argparse.Namespace) -> int:
     from commgate.report.htmlreport import write
 
@@ -270,14 +177,11 @@ def cmd_html(a: argparse.Namespace) -> int:
 
 
 def _load_report(path: Path) -> dict[str, Any]:
-    """A report document, validated; a one-line usage error otherwise."""
+    """A report document, validated; a one-line error otherwise."""
     from commgate.core.fsutil import read_json
     from commgate.report.report import validate
 
-    try:
-        doc: dict[str, Any] = read_json(path, validate)
-    except CommgateError as exc:
-        raise UsageError(str(exc)) from None
+    doc: dict[str, Any] = read_json(path, validate, hint=": expected a report.json written by commgate")
     return doc
 
 
@@ -383,8 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser(
         "calibrate",
         help="set the time model's utilisation u for this hardware from a report's measured compute times",
-        description="Seed 003's u (the share of the measured GEMM rate a training step reaches) as the median over "
-        "a report's scenarios of the u that makes each one's predicted compute time equal its measured one (the "
+        description="The APNet model's u (the share of the measured GEMM rate a training step reaches) as the median "
+        "over a report's scenarios of the u that makes each one's predicted compute time equal its measured one (the "
         "step less the time with a call in flight); stored with the hardware's bandwidth curve.",
     )
     k.add_argument("report", type=Path, help="a report.json from `commgate run` with a bandwidth curve")

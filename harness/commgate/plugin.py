@@ -1,23 +1,26 @@
-"""commgate's pytest plugin (registered through the ``pytest11`` entry point): scenario files as tests.
+"""commgate's pytest plugin (the ``pytest11`` entry point): scenario files as tests.
 
-``pytest scenarios/`` collects every scenario YAML file (a mapping with ``schema_version`` and
-``parallelism``) as one item per scenario, sweep variants included, with the scenario's markers. An
-item runs the scenario on local ranks (or skips with the reason), then applies ``commgate.judge.gate``: the
-model, the paper, the stored baseline (``baselines/{backend}/{id}.json``), and the drift checks.
-Options live in one group, ``--commgate-*``. The plugin is thin: the work is in ``commgate.judge.gate``,
-``commgate.judge.baseline`` and the launcher; torch and DeepSpeed are imported only when a scenario runs.
+It only adapts pytest to ``commgate.pipeline.run_scenario``: options (one group, ``--commgate-*``),
+collection (one item per scenario, sweep variants included, with the scenario's markers), the item's
+outcome from the result, and the session's report. torch and DeepSpeed are imported only when a scenario
+runs. Under pytest-xdist each worker hands its results to the controller through ``workeroutput``.
 """
 
 from __future__ import annotations
 
-import json
-import os
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from commgate.core.fsutil import atomic_write_json
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from commgate.model.scenario import Scenario
+    from commgate.pipeline import Options
+    from commgate.report.report import ScenarioResult
+    from commgate.run.inject import Faults
 
 MARKERS: dict[str, str] = {
     "gpu": "needs a GPU (NCCL/RCCL); skipped where none is present",
@@ -37,7 +40,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--commgate-baseline-dir", metavar="DIR", type=Path, help="where baselines live (default: <rootdir>/baselines)"
     )
-    group.addoption("--commgate-report-dir", metavar="DIR", type=Path, help="write report.json there")
+    group.addoption("--commgate-report-dir", metavar="DIR", type=Path, help="write report.json and the HTML there")
     group.addoption(
         "--commgate-backend",
         choices=("auto", "gloo", "nccl"),
@@ -53,10 +56,42 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@dataclass
+class _Session:
+    options: Options
+    faults: Faults
+    scenarios: list[dict[str, Any]] = field(default_factory=list)
+    """Report documents of the scenarios run (by this process, or by the xdist workers)."""
+    updated: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    used: set[str] = field(default_factory=set)
+    """Baseline files the scenarios were judged against."""
+    html: Path | None = None
+
+    def record(self, result: ScenarioResult) -> None:
+        s = result.prediction.scenario
+        self.scenarios.append(result.document())
+        if result.baseline is not None:
+            self.used.add(str(result.baseline.resolve()))
+        if result.baseline_written:
+            self.updated.append(f"{s.id}: {result.baseline_written}")
+        self.warnings += [f"{s.id}: {f.text()}" for f in result.findings if not f.fail]
+
+    def merge(self, part: dict[str, Any]) -> None:
+        self.scenarios += part["scenarios"]
+        self.updated += part["updated"]
+        self.warnings += part["warnings"]
+        self.used.update(part["used"])
+
+
+SESSION = pytest.StashKey[_Session]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
-    if config.getoption("commgate_update_baselines", False) and config.getoption("commgate_fault", []):
+    update = config.getoption("commgate_update_baselines", False)
+    if update and config.getoption("commgate_fault", []):
         raise pytest.UsageError(
             "--commgate-update-baselines with --commgate-fault would store a faulty run as the baseline; use one"
         )
@@ -64,13 +99,19 @@ def pytest_configure(config: pytest.Config) -> None:
     if deadline is not None and deadline <= 0:
         raise pytest.UsageError(f"--commgate-deadline {deadline:g}: expected a positive number of seconds")
     from commgate.core.errors import UsageError
+    from commgate.pipeline import Options
     from commgate.run.inject import parse
 
     try:
-        config.stash[FAULTS] = parse(config.getoption("commgate_fault", []))
+        faults = parse(config.getoption("commgate_fault", []))
     except UsageError as exc:
         raise pytest.UsageError(str(exc)) from None
-    config.stash[SESSION] = _Session()
+    options = Options(
+        baseline_dir=config.getoption("commgate_baseline_dir", None) or config.rootpath / "baselines",
+        update_baselines=update,
+        backend=config.getoption("commgate_backend", None),
+    )
+    config.stash[SESSION] = _Session(options=options, faults=faults)
 
 
 def _is_scenario(path: Path) -> bool:
@@ -90,7 +131,7 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Col
 
 
 class ScenarioFile(pytest.File):
-    def collect(self) -> Any:
+    def collect(self) -> Iterator[ScenarioItem]:
         from commgate.core.errors import ScenarioError
         from commgate.model.scenario import load_paths
 
@@ -106,64 +147,30 @@ class ScenarioFile(pytest.File):
 
 
 class GateFailure(Exception):
-    """The gate's findings for one scenario (shown by ``ScenarioItem.repr_failure``)."""
+    """A scenario failed or errored; the message is its reason (shown by ``ScenarioItem.repr_failure``)."""
 
 
 class ScenarioItem(pytest.Item):
-    def __init__(self, *, scenario: Any, **kwargs: Any) -> None:
+    def __init__(self, *, scenario: Scenario, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.scenario = scenario
 
     def runtest(self) -> None:
-        from dataclasses import replace
+        from commgate.pipeline import run_scenario
+        from commgate.run.runners import LocalRanks
 
-        from commgate.judge.gate import judge
-        from commgate.judge.reconcile import reconcile
-        from commgate.model.expectation import predict
-        from commgate.report.report import ScenarioResult
-        from commgate.report.timemodel import assess
-        from commgate.run.launcher import RunError, gpu_visible, launch_local
-        from commgate.run.workloads import skip_reason
-
-        config = self.config
-        s = self.scenario
-        backend = config.getoption("commgate_backend")
-        if backend:
-            s = replace(s, backend=backend)
-        if reason := skip_reason(s, gpus=gpu_visible()):
-            pytest.skip(reason)
-        prediction = predict(s)
-        session: _Session = config.stash[SESSION]
-        try:
-            capture = launch_local(s, deadline_s=config.getoption("commgate_deadline"), faults=config.stash[FAULTS])
-        except RunError as exc:
-            session.results.append(ScenarioResult(prediction=prediction, status="error", reason=str(exc)))
-            raise GateFailure(str(exc)) from None
-        rec = reconcile(prediction, capture)
-        root = config.getoption("commgate_baseline_dir") or config.rootpath / "baselines"
-        j = judge(s, prediction, capture, rec, root, update=config.getoption("commgate_update_baselines"))
-        session.used.add(j.baseline.resolve())
-        if j.written:
-            session.updated.append(f"{s.id}: {j.written}")
-        fail = [f for f in j.findings if f.fail]
-        warn = [f for f in j.findings if not f.fail]
-        session.results.append(
-            ScenarioResult(
-                prediction=prediction,
-                status="failed" if fail else "passed",
-                capture=capture,
-                reconciliation=rec,
-                time_model=assess(prediction, capture, root),
-            )
-        )
-        if warn:
-            text = "\n".join(f.text() for f in warn)
-            self.add_report_section("call", "commgate warnings", text)
-            session.warnings.append(f"{s.id}: " + text)
-        if fail:
-            faults = config.stash[FAULTS]
-            planted = f"(planted fault: {faults.describe()})\n" if faults else ""
-            raise GateFailure(planted + "\n".join(f.text() for f in fail))
+        state = self.config.stash[SESSION]
+        runner = LocalRanks(deadline_s=self.config.getoption("commgate_deadline"), faults=state.faults)
+        result = run_scenario(self.scenario, runner, state.options)
+        assert result is not None  # local ranks always report
+        state.record(result)
+        if result.status == "skipped":
+            pytest.skip(result.reason)
+        if warnings := [f.text() for f in result.findings if not f.fail]:
+            self.add_report_section("call", "commgate warnings", "\n".join(warnings))
+        if result.status in ("failed", "error"):
+            planted = f"(planted fault: {state.faults.describe()})\n" if state.faults else ""
+            raise GateFailure(planted + result.reason)
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
         if isinstance(excinfo.value, GateFailure):
@@ -178,66 +185,55 @@ class ScenarioItem(pytest.Item):
         return self.path, None, f"scenario {self.scenario.id}"
 
 
-class _Session:
-    def __init__(self) -> None:
-        self.results: list[Any] = []
-        self.updated: list[str] = []
-        self.warnings: list[str] = []
-        self.used: set[Path] = set()
-        self.html: Path | None = None
-
-
-SESSION = pytest.StashKey[_Session]()
-FAULTS = pytest.StashKey[Any]()
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """pytest-xdist, on the controller: a worker's results (``pytest_sessionfinish`` put them there)."""
+    state = node.config.stash.get(SESSION, None)
+    part = getattr(node, "workeroutput", {}).get("commgate")
+    if state is not None and part:
+        state.merge(part)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Write report.json and the HTML page. Under xdist each worker writes report-gwN.json and the
-    controller, which runs no scenario, merges them into report.json and the page."""
-    state = session.config.stash.get(SESSION, None)
-    out = session.config.getoption("commgate_report_dir", None)
-    if state is None or out is None:
+    """A worker hands its results to the controller; the controller (or a plain run) writes the report."""
+    config = session.config
+    state = config.stash.get(SESSION, None)
+    if state is None:
+        return
+    if hasattr(config, "workeroutput"):
+        config.workeroutput["commgate"] = {
+            "scenarios": state.scenarios,
+            "updated": state.updated,
+            "warnings": state.warnings,
+            "used": sorted(state.used),
+        }
+        return
+    out = config.getoption("commgate_report_dir", None)
+    if out is None or not state.scenarios:
         return
     from commgate.report import htmlreport
-    from commgate.report.report import Report, merge_documents
+    from commgate.report.report import Report
 
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker:
-        if state.results:
-            Report(Path(out) / f"report-{worker}.json", list(state.results)).write()
-        return
-    if state.results:
-        report = Report(Path(out) / "report.json", list(state.results))
-        report.write()
-        doc = report.document()
-    else:
-        parts = sorted(Path(out).glob("report-gw*.json"))
-        if not parts:
-            return
-        doc = merge_documents([json.loads(p.read_text()) for p in parts])
-        atomic_write_json(Path(out) / "report.json", doc)
-    state.html = htmlreport.write(Path(out), doc)
+    report = Report(Path(out) / "report.json", sorted(state.scenarios, key=lambda s: str(s["name"])))
+    report.write()
+    state.html = htmlreport.write(Path(out), report.document())
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     state = config.stash.get(SESSION, None)
-    if state is None:
+    if state is None or hasattr(config, "workeroutput"):
         return
     if state.html is not None:
         terminalreporter.write_line(f"commgate report: {state.html}")
-    if state.updated:
-        terminalreporter.section("commgate baselines")
-        for line in state.updated:
-            terminalreporter.write_line(line)
-    if state.warnings:
-        terminalreporter.section("commgate warnings")
-        for line in state.warnings:
-            terminalreporter.write_line(line)
-    if state.used and not os.environ.get("PYTEST_XDIST_WORKER"):
-        root = config.getoption("commgate_baseline_dir") or config.rootpath / "baselines"
-        unused = sorted(p for p in Path(root).glob("*/*.json") if p.resolve() not in state.used)
-        whole = all(Path(a).is_dir() for a in config.args)  # no file or node id selected
-        if unused and whole and not config.getoption("keyword") and not config.getoption("markexpr"):
+    for title, lines in (("commgate baselines", state.updated), ("commgate warnings", state.warnings)):
+        if lines:
+            terminalreporter.section(title)
+            for line in lines:
+                terminalreporter.write_line(line)
+    whole = all(Path(a).is_dir() for a in config.args)  # no file or node id selected
+    if state.used and whole and not config.getoption("keyword") and not config.getoption("markexpr"):
+        unused = sorted(p for p in state.options.baseline_dir.glob("*/*.json") if str(p.resolve()) not in state.used)
+        if unused:
             terminalreporter.section("commgate: baselines no scenario used")
             for p in unused:
                 terminalreporter.write_line(str(p))

@@ -1,5 +1,6 @@
 """The gate under pytest-xdist: ranks of parallel scenarios meet through private stores (no ports); the
-workers' reports are merged into one report.json and page."""
+workers hand their results to the controller (``workeroutput``), which writes one report.json and page and
+lists the baselines no scenario used."""
 
 from __future__ import annotations
 
@@ -21,5 +22,17 @@ def test_two_workers_run_scenarios_side_by_side(pytester: pytest.Pytester, scena
     doc = json.loads((out / "report.json").read_text())
     assert [s["name"] for s in doc["scenarios"]] == ["a", "b"] and doc["summary"]["passed"] == 2
     assert (out / "index.html").exists()
-    result = pytester.runpytest_subprocess("-n", "2", "--commgate-fault", "extra-collective")
+    gone = pytester.path / "baselines" / "gloo" / "gone.json"
+    gone.write_text("{}")
+    stale = out / "report-gw0.json"  # what an older commgate left: never merged again
+    stale.write_text(json.dumps({"scenarios": [{"name": "stale"}]}))
+    result = pytester.runpytest_subprocess(
+        "-n", "2", "--commgate-fault", "extra-collective", "--commgate-report-dir", str(out), str(pytester.path)
+    )
     result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(["*commgate: baselines no scenario used*", f"{gone}"])
+    doc = json.loads((out / "report.json").read_text())
+    assert [s["name"] for s in doc["scenarios"]] == ["a", "b"] and doc["summary"]["failed"] == 2
+    for s in doc["scenarios"]:  # a failure's reason and findings reach the report
+        assert s["status"] == "failed" and s["reason"].startswith("[model] ")
+        assert any(f["kind"] == "model" and f["fail"] for f in s["findings"])

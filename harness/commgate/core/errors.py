@@ -26,12 +26,20 @@ class CommgateError(Exception):
     """Base of the errors commgate reports as one-line messages (never as a traceback)."""
 
 
-class ScenarioError(CommgateError):
-    """A scenario file (or a set of them) is invalid; carries every problem found, not just the first."""
+class InputError(CommgateError):
+    """An input file is invalid; carries every problem found, not just the first, one line each."""
 
     def __init__(self, problems: list[Problem]) -> None:
         self.problems = sorted(problems, key=lambda p: (p.file, p.line or 0, p.path, p.message))
         super().__init__("\n".join(str(p) for p in self.problems))
+
+
+class ScenarioError(InputError):
+    """A scenario file (or a set of them) is invalid."""
+
+
+class DocumentError(InputError):
+    """A JSON document (report, baseline, bandwidth curve) cannot be read, parsed, migrated or validated."""
 
 
 class UsageError(CommgateError):

@@ -6,28 +6,52 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from commgate.core.errors import CommgateError
+from commgate.core.errors import DocumentError, Problem
 
 
-def read_json(path: Path, validate: Callable[[Any], None], *, hint: str = "") -> Any:
-    """The JSON document at ``path`` after ``validate`` (which raises ``jsonschema.ValidationError``);
-    ``CommgateError`` with one line otherwise (``hint`` follows a parse error: how to get a good file)."""
+def json_path(parts: Iterable[str | int]) -> str:
+    """``$.a[0].b``: a place in a document, as every one-line error names it."""
+    return "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts)
+
+
+def read_json(
+    path: Path,
+    validate: Callable[[Any], None],
+    *,
+    migrate: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    hint: str = "",
+) -> Any:
+    """The one way commgate reads a JSON document: read, parse, ``migrate`` (an object, to the current
+    schema version), then ``validate`` (which raises ``jsonschema.ValidationError``). Any failure is a
+    ``DocumentError`` with one ``Problem`` naming the file, the place and the value; ``hint`` follows a
+    parse error (how to get a good file)."""
     import jsonschema
+
+    def fail(where: str, message: str, line: int | None = None) -> DocumentError:
+        return DocumentError([Problem(file=str(path), path=where, message=message, line=line)])
 
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-        validate(doc)
     except OSError as exc:
-        raise CommgateError(f"{path}: {exc.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CommgateError(f"{path}: not JSON ({exc}){hint}") from None
+        raise fail("$", f"cannot be read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise fail("$", f"not UTF-8 text ({exc.reason} at byte {exc.start}){hint}") from None
+    except json.JSONDecodeError as exc:
+        raise fail("$", f"not valid JSON ({exc.msg}){hint}", exc.lineno) from None
+    except RecursionError:
+        raise fail("$", "nested too deeply") from None
+    if migrate is not None:
+        if not isinstance(doc, dict):
+            raise fail("$", f"expected a JSON object, found {type(doc).__name__}")
+        doc = migrate(doc)
+    try:
+        validate(doc)
     except jsonschema.ValidationError as exc:
-        where = "/".join(str(p) for p in exc.absolute_path) or "(top level)"
-        raise CommgateError(f"{path}: {where}: {exc.message}") from None
+        raise fail(json_path(exc.absolute_path), exc.message) from None
     return doc
 
 

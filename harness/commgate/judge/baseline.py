@@ -11,12 +11,7 @@ one-line ``BaselineError`` naming the file.
 
 from __future__ import annotations
 
-import functools
-import json
-import os
-import platform
 import re
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,10 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from commgate.core import schemas
-from commgate.core.errors import CommgateError
-from commgate.core.fsutil import atomic_write_json
+from commgate.core.errors import DocumentError, Problem
+from commgate.core.fsutil import atomic_write_json, read_json
+from commgate.core.provenance import commit as provenance_commit
+from commgate.core.provenance import cpu_fingerprint, environment
 from commgate.judge.drift import LatencyKey, key_text, samples
-from commgate.judge.reconcile import Reconciliation
+from commgate.judge.reconcile import Reconciliation, call_label
+from commgate.model.scenario import Tolerance
 from commgate.run.capture import Capture
 
 BASELINE_VERSION = 1
@@ -39,7 +37,7 @@ CallKey = tuple[str, str, tuple[int, ...], str, int, str]
 """(window, op, group, dtype, bytes per call, phase), as in ``commgate.judge.reconcile``."""
 
 
-class BaselineError(CommgateError):
+class BaselineError(DocumentError):
     """A baseline file that cannot be used: unreadable, malformed, or from a newer commgate."""
 
 
@@ -139,23 +137,21 @@ def path_for(root: Path, backend: str, scenario_id: str) -> Path:
 
 def validate(doc: Any) -> None:
     """Raise ``jsonschema.ValidationError`` unless ``doc`` is a valid current-version baseline."""
-    import jsonschema
-
-    jsonschema.Draft202012Validator(schemas.load("baseline")).validate(doc)
+    schemas.validate("baseline", doc)
 
 
 def migrate(doc: dict[str, Any], *, file: str = "<baseline>") -> dict[str, Any]:
+    def fail(message: str) -> BaselineError:
+        return BaselineError([Problem(file=file, path="$.schema_version", message=message)])
+
     version = doc.get("schema_version")
     if not isinstance(version, int):
-        raise BaselineError(f"{file}: $.schema_version: {version!r} is not a baseline schema version")
+        raise fail(f"{version!r} is not a baseline schema version")
     if version > BASELINE_VERSION:
-        raise BaselineError(
-            f"{file}: $.schema_version: {version} is newer than this commgate reads "
-            f"({BASELINE_VERSION}); upgrade commgate"
-        )
+        raise fail(f"{version} is newer than this commgate reads ({BASELINE_VERSION}); upgrade commgate")
     while version < BASELINE_VERSION:
         if version not in MIGRATIONS:
-            raise BaselineError(f"{file}: $.schema_version: {version} has no migration to {BASELINE_VERSION}")
+            raise fail(f"{version} has no migration to {BASELINE_VERSION}")
         doc = MIGRATIONS[version](doc)
         version = doc["schema_version"]
     return doc
@@ -163,24 +159,15 @@ def migrate(doc: dict[str, Any], *, file: str = "<baseline>") -> dict[str, Any]:
 
 def load(path: Path) -> Baseline:
     """The baseline at ``path``, migrated and validated; ``BaselineError`` (one line) otherwise."""
-    import jsonschema
-
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BaselineError(f"{path}: cannot be read ({exc.__class__.__name__}: {exc})") from None
-    except json.JSONDecodeError as exc:
-        raise BaselineError(
-            f"{path}:{exc.lineno}: not valid JSON ({exc.msg}); delete it or rerun with --commgate-update-baselines"
-        ) from None
-    if not isinstance(doc, dict):
-        raise BaselineError(f"{path}: $: expected a JSON object, found {type(doc).__name__}")
-    doc = migrate(doc, file=str(path))
-    try:
-        validate(doc)
-    except jsonschema.ValidationError as exc:
-        where = "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.absolute_path)
-        raise BaselineError(f"{path}: {where}: {exc.message}") from None
+        doc = read_json(
+            path,
+            validate,
+            migrate=lambda d: migrate(d, file=str(path)),
+            hint="; delete it or rerun with --commgate-update-baselines",
+        )
+    except DocumentError as exc:
+        raise BaselineError(exc.problems) from None
     return Baseline.from_json(doc)
 
 
@@ -188,36 +175,10 @@ def write(path: Path, baseline: Baseline) -> Path:
     return atomic_write_json(path, baseline.to_json())
 
 
-def cpu_fingerprint() -> str:
-    """The CPU model and core count (what gloo latencies depend on)."""
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model} x{os.cpu_count()}"
-
-
-@functools.cache
-def _commit() -> str | None:
-    """git HEAD of the working directory (looked up once per process)."""
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def provenance(capture: Capture, world_size: int) -> dict[str, Any]:
     """The stack a run was taken on: package versions from metadata, the rest as rank 0 saw it."""
-    from commgate.report.report import environment
-
     env = environment()
-    commit = _commit()
+    commit = provenance_commit()
     st = capture.stack
     return {
         "torch": env["torch"],
@@ -255,7 +216,7 @@ def _shown(x: Fraction | int) -> str:
     return str(f.numerator) if f.denominator == 1 else f"{float(f):.6g}"
 
 
-def compare(now: Baseline, stored: Baseline, *, bytes_tol: Any, calls_tol: Any) -> list[Difference]:
+def compare(now: Baseline, stored: Baseline, *, bytes_tol: Tolerance, calls_tol: Tolerance) -> list[Difference]:
     """Counts, bytes per step and the histogram of ``now`` against ``stored`` (tolerances from the
     scenario's ``expectations.baseline``; exact by default)."""
     out: list[Difference] = []
@@ -263,7 +224,7 @@ def compare(now: Baseline, stored: Baseline, *, bytes_tol: Any, calls_tol: Any) 
         a, b = now.calls.get(key, 0), stored.calls.get(key, 0)
         if not calls_tol.allows(a, b):
             w, op, g, dtype, nbytes, phase = key
-            out.append(Difference(f"calls [{w}] {op} {dtype} {nbytes} B {phase} group {list(g)}", a, b))
+            out.append(Difference(call_label(w, op, dtype, nbytes, phase, g), a, b))
     for op in sorted(set(now.bytes_per_step) | set(stored.bytes_per_step)):
         a2, b2 = now.bytes_per_step.get(op, Fraction(0)), stored.bytes_per_step.get(op, Fraction(0))
         if not bytes_tol.allows(a2, b2):

@@ -10,13 +10,14 @@ Torch-free.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from commgate.core import schemas
 from commgate.core.errors import CommgateError
+from commgate.core.fsutil import read_json
 from commgate.judge import baseline as bl
 from commgate.judge.drift import Shift, shifts
 from commgate.model.scenario import LatencyRule, Tolerance
@@ -47,16 +48,7 @@ def load_side(path: Path) -> dict[str, bl.Baseline]:
         loaded = [bl.load(f) for f in files]
         backends = {b.backend for b in loaded}
         return {(b.scenario if len(backends) == 1 else f"{b.scenario} ({b.backend})"): b for b in loaded}
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise CommgateError(f"{path}: cannot be read ({exc.strerror})") from None
-    except json.JSONDecodeError as exc:
-        raise CommgateError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
-    if not isinstance(doc, dict) or "scenarios" not in doc:
-        raise CommgateError(
-            f"{path}: $: expected a commgate report (an object with 'scenarios') or a baseline directory"
-        )
+    doc = read_json(path, lambda d: schemas.validate("report", d), hint=": expected a commgate report.json")
     out = {}
     for sc in doc["scenarios"]:
         b = _from_report_entry(sc)

@@ -31,7 +31,7 @@ LatencyKey = tuple[str, str, int, str]
 
 def latency_key(c: CapturedCall) -> LatencyKey:
     where = f"peer {c.peer}" if c.peer is not None else "group " + ",".join(map(str, c.rooted_group))
-    return (c.op, where, c.bytes, c.phase)
+    return (str(c.op), where, c.bytes, c.phase)
 
 
 def key_text(key: LatencyKey) -> str:

@@ -17,12 +17,12 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Literal
 
+from commgate.core.units import human_bytes, number
 from commgate.judge.baseline import Baseline, compare, write
 from commgate.judge.drift import changed, cold_starts, shifts
 from commgate.judge.reconcile import Reconciliation
 from commgate.model.expectation import Prediction
 from commgate.model.scenario import Scenario
-from commgate.report.render import human_bytes, number
 from commgate.run.capture import Capture
 
 MAX_LINES = 12
@@ -55,8 +55,7 @@ class Verdict:
 def against_model(s: Scenario, rec: Reconciliation) -> Finding | None:
     e = s.expectations
     lines = [
-        f"calls [{k.window}] {k.op} {k.dtype} {k.bytes_per_call} B {k.phase} group {list(k.group)}: "
-        f"obtained {k.measured_calls}, expected {k.predicted_calls} ({k.source})"
+        f"{k.label}: obtained {k.measured_calls}, expected {k.predicted_calls} ({k.source})"
         for k in rec.keys
         if not e.model_calls.allows(k.measured_calls, k.predicted_calls)
     ]

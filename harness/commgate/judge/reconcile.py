@@ -13,7 +13,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
 
-from commgate.model.collectives import OPS, Op
+from commgate.model.collectives import OPS, Op, add_traffic
 from commgate.model.expectation import ExpectedCollective, Prediction
 from commgate.run.capture import INIT_STEP, Capture
 
@@ -35,6 +35,15 @@ class KeyCount:
     @property
     def ok(self) -> bool:
         return self.measured_calls == self.predicted_calls
+
+    @property
+    def label(self) -> str:
+        return call_label(self.window, self.op, self.dtype, self.bytes_per_call, self.phase, self.group)
+
+
+def call_label(window: str, op: str, dtype: str, nbytes: int, phase: str, group: tuple[int, ...]) -> str:
+    """How a call key is shown wherever calls are counted (reconciliation, gate, baseline, compare)."""
+    return f"calls [{window}] {op} {dtype} {nbytes} B {phase} group {list(group)}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,11 +90,6 @@ def _row_keys(row: ExpectedCollective) -> list[tuple[Key, int]]:
     ]
 
 
-def _traffic(op: str, group: tuple[int, ...], wire: Fraction, out: dict[tuple[int, int], Fraction]) -> None:
-    for src, dst, nbytes in OPS[Op(op)].traffic(group, wire):
-        out[(src, dst)] = out.get((src, dst), Fraction(0)) + nbytes
-
-
 def reconcile(prediction: Prediction, capture: Capture) -> Reconciliation:
     steps = range(capture.warmup_steps, capture.warmup_steps + capture.steps)
     n_steps = max(len(steps), 1)
@@ -96,7 +100,7 @@ def reconcile(prediction: Prediction, capture: Capture) -> Reconciliation:
         if which is None:
             continue
         group = (c.rank, c.peer) if c.peer is not None else c.rooted_group
-        measured[which][(c.op, group, c.dtype, c.bytes, c.phase)] += 1
+        measured[which][(str(c.op), group, c.dtype, c.bytes, c.phase)] += 1
 
     keys: list[KeyCount] = []
     predicted_bytes: dict[str, Fraction] = defaultdict(Fraction)
@@ -119,7 +123,7 @@ def reconcile(prediction: Prediction, capture: Capture) -> Reconciliation:
                 else:
                     predicted_bytes[str(row.op)] += job
                 for g in row.groups:
-                    _traffic(
+                    add_traffic(
                         str(row.op),
                         tuple(g),
                         Fraction(calls) * row.bytes_per_call * row.bus_factor / n_steps,
@@ -147,7 +151,7 @@ def reconcile(prediction: Prediction, capture: Capture) -> Reconciliation:
         measured_bytes[op] += Fraction(count * nbytes, n_steps)
         spec = OPS[Op(op)]
         instances = count if spec.p2p else Fraction(count, len(group))
-        _traffic(op, group, instances * nbytes * spec.bus(len(group)) / n_steps, traffic_measured)
+        add_traffic(op, group, instances * nbytes * spec.bus(len(group)) / n_steps, traffic_measured)
 
     ops = tuple(
         OpBalance(

@@ -1,6 +1,7 @@
 """What a scenario is expected to send: per-collective rows, the paper's terms, and the named residuals.
 
-``predict(scenario)`` composes the scheme's components (``commgate.model.schemes``) into a ``Prediction``.
+``commgate.model.predict.predict(scenario)`` composes the scheme's components (``commgate.model.schemes``) into a
+``Prediction``.
 Bytes of one row are per participating rank; job-wide figures multiply by the participants.
 ``Prediction.comparison()`` puts each paper equation next to the model rows it corresponds to and the
 named terms that explain the difference; what is left is ``unexplained`` and is 0 by construction
@@ -15,12 +16,15 @@ from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import cached_property
+from typing import TYPE_CHECKING
 
-from commgate.model.collectives import OPS, Op
+from commgate.model.collectives import OPS, Op, add_traffic
 from commgate.model.layout import Axis, Group, Layout
 from commgate.model.paper import eq1_param_count
-from commgate.model.scenario import Scenario
 from commgate.model.transformer import ITEMSIZE, ParamTensor, inventory, param_stages, stage_split
+
+if TYPE_CHECKING:  # the scenario language sits above the model (it reads the scheme registry)
+    from commgate.model.scenario import Scenario
 
 WIRE_ITEMSIZE: dict[str, Fraction] = {
     **{k: Fraction(v) for k, v in ITEMSIZE.items()},
@@ -276,34 +280,7 @@ class Prediction:
         """Bytes per step rank -> rank (sparse), by the traffic model of ``commgate.model.collectives``."""
         out: dict[tuple[int, int], Fraction] = {}
         for c in self.steady:
-            spec = OPS[c.op]
-            wire = c.wire_bytes_per_step
-            if wire == 0:
-                continue
-            for g in c.groups:
-                for src, dst, nbytes in spec.traffic(g, wire):
-                    out[(src, dst)] = out.get((src, dst), Fraction(0)) + nbytes
+            if c.wire_bytes_per_step:
+                for g in c.groups:
+                    add_traffic(c.op, g, c.wire_bytes_per_step, out)
         return out
-
-
-def predict(scenario: Scenario) -> Prediction:
-    """The per-collective expectation of ``scenario`` and its paper terms."""
-    from commgate.model.schemes import SCHEMES
-
-    ctx = Context(scenario=scenario)
-    rows: list[ExpectedCollective] = []
-    terms: list[PaperTerm] = []
-    residuals: list[Residual] = []
-    for component in SCHEMES[scenario.parallelism.scheme]:
-        rows += component.collectives(ctx)
-        terms += component.paper_terms(ctx)
-        residuals += component.residuals(ctx)
-    m = scenario.model
-    return Prediction(
-        scenario=scenario,
-        param_count=ctx.param_count,
-        param_count_eq1=eq1_param_count(V=m.V, h=m.h, s=m.s, L=m.L),
-        collectives=tuple(rows),
-        paper_terms=tuple(terms),
-        residuals=tuple(r for r in residuals if r.bytes != 0),
-    )

@@ -35,10 +35,6 @@ def allgather_volume(m: int | Fraction, d: int) -> Fraction:
     return Fraction(m) * (d - 1) / d
 
 
-reduce_scatter_volume = allgather_volume
-reduce_volume = allgather_volume
-
-
 def eq2_data_parallel(param_count: int, d: int) -> Fraction:
     """Eq. 2, DDP / ZeRO-1 / ZeRO-2: ``2 * param_count * (d-1)/d``."""
     return allreduce_volume(param_count, d)

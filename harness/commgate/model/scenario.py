@@ -12,7 +12,7 @@ import difflib
 import functools
 import itertools
 import json
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
 from pathlib import Path
@@ -23,12 +23,13 @@ import yaml
 
 from commgate.core import schemas
 from commgate.core.errors import Problem, ScenarioError
+from commgate.core.fsutil import json_path
+from commgate.model.schemes import SCHEMES
 from commgate.model.transformer import PRESETS, ModelSpec
 
-SCHEMA_VERSION = 1
-Scheme = Literal["ddp", "zero1", "zero2", "zero3", "zero++", "tp", "pp", "3d", "moe"]
-SCHEMES: tuple[str, ...] = ("ddp", "zero1", "zero2", "zero3", "zero++", "tp", "pp", "3d", "moe")
 Backend = Literal["gloo", "nccl", "auto"]
+Bad = Callable[[list[str | int], str], None]
+"""Reports one problem: the JSON path (as parts) and the message."""
 MARKERS: tuple[str, ...] = ("gpu", "multinode", "slow", "nightly")
 SCENARIO_SUFFIXES = (".yaml", ".yml")
 
@@ -59,7 +60,8 @@ class MoEConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Parallelism:
-    scheme: Scheme
+    scheme: str
+    """A name in ``commgate.model.schemes.SCHEMES``."""
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -146,9 +148,14 @@ class Scenario:
 # --------------------------------------------------------------------------------------------- schema
 
 
+@functools.cache
 def schema() -> dict[str, Any]:
-    """The published scenario JSON Schema (draft 2020-12)."""
-    return schemas.load("scenario")
+    """The published scenario JSON Schema (draft 2020-12), with ``parallelism.scheme``'s enum filled in from
+    the scheme registry (``commgate.model.schemes.SCHEMES``, the one list of schemes)."""
+    doc = copy.deepcopy(schemas.load("scenario"))
+    scheme = doc["properties"]["parallelism"]["properties"]["scheme"]
+    scheme["enum"] = list(SCHEMES)
+    return doc
 
 
 @functools.cache
@@ -156,13 +163,6 @@ def _validator() -> jsonschema.protocols.Validator:
     cls = jsonschema.validators.validator_for(schema())
     cls.check_schema(schema())
     return cls(schema())
-
-
-def _json_path(parts: Iterable[Any]) -> str:
-    out = "$"
-    for p in parts:
-        out += f"[{p}]" if isinstance(p, int) else f".{p}"
-    return out
 
 
 def _show(value: Any) -> str:
@@ -212,7 +212,7 @@ def _schema_problems(doc: Any, file: str, where: _Located, context: str = "") ->
     for err in _validator().iter_errors(doc):
         for parts, message in _describe(err):
             problems.append(
-                Problem(file=file, path=_json_path(parts), message=message + context, line=where.line(parts))
+                Problem(file=file, path=json_path(parts), message=message + context, line=where.line(parts))
             )
     return problems
 
@@ -302,7 +302,7 @@ def _duplicate_keys(node: yaml.Node, file: str, path: list[Any]) -> Iterator[Pro
             if key in seen:
                 yield Problem(
                     file=file,
-                    path=_json_path([*path, key]),
+                    path=json_path([*path, key]),
                     message=f"duplicate key {key!r} (first on line {seen[key]}); YAML would keep only the last",
                     line=k.start_mark.line + 1,
                 )
@@ -443,7 +443,7 @@ def _build(doc: dict[str, Any], *, file: str, where: _Located, label: str) -> tu
     problems: list[Problem] = []
 
     def bad(parts: list[Any], message: str) -> None:
-        problems.append(Problem(file=file, path=_json_path(parts), message=message, line=where.line(parts)))
+        problems.append(Problem(file=file, path=json_path(parts), message=message, line=where.line(parts)))
 
     model = _build_model(doc["model"], bad)
     par = _build_parallelism(doc["parallelism"], bad)
@@ -480,7 +480,7 @@ def _build(doc: dict[str, Any], *, file: str, where: _Located, label: str) -> tu
 _DIMS = ("L", "h", "a", "V", "s")
 
 
-def _build_model(m: dict[str, Any], bad: Any) -> ModelSpec | None:
+def _build_model(m: dict[str, Any], bad: Bad) -> ModelSpec | None:
     explicit = {k: v for k, v in m.items() if k != "preset"}
     if "preset" in m:
         return replace(PRESETS[m["preset"]], **explicit)
@@ -490,9 +490,9 @@ def _build_model(m: dict[str, Any], bad: Any) -> ModelSpec | None:
     return None if missing else ModelSpec(**explicit)
 
 
-def _build_parallelism(p: dict[str, Any], bad: Any) -> Parallelism:
+def _build_parallelism(p: dict[str, Any], bad: Bad) -> Parallelism:
     scheme = p["scheme"]
-    implied = {"zero1": 1, "zero2": 2, "zero3": 3, "zero++": 3}.get(scheme)
+    implied = SCHEMES[scheme].zero_stage
     zero_doc = dict(p.get("zero", {}))
     if implied is not None:
         if zero_doc.get("stage", implied) != implied:
@@ -506,16 +506,16 @@ def _build_parallelism(p: dict[str, Any], bad: Any) -> Parallelism:
     return Parallelism(**rest, zero=ZeroConfig(**zero_doc), moe=moe)
 
 
-def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad: Any) -> None:
+def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad: Bad) -> None:
     P = "parallelism"
     s = par.scheme
+    rule = SCHEMES[s]
     if "world_size" in doc and doc["world_size"] != par.world_size:
         bad(["world_size"], f"{doc['world_size']} != dp*tp*pp = {par.dp}*{par.tp}*{par.pp} = {par.world_size}")
     if m.h % m.a:
         bad(["model", "a"], f"hidden size h={m.h} is not divisible by heads a={m.a}")
     # Which axes each scheme allows (beyond dp, which all allow).
-    need_tp = s in ("tp", "3d")
-    need_pp = s in ("pp", "3d")
+    need_tp, need_pp = rule.tensor, rule.pipeline
     if need_tp and par.tp < 2:
         bad([P, "tp"], f"{par.tp}: scheme {s!r} needs tp >= 2")
     if not need_tp and par.tp != 1:
@@ -524,8 +524,8 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
         bad([P, "pp"], f"{par.pp}: scheme {s!r} needs pp >= 2")
     if not need_pp and par.pp != 1:
         bad([P, "pp"], f"{par.pp}: scheme {s!r} has no pipeline parallelism; use scheme 'pp' or '3d'")
-    if s in ("ddp", "zero1", "zero2", "zero3", "zero++", "moe") and par.dp < 2:
-        bad([P, "dp"], f"{par.dp}: scheme {s!r} needs dp >= 2")
+    if par.dp < rule.min_dp:
+        bad([P, "dp"], f"{par.dp}: scheme {s!r} needs dp >= {rule.min_dp}")
     if par.tp > 1 and m.a % par.tp:
         bad([P, "tp"], f"{par.tp}: heads a={m.a} are not divisible by tp")
     if par.tp > 1 and m.V % par.tp:
@@ -533,22 +533,23 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
     if par.pp > 1 and m.L % par.pp:
         bad([P, "pp"], f"{par.pp}: layers L={m.L} are not divisible by pp")
     stage = par.zero.stage
-    if s == "ddp" and stage:
-        bad([P, "zero", "stage"], f"{stage}: torch DDP has no ZeRO; use scheme 'zero{stage}'")
+    if not rule.zero and stage:
+        bad([P, "zero", "stage"], f"{stage}: {rule.summary} has no ZeRO; use scheme 'zero{stage}'")
     if par.pp > 1 and stage >= 2:
         bad([P, "zero", "stage"], f"{stage}: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only")
     if par.tp > 1 and stage >= 3:
         bad([P, "zero", "stage"], f"{stage}: ZeRO-3 with tensor parallelism (tp={par.tp}) is unsupported")
     zpp = par.zero.hpz > 1 or par.zero.qwz or par.zero.qgz
-    if s == "zero++" and not zpp:
-        bad([P, "zero"], "scheme 'zero++' needs at least one of hpz > 1, qwz: true, qgz: true")
-    if s != "zero++" and zpp:
-        bad([P, "zero"], f"ZeRO++ options (hpz, qwz, qgz) need scheme 'zero++', not {s!r}")
+    zpp_schemes = " or ".join(repr(n) for n, r in SCHEMES.items() if r.zero_plus_plus)
+    if rule.zero_plus_plus and not zpp:
+        bad([P, "zero"], f"scheme {s!r} needs at least one of hpz > 1, qwz: true, qgz: true")
+    if not rule.zero_plus_plus and zpp:
+        bad([P, "zero"], f"ZeRO++ options (hpz, qwz, qgz) need scheme {zpp_schemes}, not {s!r}")
     if par.zero.hpz > 1 and par.dp % par.zero.hpz:
         bad([P, "zero", "hpz"], f"{par.zero.hpz}: dp={par.dp} is not divisible by the hpZ partition size")
-    if s == "moe":
+    if rule.moe:
         if par.moe is None:
-            bad([P], "scheme 'moe' needs a 'moe' block with 'experts'")
+            bad([P], f"scheme {s!r} needs a 'moe' block with 'experts'")
         else:
             moe = par.moe
             if par.dp % moe.ep:
@@ -560,7 +561,8 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
             if stage >= 3:
                 bad([P, "zero", "stage"], f"{stage}: DeepSpeed MoE supports ZeRO stage 0-2 only")
     elif par.moe is not None:
-        bad([P, "moe"], f"MoE settings need scheme 'moe', not {s!r}")
+        moe_schemes = " or ".join(repr(n) for n, r in SCHEMES.items() if r.moe)
+        bad([P, "moe"], f"MoE settings need scheme {moe_schemes}, not {s!r}")
 
 
 def _build_expectations(e: dict[str, Any]) -> Expectations:

@@ -1,4 +1,4 @@
-"""The effective-bandwidth curve C(bytes, group size, backend) that seed 003's time model divides volumes
+"""The effective-bandwidth curve C(bytes, group size, backend) that the APNet time model divides volumes
 by, fitted from the collective microbenchmarks (``benchmarks/test_collectives.py``) and stored per
 hardware fingerprint in ``baselines/bandwidth-{backend}.json``.
 
@@ -18,7 +18,7 @@ import bisect
 import datetime
 import functools
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,35 +26,12 @@ from typing import Any
 from commgate.core import schemas
 from commgate.core.errors import CommgateError
 from commgate.core.fsutil import atomic_write_json, read_json
+from commgate.model.collectives import OPS as OPS_TABLE
+from commgate.model.collectives import SWEEPS, Op, bus_factor
 
 CURVE_VERSION = 1
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
-
-BUS_FACTOR: dict[str, Callable[[int], float]] = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "send_recv": lambda n: 1.0,
-}
-"""busbw / algbw per op for a group of n ranks (nccl-tests)."""
-
-CURVE_OP = {
-    "all_reduce": "all_reduce",
-    "reduce": "all_reduce",
-    "barrier": "all_reduce",
-    "all_gather": "all_gather",
-    "gather": "all_gather",
-    "reduce_scatter": "reduce_scatter",
-    "scatter": "reduce_scatter",
-    "all_to_all": "all_to_all",
-    "broadcast": "broadcast",
-    "send": "send_recv",
-    "recv": "send_recv",
-}
-"""The measured op that stands for each captured op (reduce, gather and scatter are not swept; they
-move at most what their all-* counterpart moves, so the curve is an upper bound for them)."""
+OPS = tuple(SWEEPS)
+"""The swept ops, as the microbenchmarks and the curve name them."""
 
 
 def algbw(nbytes: int, seconds: float) -> float:
@@ -63,7 +40,7 @@ def algbw(nbytes: int, seconds: float) -> float:
 
 
 def busbw(op: str, group_size: int, nbytes: int, seconds: float) -> float:
-    return algbw(nbytes, seconds) * BUS_FACTOR[op](group_size)
+    return algbw(nbytes, seconds) * bus_factor(op, group_size)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,7 +66,7 @@ class Curve:
     compute_flops: Mapping[int, float] = field(default_factory=dict)
     """world size -> fp32 FLOP/s one rank reaches while that many ranks compute at once."""
     utilization: float = 1.0
-    """u: the share of F a training step reaches (seed 003); 1 until calibrated."""
+    """u: the share of F a training step reaches (APNet); 1 until calibrated."""
     calibrated: str | None = None
     """How u was calibrated (the report and date), None if it was not."""
 
@@ -102,10 +79,10 @@ class Curve:
         return sorted((s for s in self.samples if (s.op, s.world, s.group_size) == (op, w, g)), key=lambda s: s.nbytes)
 
     def seconds(self, op: str, *, group_size: int, world: int, nbytes: int) -> float:
-        """Predicted latency of one call of captured op ``op`` (see ``CURVE_OP``)."""
+        """Predicted latency of one call of captured op ``op`` (its ``OpSpec.sweep`` stands for it)."""
         if group_size <= 1:
             return 0.0
-        table = self._table(CURVE_OP[op], world, group_size)
+        table = self._table(OPS_TABLE[Op(op)].sweep, world, group_size)
         sizes = [s.nbytes for s in table]
         if nbytes <= sizes[0]:
             return table[0].median_s
@@ -174,7 +151,7 @@ def fit(
     """A curve from microbenchmark samples; repeated keys keep the lowest median (the least disturbed run)."""
     best: dict[tuple[str, int, int, int], Sample] = {}
     for s in samples:
-        if s.op not in BUS_FACTOR:
+        if s.op not in SWEEPS:
             raise CommgateError(f"bandwidth sample: unknown op {s.op!r} (one of {', '.join(OPS)})")
         key = (s.op, s.world, s.group_size, s.nbytes)
         if key not in best or s.median_s < best[key].median_s:
@@ -196,9 +173,8 @@ def path_for(root: Path, backend: str) -> Path:
 
 
 def validate(doc: Any) -> None:
-    import jsonschema
-
-    jsonschema.validate(doc, schemas.load("bandwidth"), cls=jsonschema.Draft202012Validator)
+    """Raise ``jsonschema.ValidationError`` unless ``doc`` is a valid bandwidth-curve file."""
+    schemas.validate("bandwidth", doc)
 
 
 def load_all(path: Path) -> dict[str, Curve]:

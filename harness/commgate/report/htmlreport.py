@@ -2,18 +2,18 @@
 written next to ``report.json`` from the report document alone (so any saved report can be re-rendered:
 ``commgate html out/report.json``).
 
-Plots (the seed papers' figures they follow in brackets): volume per collective per scenario [000 Figs.
-7-8]; paper vs model vs measured volume and the communication fraction, predicted vs measured [000 Figs.
-10, 13; 002 table; 003]; message-size histograms [000 Fig. 9]; sweeps over sequence length [000 Figs.
-14-15] and scale [002]; traffic matrices, predicted next to measured [003]; per-rank call timelines
-with cold-start spikes marked [000 Section V]; and seed 003's iteration-time breakdown. matplotlib only,
+Plots (the papers' figures they follow in brackets): volume per collective per scenario [Anthony et al.
+Figs. 7-8]; paper vs model vs measured volume and the communication fraction, predicted vs measured
+[Anthony et al. Figs. 10, 13; Qi et al. table; APNet]; message-size histograms [Anthony et al. Fig. 9];
+sweeps over sequence length [Anthony et al. Figs. 14-15] and scale [Qi et al.]; traffic matrices,
+predicted next to measured [APNet]; per-rank call timelines with cold-start spikes marked [Anthony et
+al. Section V]; and the APNet model's iteration-time breakdown. matplotlib only,
 Agg backend (no display).
 """
 
 from __future__ import annotations
 
 import html
-import json
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from commgate.core.fsutil import atomic_write_bytes, atomic_write_json, atomic_write_text
-from commgate.judge.drift import cold_starts
-from commgate.model.scenario import ColdStartRule
-from commgate.report.render import human_bytes
+from commgate.core.units import human_bytes
+from commgate.judge.drift import ColdStart
 from commgate.run.capture import Capture, CapturedCall
 
 OP_COLORS = {
@@ -149,7 +148,7 @@ def plot_predicted_measured(scenarios: list[dict[str, Any]], path: Path) -> str:
     pf = [_frac(s, "predicted") for s in scenarios]
     mf = [_frac(s, "measured") for s in scenarios]
     a2.barh(
-        [v - h / 2 for v in y], [100 * (v or 0) for v in pf], h, label="seed 003 model (in flight)", color="#4c72b0"
+        [v - h / 2 for v in y], [100 * (v or 0) for v in pf], h, label="APNet model (in flight)", color="#4c72b0"
     )
     a2.barh([v + h / 2 for v in y], [100 * (v or 0) for v in mf], h, label="measured", color="#dd8452")
     for v, p in zip(y, pf, strict=True):
@@ -169,7 +168,7 @@ def _frac(s: dict[str, Any], side: str) -> float | None:
 
 
 def plot_time_model(scenarios: list[dict[str, Any]], path: Path) -> str | None:
-    """Seed 003's T_iter breakdown for rank 0 next to the measured step time."""
+    """The APNet model's T_iter breakdown for rank 0 next to the measured step time."""
     rows = [s for s in scenarios if (s.get("time_model") or {}).get("predicted")]
     if not rows:
         return None
@@ -191,7 +190,7 @@ def plot_time_model(scenarios: list[dict[str, Any]], path: Path) -> str | None:
     ax.set_yticks(y, names)
     ax.invert_yaxis()
     ax.set_xlabel("milliseconds per step, rank 0")
-    ax.set_title("Iteration time: seed 003 model (upper bar) vs measured (lower bar)", pad=34)
+    ax.set_title("Iteration time: APNet model (upper bar) vs measured (lower bar)", pad=34)
     _legend_above(ax, ncol=4)
     fig.tight_layout()
     return _save(fig, path)
@@ -269,7 +268,7 @@ def sweeps(scenarios: list[dict[str, Any]]) -> dict[str, tuple[str, str, list[di
 
 def plot_sweeps(scenarios: list[dict[str, Any]], path: Path) -> str | None:
     """Per family: bytes per step per collective against the swept field (model lines, measured circles),
-    and the share of rank 0's step with a call in flight (seed 003's model and the run)."""
+    and the share of rank 0's step with a call in flight (the APNet model and the run)."""
     fams = sweeps(scenarios)
     if not fams:
         return None
@@ -358,7 +357,7 @@ def plot_timeline(s: dict[str, Any], path: Path) -> str:
             )
     for w in cap.step_windows:
         ax.plot([w.start_ns / 1e6] * 2, [w.rank - 0.45, w.rank + 0.45], "--", color="#333333", lw=0.7)
-    spikes = cold_starts(cap, ColdStartRule(factor=5, min_excess_ms=10))
+    spikes = [ColdStart(**c) for c in s.get("cold_starts", [])]  # by the scenario's rule, as the gate flags them
     firsts: dict[tuple[int, str, int], CapturedCall] = {}
     for c in cap.calls:
         if c.step == 0 and c.duration_ns is not None:
@@ -378,7 +377,7 @@ def plot_timeline(s: dict[str, Any], path: Path) -> str:
     ax.invert_yaxis()
     ax.set_xlabel("milliseconds since the rank's first call (each rank's own clock; dashed: step starts)")
     ax.set_title(
-        f"{s['name']}: calls per rank (red circles: a first call >= 5x its steady median and >= 10 ms slower)", pad=22
+        f"{s['name']}: calls per rank (red circles: cold-start spikes by the scenario's rule)", pad=22
     )
     handles, labels = ax.get_legend_handles_labels()
     uniq = dict(zip(labels, handles, strict=True))
@@ -495,15 +494,15 @@ p.note{color:#555;font-size:13px;max-width:900px}
 ORDER = ("passed", "failed", "error", "skipped")
 FIGURES = (
     ("volume", "Volume per collective", "Measured bytes per step summed over ranks, and each collective's share "
-     "(seed 000, Figs. 7-8)."),
+     "(Anthony et al., Figs. 7-8)."),
     ("predicted", "Predicted vs measured", "Left: the paper's idealised equations, commgate's per-collective model "
-     "and the capture. Right: the share of rank 0's step with a call in flight, seed 003's model against the run."),
-    ("time", "Iteration-time model", "Seed 003: T_iter = T_comp + T_TP + T_PP + T_DP + T_bubble for rank 0, from "
+     "and the capture. Right: the share of rank 0's step with a call in flight, the APNet model against the run."),
+    ("time", "Iteration-time model", "APNet: T_iter = T_comp + T_TP + T_PP + T_DP + T_bubble for rank 0, from "
      "the bandwidth curve C and the measured GEMM rate; lower bar: the measured step and the time a call was in "
      "flight."),
-    ("histograms", "Message sizes", "Calls per message-size bucket in the measured steps (seed 000, Fig. 9)."),
-    ("sweeps", "Sweeps", "Sequence-length sweeps (seed 000, Figs. 14-15) and strong/weak scaling (seed 002): volume "
-     "per collective (model lines, measured circles) and the communication fraction, model and measured."),
+    ("histograms", "Message sizes", "Calls per message-size bucket in the measured steps (Anthony et al., Fig. 9)."),
+    ("sweeps", "Sweeps", "Sequence-length sweeps (Anthony et al., Figs. 14-15) and strong/weak scaling (Qi et al.): "
+     "volume per collective (model lines, measured circles) and the communication fraction, model and measured."),
 )  # fmt: skip
 
 
@@ -578,9 +577,4 @@ def write(out: Path, doc: dict[str, Any], *, progress: Callable[[str], None] | N
     return atomic_write_text(out / "index.html", page(doc, figures, details))
 
 
-def write_from(report_json: Path, out: Path | None = None) -> Path:
-    doc = json.loads(report_json.read_text())
-    return write(out or report_json.parent, doc)
-
-
-__all__: Sequence[str] = ("trace", "write", "write_from")
+__all__: Sequence[str] = ("trace", "write")

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-from commgate.report.bandwidth import BUS_FACTOR
+from commgate.report.bandwidth import algbw, busbw
 from commgate.run import interpose
 
 PATHS = ("bare", "harness")
@@ -239,8 +239,7 @@ class World:
 
 def bandwidths(op: str, nbytes: int, group_size: int, seconds: float) -> tuple[float, float]:
     """(algbw, busbw) in GB/s, as nccl-tests prints them."""
-    alg = nbytes / seconds / 1e9
-    return alg, alg * BUS_FACTOR[op](group_size)
+    return algbw(nbytes, seconds) / 1e9, busbw(op, group_size, nbytes, seconds) / 1e9
 
 
 def follow(rank: int, world: int, port: int, sizes: Sequence[int], timeout_s: float, backend: str) -> None:

@@ -4,21 +4,21 @@ every scenario, so an interrupted suite leaves a complete report of what ran."""
 
 from __future__ import annotations
 
-import platform
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
 
-from commgate import __version__
 from commgate.core import schemas
 from commgate.core.fsutil import atomic_write_json
+from commgate.core.provenance import environment
+from commgate.core.units import human_bytes, number
+from commgate.judge.drift import cold_starts
+from commgate.judge.gate import Finding
 from commgate.judge.reconcile import Reconciliation
 from commgate.model.expectation import Prediction
-from commgate.report.render import human_bytes, number, prediction_document
+from commgate.report.render import prediction_document
 from commgate.report.timemodel import TimeAssessment
 from commgate.run.capture import Capture
 
@@ -26,52 +26,34 @@ REPORT_VERSION = 1
 Status = Literal["passed", "failed", "error", "skipped"]
 
 
-def environment() -> dict[str, Any]:
-    """Versions of the stack, read from package metadata (nothing heavy is imported)."""
-
-    def version(dist: str) -> str | None:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return None
-
-    return {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "torch": version("torch"),
-        "deepspeed": version("deepspeed"),
-        "commgate": __version__,
-    }
-
-
 def schema() -> dict[str, Any]:
     """The published report JSON Schema (draft 2020-12); its scenarios' ``capture`` is the capture schema."""
     return schemas.load("report")
 
 
-def validate(doc: dict[str, Any]) -> None:
+def validate(doc: Any) -> None:
     """Raise ``jsonschema.ValidationError`` unless ``doc`` is a valid report document."""
-    import jsonschema
-    from referencing import Registry, Resource
-
-    from commgate.run import capture
-
-    registry: Registry[Any] = Registry().with_resource(
-        capture.schema()["$id"], Resource.from_contents(capture.schema())
-    )
-    jsonschema.Draft202012Validator(schema(), registry=registry).validate(doc)
+    schemas.validate("report", doc)
 
 
 def _matrix(m: dict[tuple[int, int], Fraction]) -> list[dict[str, Any]]:
     return [{"src": s, "dst": d, "bytes_per_step": number(b)} for (s, d), b in sorted(m.items())]
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class ScenarioResult:
+    """What became of one scenario (``commgate.pipeline.run_scenario``), whichever entry point ran it."""
+
     prediction: Prediction
     status: Status
     reason: str = ""
+    """Why it failed (its failing findings), errored or was skipped; empty when it passed."""
+    findings: tuple[Finding, ...] = ()
+    """The gate's findings, warnings included."""
+    baseline: Path | None = None
+    """The baseline file it was judged against (or wrote)."""
+    baseline_written: str | None = None
+    """A line saying what was written to the baseline, if anything."""
     wall_s: float = 0.0
     capture: Capture | None = None
     reconciliation: Reconciliation | None = None
@@ -85,6 +67,10 @@ class ScenarioResult:
             "world_size": s.world_size,
             "status": self.status,
             "reason": self.reason,
+            "findings": [
+                {"kind": f.kind, "fail": f.fail, "title": f.title, "lines": list(f.lines), "hint": f.hint}
+                for f in self.findings
+            ],
             "wall_s": round(self.wall_s, 3),
             "prediction": prediction_document(self.prediction),
         }
@@ -111,6 +97,7 @@ class ScenarioResult:
             }
         if self.capture is not None:
             doc["capture"] = self.capture.to_json()
+            doc["cold_starts"] = [asdict(c) for c in cold_starts(self.capture, s.expectations.cold_start)]
         return doc
 
     def summary(self) -> str:
@@ -135,45 +122,45 @@ class ScenarioResult:
             )
         for k in r.mismatches[:10]:
             lines.append(
-                f"    mismatch [{k.window}] {k.op} {k.dtype} {k.bytes_per_call} B {k.phase} group {list(k.group)}: "
-                f"measured {k.measured_calls} calls, predicted {k.predicted_calls} ({k.source})"
+                f"    {k.label}: measured {k.measured_calls}, predicted {k.predicted_calls} ({k.source})"
             )
         if len(r.mismatches) > 10:
             lines.append(f"    ... and {len(r.mismatches) - 10} more mismatches (see report.json)")
         if r.traffic_measured != r.traffic_predicted:
             lines.append("    traffic matrix differs from the prediction (see report.json)")
-        lines += [f"    {line}" for line in self.reason.splitlines()]  # the gate's findings (run --gate)
+        for f in self.findings:
+            if f.kind != "model":  # the model's differences are the lines above
+                lines += [f"    {line}" for line in f.text().splitlines()]
+        if self.baseline_written:
+            lines.append(f"    {self.baseline_written}")
         return "\n".join(lines)
+
+
+STATUSES: tuple[Status, ...] = ("passed", "failed", "error", "skipped")
 
 
 @dataclass
 class Report:
+    """report.json: every scenario's document, in the order they finished (rewritten after each one)."""
+
     path: Path | None
-    results: list[ScenarioResult] = field(default_factory=list)
+    scenarios: list[dict[str, Any]] = field(default_factory=list)
+    """Scenario documents (``ScenarioResult.document()``); from other processes too (pytest-xdist workers)."""
     started: float = field(default_factory=time.time)
 
     def add(self, result: ScenarioResult) -> None:
-        self.results.append(result)
+        self.scenarios.append(result.document())
         self.write()
 
     def document(self) -> dict[str, Any]:
-        counts = {k: sum(1 for r in self.results if r.status == k) for k in ("passed", "failed", "error", "skipped")}
         return {
             "schema_version": REPORT_VERSION,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
             "environment": environment(),
-            "summary": counts,
-            "scenarios": [r.document() for r in self.results],
+            "summary": {k: sum(1 for s in self.scenarios if s["status"] == k) for k in STATUSES},
+            "scenarios": self.scenarios,
         }
 
     def write(self) -> None:
         if self.path is not None:
             atomic_write_json(self.path, self.document())
-
-
-def merge_documents(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One report from several (the workers of ``pytest -n``): scenarios in name order, counts summed."""
-    scenarios = sorted((s for d in docs for s in d["scenarios"]), key=lambda s: s["name"])
-    counts = {k: sum(d["summary"][k] for d in docs) for k in ("passed", "failed", "error", "skipped")}
-    first = min(docs, key=lambda d: d["created"])
-    return first | {"summary": counts, "scenarios": scenarios}

@@ -1,4 +1,4 @@
-"""Seed 003's iteration-time model next to what a run measured.
+"""The APNet iteration-time model next to what a run measured.
 
 Predicted, for rank 0 (the paper's "any GPU at stage 1"):
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from commgate.core import schemas
 from commgate.core.fsutil import atomic_write_json
+from commgate.model.collectives import Op
 
 CAPTURE_VERSION = 1
 INIT_STEP = -1
@@ -32,7 +33,7 @@ class CapturedCall:
     """Order of the call on its rank."""
     step: int
     phase: str
-    op: str
+    op: Op
     group: tuple[int, ...]
     """Global ranks of the process group the call ran on."""
     peer: int | None
@@ -58,7 +59,7 @@ class CapturedCall:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> CapturedCall:
-        return cls(**{**d, "group": tuple(d["group"])})
+        return cls(**{**d, "op": Op(d["op"]), "group": tuple(d["group"])})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,7 +104,7 @@ class Capture:
             "warmup_steps": self.warmup_steps,
             "steps": self.steps,
             "backend": self.backend,
-            "calls": [asdict(c) | {"group": list(c.group)} for c in self.calls],
+            "calls": [asdict(c) | {"op": str(c.op), "group": list(c.group)} for c in self.calls],
             "timeline": dict(self.timeline),
             "stack": dict(self.stack),
             "step_windows": [asdict(w) for w in self.step_windows],
@@ -129,11 +130,9 @@ def schema() -> dict[str, Any]:
     return schemas.load("capture")
 
 
-def validate(doc: dict[str, Any]) -> None:
+def validate(doc: Any) -> None:
     """Raise ``jsonschema.ValidationError`` unless ``doc`` is a valid capture document."""
-    import jsonschema
-
-    jsonschema.validate(doc, schema(), cls=jsonschema.Draft202012Validator)
+    schemas.validate("capture", doc)
 
 
 def write_rank_calls(path: Path, calls: Iterable[CapturedCall], windows: Iterable[StepWindow] = ()) -> None:

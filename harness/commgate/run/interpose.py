@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from commgate.model.collectives import OPS, Op
 from commgate.run.capture import INIT_STEP, CapturedCall, StepWindow
 
 BACKEND_NAME = "commgate"
@@ -64,7 +65,7 @@ class Recorder:
     def issue(
         self,
         *,
-        op: str,
+        op: Op,
         group: Sequence[int],
         tensors: Sequence[torch.Tensor],
         peer: int | None,
@@ -212,25 +213,6 @@ def _flat(x: Any) -> list[torch.Tensor]:
     return [t for item in x for t in _flat(item)]
 
 
-# trampoline name -> (op, which argument holds the message buffer, the real backend's method)
-_COLLECTIVES: dict[str, tuple[str, int, str]] = {
-    "allreduce": ("all_reduce", 0, "allreduce"),
-    "allreduce_coalesced": ("all_reduce", 0, "allreduce_coalesced"),
-    "allgather": ("all_gather", 0, "allgather"),
-    "all_gather_single": ("all_gather", 0, "_allgather_base"),
-    "allgather_coalesced": ("all_gather", 0, "allgather_coalesced"),
-    "allgather_into_tensor_coalesced": ("all_gather", 0, "allgather_into_tensor_coalesced"),
-    "broadcast": ("broadcast", 0, "broadcast"),
-    "reduce": ("reduce", 0, "reduce"),
-    "reduce_scatter": ("reduce_scatter", 1, "reduce_scatter"),
-    "reduce_scatter_single": ("reduce_scatter", 1, "_reduce_scatter_base"),
-    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 1, "reduce_scatter_tensor_coalesced"),
-    "alltoall": ("all_to_all", 1, "alltoall"),
-    "all_to_all_single": ("all_to_all", 1, "alltoall_base"),
-    "gather": ("gather", 1, "gather"),
-    "scatter": ("scatter", 1, "scatter"),
-}
-_ROOTED = {"broadcast", "reduce", "gather", "scatter"}
 # Coalesced forms the gloo binding lacks: one call per tensor, joined into one work.
 _PER_TENSOR = {
     "allgather_into_tensor_coalesced": "_allgather_base",
@@ -256,7 +238,7 @@ class CapturingProcessGroup(ProcessGroup):
         return BACKEND_NAME
 
     def _record(
-        self, op: str, tensors: list[torch.Tensor], peer: int | None = None, root: int | None = None
+        self, op: Op, tensors: list[torch.Tensor], peer: int | None = None, root: int | None = None
     ) -> tuple[Recorder, int] | None:
         rec = RECORDER
         if rec is None:
@@ -281,31 +263,33 @@ class CapturingProcessGroup(ProcessGroup):
         return torch._C._distributed_c10d._create_work_from_future(future)  # type: ignore[attr-defined]
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
-        token = self._record("send", tensors, self.global_ranks[dst])
+        token = self._record(Op.SEND, tensors, self.global_ranks[dst])
         return self._timed(token, self._real.send(tensors, dst, tag))
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
-        token = self._record("recv", tensors, self.global_ranks[src])
+        token = self._record(Op.RECV, tensors, self.global_ranks[src])
         if token is not None and token[0].delay_first_recv_s and token[0].step == 0:
             time.sleep(token[0].delay_first_recv_s)  # planted fault: once, counted in this recv's latency
             token[0].delay_first_recv_s = 0.0
         return self._timed(token, self._real.recv(tensors, src, tag))
 
     def barrier(self, opts: Any = None) -> Any:
-        token = self._record("barrier", [])
+        token = self._record(Op.BARRIER, [])
         return self._timed(token, self._real.barrier() if opts is None else self._real.barrier(opts))
 
 
-def _make_collective(name: str, op: str, arg: int, method: str) -> Callable[..., Any]:
+def _make_collective(name: str, op: Op, arg: int, method: str) -> Callable[..., Any]:
     """An override recording the tensors of argument ``arg``. Off the root of a scatter or gather that
     list is empty; the rank's own shard times the group size is recorded, so that every participant
     reports the same message size."""
+
+    rooted = OPS[op].rooted
 
     def collective(self: CapturingProcessGroup, *args: Any) -> Any:
         tensors = _flat(args[arg])
         if not tensors:  # scatter/gather off the root: this rank's shard, standing for 1/n of the message
             tensors = _flat(args[1 - arg]) * self.size()
-        root = self.global_ranks[args[-1].rootRank] if op in _ROOTED else None  # the options come last
+        root = self.global_ranks[args[-1].rootRank] if rooted else None  # the options come last
         token = self._record(op, tensors, root=root)
         return self._timed(token, self._run(method, args))
 
@@ -313,8 +297,9 @@ def _make_collective(name: str, op: str, arg: int, method: str) -> Callable[...,
     return collective
 
 
-for _name, (_op, _arg, _method) in _COLLECTIVES.items():
-    setattr(CapturingProcessGroup, _name, _make_collective(_name, _op, _arg, _method))
+for _spec in OPS.values():
+    for _b in _spec.bindings:
+        setattr(CapturingProcessGroup, _b.name, _make_collective(_b.name, _spec.op, _b.buffer_arg, _b.real))
 
 
 def _group_name(self: CapturingProcessGroup) -> str:

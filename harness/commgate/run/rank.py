@@ -37,7 +37,7 @@ def stack(backend: str) -> dict[str, str | None]:
     """``Capture.stack`` as this rank sees it."""
     import torch
 
-    from commgate.judge.baseline import cpu_fingerprint
+    from commgate.core.provenance import cpu_fingerprint
 
     gpus = backend != "gloo" and torch.cuda.is_available()
     return {

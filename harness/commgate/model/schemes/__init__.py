@@ -1,4 +1,7 @@
-"""The per-collective model of each parallelism scheme: one registry entry per scheme.
+"""The parallelism schemes commgate knows: one ``Scheme`` record each, the one place where a scheme is
+defined. Everything else is derived from ``SCHEMES``: the scenario schema's ``scheme`` enum, the
+scenario consistency rules, the CLI's ``--scheme`` choices, the workload that runs it and the components
+whose collectives make up its per-collective model.
 
 A scheme is a tuple of components; each component (one module each) contributes the collectives it
 issues, the paper equation that idealises them, and the named residuals between the two.
@@ -6,6 +9,7 @@ issues, the paper equation that idealises them, and the named residuals between 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Residual
@@ -24,14 +28,87 @@ class Component(Protocol):
     def residuals(self, ctx: Context) -> list[Residual]: ...
 
 
-SCHEMES: dict[str, tuple[Component, ...]] = {
-    "ddp": (DistributedDataParallel(),),
-    "zero1": (DeepSpeedZero12(),),
-    "zero2": (DeepSpeedZero12(),),
-    "zero3": (DeepSpeedZero3(),),
-    "zero++": (DeepSpeedZero3(),),
-    "tp": (TensorParallel(), DistributedDataParallel()),
-    "pp": (PipelineParallel(), PipelineDataParallel()),
-    "3d": (TensorParallel(), PipelineParallel(), PipelineDataParallel()),
-    "moe": (ExpertParallel(), MoEDataParallel()),
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Scheme:
+    name: str
+    summary: str
+    """One line for ``--help`` and the docs."""
+    components: tuple[Component, ...]
+    workload: str
+    """``module:attribute`` of the training workload that runs it (imported only when it runs)."""
+    zero_stage: int | None = None
+    """The ZeRO stage the scheme implies; None: the scenario's ``zero.stage`` (0 unless given)."""
+    zero: bool = True
+    """Whether ZeRO stages are allowed at all (torch DDP has none)."""
+    tensor: bool = False
+    """Needs tp >= 2 (else tp must be 1)."""
+    pipeline: bool = False
+    """Needs pp >= 2 (else pp must be 1)."""
+    min_dp: int = 2
+    """The smallest data-parallel degree: 2 where data parallelism is the scheme, 1 where it is optional."""
+    zero_plus_plus: bool = False
+    """Needs (and alone allows) ZeRO++ options: hpz, qwz, qgz."""
+    moe: bool = False
+    """Needs (and alone allows) a ``moe`` block."""
+
+
+_DDP, _Z12, _Z3, _TP = DistributedDataParallel(), DeepSpeedZero12(), DeepSpeedZero3(), TensorParallel()
+_PP, _PDP = PipelineParallel(), PipelineDataParallel()
+_WL = "commgate.run.workloads"
+_ZERO_WL = f"{_WL}.zero:ZeroWorkload"
+
+SCHEMES: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        Scheme(
+            name="ddp",
+            summary="torch DistributedDataParallel",
+            components=(_DDP,),
+            workload=f"{_WL}.ddp:DDPWorkload",
+            zero=False,
+        ),
+        Scheme(name="zero1", summary="DeepSpeed ZeRO stage 1", components=(_Z12,), workload=_ZERO_WL, zero_stage=1),
+        Scheme(name="zero2", summary="DeepSpeed ZeRO stage 2", components=(_Z12,), workload=_ZERO_WL, zero_stage=2),
+        Scheme(name="zero3", summary="DeepSpeed ZeRO stage 3", components=(_Z3,), workload=_ZERO_WL, zero_stage=3),
+        Scheme(
+            name="zero++",
+            summary="DeepSpeed ZeRO++: stage 3 with hpZ, qwZ, qgZ",
+            components=(_Z3,),
+            workload=_ZERO_WL,
+            zero_stage=3,
+            zero_plus_plus=True,
+        ),
+        Scheme(
+            name="tp",
+            summary="tensor parallelism on torch DTensor (DDP over dp)",
+            components=(_TP, _DDP),
+            workload=f"{_WL}.tp:TPWorkload",
+            min_dp=1,
+            tensor=True,
+        ),
+        Scheme(
+            name="pp",
+            summary="DeepSpeed's pipeline engine",
+            components=(_PP, _PDP),
+            workload=f"{_WL}.pp:PipelineWorkload",
+            pipeline=True,
+            min_dp=1,
+        ),
+        Scheme(
+            name="3d",
+            summary="pipeline x data x tensor: DeepSpeed's pipeline engine with DTensor inside each stage",
+            components=(_TP, _PP, _PDP),
+            workload=f"{_WL}.pp:PipelineWorkload",
+            tensor=True,
+            min_dp=1,
+            pipeline=True,
+        ),
+        Scheme(
+            name="moe",
+            summary="DeepSpeed MoE with expert parallelism",
+            components=(ExpertParallel(), MoEDataParallel()),
+            workload=f"{_WL}.moe:MoEWorkload",
+            moe=True,
+        ),
+    )
 }

@@ -8,27 +8,23 @@ optimizer). ``commgate.run.interpose.optimizer_phase()`` marks the optimizer's c
 from __future__ import annotations
 
 import importlib
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from commgate.core.errors import CommgateError
 from commgate.model.scenario import Scenario
+from commgate.model.schemes import SCHEMES
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Workload(Protocol):
     def step(self, k: int) -> float: ...
 
 
-REGISTRY: dict[str, str] = {
-    "ddp": "commgate.run.workloads.ddp:DDPWorkload",
-    "zero1": "commgate.run.workloads.zero:ZeroWorkload",
-    "zero2": "commgate.run.workloads.zero:ZeroWorkload",
-    "zero3": "commgate.run.workloads.zero:ZeroWorkload",
-    "zero++": "commgate.run.workloads.zero:ZeroWorkload",
-    "tp": "commgate.run.workloads.tp:TPWorkload",
-    "pp": "commgate.run.workloads.pp:PipelineWorkload",
-    "3d": "commgate.run.workloads.pp:PipelineWorkload",
-    "moe": "commgate.run.workloads.moe:MoEWorkload",
-}
+class WorkloadFactory(Protocol):
+    """A workload class, or a user's ``module:function`` (``workload:`` in the scenario)."""
+
+    def __call__(self, scenario: Scenario, *, rank: int, device: torch.device) -> Workload: ...
 
 
 def skip_reason(scenario: Scenario, *, gpus: bool) -> str | None:
@@ -38,20 +34,13 @@ def skip_reason(scenario: Scenario, *, gpus: bool) -> str | None:
         return "needs GPUs (marker gpu or backend nccl); this machine has none"
     if scenario.workload is not None:
         return None
-    if par.scheme not in REGISTRY:
-        return f"no runnable workload for scheme {par.scheme!r} yet"
     if par.scheme == "zero++" and (par.zero.qwz or par.zero.qgz) and (not gpus or scenario.backend == "gloo"):
         return "ZeRO++ qwZ/qgZ run on GPUs only: DeepSpeed's quantizer has no CPU kernel (hpZ alone runs on CPU)"
     return None
 
 
-def resolve(scheme: str, workload: str | None = None) -> Any:
+def resolve(scheme: str, workload: str | None = None) -> WorkloadFactory:
     """The workload class (or a user's ``module:function``) for a scheme."""
-    target = workload or REGISTRY.get(scheme)
-    if target is None:
-        raise CommgateError(
-            f"scheme {scheme!r} has no runnable workload yet (runnable: {', '.join(sorted(REGISTRY))}); "
-            "`commgate predict` covers it"
-        )
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    module, _, attr = (workload or SCHEMES[scheme].workload).partition(":")
+    factory: WorkloadFactory = getattr(importlib.import_module(module), attr)
+    return factory

@@ -1,0 +1,83 @@
+"""One scenario's life, the same whatever started it (``commgate run``, ``torchrun -m commgate run``, the
+pytest gate): predict -> run -> reconcile -> time model -> judge -> ``ScenarioResult``.
+
+The entry points only adapt: they choose a ``Runner`` (``commgate.run.runners``) and ``Options``, print
+or raise what the result says, and add it to a report. A field added to the result here (a reason, a
+finding) so reaches every output at once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from commgate.judge.gate import UPDATE_FLAG, against_model, judge
+from commgate.judge.reconcile import reconcile
+from commgate.model.predict import predict
+from commgate.model.scenario import Backend, Scenario
+from commgate.report.report import ScenarioResult
+from commgate.report.timemodel import assess
+from commgate.run.launcher import RunError
+from commgate.run.runners import Runner
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    baseline_dir: Path = Path("baselines")
+    """Baselines (``{backend}/{id}.json``) and bandwidth curves (``bandwidth-{backend}.json``)."""
+    gate: bool = True
+    """Judge as the regression gate does (model, paper, baseline, drift); else against the model only."""
+    update_baselines: bool = False
+    update_flag: str = UPDATE_FLAG
+    """The flag a failure names as the way to accept a change."""
+    backend: Backend | None = None
+    """Run on this backend instead of the one the scenario declares."""
+
+
+def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> ScenarioResult | None:
+    """The result of running ``scenario`` with ``runner`` (None on a torchrun rank that does not report).
+    Every result carries its status, its findings and, unless it passed, the reason."""
+    started = time.monotonic()
+    if options.backend:
+        scenario = replace(scenario, backend=options.backend)
+    prediction = predict(scenario)
+
+    def result(**kw: object) -> ScenarioResult:
+        return ScenarioResult(prediction=prediction, wall_s=time.monotonic() - started, **kw)  # type: ignore[arg-type]
+
+    if reason := runner.skip_reason(scenario):
+        return result(status="skipped", reason=reason)
+    try:
+        capture = runner.run(scenario)
+    except RunError as exc:
+        return result(status="error", reason=str(exc))
+    if capture is None:
+        return None
+    rec = reconcile(prediction, capture)
+    baseline, written = None, None
+    if options.gate:
+        j = judge(
+            scenario,
+            prediction,
+            capture,
+            rec,
+            options.baseline_dir,
+            update=options.update_baselines,
+            update_flag=options.update_flag,
+        )
+        findings, baseline, written = j.findings, j.baseline, j.written
+    else:
+        finding = against_model(scenario, rec)
+        findings = (finding,) if finding else ()
+    failing = [f for f in findings if f.fail]
+    return result(
+        status="failed" if failing else "passed",
+        reason="\n".join(f.text() for f in failing),
+        findings=findings,
+        baseline=baseline,
+        baseline_written=written,
+        capture=capture,
+        reconciliation=rec,
+        time_model=assess(prediction, capture, options.baseline_dir),
+    )
