@@ -48,3 +48,11 @@ def test_load_and_predict_default_suite(benchmark: Any) -> None:
 
     root = Path(__file__).resolve().parents[1] / "scenarios"
     benchmark(lambda: [predict(s) for s in load_paths([root])])
+
+
+@pytest.mark.parametrize("scheme", ["zero3", "zero2", "ddp"])
+def test_predict_13b_at_1024_gpus(benchmark: Any, scheme: str) -> None:
+    """Goal (issue 11): a full-size config, 13B on 1024 GPUs with accumulation, predicted in under 50 ms
+    (cold caches: the parameter inventory and the layout are rebuilt every round)."""
+    s = scenario(scheme=scheme, dp=1024, micro_batches=4, activation_checkpointing=True)
+    benchmark.pedantic(run, args=(s,), setup=clear_caches, rounds=20)

@@ -149,7 +149,7 @@ MODELS = [
     "19M-cpu",
     "13B",
     {"preset": "125M-cpu", "tied_embeddings": True},
-    {"preset": "1.3B-cpu", "position": "rotary", "x": 8, "dtype": "bf16"},
+    {"preset": "1.3B-cpu", "position": "rotary", "x": 8, "dtype": "fp16"},
 ]
 
 

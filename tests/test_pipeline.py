@@ -80,3 +80,15 @@ def test_the_backend_override_reaches_the_runner(tmp_path: Path) -> None:
 
     run_scenario(scenario(), Spy(), Options(baseline_dir=tmp_path, backend="gloo"))
     assert seen == ["gloo"]
+
+
+def test_baseline_only_mode_says_the_model_was_not_checked(tmp_path: Path) -> None:
+    (s,) = load_text(TEXT + "expectations: {model: {check: false}}\n")
+    for gate in (True, False):
+        r = run_scenario(s, Stub(capture=silent(s)), Options(baseline_dir=tmp_path / str(gate), gate=gate))
+        assert r is not None and not any(f.fail and f.kind in ("model", "paper") for f in r.findings)
+        assert any("the model was not checked" in f.title for f in r.findings)
+        assert "the model was not checked" in r.summary()
+        assert "unexplained" not in r.summary()
+    # under the gate, the first run writes the baseline (and fails on that alone, as every first run does)
+    assert (tmp_path / "True" / "gloo" / "p.json").exists()

@@ -362,3 +362,14 @@ def test_cli_run_gate_judges_against_baselines_like_pytest(tmp_path: Path, capsy
     assert main([*argv, "--update-baselines"]) == 0
     assert main(argv) == 0
     assert main(["run", str(f), "--update-baselines"]) == 2
+
+
+def test_a_stale_extension_build_lock_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from commgate.run.launcher import stale_build_locks
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert stale_build_locks() == []
+    lock = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    assert stale_build_locks() == [lock]

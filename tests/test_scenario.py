@@ -92,3 +92,14 @@ def test_an_empty_directory_is_an_error(tmp_path: Path) -> None:
 def test_a_missing_file_is_a_one_line_error(tmp_path: Path) -> None:
     with pytest.raises(ScenarioError, match=r"nope\.yaml: \$: cannot read"):
         load_paths([tmp_path / "nope.yaml"])
+
+
+def test_what_the_model_does_not_cover_yet_is_a_one_line_error() -> None:
+    head = "schema_version: 1\nname: x\nmodel: {preset: 19M-cpu, dtype: bf16}\n"
+    with pytest.raises(ScenarioError, match=r"\$\.model\.dtype: bf16: the communication of the pipeline engine"):
+        load_text(head + "parallelism: {scheme: pp, pp: 2}\n")
+    # the baseline-only mode takes what the model cannot describe
+    (s,) = load_text(head + "parallelism: {scheme: pp, pp: 2}\nexpectations: {model: {check: false}}\n")
+    assert not s.expectations.model_check
+    with pytest.raises(ScenarioError, match=r"zero\.bucket_elements: 2001: DeepSpeed's ZeRO-1/2 need an even bucket"):
+        load_text(head + "parallelism: {scheme: zero1, dp: 2, zero: {bucket_elements: 2001}}\n")

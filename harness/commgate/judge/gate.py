@@ -78,6 +78,23 @@ def against_model(s: Scenario, rec: Reconciliation) -> Finding | None:
     return Finding("model", True, "measured communication differs from the per-collective model", tuple(lines))
 
 
+def unchecked() -> Finding:
+    """What the baseline-only mode says instead of the model's verdict (never a failure)."""
+    return Finding(
+        "model",
+        False,
+        "the model was not checked (expectations.model.check: false): only the baseline and drift gate this run",
+    )
+
+
+def model_findings(s: Scenario, rec: Reconciliation) -> tuple[Finding, ...]:
+    """The model's verdict alone (``commgate run`` without ``--gate``)."""
+    if not s.expectations.model_check:
+        return (unchecked(),)
+    f = against_model(s, rec)
+    return (f,) if f else ()
+
+
 def against_paper(s: Scenario, prediction: Prediction) -> Finding | None:
     lines = []
     for c in prediction.comparison():
@@ -149,7 +166,8 @@ def evaluate(
     update_flag: str = UPDATE_FLAG,
 ) -> Verdict:
     v = Verdict()
-    for f in (against_model(s, rec), against_paper(s, prediction), cold_start(s, capture)):
+    checks = (against_model(s, rec), against_paper(s, prediction)) if s.expectations.model_check else (unchecked(),)
+    for f in (*checks, cold_start(s, capture)):
         if f is not None:
             v.findings.append(f)
     if stored is not None:

@@ -116,6 +116,12 @@ class ExpectedCollective:
         """Volume per rank per step by the paper's definition of the op."""
         return self.bytes_per_step * OPS[self.op].paper(self.group_size)
 
+    def issued_by(self, rank: int) -> bool:
+        """Whether ``rank`` issues this row (``rank in participants()``, without building the set)."""
+        if OPS[self.op].p2p:
+            return any(g[0] == rank for g in self.groups)
+        return any(rank in g for g in self.groups)
+
     def participants(self) -> frozenset[int]:
         """Ranks that issue this row (for send/recv, the rank that calls send or recv)."""
         if OPS[self.op].p2p:
@@ -243,12 +249,13 @@ class Prediction:
 
     def comparison(self) -> tuple[TermComparison, ...]:
         out = []
-        members = {id(c): c.participants() for c in self.steady if c.paper_term is not None}
         for term in self.paper_terms:
-            model = Fraction(0)
+            # message bytes per (op, group size), summed as integers, weighted by the paper's factor once
+            counted: Counter[tuple[Op, int]] = Counter()
             for c in self.steady:
                 if c.paper_term == term.equation:
-                    model += c.paper_bytes_per_step * len(term.ranks & members[id(c)])
+                    counted[c.op, c.group_size] += c.bytes_per_step * sum(1 for r in term.ranks if c.issued_by(r))
+            model = sum((OPS[op].paper(n) * b for (op, n), b in counted.items()), Fraction(0))
             residuals = tuple(r for r in self.residuals if r.term == term.equation)
             out.append(TermComparison(term=term, model_bytes=model, residuals=residuals))
         return tuple(out)
@@ -256,7 +263,7 @@ class Prediction:
     def not_in_paper(self, rank: int = 0) -> tuple[tuple[str, int], ...]:
         """(source, bytes per step on ``rank``) of the steady rows no paper equation covers."""
         return tuple(
-            (c.source, c.bytes_per_step) for c in self.steady if c.paper_term is None and rank in c.participants()
+            (c.source, c.bytes_per_step) for c in self.steady if c.paper_term is None and c.issued_by(rank)
         )
 
     def job_bytes_per_step(self) -> int:

@@ -132,6 +132,19 @@ def stage_of_layer(layer: int, L: int, p: int) -> int:
     return layer // (L // p)
 
 
+def forward_modules(m: ModelSpec) -> int:
+    """How many modules of the built-in decoder (``commgate.run.workloads.gpt.GPT``) run a forward: the
+    model, the embedding block with its word (and learned position) embedding, per layer the layer, two
+    norms, attention with its two projections and the MLP with its two, the final norm and (untied) the
+    output layer. Containers that never run (``nn.ModuleList``) are not counted. ZeRO-3's trace records
+    each of them once in the forward and once in the backward."""
+    return 3 + (m.position == "learned") + LAYER_MODULES * m.L + 1 + (not m.tied_embeddings)
+
+
+LAYER_MODULES = 9
+"""Modules of one decoder layer: the layer, two norms, attention with two projections, the MLP with two."""
+
+
 @functools.cache
 def inventory(m: ModelSpec, *, experts: int = 0, moe_every: int = 1) -> tuple[ParamTensor, ...]:
     """Every parameter tensor, in module order.

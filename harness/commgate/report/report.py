@@ -114,6 +114,10 @@ class ScenarioResult:
         if r is None:
             return f"{head}: {self.reason}" if self.reason else head
         lines = [head]
+        if not s.expectations.model_check:
+            lines += [f"    {o.op:<15} measured {human_bytes(o.measured_bytes):>11}/step" for o in r.ops]
+            lines += [f"    {line}" for f in self.findings for line in f.text().splitlines()]
+            return "\n".join(lines)
         for o in r.ops:
             extra = f" + {human_bytes(sum((b for _, b in o.residuals), Fraction(0)))} named" if o.residuals else ""
             lines.append(
@@ -129,7 +133,7 @@ class ScenarioResult:
         if r.traffic_measured != r.traffic_predicted:
             lines.append("    traffic matrix differs from the prediction (see report.json)")
         for f in self.findings:
-            if f.kind != "model":  # the model's differences are the lines above
+            if not (f.kind == "model" and f.fail):  # the model's differences are the lines above
                 lines += [f"    {line}" for line in f.text().splitlines()]
         if self.baseline_written:
             lines.append(f"    {self.baseline_written}")

@@ -57,6 +57,7 @@ PRELOAD = (
 # after that could not use it. It is preloaded only where no GPU is visible.
 PRELOAD_CPU = (
     "deepspeed",
+    "commgate.run.deepspeed_ops",
     "deepspeed.pipe",
     "deepspeed.moe.layer",
     "deepspeed.runtime.zero.muon.muon_optimizer",  # imported by deepspeed.initialize; it compiles (inductor)
@@ -137,11 +138,25 @@ def _log_tail(tmp: Path, rank: int, lines: int = 20) -> str:
 
 def _hang_report(scenario: Scenario, tmp: Path, waited: float) -> str:
     lines = [f"{scenario.id}: deadline of {waited:g} s passed; the last call each rank issued:"]
+    idle = 0
     for r in range(scenario.world_size):
         status = tmp / f"rank{r}.status"
         text = status.read_text(errors="replace").strip() if status.exists() else ""
         lines.append(f"  rank {r}: {'in ' + text if text else 'no call issued yet'}")
+        idle += not text
+    if idle:
+        lines += [
+            f"  {lock}: a build lock of torch's C++ extensions, which a killed build leaves behind and every "
+            "later build then waits for; delete it if no build is running"
+            for lock in stale_build_locks()
+        ]
     return "\n".join(lines)
+
+
+def stale_build_locks() -> list[Path]:
+    """Lock files in torch's C++-extension build directories (``TORCH_EXTENSIONS_DIR``)."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    return sorted(root.glob("*/*/lock")) + sorted(root.glob("*/lock"))
 
 
 def launch_local(

@@ -36,6 +36,8 @@ class Scheme:
     components: tuple[Component, ...]
     workload: str
     """``module:attribute`` of the training workload that runs it (imported only when it runs)."""
+    deepspeed: bool = True
+    """Trained by a DeepSpeed engine (else by torch alone)."""
     zero_stage: int | None = None
     """The ZeRO stage the scheme implies; None: the scenario's ``zero.stage`` (0 unless given)."""
     zero: bool = True
@@ -65,6 +67,7 @@ SCHEMES: dict[str, Scheme] = {
             summary="torch DistributedDataParallel",
             components=(_DDP,),
             workload=f"{_WL}.ddp:DDPWorkload",
+            deepspeed=False,
             zero=False,
         ),
         Scheme(name="zero1", summary="DeepSpeed ZeRO stage 1", components=(_Z12,), workload=_ZERO_WL, zero_stage=1),
@@ -83,6 +86,7 @@ SCHEMES: dict[str, Scheme] = {
             summary="tensor parallelism on torch DTensor (DDP over dp)",
             components=(_TP, _DDP),
             workload=f"{_WL}.tp:TPWorkload",
+            deepspeed=False,
             min_dp=1,
             tensor=True,
         ),

@@ -6,23 +6,38 @@ bucket_elements``, ZeRO-3 releasing parameters after use and prefetching nothing
 ZeRO-1/2 (``stage_1_and_2.py``)
 * Construction: ``_broadcast_model`` broadcasts every parameter from rank 0, as bytes (a uint8 view).
 * Backward: gradients are reduced with **all-reduce** (not the reduce-scatter Eq. 2 assumes), in
-  buckets filled in gradient-ready order (reverse registration) and flushed before one would pass
-  ``reduce_bucket_size`` elements.
-* Optimizer: the gradient norm is all-reduced (one fp32), then the updated fp32 partitions are
-  all-gathered into the flat parameter buffer (one call).
+  buckets flushed before one would pass ``reduce_bucket_size`` elements: ZeRO-2 as the gradients become
+  ready (reverse registration), ZeRO-1 at the accumulation boundary in registration order.
+* Optimizer: the gradient norm is all-reduced (one fp32, whatever the parameters' dtype), with bf16 or
+  fp16 parameters also an overflow flag (one uint8); then the updated partitions (kept in fp32, the
+  master weights) are all-gathered into the flat parameter buffer in the parameters' dtype (one call).
 
 ZeRO-3 (``stage3.py``, ``partitioned_param_coordinator.py``)
 * Construction: every parameter is broadcast twice as bytes and all-gathered once; three barriers.
 * Each step: every module's own parameters are all-gathered before its forward and again before its
-  backward (one call per module, its parameters coalesced); the gradients are reduce-scattered in
+  backward (one call per module, its parameters coalesced); with activation checkpointing each layer's
+  recompute gathers its modules once more, all but the last (``recomputed``); the gradients are reduce-scattered in
   buckets as above; the gradient norm is all-reduced (one float64).
-* Steps 0 and 1 also carry the coordinator's trace broadcasts (int64): step 0 one of 1 element and one
-  empty; step 1 three of 1 element, one of 3 x (modules with parameters), two of 2 x (parameters).
+* Steps 0 and 1 also carry the coordinator's trace broadcasts (int64, ``assert_ints_same_as_other_ranks``
+  in ``partitioned_param_coordinator.reset_step``): step 0 one of 1 element and one empty; step 1 three of
+  1 element, one of the recorded module order (every module that runs, once in the forward and once in
+  the backward) and two of the parameter order (each module's parameters, in the forward and the
+  backward; a tied output layer uses the word embedding as an external parameter).
 
 ZeRO++ (the same engine with ``zero_hpz_partition_size``): hpZ keeps a secondary copy of the
 parameters partitioned within groups of hpz ranks, and the backward all-gathers come from it, over those
-groups; everything else is ZeRO-3's. Its quantized weights and gradients (qwZ, qgZ) run on GPUs only
-(DeepSpeed's quantizer has no CPU kernel); for them the paper-level ZeRO++ model stands.
+groups, as do the forward all-gathers of a step's later micro-batches (only the first forward after the
+optimizer step gathers the primary partition); everything else is ZeRO-3's. Its quantized weights and
+gradients (qwZ, qgZ) run on GPUs only (DeepSpeed's quantizer has no CPU kernel); for them the paper-level
+ZeRO++ model stands.
+
+Gradient accumulation (m = ``gradient_accumulation_steps`` > 1, ``engine.backward`` per micro-batch,
+``engine.step`` after each): ZeRO-1 reduces the accumulated gradients once, at the boundary; ZeRO-2
+reduces every micro-batch's gradients as they are produced (its hooks fire in every backward); ZeRO-3
+gathers every module's parameters in every micro-batch's forward and backward and reduce-scatters every
+micro-batch's gradients. The gradient norm, and ZeRO-1/2's all-gather of the updated partitions, happen
+once per step. ZeRO-3's coordinator counts micro-batches: its trace broadcasts of micro-batches 0 and 1
+fall in steps 0 and 1 // m. The volume beyond one micro-batch is the named term "gradient accumulation".
 
 Partition padding: ZeRO-1/2 pad their flat buffer to a multiple of 2 x d elements, ZeRO-3 each
 parameter to a multiple of d; the padded sizes are what is gathered and reduce-scattered, and the
@@ -31,25 +46,43 @@ difference to Eq. 2/3 is the named term "partition padding".
 
 from __future__ import annotations
 
+import itertools
+from collections import Counter
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
-from commgate.model.collectives import Op
+from commgate.model.collectives import OPS, Op
 from commgate.model.expectation import Context, ExpectedCollective, Phase, Residual
 from commgate.model.schemes._common import padded
 from commgate.model.schemes.data_parallel import DataParallel
-from commgate.model.schemes.ddp import coalesced_chunks
 from commgate.model.schemes.zero3 import Zero3
-from commgate.model.transformer import ParamTensor
+from commgate.model.transformer import LAYER_MODULES, ParamTensor, forward_modules
 
 
 def modules(params: tuple[ParamTensor, ...], over: int = 1) -> list[int]:
     """Parameters per module that owns parameters, in registration order (``a.b.weight`` -> ``a.b``),
     each parameter padded to a multiple of ``over`` (its ZeRO-3 partitioning)."""
-    sizes: dict[str, int] = {}
+    return [size for size, _ in _owners(params, over)]
+
+
+def recomputed(params: tuple[ParamTensor, ...], over: int = 1) -> list[int]:
+    """The modules whose parameters a layer's activation-checkpoint recompute gathers again in the
+    backward: every module of a layer that owns parameters but the layer's last (its output projection,
+    still gathered for its own backward, where torch's non-reentrant recompute stops)."""
+    out: list[int] = []
+    for layer in sorted({p.layer for p in params if p.block == "layer" and p.layer is not None}):
+        owned = _owners(tuple(p for p in params if p.block == "layer" and p.layer == layer), over)
+        out += [size for size, _ in owned[:-1]]
+    return out
+
+
+def _owners(params: tuple[ParamTensor, ...], over: int) -> list[tuple[int, int]]:
+    """(padded elements, parameter count) per owning module, in registration order."""
+    sizes: dict[str, tuple[int, int]] = {}
     for p in params:
         owner = p.name.rsplit(".", 1)[0]
-        sizes[owner] = sizes.get(owner, 0) + padded(p.numel, over)
+        size, count = sizes.get(owner, (0, 0))
+        sizes[owner] = (size + padded(p.numel, over), count + 1)
     return list(sizes.values())
 
 
@@ -59,18 +92,58 @@ def _padding(
     """The named term for partition padding: rank 0's paper-weighted bytes of the padded rows minus
     those of the same rows unpadded (none when nothing is padded)."""
 
-    def volume(rs: list[ExpectedCollective]) -> Fraction:
-        return sum(
-            (r.paper_bytes_per_step for r in rs if r.paper_term == term and not r.once and 0 in r.participants()),
-            Fraction(0),
-        )
-
-    extra = volume(rows) - volume(unpadded)
+    extra = _volume(rows, term) - _volume(unpadded, term)
     if not extra:
         return []
     d = ctx.scenario.parallelism.dp
     detail = f"DeepSpeed pads partitioned parameters so that each of the d={d} ranks holds an equal share"
     return [Residual(term=term, name="partition padding", bytes=extra, detail=detail)]
+
+
+def _accumulation(ctx: Context, term: str, component: DeepSpeedZero12 | DeepSpeedZero3) -> list[Residual]:
+    """The named terms for what the paper's one pass per step leaves out, each the model's own unpadded
+    rows differenced: the recompute's extra gathers (ZeRO-3 with activation checkpointing), then the
+    other m - 1 micro-batches (gradient accumulation)."""
+    par = ctx.scenario.parallelism
+
+    def at(**changes: object) -> Context:
+        return Context(scenario=replace(ctx.scenario, parallelism=replace(par, **changes)))  # type: ignore[arg-type]
+
+    def volume(c: Context) -> Fraction:
+        return _volume(component.collectives(c, pad=False, init=False), term)
+
+    what = "reduces gradients" if par.zero.stage < 3 else "gathers parameters and reduce-scatters gradients"
+    steps = [
+        (
+            at(micro_batches=1),
+            at(micro_batches=1, activation_checkpointing=False),
+            "activation-checkpoint recompute",
+            "each layer's recompute in the backward gathers its modules' parameters again",
+        ),
+        (
+            ctx,
+            at(micro_batches=1),
+            "gradient accumulation",
+            f"ZeRO-{par.zero.stage} {what} in each of the m={par.micro_batches} micro-batches; {term} counts one "
+            "pass a step",
+        ),
+    ]
+    out = []
+    for now, before, name, detail in steps:
+        extra = volume(now) - volume(before)
+        if extra:
+            out.append(Residual(term=term, name=name, bytes=extra, detail=detail))
+    return out
+
+
+def _volume(rows: list[ExpectedCollective], term: str) -> Fraction:
+    """Rank 0's paper-weighted bytes per step of the rows that count towards ``term`` (message bytes
+    summed as integers per op and group size, weighted by the paper's factor once)."""
+    counted: Counter[tuple[Op, int]] = Counter()
+    for r in rows:
+        if r.paper_term == term and not r.once and r.issued_by(0):
+            counted[r.op, r.group_size] += r.bytes_per_step
+    return sum((OPS[op].paper(n) * b for (op, n), b in counted.items()), Fraction(0))
 
 
 def _init_broadcasts(
@@ -106,32 +179,121 @@ def _init_row(ctx: Context, op: Op) -> ExpectedCollective:
     )
 
 
+MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
+"""The bucket of DeepSpeed's engine when no ZeRO optimizer reduces (``engine.allreduce_gradients``)."""
+
+
+def reduction_buckets(sizes: list[int], stage: int, limit: int, d: int) -> list[int]:
+    """Elements per gradient all-reduce of DeepSpeed's engine for one parameter group, ``sizes`` in
+    registration order, reduced over ``d`` ranks. Stage 0 (the engine itself, ``allreduce_no_retain``):
+    registration order, a bucket sent once it has passed ``MEMORY_OPT_ALLREDUCE_SIZE`` (the zero config's
+    bucket size does not apply). ZeRO-1: registration order at the boundary; ZeRO-2: as gradients become
+    ready (reverse); both flushed before a gradient would take the bucket past ``limit``
+    (``reduce_bucket_size``), and a gradient larger than that reduced on its own in slices
+    (``oversized``)."""
+    out: list[int] = []
+    if stage == 0:
+        current = 0
+        for n in sizes:
+            current += n
+            if current > MEMORY_OPT_ALLREDUCE_SIZE:
+                out.append(current)
+                current = 0
+        return [*out, current] if current else out
+    order = list(range(len(sizes))) if stage == 1 else list(reversed(range(len(sizes))))
+    bucket: list[int] = []
+    for i in order:
+        if bucket and sum(sizes[j] for j in bucket) + sizes[i] > limit:
+            out += _sent(sizes, bucket, limit, d)
+            bucket = []
+        bucket.append(i)
+    return out + _sent(sizes, bucket, limit, d) if bucket else out
+
+
+def _sent(sizes: list[int], bucket: list[int], limit: int, d: int) -> list[int]:
+    if len(bucket) == 1 and sizes[bucket[0]] > limit:
+        return oversized(sizes, bucket[0], limit, d)
+    return [sum(sizes[j] for j in bucket)]
+
+
+def oversized(sizes: list[int], index: int, limit: int, d: int) -> list[int]:
+    """ZeRO-1/2's reduction of a gradient larger than ``reduce_bucket_size`` (``average_tensor`` with
+    ``reduce_scatter`` and multi-rank bucket all-reduce, DeepSpeed's defaults): the gradient is cut where
+    the flat buffer's partitions (one per data-parallel rank; the buffer holds the group's parameters in
+    registration order, padded to a multiple of 2 x d) begin, and the slices are all-reduced in groups, a
+    group sent as soon as it passes the bucket size."""
+    start, n = sum(sizes[:index]), sizes[index]
+    size = padded(sum(sizes), 2 * d) // d
+    cuts = [start, *(k * size for k in range(1, d) if start < k * size < start + n), start + n]
+    out, group = [], 0
+    for a, b in itertools.pairwise(cuts):
+        group += b - a
+        if group > limit:
+            out.append(group)
+            group = 0
+    return [*out, group] if group else out
+
+
+def _ready_order(params: tuple[ParamTensor, ...]) -> list[ParamTensor]:
+    """The order gradients reach ZeRO-3's reduction: a module's gradients together, modules in reverse
+    order, each module's parameters in registration order (a linear layer's weight, then bias)."""
+    owners: dict[str, list[ParamTensor]] = {}
+    for p in params:
+        owners.setdefault(p.name.rsplit(".", 1)[0], []).append(p)
+    return [p for group in reversed(owners.values()) for p in group]
+
+
 def _gradient_buckets(ctx: Context, over: int = 1) -> list[int]:
-    z = ctx.scenario.parallelism.zero
-    return coalesced_chunks([padded(p.numel, over) for p in reversed(ctx.params)], z.bucket_elements)
+    """Elements of each gradient reduction, in gradient-ready order (``_ready_order``). ZeRO-1/2: as
+    ``reduction_buckets``. ZeRO-3: a bucket is flushed before a gradient whose own (unpadded) size would
+    take it past ``reduce_bucket_size``, and each gradient is sent padded to a multiple of ``over``."""
+    par = ctx.scenario.parallelism
+    if par.zero.stage < 3:
+        return reduction_buckets([p.numel for p in ctx.params], par.zero.stage, par.zero.bucket_elements, par.dp)
+    limit = par.zero.bucket_elements
+    out, current, sent = [], 0, 0
+    for p in _ready_order(ctx.params):
+        if current and current + p.numel > limit:
+            out.append(sent)
+            current = sent = 0
+        current += p.numel
+        sent += padded(p.numel, over)
+    if current:
+        out.append(sent)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
 class DeepSpeedZero12(DataParallel):
-    def collectives(self, ctx: Context, *, pad: bool = True) -> list[ExpectedCollective]:
+    def collectives(self, ctx: Context, *, pad: bool = True, init: bool = True) -> list[ExpectedCollective]:
+        """``init=False`` leaves out the once-per-run rows (the residuals difference only per-step ones)."""
         zs, d = ctx.scenario.parallelism.zero.stage, ctx.scenario.parallelism.dp
         base = _init_row(ctx, Op.ALL_REDUCE)
-        rows = _init_broadcasts(ctx, base, 1)
+        rows = _init_broadcasts(ctx, base, 1) if init else []
         step = replace(base, once=False, phase=Phase.BACKWARD, paper_term="Eq. 2")
+        per_step = ctx.scenario.parallelism.micro_batches if zs >= 2 else 1  # ZeRO-1: at the boundary only
         for i, b in enumerate(buckets := _gradient_buckets(ctx)):
             rows.append(
-                replace(step, elements=b, source=f"ZeRO-{zs} gradient all-reduce, bucket {i} of {len(buckets)}")
+                replace(
+                    step,
+                    elements=b,
+                    calls=per_step,
+                    source=f"ZeRO-{zs} gradient all-reduce, bucket {i} of {len(buckets)}",
+                )
             )
-        rows.append(
-            replace(
-                step,
-                op=Op.ALL_REDUCE,
-                elements=1,
-                phase=Phase.OPTIMIZER,
-                paper_term=None,
-                source=f"ZeRO-{zs} gradient-norm all-reduce",
-            )
+        norm = replace(
+            step,
+            op=Op.ALL_REDUCE,
+            dtype="fp32",  # the norm is computed in fp32 whatever the parameters' dtype
+            elements=1,
+            calls=1,
+            phase=Phase.OPTIMIZER,
+            paper_term=None,
+            source=f"ZeRO-{zs} gradient-norm all-reduce (fp32)",
         )
+        rows.append(norm)
+        if ctx.scenario.model.dtype != "fp32":  # mixed precision: the overflow check of the 16-bit gradients
+            rows.append(replace(norm, dtype="uint8", source=f"ZeRO-{zs} gradient overflow check (uint8)"))
         rows.append(
             replace(
                 step,
@@ -153,43 +315,65 @@ class DeepSpeedZero12(DataParallel):
             detail="DeepSpeed reduces ZeRO-1/2 gradients with all_reduce (2N(d-1)/d); Eq. 2 assumes "
             "reduce_scatter (N(d-1)/d) + all_gather",
         )
-        padding = _padding(ctx, "Eq. 2", self.collectives(ctx), self.collectives(ctx, pad=False))
-        return [*DataParallel.residuals(self, ctx), extra, *padding]
+        padding = _padding(
+            ctx, "Eq. 2", self.collectives(ctx, init=False), self.collectives(ctx, pad=False, init=False)
+        )
+        return [*DataParallel.residuals(self, ctx), extra, *_accumulation(ctx, "Eq. 2", self), *padding]
 
 
 @dataclass(frozen=True, slots=True)
 class DeepSpeedZero3(Zero3):
-    def collectives(self, ctx: Context, *, pad: bool = True) -> list[ExpectedCollective]:
+    def collectives(self, ctx: Context, *, pad: bool = True, init: bool = True) -> list[ExpectedCollective]:
+        """``init=False`` leaves out the once-per-run rows (the residuals difference only per-step ones)."""
         z, d = ctx.scenario.parallelism.zero, ctx.scenario.parallelism.dp
         if z.qwz or z.qgz:  # quantized collectives: DeepSpeed runs them on GPUs only; the plain model
             return Zero3.collectives(self, ctx)
         over = d if pad else 1  # each parameter is partitioned (padded) on its own
         base = _init_row(ctx, Op.ALL_GATHER)
-        rows = _init_broadcasts(ctx, base, 2)
+        rows = _init_broadcasts(ctx, base, 2) if init else []
         rows += [
             replace(base, elements=padded(p.numel, over), source="ZeRO-3 initial all-gather (per parameter)")
-            for p in ctx.params
+            for p in (ctx.params if init else ())
         ]
         rows.append(replace(base, op=Op.BARRIER, dtype="none", calls=3, source="ZeRO-3 construction barriers"))
         trace = replace(base, op=Op.BROADCAST, dtype="int64", phase=Phase.FORWARD, source="ZeRO-3 trace broadcast")
-        n_modules = len(modules(ctx.params))
+        model, par = ctx.scenario.model, ctx.scenario.parallelism
+        traced_modules = 2 * forward_modules(model)
+        traced_params = 2 * (len(ctx.params) + model.tied_embeddings)  # a tied output layer: the word embedding
+        if par.activation_checkpointing:  # the recompute runs every layer's modules again
+            traced_modules += LAYER_MODULES * model.L
+            traced_params += sum(1 for p in ctx.params if p.block == "layer")
+        m = par.micro_batches
+        second = 1 // m  # the step of the coordinator's second micro-batch
         rows += [
             replace(trace, elements=1, at_step=0),
             replace(trace, elements=0, at_step=0),
-            replace(trace, elements=1, calls=3, at_step=1),
-            replace(trace, elements=3 * n_modules, at_step=1),
-            replace(trace, elements=2 * len(ctx.params), calls=2, at_step=1),
+            replace(trace, elements=1, calls=3, at_step=second),
+            replace(trace, elements=traced_modules, at_step=second),
+            replace(trace, elements=traced_params, calls=2, at_step=second),
         ]
-        step = replace(base, once=False, phase=Phase.FORWARD, paper_term="Eq. 3")
+        step = replace(base, once=False, phase=Phase.FORWARD, paper_term="Eq. 3", calls=m)
         # ZeRO++ hpZ: the backward gathers from the secondary partition, within hpz ranks
         hpz = {"axis": "hpz", "groups": ctx.layout.hpz_groups()} if z.hpz > 1 else {}
-        for phase, where, groups in ((Phase.FORWARD, "", {}), (Phase.BACKWARD, ", hpZ" if hpz else "", hpz)):
-            for size in modules(ctx.params, over):
+        # (with hpZ, only a step's first forward gathers the primary partition, updated by the optimizer; the
+        # later micro-batches' forwards gather the secondary one, as every backward does)
+        passes = (
+            [(Phase.FORWARD, "", {}, 1), (Phase.FORWARD, ", hpZ", hpz, m - 1), (Phase.BACKWARD, ", hpZ", hpz, m)]
+            if hpz
+            else [(Phase.FORWARD, "", {}, m), (Phase.BACKWARD, "", {}, m)]
+        )
+        if par.activation_checkpointing:
+            passes.append((Phase.BACKWARD, ", hpZ, recompute" if hpz else ", recompute", hpz, m))
+        for phase, where, groups, calls in passes:
+            if not calls:
+                continue
+            for size in recomputed(ctx.params, over) if where.endswith("recompute") else modules(ctx.params, over):
                 rows.append(
                     replace(
                         step,
                         phase=phase,
                         elements=size,
+                        calls=calls,
                         source=f"ZeRO-3 module parameter all-gather ({phase}{where})",
                         **groups,  # type: ignore[arg-type]
                     )
@@ -202,6 +386,7 @@ class DeepSpeedZero3(Zero3):
                     phase=Phase.BACKWARD,
                     elements=b,
                     source=f"ZeRO-3 gradient reduce-scatter, bucket {i} of {len(buckets)}",
+                    calls=m,
                 )
             )
         rows.append(
@@ -210,6 +395,7 @@ class DeepSpeedZero3(Zero3):
                 op=Op.ALL_REDUCE,
                 dtype="float64",
                 elements=1,
+                calls=1,
                 phase=Phase.OPTIMIZER,
                 paper_term=None,
                 source="ZeRO-3 gradient-norm all-reduce (float64)",
@@ -218,5 +404,7 @@ class DeepSpeedZero3(Zero3):
         return rows
 
     def residuals(self, ctx: Context) -> list[Residual]:
-        padding = _padding(ctx, "Eq. 3", self.collectives(ctx), self.collectives(ctx, pad=False))
-        return [*Zero3.residuals(self, ctx), *padding]
+        padding = _padding(
+            ctx, "Eq. 3", self.collectives(ctx, init=False), self.collectives(ctx, pad=False, init=False)
+        )
+        return [*Zero3.residuals(self, ctx), *_accumulation(ctx, "Eq. 3", self), *padding]

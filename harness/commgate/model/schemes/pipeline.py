@@ -139,14 +139,14 @@ class PipelineParallel:
 @dataclass(frozen=True, slots=True)
 class PipelineDataParallel(DataParallel):
     """The pipeline engine's data-parallel side, per stage: the parameters broadcast as bytes at
-    construction, then every step one all-reduce of the stage's gradients (buckets of
-    ``reduce_bucket_size``) and one of its gradient norm, and on the last stage, when dp > 1, one of the
-    loss. The engine issues these even when the data-parallel group has a single rank (they then move
-    nothing). With ZeRO-1 each stage's updated partitions are all-gathered after the step."""
+    construction, then every step the all-reduce of the stage's gradients (buckets as
+    ``deepspeed_zero.reduction_buckets``: the engine's own at stage 0, ZeRO-1's ``reduce_bucket_size``)
+    and one of its gradient norm, and on the last stage, when dp > 1, one of the loss. The engine issues
+    these even when the data-parallel group has a single rank (they then move nothing). With ZeRO-1
+    each stage's updated partitions are all-gathered after the step (not in a group of one rank)."""
 
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
-        from commgate.model.schemes.ddp import coalesced_chunks
-        from commgate.model.schemes.deepspeed_zero import _init_broadcasts
+        from commgate.model.schemes.deepspeed_zero import _init_broadcasts, reduction_buckets
 
         par = ctx.scenario.parallelism
         rows: list[ExpectedCollective] = []
@@ -160,8 +160,8 @@ class PipelineDataParallel(DataParallel):
                 for r in _init_broadcasts(ctx, base, 1, params=stage_params)
             ]
             step = replace(base, op=Op.ALL_REDUCE, once=False, phase=Phase.PIPELINE, paper_term=term)
-            shards = [p.numel_per_tp_rank(par.tp) for p in reversed(stage_params)]
-            buckets = coalesced_chunks(shards, par.zero.bucket_elements)
+            shards = [p.numel_per_tp_rank(par.tp) for p in stage_params]
+            buckets = reduction_buckets(shards, par.zero.stage, par.zero.bucket_elements, par.dp)
             for i, b in enumerate(buckets):
                 rows.append(
                     replace(
@@ -184,7 +184,8 @@ class PipelineDataParallel(DataParallel):
                         step, elements=1, paper_term=None, source="PP loss all-reduce over data parallel (last stage)"
                     )
                 )
-            if par.zero.stage == 1:  # the engine's ZeRO-1 optimizer: the updated partitions gathered back
+            if par.zero.stage == 1 and par.dp > 1:  # ZeRO-1's optimizer gathers the updated partitions back
+                # (DeepSpeed skips the all-gather in a data-parallel group of one rank)
                 rows.append(
                     replace(
                         step,

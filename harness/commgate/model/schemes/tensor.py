@@ -49,13 +49,22 @@ class TensorParallel:
                 source: str,
                 term: str | None = TERM,
                 elements: int = ctx.bsh,
+                dtype: str = m.dtype,
                 *,
                 _b: ExpectedCollective = base,
                 _w: str = where,
                 _rows: list[ExpectedCollective] = rows,
             ) -> None:
                 _rows.append(
-                    replace(_b, calls=calls * mb, phase=phase, source=source + _w, paper_term=term, elements=elements)
+                    replace(
+                        _b,
+                        calls=calls * mb,
+                        phase=phase,
+                        source=source + _w,
+                        paper_term=term,
+                        elements=elements,
+                        dtype=dtype,
+                    )
                 )
 
             if stage == 0:
@@ -69,9 +78,10 @@ class TensorParallel:
                 row(
                     3,
                     forward,
-                    "TP vocab-parallel cross-entropy all-reduce (max, sum of exp, target logit)",
+                    "TP vocab-parallel cross-entropy all-reduce (max, sum of exp, target logit; in fp32)",
                     None,
                     par.micro_batch * m.s,
+                    "fp32",  # the loss upcasts the logits
                 )
         return rows
 

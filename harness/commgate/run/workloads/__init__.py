@@ -34,6 +34,12 @@ def skip_reason(scenario: Scenario, *, gpus: bool) -> str | None:
         return "needs GPUs (marker gpu or backend nccl); this machine has none"
     if scenario.workload is not None:
         return None
+    if scenario.model.tied_embeddings and (par.pp > 1 or par.tp > 1):
+        return (
+            "the tensor- and pipeline-parallel workloads do not tie embeddings yet (`commgate predict` models it)"
+        )
+    if SCHEMES[par.scheme].deepspeed and scenario.model.dtype == "fp16" and (not gpus or scenario.backend == "gloo"):
+        return "DeepSpeed's fp16 runs on GPUs only (its CPU accelerator supports bf16 and fp32)"
     if par.scheme == "zero++" and (par.zero.qwz or par.zero.qgz) and (not gpus or scenario.backend == "gloo"):
         return "ZeRO++ qwZ/qgZ run on GPUs only: DeepSpeed's quantizer has no CPU kernel (hpZ alone runs on CPU)"
     return None

@@ -16,7 +16,9 @@ class DDPWorkload:
     def __init__(self, scenario: Scenario, *, rank: int, device: torch.device) -> None:
         self.s, self.rank, self.device = scenario, rank, device
         torch.manual_seed(0)  # the same initial weights everywhere; DDP broadcasts rank 0's anyway
-        model = GPT(scenario.model).to(device=device, dtype=DTYPES[scenario.model.dtype])
+        model = GPT(scenario.model, checkpointing=scenario.parallelism.activation_checkpointing).to(
+            device=device, dtype=DTYPES[scenario.model.dtype]
+        )
         self.engine = DistributedDataParallel(model, bucket_cap_mb=scenario.parallelism.ddp_bucket_mb)
         self.optimizer = torch.optim.AdamW(self.engine.parameters(), lr=1e-4)
 

@@ -89,11 +89,16 @@ class Embedding(nn.Module):
 class GPT(nn.Module):
     """The decoder; ``forward(tokens)`` returns the next-token cross-entropy loss."""
 
-    def __init__(self, m: ModelSpec) -> None:
+    def __init__(self, m: ModelSpec, *, checkpointing: bool = False) -> None:
+        """``checkpointing``: recompute each layer's activations in the backward (torch's non-reentrant
+        checkpoint, which stops recomputing once the saved tensors are rebuilt)."""
         super().__init__()
         self.spec = m
         self.embed = Embedding(m)
-        self.layers = nn.ModuleList(Layer(m) for _ in range(m.L))
+        layers = [Layer(m) for _ in range(m.L)]
+        for layer in layers:
+            layer.checkpointed = checkpointing
+        self.layers = nn.ModuleList(layers)
         self.final_norm = nn.LayerNorm(m.h)
         self.head = None if m.tied_embeddings else nn.Linear(m.h, m.V, bias=False)
 

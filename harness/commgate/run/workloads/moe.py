@@ -40,7 +40,7 @@ class MoEWorkload(ZeroWorkload):
         assert cfg is not None
         self.s, self.rank, self.device = scenario, rank, device
         torch.manual_seed(0)
-        model = GPT(scenario.model)
+        model = GPT(scenario.model, checkpointing=scenario.parallelism.activation_checkpointing)
         for i, layer in enumerate(model.layers):
             if (i + 1) % cfg.every == 0:
                 layer.mlp = _MoEMLP(

@@ -65,7 +65,9 @@ class ZeroWorkload:
 
         self.s, self.rank, self.device = scenario, rank, device
         torch.manual_seed(0)
-        model = GPT(scenario.model).to(device=device, dtype=DTYPES[scenario.model.dtype])
+        model = GPT(scenario.model, checkpointing=scenario.parallelism.activation_checkpointing).to(
+            device=device, dtype=DTYPES[scenario.model.dtype]
+        )
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(scenario))
 

@@ -1,0 +1,107 @@
+"""A seeded generator of random valid scenarios over the whole configuration space commgate runs on CPU
+gloo: scheme, model dimensions and switches, dp/tp/pp, micro-batch size and count, activation
+checkpointing, parameter dtype, bucket sizes, ZeRO stages, hpZ, MoE. Used by ``tests/test_generated.py``; the same seed
+always gives the same scenarios, so a failure is replayed with its seed.
+
+    python tests/scenario_gen.py SEED [COUNT]    # print the scenario documents as YAML
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from typing import Any
+
+from commgate.core.errors import ScenarioError
+from commgate.model.scenario import Scenario, load_document
+from commgate.model.schemes import SCHEMES
+from commgate.run.workloads import skip_reason
+
+MAX_WORLD = 8
+"""Ranks on one 2-core machine: more only wait on each other."""
+
+
+def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
+    """One scenario document (maybe invalid: ``scenarios`` keeps the valid ones)."""
+    scheme = rng.choice([s for s in SCHEMES])
+    rule = SCHEMES[scheme]
+    a = rng.choice([2, 4])
+    model: dict[str, Any] = {
+        "L": rng.choice([2, 3, 4]),
+        "a": a,
+        "h": a * rng.choice([4, 8]),
+        "V": rng.choice([128, 256, 384]),
+        "s": rng.choice([16, 32, 64]),
+        "x": rng.choice([2, 4]),
+        "tied_embeddings": rng.random() < 0.3,
+        "position": rng.choice(["learned", "learned", "rotary"]),
+        "dtype": rng.choice(["fp32", "fp32", "bf16", "fp16"]),
+    }
+    par: dict[str, Any] = {
+        "scheme": scheme,
+        "dp": rng.choice([1, 2, 3, 4]) if rule.min_dp == 1 else rng.choice([2, 3, 4]),
+        "micro_batch": rng.choice([1, 2]),
+        "micro_batches": rng.choice([1, 1, 2, 3, 4]),
+        "activation_checkpointing": rng.random() < 0.3,
+    }
+    if rule.tensor:
+        par["tp"] = 2
+    if rule.pipeline:
+        par["pp"] = 2
+        model["L"] = rng.choice([2, 4])
+    zero: dict[str, Any] = {}
+    if (rule.zero_stage is not None or rule.moe or rule.pipeline) and rng.random() < 0.6:
+        zero["bucket_elements"] = rng.choice([2_000, 20_000, 200_000, 500_000_000])
+    if scheme == "pp" and rng.random() < 0.5:
+        zero["stage"] = 1
+    if rule.zero_plus_plus:
+        par["dp"] = 4
+        zero["hpz"] = 2
+    if rule.moe:
+        experts = rng.choice([2, 4])
+        ep = rng.choice([e for e in (1, 2, 4) if par["dp"] % e == 0 and experts % e == 0])
+        par["moe"] = {"experts": experts, "ep": ep, "top_k": rng.choice([1, 2]), "every": rng.choice([1, 2])}
+        zero["stage"] = rng.choice([0, 1, 2])
+    if scheme == "ddp" and rng.random() < 0.5:
+        par["ddp_bucket_mb"] = rng.choice([0.01, 0.05, 25])
+    if zero:
+        par["zero"] = zero
+    return {
+        "schema_version": 1,
+        "name": f"gen{index}-{scheme.replace('+', 'p')}",
+        "model": model,
+        "parallelism": par,
+        "steps": 2,
+        "warmup_steps": 1,
+    }
+
+
+def scenarios(seed: int, count: int) -> list[Scenario]:
+    """``count`` valid scenarios drawn with ``seed`` (invalid draws are drawn again)."""
+    rng = random.Random(seed)
+    out: list[Scenario] = []
+    while len(out) < count:
+        doc = draw(rng, len(out))
+        try:
+            (s,) = load_document(doc, file=f"<generated, seed {seed}>")
+        except ScenarioError:
+            continue
+        if s.world_size <= MAX_WORLD and skip_reason(s, gpus=False) is None:
+            out.append(s)
+    return out
+
+
+if __name__ == "__main__":
+    import yaml
+
+    seed, count = int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 12
+    rng = random.Random(seed)
+    docs = []
+    while len(docs) < count:
+        d = draw(rng, len(docs))
+        try:
+            load_document(d, file="-")
+        except ScenarioError:
+            continue
+        docs.append(d)
+    print(yaml.safe_dump_all(docs, sort_keys=False))
