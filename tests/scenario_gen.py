@@ -66,7 +66,23 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
         par["ddp_bucket_mb"] = rng.choice([0.01, 0.05, 25])
     if zero:
         par["zero"] = zero
-    return {
+    doc: dict[str, Any] = {}
+    if rule.deepspeed and rng.random() < 0.5:  # the user's own DeepSpeed keys
+        zo: dict[str, Any] = {}
+        stage = zero.get("stage", rule.zero_stage or 0)
+        if stage >= 2 or rng.random() < 0.3:
+            zo["overlap_comm"] = rng.random() < 0.5 if stage >= 2 else False
+        if rng.random() < 0.4:
+            zo["contiguous_gradients"] = rng.random() < 0.5
+        if stage in (1, 2) and rng.random() < 0.4:
+            zo["reduce_scatter"] = rng.random() < 0.5
+        if "bucket_elements" in zero and rng.random() < 0.5:
+            zo["reduce_bucket_size"] = zo["allgather_bucket_size"] = zero.pop("bucket_elements")
+        if zo:
+            doc["zero_optimization"] = zo
+        if rng.random() < 0.4:
+            doc["gradient_clipping"] = 1.0
+    out: dict[str, Any] = {
         "schema_version": 1,
         "name": f"gen{index}-{scheme.replace('+', 'p')}",
         "model": model,
@@ -74,6 +90,9 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
         "steps": 2,
         "warmup_steps": 1,
     }
+    if doc:
+        out["deepspeed"] = doc
+    return out
 
 
 def scenarios(seed: int, count: int) -> list[Scenario]:

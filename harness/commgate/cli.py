@@ -217,6 +217,8 @@ def cmd_validate(a: argparse.Namespace) -> int:
     scenarios = load_paths(a.paths or [DEFAULT_SUITE])
     for s in scenarios:
         print(f"ok  {s.id}  ({s.file}; {s.parallelism.scheme}, world {s.world_size})")
+        for w in s.warnings:
+            print(f"    warning: {w}")
     print(f"{len(scenarios)} scenario(s) valid.")
     return 0
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from commgate.judge.gate import UPDATE_FLAG, judge, model_findings
+from commgate.judge.gate import UPDATE_FLAG, Finding, judge, model_findings
 from commgate.judge.reconcile import reconcile
 from commgate.model.predict import predict
 from commgate.model.scenario import Backend, Scenario
@@ -69,6 +69,7 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
         findings, baseline, written = j.findings, j.baseline, j.written
     else:
         findings = model_findings(scenario, rec)
+    findings = (*findings, *(Finding("config", False, w) for w in scenario.warnings))
     failing = [f for f in findings if f.fail]
     return result(
         status="failed" if failing else "passed",

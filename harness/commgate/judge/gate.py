@@ -28,7 +28,7 @@ from commgate.run.capture import Capture
 MAX_LINES = 12
 UPDATE_FLAG = "--commgate-update-baselines"
 
-Kind = Literal["model", "paper", "baseline", "cold-start", "latency"]
+Kind = Literal["model", "paper", "baseline", "cold-start", "latency", "config"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ import yaml
 from commgate.core import schemas
 from commgate.core.errors import Problem, ScenarioError
 from commgate.core.fsutil import json_path
+from commgate.model import dsconfig
 from commgate.model.schemes import SCHEMES
 from commgate.model.transformer import PRESETS, ModelSpec
 
@@ -141,10 +142,19 @@ class Scenario:
     markers: tuple[str, ...] = ()
     workload: str | None = None
     expectations: Expectations = field(default_factory=Expectations)
+    deepspeed: str = "{}"
+    """The ``deepspeed:`` block as canonical JSON (merged over commgate's own DeepSpeed config)."""
+    warnings: tuple[str, ...] = ()
+    """What is suspicious but not wrong (e.g. a DeepSpeed key DeepSpeed does not know)."""
 
     @property
     def world_size(self) -> int:
         return self.parallelism.world_size
+
+    @property
+    def deepspeed_config(self) -> dict[str, Any]:
+        loaded: dict[str, Any] = json.loads(self.deepspeed)
+        return loaded
 
 
 # --------------------------------------------------------------------------------------------- schema
@@ -447,11 +457,30 @@ def _build(doc: dict[str, Any], *, file: str, where: _Located, label: str) -> tu
     def bad(parts: list[Any], message: str) -> None:
         problems.append(Problem(file=file, path=json_path(parts), message=message, line=where.line(parts)))
 
-    model = _build_model(doc["model"], bad)
-    par = _build_parallelism(doc["parallelism"], bad)
+    try:
+        ds = dsconfig.load(doc.get("deepspeed", {}), scenario_file=file)
+    except ValueError as exc:
+        bad(["deepspeed"], str(exc))
+        return None, problems
+    model_doc, par_doc = _from_deepspeed(ds, dict(doc["model"]), dict(doc["parallelism"]), bad)
+    model = _build_model(model_doc, bad)
+    par = _build_parallelism(par_doc, bad)
     if model is None:
         return None, problems
     _check_consistency(doc, model, par, bad)
+    if doc.get("expectations", {}).get("model", {}).get("check", True):
+        dsconfig.unmodelled(ds, par.zero.stage, bad)
+    zo = ds.get("zero_optimization", {})
+    if par.moe is not None and isinstance(zo, Mapping) and zo.get("reduce_scatter", True) is False:
+        bad(
+            ["deepspeed", "zero_optimization", "reduce_scatter"],
+            "false: DeepSpeed's MoE needs reduce_scatter (it asserts 'Reduce Scatter ... must be set to True for MoE')",
+        )
+    if "train_batch_size" in ds and ds["train_batch_size"] != par.dp * par.micro_batch * par.micro_batches:
+        bad(
+            ["deepspeed", "train_batch_size"],
+            f"{ds['train_batch_size']} != dp*b*m = {par.dp}*{par.micro_batch}*{par.micro_batches}",
+        )
     if problems:
         return None, problems
     markers = tuple(doc.get("markers", ()))
@@ -474,9 +503,60 @@ def _build(doc: dict[str, Any], *, file: str, where: _Located, label: str) -> tu
             markers=markers,
             workload=doc.get("workload"),
             expectations=_build_expectations(doc.get("expectations", {})),
+            deepspeed=json.dumps(ds, sort_keys=True),
+            warnings=tuple(dsconfig.unknown_keys(ds)),
         ),
         problems,
     )
+
+
+def _from_deepspeed(
+    ds: dict[str, Any], model: dict[str, Any], par: dict[str, Any], bad: Bad
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The scenario's model and parallelism with what the DeepSpeed block states filled in; a value the
+    scenario states otherwise is a problem naming both."""
+    zero = dict(par.get("zero", {}))
+    zo = ds.get("zero_optimization", {})
+    zo = zo if isinstance(zo, Mapping) else {}
+
+    def take(target: dict[str, Any], field: str, value: Any, key: str, where: str) -> None:
+        if field in target and target[field] != value:
+            bad(["deepspeed", *key.split(".")], f"{value!r} contradicts {where}.{field} = {target[field]!r}")
+        target[field] = value
+
+    if "gradient_accumulation_steps" in ds:
+        take(par, "micro_batches", ds["gradient_accumulation_steps"], "gradient_accumulation_steps", "parallelism")
+    if "train_micro_batch_size_per_gpu" in ds:
+        take(par, "micro_batch", ds["train_micro_batch_size_per_gpu"], "train_micro_batch_size_per_gpu", "parallelism")
+    buckets = {zo[k] for k in ("reduce_bucket_size", "allgather_bucket_size") if k in zo}
+    if "reduce_bucket_size" in zo:
+        take(
+            zero,
+            "bucket_elements",
+            int(zo["reduce_bucket_size"]),
+            "zero_optimization.reduce_bucket_size",
+            "parallelism.zero",
+        )
+    elif buckets:  # allgather_bucket_size alone: DeepSpeed asserts it is even; torch >= 1.13 ignores it
+        zero.setdefault("bucket_elements", ZeroConfig().bucket_elements)
+    if "zero_hpz_partition_size" in zo:
+        take(
+            zero, "hpz", zo["zero_hpz_partition_size"], "zero_optimization.zero_hpz_partition_size", "parallelism.zero"
+        )
+    if "stage" in zo:
+        implied = SCHEMES[par["scheme"]].zero_stage if par.get("scheme") in SCHEMES else None
+        stage = zero.get("stage", implied if implied is not None else 0)
+        if zo["stage"] != stage:
+            bad(
+                ["deepspeed", "zero_optimization", "stage"],
+                f"{zo['stage']} contradicts scheme {par.get('scheme')!r} (ZeRO stage {stage})",
+            )
+    for key, dtype in (("bf16", "bf16"), ("fp16", "fp16")):
+        if dsconfig.enabled(ds, key):
+            take(model, "dtype", dtype, f"{key}.enabled", "model")
+    if zero:
+        par["zero"] = zero
+    return model, par
 
 
 _DIMS = ("L", "h", "a", "V", "s")

@@ -183,7 +183,17 @@ MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
 """The bucket of DeepSpeed's engine when no ZeRO optimizer reduces (``engine.allreduce_gradients``)."""
 
 
-def reduction_buckets(sizes: list[int], stage: int, limit: int, d: int) -> list[int]:
+def sliced(ctx: Context) -> bool:
+    """Whether ZeRO-1/2 reduce an oversized gradient in slices (``average_tensor`` with
+    ``reduce_scatter`` over the contiguous gradient buffer: DeepSpeed's defaults) or whole (either one
+    off: ``gradient_reduction_w_predivide`` or ``buffered_reduce_fallback``)."""
+    zo = ctx.scenario.deepspeed_config.get("zero_optimization", {})
+    if not isinstance(zo, dict):
+        return True
+    return bool(zo.get("reduce_scatter", True)) and bool(zo.get("contiguous_gradients", True))
+
+
+def reduction_buckets(sizes: list[int], stage: int, limit: int, d: int, *, slices: bool = True) -> list[int]:
     """Elements per gradient all-reduce of DeepSpeed's engine for one parameter group, ``sizes`` in
     registration order, reduced over ``d`` ranks. Stage 0 (the engine itself, ``allreduce_no_retain``):
     registration order, a bucket sent once it has passed ``MEMORY_OPT_ALLREDUCE_SIZE`` (the zero config's
@@ -204,14 +214,14 @@ def reduction_buckets(sizes: list[int], stage: int, limit: int, d: int) -> list[
     bucket: list[int] = []
     for i in order:
         if bucket and sum(sizes[j] for j in bucket) + sizes[i] > limit:
-            out += _sent(sizes, bucket, limit, d)
+            out += _sent(sizes, bucket, limit, d, slices)
             bucket = []
         bucket.append(i)
-    return out + _sent(sizes, bucket, limit, d) if bucket else out
+    return out + _sent(sizes, bucket, limit, d, slices) if bucket else out
 
 
-def _sent(sizes: list[int], bucket: list[int], limit: int, d: int) -> list[int]:
-    if len(bucket) == 1 and sizes[bucket[0]] > limit:
+def _sent(sizes: list[int], bucket: list[int], limit: int, d: int, slices: bool) -> list[int]:
+    if slices and len(bucket) == 1 and sizes[bucket[0]] > limit:
         return oversized(sizes, bucket[0], limit, d)
     return [sum(sizes[j] for j in bucket)]
 
@@ -249,7 +259,8 @@ def _gradient_buckets(ctx: Context, over: int = 1) -> list[int]:
     take it past ``reduce_bucket_size``, and each gradient is sent padded to a multiple of ``over``."""
     par = ctx.scenario.parallelism
     if par.zero.stage < 3:
-        return reduction_buckets([p.numel for p in ctx.params], par.zero.stage, par.zero.bucket_elements, par.dp)
+        sizes = [p.numel for p in ctx.params]
+        return reduction_buckets(sizes, par.zero.stage, par.zero.bucket_elements, par.dp, slices=sliced(ctx))
     limit = par.zero.bucket_elements
     out, current, sent = [], 0, 0
     for p in _ready_order(ctx.params):

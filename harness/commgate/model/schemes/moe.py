@@ -198,7 +198,7 @@ def _zero_buckets(
     interleaved). The bucket is reduced before a gradient would take it past ``reduce_bucket_size``, one
     all-reduce per group present in it, over that group's ranks; a gradient larger than the bucket size
     is reduced alone, in slices (``deepspeed_zero.oversized``)."""
-    from commgate.model.schemes.deepspeed_zero import oversized
+    from commgate.model.schemes.deepspeed_zero import oversized, sliced
 
     held = [p for p in ctx.params if p in dense or p in mine]  # this rank's parameters, registration order
     group = [p for p in held if p.expert == expert]
@@ -209,7 +209,7 @@ def _zero_buckets(
 
     def flush() -> None:
         mine_here = [p for p in bucket if p.expert == expert]
-        if len(bucket) == 1 and mine_here and bucket[0].numel > limit:
+        if sliced(ctx) and len(bucket) == 1 and mine_here and bucket[0].numel > limit:
             out.extend(oversized([p.numel for p in group], group.index(bucket[0]), limit, d))
         elif mine_here:
             out.append(sum(p.numel for p in mine_here))

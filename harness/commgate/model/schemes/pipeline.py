@@ -146,7 +146,7 @@ class PipelineDataParallel(DataParallel):
     each stage's updated partitions are all-gathered after the step (not in a group of one rank)."""
 
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
-        from commgate.model.schemes.deepspeed_zero import _init_broadcasts, reduction_buckets
+        from commgate.model.schemes.deepspeed_zero import _init_broadcasts, reduction_buckets, sliced
 
         par = ctx.scenario.parallelism
         rows: list[ExpectedCollective] = []
@@ -161,7 +161,7 @@ class PipelineDataParallel(DataParallel):
             ]
             step = replace(base, op=Op.ALL_REDUCE, once=False, phase=Phase.PIPELINE, paper_term=term)
             shards = [p.numel_per_tp_rank(par.tp) for p in stage_params]
-            buckets = reduction_buckets(shards, par.zero.stage, par.zero.bucket_elements, par.dp)
+            buckets = reduction_buckets(shards, par.zero.stage, par.zero.bucket_elements, par.dp, slices=sliced(ctx))
             for i, b in enumerate(buckets):
                 rows.append(
                     replace(

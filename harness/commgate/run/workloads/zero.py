@@ -55,7 +55,16 @@ def ds_config(s: Scenario) -> dict[str, Any]:
             "zero_quantized_weights": z.qwz,
             "zero_quantized_gradients": z.qgz,
         }
-    return cfg
+    return merged(cfg, s.deepspeed_config)
+
+
+def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` merged into ``base``, mappings key by key (the scenario's ``deepspeed:`` block over
+    commgate's own keys; the block's contradictions with the scenario were refused when it loaded)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 class ZeroWorkload:

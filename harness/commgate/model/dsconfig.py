@@ -1,0 +1,166 @@
+"""A scenario's ``deepspeed:`` block: DeepSpeed's own config keys (a mapping, or the path of a DeepSpeed
+JSON file relative to the scenario), merged over the few keys commgate writes itself
+(``commgate.run.workloads.zero.ds_config``).
+
+Every key is one of three kinds, read from DeepSpeed 0.19's config (``runtime/config.py``,
+``runtime/zero/config.py``):
+
+* **mapped**: what the scenario also states (ZeRO stage, bucket sizes, micro-batch size and count,
+  train batch size, bf16/fp16, hpZ). The block's value sets the scenario's field, or contradicts it in
+  one line naming both;
+* **communication keys the model follows only at one value**: another value is a one-line error naming
+  the key (the model would be wrong), unless the scenario turns the model check off;
+* **everything else DeepSpeed knows** (optimizer, scheduler, logging, checkpointing ...): passed through.
+
+A key DeepSpeed does not know is a warning with the closest known key ("did you mean ..."): real configs
+carry such typos, e.g. GPT-NeoX's 13B ZeRO-3 config spells ``stage3_param_persitance_threshold``.
+Pure Python: nothing here imports DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+TOP_LEVEL = frozenset(
+    {
+        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
+        "scheduler", "communication_data_type", "seq_parallel_communication_data_type", "prescale_gradients",
+        "gradient_predivide_factor", "sparse_gradients", "fp16", "bf16", "bfloat16", "amp", "torch_autocast",
+        "gradient_clipping", "zero_optimization", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+        "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown", "flops_profiler",
+        "activation_checkpointing", "sparse_attention", "data_efficiency", "curriculum_learning", "monitor_config",
+        "tensorboard", "wandb", "csv_monitor", "comet", "elasticity", "aio", "autotuning", "checkpoint",
+        "data_types", "pipeline", "compression_training", "comms_logger", "timers", "nebula",
+        "weight_quantization", "hybrid_engine", "disable_allgather", "dataloader_drop_last", "load_universal",
+        "use_node_local_storage", "graph_harvesting", "compile", "zenflow", "eigenvalue", "progressive_layer_drop",
+        "quantize_training", "mics_shard_size", "mics_hierarchical_params_gather", "use_data_before_expert_parallelism",
+        "expert_parallel", "tensor_parallel", "sequence_parallel_size", "checkpoint_in_cpu", "gradient_allreduce_op",
+    }
+)  # fmt: skip
+"""Top-level keys of DeepSpeed's config (its documented config-json keys)."""
+
+ZERO = frozenset(
+    {
+        "stage", "allgather_partitions", "allgather_bucket_size", "overlap_comm", "reduce_scatter",
+        "reduce_bucket_size", "contiguous_gradients", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory",
+        "offload_param", "offload_optimizer", "sub_group_size", "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold", "stage3_model_persistence_threshold", "stage3_max_live_parameters",
+        "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save", "stage3_module_granularity_threshold",
+        "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential", "elastic_checkpoint",
+        "ignore_unused_parameters", "legacy_stage1", "round_robin_gradients", "zero_hpz_partition_size",
+        "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
+        "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
+        "enable_sanity_checks", "parameter_alignment", "load_from_fp32_weights", "leaf_module",
+        "use_multi_rank_bucket_allreduce",
+        "compute_grad_norm", "save_muon_momentum_buffer_in_memory", "zenflow", "mics_shard_size",
+        "mics_hierarchical_params_gather",
+    }
+)  # fmt: skip
+"""Keys of ``zero_optimization`` (``DeepSpeedZeroConfig``'s fields and aliases; a test keeps them in step)."""
+
+def _absent(value: Any, stage: int) -> bool:
+    return False
+
+
+def _is(expected: Any) -> Callable[[Any, int], bool]:
+    return lambda value, stage: value == expected
+
+
+MODELLED: dict[tuple[str, ...], tuple[Callable[[Any, int], bool], str, str]] = {
+    # measured: ZeRO-2/3 send the same with overlap_comm on or off; ZeRO-1 with it on reduces in the hooks
+    ("zero_optimization", "overlap_comm"): (
+        lambda v, stage: stage != 1 or v is False,
+        "false at stage 1",
+        "ZeRO-1 reducing in the backward hooks",
+    ),
+    ("zero_optimization", "round_robin_gradients"): (_is(False), "false", "round-robin gradient partitioning"),
+    ("zero_optimization", "use_multi_rank_bucket_allreduce"): (_is(True), "true", "per-rank bucket reduces"),
+    ("zero_optimization", "stage3_prefetch_bucket_size"): (_is(0), "0", "ZeRO-3 parameter prefetching"),
+    ("zero_optimization", "stage3_param_persistence_threshold"): (_is(0), "0", "ZeRO-3 persistent parameters"),
+    ("zero_optimization", "stage3_model_persistence_threshold"): (_absent, "left out", "ZeRO-3 persistence"),
+    ("zero_optimization", "stage3_max_live_parameters"): (_is(0), "0", "ZeRO-3 live-parameter limits"),
+    ("zero_optimization", "stage3_max_reuse_distance"): (_is(0), "0", "ZeRO-3 parameter reuse"),
+    ("zero_optimization", "stage3_use_all_reduce_for_fetch_params"): (_is(False), "false", "all-reduce fetches"),
+    # measured: a sub-group smaller than the model all-reduces one norm per sub-group
+    ("zero_optimization", "sub_group_size"): (
+        lambda v, stage: isinstance(v, (int, float)) and v >= 1e9,
+        ">= 1e9 (DeepSpeed's default)",
+        "optimizer sub-groups",
+    ),
+    ("zero_optimization", "zero_quantized_weights"): (_absent, "left out", "qwZ (set parallelism.zero.qwz)"),
+    ("zero_optimization", "zero_quantized_gradients"): (_absent, "left out", "qgZ (set parallelism.zero.qgz)"),
+    ("zero_optimization", "offload_optimizer"): (_absent, "left out", "optimizer offload"),
+    ("zero_optimization", "offload_param"): (_absent, "left out", "parameter offload"),
+    ("zero_optimization", "mics_shard_size"): (_absent, "left out", "MiCS sharding"),
+    ("communication_data_type",): (_absent, "left out", "a communication dtype other than the parameters'"),
+    ("prescale_gradients",): (_is(False), "false", "gradient prescaling"),
+    ("sparse_gradients",): (_is(False), "false", "sparse gradients"),
+    ("pipeline", "pipe_partitioned"): (_absent, "left out", "partitioned pipeline activations"),
+    ("pipeline", "grad_partitioned"): (_absent, "left out", "partitioned pipeline gradients"),
+}
+"""Keys that change communication: which values the model follows, in words, and what another value
+changes. Measured on CPU gloo to send nothing different, and so accepted at any value:
+``contiguous_gradients`` and ``reduce_scatter`` (modelled: without either an oversized gradient is
+all-reduced whole), ``allgather_partitions``, ``allgather_bucket_size`` (torch >= 1.13 gathers in one call),
+``gradient_clipping``, and ``overlap_comm`` at stages 2 and 3."""
+
+Problem = Callable[[list[str | int], str], None]
+
+
+def load(block: Any, *, scenario_file: str | None) -> dict[str, Any]:
+    """The block as a mapping: itself, or the JSON file it names (relative to the scenario file)."""
+    if not isinstance(block, str):
+        return dict(block)
+    path = Path(block)
+    if not path.is_absolute() and scenario_file and not scenario_file.startswith("<"):
+        path = Path(scenario_file).parent / path
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not a DeepSpeed JSON config ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: a DeepSpeed config is a JSON object, found {type(doc).__name__}")
+    return doc
+
+
+def unknown_keys(cfg: Mapping[str, Any]) -> list[str]:
+    """One warning per key DeepSpeed does not know, with the closest known key."""
+    out = []
+    for where, keys, known in (("", cfg, TOP_LEVEL), ("zero_optimization.", cfg.get("zero_optimization", {}), ZERO)):
+        if not isinstance(keys, Mapping):
+            continue
+        for k in keys:
+            if k not in known:
+                close = difflib.get_close_matches(k, sorted(known), n=1, cutoff=0.75)
+                hint = f"; did you mean {where}{close[0]}?" if close else ""
+                out.append(f"deepspeed.{where}{k}: DeepSpeed has no such key (it would be ignored){hint}")
+    return out
+
+
+def unmodelled(cfg: Mapping[str, Any], stage: int, bad: Problem) -> None:
+    """One problem per communication key set to a value the model does not follow."""
+    for path, (follows, expected, what) in MODELLED.items():
+        node: Any = cfg
+        for part in path:
+            if not isinstance(node, Mapping) or part not in node:
+                break
+            node = node[part]
+        else:
+            if not follows(node, stage):
+                bad(
+                    ["deepspeed", *path],
+                    f"{node!r}: {what} is not modelled yet (the model follows {expected}); "
+                    "expectations: {model: {check: false}} runs it as a baseline-only gate",
+                )
+
+
+def enabled(cfg: Mapping[str, Any], key: str) -> bool:
+    section = cfg.get(key)
+    return isinstance(section, Mapping) and bool(section.get("enabled", False))

@@ -1,0 +1,104 @@
+"""A scenario's ``deepspeed:`` block: mapped keys set the scenario, contradictions and unmodelled
+communication keys are one-line errors, unknown keys warn with the closest known one, and the block
+reaches the DeepSpeed config the workload runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from commgate.core.errors import ScenarioError
+from commgate.model import dsconfig
+from commgate.model.scenario import Scenario, load_file, load_text
+
+HEAD = "schema_version: 1\nname: d\nmodel: {preset: 19M-cpu}\n"
+
+
+def load(par: str, block: str, extra: str = "") -> Scenario:
+    (s,) = load_text(f"{HEAD}parallelism: {par}\ndeepspeed: {block}\n{extra}")
+    return s
+
+
+def test_mapped_keys_set_the_scenario() -> None:
+    s = load(
+        "{scheme: zero2, dp: 2}",
+        "{gradient_accumulation_steps: 4, train_micro_batch_size_per_gpu: 2, train_batch_size: 16, "
+        "bf16: {enabled: true}, "
+        "zero_optimization: {stage: 2, reduce_bucket_size: 100000, allgather_bucket_size: 100000}}",
+    )
+    par = s.parallelism
+    assert (par.micro_batches, par.micro_batch, par.zero.bucket_elements) == (4, 2, 100000)
+    assert s.model.dtype == "bf16" and not s.warnings
+
+
+@pytest.mark.parametrize(
+    ("par", "block", "message"),
+    [
+        ("{scheme: zero3, dp: 2}", "{zero_optimization: {stage: 2}}", r"stage: 2 contradicts scheme 'zero3'"),
+        (
+            "{scheme: zero2, dp: 2, micro_batches: 2}",
+            "{gradient_accumulation_steps: 4}",
+            r"4 contradicts parallelism.micro_batches = 2",
+        ),
+        ("{scheme: zero2, dp: 2}", "{train_batch_size: 3}", r"train_batch_size: 3 != dp\*b\*m = 2\*1\*1"),
+        (
+            "{scheme: zero3, dp: 2}",
+            "{zero_optimization: {stage3_prefetch_bucket_size: 50000000}}",
+            r"parameter prefetching is not modelled yet",
+        ),
+        (
+            "{scheme: zero1, dp: 2}",
+            "{zero_optimization: {overlap_comm: true}}",
+            r"overlap_comm: True: ZeRO-1 reducing in the backward hooks",
+        ),
+        (
+            "{scheme: zero2, dp: 2}",
+            "{communication_data_type: fp16}",
+            r"communication_data_type: 'fp16': a communication dtype",
+        ),
+    ],
+)
+def test_contradictions_and_unmodelled_keys_are_one_line_errors(par: str, block: str, message: str) -> None:
+    with pytest.raises(ScenarioError, match=message) as info:
+        load(par, block)
+    assert len(info.value.problems) == 1
+
+
+def test_the_baseline_only_mode_accepts_unmodelled_keys() -> None:
+    s = load("{scheme: zero3, dp: 2}", "{zero_optimization: {stage3_prefetch_bucket_size: 50000000}}",
+             "expectations: {model: {check: false}}\n")  # fmt: skip
+    assert s.deepspeed_config["zero_optimization"]["stage3_prefetch_bucket_size"] == 50000000
+
+
+def test_a_typo_warns_with_the_closest_key() -> None:
+    # GPT-NeoX's own 13B config (configs/13B.yml) spells it this way
+    s = load("{scheme: zero3, dp: 2}", "{zero_optimization: {stage3_param_persitance_threshold: 0}, steps_per_prnt: 1}")
+    warnings = " ".join(s.warnings)
+    assert "did you mean zero_optimization.stage3_param_persistence_threshold?" in warnings
+    assert "did you mean steps_per_print?" in warnings
+
+
+def test_a_json_file_next_to_the_scenario(tmp_path: Path) -> None:
+    (tmp_path / "ds.json").write_text(json.dumps({"gradient_accumulation_steps": 3, "zero_optimization": {"stage": 1}}))
+    (tmp_path / "s.yaml").write_text(f"{HEAD}parallelism: {{scheme: zero1, dp: 2}}\ndeepspeed: ds.json\n")
+    (s,) = load_file(tmp_path / "s.yaml")
+    assert s.parallelism.micro_batches == 3
+    (tmp_path / "t.yaml").write_text(f"{HEAD}parallelism: {{scheme: zero1, dp: 2}}\ndeepspeed: missing.json\n")
+    with pytest.raises(ScenarioError, match=r"\$\.deepspeed: .*missing\.json: cannot be read"):
+        load_file(tmp_path / "t.yaml")
+
+
+def test_the_block_reaches_the_config_deepspeed_runs() -> None:
+    from commgate.run.workloads.zero import ds_config
+
+    s = load("{scheme: zero2, dp: 2}", "{gradient_clipping: 1.0, zero_optimization: {contiguous_gradients: false}}")
+    cfg = ds_config(s)
+    assert cfg["gradient_clipping"] == 1.0 and cfg["zero_optimization"]["contiguous_gradients"] is False
+    assert cfg["zero_optimization"]["stage"] == 2  # commgate's keys stay
+
+
+def test_the_known_zero_keys_are_deepspeeds() -> None:
+    config = pytest.importorskip("deepspeed.runtime.zero.config")
+    fields = {f.alias or name for name, f in config.DeepSpeedZeroConfig.model_fields.items()}
+    assert fields <= dsconfig.ZERO
