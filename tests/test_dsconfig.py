@@ -102,3 +102,29 @@ def test_the_known_zero_keys_are_deepspeeds() -> None:
     config = pytest.importorskip("deepspeed.runtime.zero.config")
     fields = {f.alias or name for name, f in config.DeepSpeedZeroConfig.model_fields.items()}
     assert fields <= dsconfig.ZERO
+
+
+def test_a_hugging_face_style_zero2_config_runs_as_written(tmp_path: Path) -> None:
+    """The shape of the ZeRO-2 template Hugging Face's Trainer documents ("auto" placeholders, 2e8 float
+    buckets, overlap_comm, offload device none), written for this test: it validates, its buckets reach
+    the scenario, and the placeholders leave the scenario's own values alone."""
+    data = Path(__file__).parent / "data" / "deepspeed" / "hf-zero2.json"
+    (s,) = load_text(
+        f"{HEAD}parallelism: {{scheme: zero2, dp: 2, micro_batches: 3}}\ndeepspeed: {data}\n",
+        file=str(tmp_path / "s.yaml"),
+    )
+    assert (s.parallelism.micro_batches, s.parallelism.zero.bucket_elements, s.model.dtype) == (3, 200_000_000, "fp32")
+    assert not s.warnings
+    ours = {"scheme": "zero1", "dp": 2}
+    with pytest.raises(ScenarioError, match=r"stage: 2 contradicts scheme 'zero1'"):
+        load_text(f"{HEAD}parallelism: {ours}\ndeepspeed: {data}\n".replace("'", ""))
+
+
+def test_the_hugging_face_style_config_reconciles_on_a_real_run(tmp_path: Path) -> None:
+    from commgate.judge.reconcile import reconcile
+    from commgate.model.predict import predict
+    from commgate.run.launcher import launch_local
+
+    data = Path(__file__).parent / "data" / "deepspeed" / "hf-zero2.json"
+    (s,) = load_text(f"{HEAD}parallelism: {{scheme: zero2, dp: 2, micro_batches: 2}}\ndeepspeed: {data}\nsteps: 2\n")
+    assert reconcile(predict(s), launch_local(s, workdir=tmp_path)).ok

@@ -67,6 +67,10 @@ def _absent(value: Any, stage: int) -> bool:
     return False
 
 
+def _no_offload(value: Any, stage: int) -> bool:
+    return isinstance(value, Mapping) and value.get("device", "none") == "none"
+
+
 def _is(expected: Any) -> Callable[[Any, int], bool]:
     return lambda value, stage: value == expected
 
@@ -94,8 +98,10 @@ MODELLED: dict[tuple[str, ...], tuple[Callable[[Any, int], bool], str, str]] = {
     ),
     ("zero_optimization", "zero_quantized_weights"): (_absent, "left out", "qwZ (set parallelism.zero.qwz)"),
     ("zero_optimization", "zero_quantized_gradients"): (_absent, "left out", "qgZ (set parallelism.zero.qgz)"),
-    ("zero_optimization", "offload_optimizer"): (_absent, "left out", "optimizer offload"),
-    ("zero_optimization", "offload_param"): (_absent, "left out", "parameter offload"),
+    ("zero_optimization", "offload_optimizer"): (_no_offload, "device none", "optimizer offload"),
+    ("zero_optimization", "offload_param"): (_no_offload, "device none", "parameter offload"),
+    ("zero_optimization", "cpu_offload"): (_is(False), "false", "optimizer offload"),
+    ("zero_optimization", "cpu_offload_param"): (_is(False), "false", "parameter offload"),
     ("zero_optimization", "mics_shard_size"): (_absent, "left out", "MiCS sharding"),
     ("communication_data_type",): (_absent, "left out", "a communication dtype other than the parameters'"),
     ("prescale_gradients",): (_is(False), "false", "gradient prescaling"),
@@ -162,5 +168,11 @@ def unmodelled(cfg: Mapping[str, Any], stage: int, bad: Problem) -> None:
 
 
 def enabled(cfg: Mapping[str, Any], key: str) -> bool:
+    """Whether ``key`` (``bf16``, ``fp16``) is enabled; ``"auto"`` (Hugging Face's placeholder) is not."""
     section = cfg.get(key)
-    return isinstance(section, Mapping) and bool(section.get("enabled", False))
+    return isinstance(section, Mapping) and section.get("enabled", False) is True
+
+
+def given(value: Any) -> bool:
+    """A value the config states (Hugging Face's ``"auto"`` leaves it to the trainer: here, the scenario)."""
+    return bool(value != "auto")

@@ -476,10 +476,11 @@ def _build(doc: dict[str, Any], *, file: str, where: _Located, label: str) -> tu
             ["deepspeed", "zero_optimization", "reduce_scatter"],
             "false: DeepSpeed's MoE needs reduce_scatter (it asserts 'Reduce Scatter ... must be set to True for MoE')",
         )
-    if "train_batch_size" in ds and ds["train_batch_size"] != par.dp * par.micro_batch * par.micro_batches:
+    batch = ds.get("train_batch_size", "auto")
+    if dsconfig.given(batch) and batch != par.dp * par.micro_batch * par.micro_batches:
         bad(
             ["deepspeed", "train_batch_size"],
-            f"{ds['train_batch_size']} != dp*b*m = {par.dp}*{par.micro_batch}*{par.micro_batches}",
+            f"{batch} != dp*b*m = {par.dp}*{par.micro_batch}*{par.micro_batches}",
         )
     if problems:
         return None, problems
@@ -524,12 +525,12 @@ def _from_deepspeed(
             bad(["deepspeed", *key.split(".")], f"{value!r} contradicts {where}.{field} = {target[field]!r}")
         target[field] = value
 
-    if "gradient_accumulation_steps" in ds:
+    if dsconfig.given(ds.get("gradient_accumulation_steps", "auto")):
         take(par, "micro_batches", ds["gradient_accumulation_steps"], "gradient_accumulation_steps", "parallelism")
-    if "train_micro_batch_size_per_gpu" in ds:
+    if dsconfig.given(ds.get("train_micro_batch_size_per_gpu", "auto")):
         take(par, "micro_batch", ds["train_micro_batch_size_per_gpu"], "train_micro_batch_size_per_gpu", "parallelism")
-    buckets = {zo[k] for k in ("reduce_bucket_size", "allgather_bucket_size") if k in zo}
-    if "reduce_bucket_size" in zo:
+    buckets = {zo[k] for k in ("reduce_bucket_size", "allgather_bucket_size") if dsconfig.given(zo.get(k, "auto"))}
+    if dsconfig.given(zo.get("reduce_bucket_size", "auto")):
         take(
             zero,
             "bucket_elements",
@@ -539,11 +540,11 @@ def _from_deepspeed(
         )
     elif buckets:  # allgather_bucket_size alone: DeepSpeed asserts it is even; torch >= 1.13 ignores it
         zero.setdefault("bucket_elements", ZeroConfig().bucket_elements)
-    if "zero_hpz_partition_size" in zo:
+    if dsconfig.given(zo.get("zero_hpz_partition_size", "auto")):
         take(
             zero, "hpz", zo["zero_hpz_partition_size"], "zero_optimization.zero_hpz_partition_size", "parallelism.zero"
         )
-    if "stage" in zo:
+    if dsconfig.given(zo.get("stage", "auto")):
         implied = SCHEMES[par["scheme"]].zero_stage if par.get("scheme") in SCHEMES else None
         stage = zero.get("stage", implied if implied is not None else 0)
         if zo["stage"] != stage:

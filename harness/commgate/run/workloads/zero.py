@@ -60,10 +60,13 @@ def ds_config(s: Scenario) -> dict[str, Any]:
 
 def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     """``over`` merged into ``base``, mappings key by key (the scenario's ``deepspeed:`` block over
-    commgate's own keys; the block's contradictions with the scenario were refused when it loaded)."""
+    commgate's own keys; the block's contradictions with the scenario were refused when it loaded).
+    ``"auto"`` values are left out."""
     out = dict(base)
     for k, v in over.items():
-        out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        if v == "auto":  # Hugging Face's placeholder for what the trainer fills in: here commgate's value
+            continue
+        out[k] = merged(out.get(k, {}), v) if isinstance(v, dict) else v
     return out
 
 
