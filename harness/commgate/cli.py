@@ -298,6 +298,21 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("validate", help="check scenario files; one line per problem")
     v.add_argument("paths", nargs="*", help=f"scenario files or directories (default: ./{DEFAULT_SUITE})")
     sub.add_parser("presets", help="list the model presets")
+    i = sub.add_parser(
+        "import",
+        help="write a scenario from a GPT-NeoX config, a DeepSpeed JSON and/or a Hugging Face config.json",
+        description="Write a scenario from existing configs; every key ignored or left out is listed on stderr. "
+        "The result validates and predicts.",
+    )
+    i.add_argument("--neox", type=Path, help="a GPT-NeoX YAML config (model, parallelism, ZeRO, precision)")
+    i.add_argument("--deepspeed", type=Path, help="a DeepSpeed JSON config (becomes the deepspeed: block)")
+    i.add_argument("--hf", type=Path, help="a Hugging Face config.json (model_type gpt_neox)")
+    i.add_argument("--dp", type=int, default=1, help="data-parallel degree (default 1)")
+    i.add_argument("--tp", type=int, help="tensor-parallel degree (default: the config's, else 1)")
+    i.add_argument("--pp", type=int, help="pipeline stages (default: the config's, else 1)")
+    i.add_argument("--cpu", action="store_true", help="the reduced-scale variant for CPU runs")
+    i.add_argument("--name", help="scenario name (default: the config file's)")
+    i.add_argument("-o", "--out", type=Path, required=True, help="the scenario file to write")
     return parser
 
 
@@ -315,6 +330,26 @@ def cmd_compare(a: argparse.Namespace) -> int:
     return 1 if n else 0
 
 
+def cmd_import(a: argparse.Namespace) -> int:
+    import yaml
+
+    from commgate.core.fsutil import atomic_write_text
+    from commgate.model.importer import build
+    from commgate.model.predict import predict
+    from commgate.model.scenario import load_document
+
+    got = build(neox=a.neox, deepspeed=a.deepspeed, hf=a.hf, dp=a.dp, tp=a.tp, pp=a.pp, cpu=a.cpu, name=a.name)
+    for note in got.notes:
+        print(f"note: {note}", file=sys.stderr)
+    scenarios = load_document(got.doc, file=str(a.out))  # the result validates ...
+    for s in scenarios:
+        predict(s)  # ... and predicts
+    text = "# written by commgate import; the notes it printed list what was ignored or left out\n"
+    atomic_write_text(a.out, text + yaml.safe_dump(got.doc, sort_keys=False))
+    print(f"wrote {a.out}: {scenarios[0].id} ({scenarios[0].parallelism.scheme}, world {scenarios[0].world_size})")
+    return 0
+
+
 COMMANDS = {
     "predict": cmd_predict,
     "run": cmd_run,
@@ -323,6 +358,7 @@ COMMANDS = {
     "calibrate": cmd_calibrate,
     "validate": cmd_validate,
     "presets": cmd_presets,
+    "import": cmd_import,
 }
 
 

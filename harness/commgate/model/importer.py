@@ -1,0 +1,213 @@
+"""``commgate import``: a scenario written from the configs a user already has.
+
+* a GPT-NeoX config (``--neox``): a relaxed YAML (comments, ``True``, trailing commas) holding the model
+  (``num-layers``, ``hidden-size``, ``num-attention-heads``, ``seq-length``, ``pos-emb``,
+  ``no-weight-tying``), the parallelism (``pipe-parallel-size``, ``model-parallel-size``), activation
+  checkpointing, and DeepSpeed's own keys (``zero_optimization``, ``fp16``/``bf16``, batch sizes);
+* a DeepSpeed JSON (``--deepspeed``): becomes the ``deepspeed:`` block;
+* a Hugging Face ``config.json`` (``--hf``) of ``model_type`` ``gpt_neox``: dimensions, heads, MLP width,
+  tied embeddings.
+
+Every key that is not used is listed, and so is every DeepSpeed key left out because the model does not
+follow its value yet (``commgate.model.dsconfig``): the scenario written is one the model checks, and it
+validates and predicts. ``--cpu`` writes the reduced-scale variant (the presets' rule: the same layers,
+heads, MLP expansion, embeddings and positions; head dimension 8, V = 1024, s = 128).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from commgate.core.errors import UsageError
+from commgate.model import dsconfig
+
+NEOX_USED = {
+    "num-layers", "hidden-size", "num-attention-heads", "seq-length", "max-position-embeddings", "pos-emb",
+    "no-weight-tying", "pipe-parallel-size", "model-parallel-size", "checkpoint-activations", "precision",
+}  # fmt: skip
+
+
+@dataclass
+class Imported:
+    doc: dict[str, Any]
+    """The scenario document."""
+    notes: list[str] = field(default_factory=list)
+    """What was ignored or left out, one line each."""
+
+
+def _read(path: Path, what: str) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+        doc = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot be read ({exc.strerror})") from None
+    except (json.JSONDecodeError, yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path}: not a {what} ({str(exc).splitlines()[0]})") from None
+    if not isinstance(doc, dict):
+        raise UsageError(f"{path}: a {what} is a mapping, found {type(doc).__name__}")
+    return doc
+
+
+def build(
+    *,
+    neox: Path | None = None,
+    deepspeed: Path | None = None,
+    hf: Path | None = None,
+    dp: int = 1,
+    tp: int | None = None,
+    pp: int | None = None,
+    cpu: bool = False,
+    name: str | None = None,
+) -> Imported:
+    if not (neox or deepspeed or hf):
+        raise UsageError("commgate import needs at least one of --neox, --deepspeed, --hf")
+    out = Imported(doc={})
+    model: dict[str, Any] = {}
+    par: dict[str, Any] = {}
+    ds: dict[str, Any] = {}
+    if neox:
+        _neox(_read(neox, "GPT-NeoX config"), model, par, ds, out.notes, str(neox))
+    if hf:
+        _hf(_read(hf, "Hugging Face config.json"), model, out.notes, str(hf))
+    if deepspeed:
+        ds = _merge(ds, _read(deepspeed, "DeepSpeed JSON config"))
+    if tp is not None:
+        par["tp"] = tp
+    if pp is not None:
+        par["pp"] = pp
+    par["dp"] = dp
+    if "L" not in model:
+        raise UsageError("no model dimensions: give --neox or --hf (a DeepSpeed config has none)")
+    stage = ds.get("zero_optimization", {}).get("stage", 0) if isinstance(ds.get("zero_optimization"), dict) else 0
+    par["scheme"] = _scheme(par, int(stage) if dsconfig.given(stage) else 0)
+    for key in ("bf16", "fp16"):
+        if dsconfig.enabled(ds, key):
+            model["dtype"] = key
+    if cpu:
+        _reduce(model, par, ds, out.notes)
+    _drop_unmodelled(ds, int(stage) if dsconfig.given(stage) else 0, out.notes)
+    par.setdefault("tp", 1)
+    par.setdefault("pp", 1)
+    out.doc = {
+        "schema_version": 1,
+        "name": name or _name(neox or hf or deepspeed),
+        "description": "Imported by commgate import from " + ", ".join(str(p) for p in (neox, deepspeed, hf) if p),
+        "model": model,
+        "parallelism": {k: par[k] for k in ("scheme", "dp", "tp", "pp") if k in par}
+        | {k: v for k, v in par.items() if k not in ("scheme", "dp", "tp", "pp")},
+    }
+    if ds:
+        out.doc["deepspeed"] = ds
+    return out
+
+
+def _name(path: Path | None) -> str:
+    if path is None:
+        return "imported"
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in path.stem) or "imported"
+
+
+def _scheme(par: dict[str, Any], stage: int) -> str:
+    tp, pp = par.get("tp", 1), par.get("pp", 1)
+    if tp > 1 and pp > 1:
+        return "3d"
+    if pp > 1:
+        return "pp"
+    if tp > 1:
+        return "tp"
+    return {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[stage]
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merge(out.get(k, {}), v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _neox(
+    cfg: dict[str, Any], model: dict[str, Any], par: dict[str, Any], ds: dict[str, Any], notes: list[str], f: str
+) -> None:
+    get = {k.replace("_", "-"): v for k, v in cfg.items()}
+    for key, target in (("num-layers", "L"), ("hidden-size", "h"), ("num-attention-heads", "a"), ("seq-length", "s")):
+        if key in get:
+            model[target] = int(get[key])
+    model["V"] = 50304  # GPT-NeoX pads its tokenizer's vocabulary to a multiple of 128 (50277 -> 50304)
+    notes.append(f"{f}: V = 50304, GPT-NeoX's padded vocabulary (the config does not state it)")
+    pos = get.get("pos-emb", "learned")
+    model["position"] = {"rotary": "rotary", "learned": "learned", "none": "none"}.get(pos, "learned")
+    if pos not in ("rotary", "learned", "none"):
+        notes.append(f"{f}: pos-emb {pos!r} has no counterpart; learned positions assumed")
+    model["tied_embeddings"] = not get.get("no-weight-tying", False)
+    if int(get.get("pipe-parallel-size", 0)) > 1:
+        par["pp"] = int(get["pipe-parallel-size"])
+    if int(get.get("model-parallel-size", 1)) > 1:
+        par["tp"] = int(get["model-parallel-size"])
+    if get.get("checkpoint-activations"):
+        par["activation_checkpointing"] = True
+    for key, value in cfg.items():
+        if key in dsconfig.TOP_LEVEL:
+            ds[key] = value
+        elif key.replace("_", "-") not in NEOX_USED:
+            notes.append(f"{f}: {key} ignored (no communication effect commgate models)")
+
+
+def _hf(cfg: dict[str, Any], model: dict[str, Any], notes: list[str], f: str) -> None:
+    kind = cfg.get("model_type")
+    if kind in ("llama", "mistral"):
+        raise UsageError(f"{f}: model_type {kind!r}: Llama-family models are not supported yet (GPT-NeoX only)")
+    if kind != "gpt_neox":
+        raise UsageError(f"{f}: model_type {kind!r}: commgate imports gpt_neox configs")
+    h = int(cfg["hidden_size"])
+    model.update(
+        L=int(cfg["num_hidden_layers"]),
+        h=h,
+        a=int(cfg["num_attention_heads"]),
+        V=int(cfg["vocab_size"]),
+        s=int(cfg.get("max_position_embeddings", 2048)),
+        position="rotary",
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+    if "intermediate_size" in cfg:
+        model["x"] = int(cfg["intermediate_size"]) // h
+    used = {"model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+            "max_position_embeddings", "tie_word_embeddings", "intermediate_size"}  # fmt: skip
+    notes += [f"{f}: {k} ignored" for k in cfg if k not in used]
+
+
+def _reduce(model: dict[str, Any], par: dict[str, Any], ds: dict[str, Any], notes: list[str]) -> None:
+    a = model["a"]
+    notes.append(
+        f"--cpu: h {model['h']} -> {8 * a} (head dimension 8), V {model['V']} -> 1024, s {model['s']} -> 128; "
+        "layers, heads, MLP expansion, embeddings and positions kept"
+    )
+    model.update(h=8 * a, V=1024, s=128)
+    if model.get("dtype") == "fp16":
+        notes.append("--cpu: fp16 -> fp32 (DeepSpeed's fp16 runs on GPUs only)")
+        model["dtype"] = "fp32"
+        ds.pop("fp16", None)
+    for key in ("train_batch_size",):
+        if key in ds:
+            notes.append(f"--cpu: deepspeed {key} left out (dp changes)")
+            ds.pop(key)
+
+
+def _drop_unmodelled(ds: dict[str, Any], stage: int, notes: list[str]) -> None:
+    for path, (follows, expected, what) in dsconfig.MODELLED.items():
+        node: Any = ds
+        for part in path[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and path[-1] in node and not follows(node[path[-1]], stage):
+            notes.append(
+                f"deepspeed {'.'.join(path)} = {node.pop(path[-1])!r} left out: {what} is not modelled yet "
+                f"(the model follows {expected})"
+            )
+    if "train_batch_size" in ds:
+        ds.pop("train_batch_size")
+        notes.append("deepspeed train_batch_size left out (commgate derives it from dp, b and m)")

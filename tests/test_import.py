@@ -1,0 +1,62 @@
+"""``commgate import``: scenarios written from GPT-NeoX, DeepSpeed and Hugging Face configs validate,
+predict, list what they ignore, and (``--cpu``) run and reconcile."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from commgate.cli import main
+from commgate.model.predict import predict
+from commgate.model.scenario import load_file
+
+NEOX = Path(__file__).parent / "data" / "neox" / "13B.yml"
+DS = Path(__file__).parent / "data" / "deepspeed" / "hf-zero2.json"
+
+
+def test_gpt_neox_13b_at_full_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "13b.yaml"
+    assert main(["import", "--neox", str(NEOX), "--dp", "1024", "-o", str(out)]) == 0
+    (s,) = load_file(out)
+    m, par = s.model, s.parallelism
+    assert (m.L, m.h, m.a, m.s, m.V, m.position, m.tied_embeddings, m.dtype) == (
+        40, 5120, 40, 2048, 50304, "rotary", False, "fp16"
+    )  # fmt: skip
+    assert (par.scheme, par.dp, par.micro_batch, par.activation_checkpointing) == ("zero1", 1024, 4, True)
+    assert predict(s).comparison()
+    err = capsys.readouterr().err
+    assert "zero_optimization.overlap_comm = True left out" in err  # ZeRO-1 with overlap_comm: not modelled
+    assert "init_method ignored" in err
+
+
+def test_the_cpu_variant_runs_and_reconciles(tmp_path: Path) -> None:
+    from commgate.judge.reconcile import reconcile
+    from commgate.run.launcher import launch_local
+
+    out = tmp_path / "13b-cpu.yaml"
+    assert main(["import", "--neox", str(NEOX), "--dp", "2", "--cpu", "-o", str(out)]) == 0
+    out.write_text(out.read_text() + "steps: 1\n")  # 40 layers: one measured step is enough here
+    (s,) = load_file(out)
+    assert (s.model.L, s.model.h, s.model.a, s.model.V, s.model.dtype) == (40, 320, 40, 1024, "fp32")
+    assert reconcile(predict(s), launch_local(s, workdir=tmp_path)).ok
+
+
+def test_hugging_face_and_deepspeed_configs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    hf = tmp_path / "config.json"
+    hf.write_text(json.dumps({
+        "model_type": "gpt_neox", "hidden_size": 512, "num_hidden_layers": 6, "num_attention_heads": 8,
+        "intermediate_size": 2048, "vocab_size": 50304, "max_position_embeddings": 2048,
+        "tie_word_embeddings": False, "rotary_pct": 0.25,
+    }))  # fmt: skip
+    out = tmp_path / "s.yaml"
+    assert main(["import", "--hf", str(hf), "--deepspeed", str(DS), "--dp", "4", "-o", str(out)]) == 0
+    doc = yaml.safe_load(out.read_text())
+    assert doc["parallelism"]["scheme"] == "zero2" and doc["deepspeed"]["zero_optimization"]["overlap_comm"] is True
+    (s,) = load_file(out)
+    assert (s.model.h, s.model.x, s.parallelism.zero.bucket_elements) == (512, 4, 200_000_000)
+    assert "rotary_pct ignored" in capsys.readouterr().err
+    hf.write_text(json.dumps({"model_type": "llama", "hidden_size": 4096}))
+    assert main(["import", "--hf", str(hf), "-o", str(out)]) == 2
+    assert "Llama-family models are not supported yet" in capsys.readouterr().err
