@@ -82,6 +82,8 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
             doc["zero_optimization"] = zo
         if rng.random() < 0.4:
             doc["gradient_clipping"] = 1.0
+        if stage >= 1 and not rule.moe and not rule.pipeline and rng.random() < 0.3:
+            doc["communication_data_type"] = rng.choice(["fp32", "bf16"])
     out: dict[str, Any] = {
         "schema_version": 1,
         "name": f"gen{index}-{scheme.replace('+', 'p')}",

@@ -62,3 +62,22 @@ def test_the_model_names_the_recompute_of_zero3(tmp_path: Path) -> None:
     )
     (c,) = predict(s).comparison()
     assert "activation-checkpoint recompute" in {r.name for r in c.residuals} and c.unexplained_bytes == 0
+
+
+@pytest.mark.parametrize("scheme", ["zero1", "zero3"])
+def test_a_communication_dtype_other_than_the_parameters(scheme: str, tmp_path: Path) -> None:
+    """bf16 parameters with ``communication_data_type: fp32``: the gradients travel in fp32 (same buckets,
+    twice the bytes), and the difference to the paper is the named term "communication dtype"."""
+    text = (
+        f"schema_version: 1\nname: t\nmodel: {MODEL.replace('DTYPE', 'bf16')}\n"
+        f"parallelism: {{{SCHEMES[scheme]}}}\nsteps: 2\ndeepspeed: {{communication_data_type: fp32}}\n"
+    )
+    (s,) = load_text(text)
+    prediction = predict(s)
+    grads = [
+        r for r in prediction.collectives if "gradient" in r.source and r.op.value in ("all_reduce", "reduce_scatter")
+    ]
+    assert {r.dtype for r in grads if "norm" not in r.source and "overflow" not in r.source} == {"fp32"}
+    (c,) = prediction.comparison()
+    assert "communication dtype" in {r.name for r in c.residuals} and c.unexplained_bytes == 0
+    assert reconcile(prediction, launch_local(s, workdir=tmp_path)).ok

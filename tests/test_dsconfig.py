@@ -53,9 +53,14 @@ def test_mapped_keys_set_the_scenario() -> None:
             r"overlap_comm: True: ZeRO-1 reducing in the backward hooks",
         ),
         (
-            "{scheme: zero2, dp: 2}",
+            "{scheme: pp, pp: 2}",
             "{communication_data_type: fp16}",
-            r"communication_data_type: 'fp16': a communication dtype",
+            r"communication_data_type: 'fp16': a communication dtype is modelled for ZeRO-1/2/3 only",
+        ),
+        (
+            "{scheme: zero2, dp: 2}",
+            "{communication_data_type: int8}",
+            r"communication_data_type: 'int8': this communication dtype is not modelled yet",
         ),
     ],
 )

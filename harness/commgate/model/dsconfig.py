@@ -103,7 +103,12 @@ MODELLED: dict[tuple[str, ...], tuple[Callable[[Any, int], bool], str, str]] = {
     ("zero_optimization", "cpu_offload"): (_is(False), "false", "optimizer offload"),
     ("zero_optimization", "cpu_offload_param"): (_is(False), "false", "parameter offload"),
     ("zero_optimization", "mics_shard_size"): (_absent, "left out", "MiCS sharding"),
-    ("communication_data_type",): (_absent, "left out", "a communication dtype other than the parameters'"),
+    # measured: ZeRO-1/2/3 reduce the gradients in it, same buckets (MoE and the pipeline: see scenario.py)
+    ("communication_data_type",): (
+        lambda v, stage: v in ("fp32", "fp16", "bf16"),
+        "fp32, fp16 or bf16",
+        "this communication dtype",
+    ),
     ("prescale_gradients",): (_is(False), "false", "gradient prescaling"),
     ("sparse_gradients",): (_is(False), "false", "sparse gradients"),
     ("pipeline", "pipe_partitioned"): (_absent, "left out", "partitioned pipeline activations"),

@@ -47,6 +47,7 @@ difference to Eq. 2/3 is the named term "partition padding".
 from __future__ import annotations
 
 import itertools
+import json
 from collections import Counter
 from dataclasses import dataclass, replace
 from fractions import Fraction
@@ -101,28 +102,39 @@ def _padding(
 
 
 def _accumulation(ctx: Context, term: str, component: DeepSpeedZero12 | DeepSpeedZero3) -> list[Residual]:
-    """The named terms for what the paper's one pass per step leaves out, each the model's own unpadded
-    rows differenced: the recompute's extra gathers (ZeRO-3 with activation checkpointing), then the
-    other m - 1 micro-batches (gradient accumulation)."""
+    """The named terms for what the paper's one pass per step in the parameters' dtype leaves out, each
+    the model's own unpadded rows differenced: the gradients' communication dtype, then the recompute's
+    extra gathers (ZeRO-3 with activation checkpointing), then the other m - 1 micro-batches."""
     par = ctx.scenario.parallelism
+    cfg = ctx.scenario.deepspeed_config
+    plain = {k: v for k, v in cfg.items() if k != "communication_data_type"}
 
-    def at(**changes: object) -> Context:
-        return Context(scenario=replace(ctx.scenario, parallelism=replace(par, **changes)))  # type: ignore[arg-type]
+    def at(ds: dict[str, object], **changes: object) -> Context:
+        scenario = replace(ctx.scenario, deepspeed=json.dumps(ds), parallelism=replace(par, **changes))  # type: ignore[arg-type]
+        return Context(scenario=scenario)
 
     def volume(c: Context) -> Fraction:
         return _volume(component.collectives(c, pad=False, init=False), term)
 
     what = "reduces gradients" if par.zero.stage < 3 else "gathers parameters and reduce-scatters gradients"
+    dtype = cfg.get("communication_data_type")
     steps = [
         (
-            at(micro_batches=1),
-            at(micro_batches=1, activation_checkpointing=False),
+            ctx,
+            at(plain),
+            "communication dtype",
+            f"gradients are reduced in {dtype} (communication_data_type), the parameters are "
+            f"{ctx.scenario.model.dtype}",
+        ),
+        (
+            at(plain, micro_batches=1),
+            at(plain, micro_batches=1, activation_checkpointing=False),
             "activation-checkpoint recompute",
             "each layer's recompute in the backward gathers its modules' parameters again",
         ),
         (
-            ctx,
-            at(micro_batches=1),
+            at(plain),
+            at(plain, micro_batches=1),
             "gradient accumulation",
             f"ZeRO-{par.zero.stage} {what} in each of the m={par.micro_batches} micro-batches; {term} counts one "
             "pass a step",
@@ -134,6 +146,13 @@ def _accumulation(ctx: Context, term: str, component: DeepSpeedZero12 | DeepSpee
         if extra:
             out.append(Residual(term=term, name=name, bytes=extra, detail=detail))
     return out
+
+
+def grad_dtype(ctx: Context) -> str:
+    """The dtype ZeRO reduces gradients in: ``communication_data_type`` if the config sets it, else the
+    parameters'."""
+    dtype = ctx.scenario.deepspeed_config.get("communication_data_type")
+    return str(dtype) if dtype else ctx.scenario.model.dtype
 
 
 def _volume(rows: list[ExpectedCollective], term: str) -> Fraction:
@@ -289,6 +308,7 @@ class DeepSpeedZero12(DataParallel):
                     step,
                     elements=b,
                     calls=per_step,
+                    dtype=grad_dtype(ctx),
                     source=f"ZeRO-{zs} gradient all-reduce, bucket {i} of {len(buckets)}",
                 )
             )
@@ -398,6 +418,7 @@ class DeepSpeedZero3(Zero3):
                     elements=b,
                     source=f"ZeRO-3 gradient reduce-scatter, bucket {i} of {len(buckets)}",
                     calls=m,
+                    dtype=grad_dtype(ctx),
                 )
             )
         rows.append(
