@@ -199,15 +199,15 @@ def _reduce(model: dict[str, Any], par: dict[str, Any], ds: dict[str, Any], note
 
 
 def _drop_unmodelled(ds: dict[str, Any], stage: int, notes: list[str]) -> None:
-    for path, (follows, expected, what) in dsconfig.MODELLED.items():
-        node: Any = ds
+    for path, value, expected, what in dsconfig.violations(ds, stage):
+        parent: Any = ds
         for part in path[:-1]:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and path[-1] in node and not follows(node[path[-1]], stage):
-            notes.append(
-                f"deepspeed {'.'.join(path)} = {node.pop(path[-1])!r} left out: {what} is not modelled yet "
-                f"(the model follows {expected})"
-            )
+            parent = parent[part]
+        del parent[path[-1]]
+        notes.append(
+            f"deepspeed {'.'.join(path)} = {value!r} left out: {what} is not modelled yet "
+            f"(the model follows {expected})"
+        )
     if "train_batch_size" in ds:
         ds.pop("train_batch_size")
         notes.append("deepspeed train_batch_size left out (commgate derives it from dp, b and m)")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from fractions import Fraction
 
 from commgate.model.collectives import Op
 from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
@@ -174,19 +173,14 @@ class MoEDataParallel(DataParallel):
                 f"stage {par.zero.stage} reduces the gradients of each of the m={par.micro_batches} micro-batches",
             ),
         ]
+        from commgate.model.schemes.deepspeed_zero import _volume
+
         for now, before, name, detail in steps:
-            extra = _eq2_volume(self.collectives(now)) - _eq2_volume(self.collectives(before))
+            extra = _volume(self.collectives(now), "Eq. 2") - _volume(self.collectives(before), "Eq. 2")
             if extra:
                 out.append(Residual(term="Eq. 2", name=name, bytes=extra, detail=detail))
         return out
 
-
-def _eq2_volume(rows: list[ExpectedCollective]) -> Fraction:
-    """Rank 0's paper-weighted bytes per step of the Eq. 2 rows."""
-    return sum(
-        (r.paper_bytes_per_step for r in rows if r.paper_term == "Eq. 2" and not r.once and r.issued_by(0)),
-        Fraction(0),
-    )
 
 
 def _zero_buckets(
