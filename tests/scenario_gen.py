@@ -1,6 +1,7 @@
 """A seeded generator of random valid scenarios over the whole configuration space commgate runs on CPU
 gloo: scheme, model dimensions and switches, dp/tp/pp, micro-batch size and count, activation
-checkpointing, parameter dtype, bucket sizes, ZeRO stages, hpZ, MoE. Used by ``tests/test_generated.py``; the same seed
+checkpointing, parameter dtype, architecture (GPT-NeoX or Llama-style), bucket sizes, ZeRO stages, hpZ,
+MoE, DeepSpeed knobs. Used by ``tests/test_generated.py``; the same seed
 always gives the same scenarios, so a failure is replayed with its seed.
 
     python tests/scenario_gen.py SEED [COUNT]    # print the scenario documents as YAML
@@ -37,6 +38,11 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
         "position": rng.choice(["learned", "learned", "rotary"]),
         "dtype": rng.choice(["fp32", "fp32", "bf16", "fp16"]),
     }
+    if rng.random() < 0.4:  # Llama-style: grouped-query attention, SwiGLU of its own width, rotary
+        del model["position"], model["x"]
+        model["architecture"] = "llama"
+        model["kv_heads"] = rng.choice([k for k in (1, 2, 4) if a % k == 0])
+        model["ffn_hidden"] = rng.choice([2, 3, 5]) * model["h"] // 2 + rng.choice([0, 2, 6])
     par: dict[str, Any] = {
         "scheme": scheme,
         "dp": rng.choice([1, 2, 3, 4]) if rule.min_dp == 1 else rng.choice([2, 3, 4]),

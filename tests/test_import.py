@@ -55,8 +55,52 @@ def test_hugging_face_and_deepspeed_configs(tmp_path: Path, capsys: pytest.Captu
     doc = yaml.safe_load(out.read_text())
     assert doc["parallelism"]["scheme"] == "zero2" and doc["deepspeed"]["zero_optimization"]["overlap_comm"] is True
     (s,) = load_file(out)
-    assert (s.model.h, s.model.x, s.parallelism.zero.bucket_elements) == (512, 4, 200_000_000)
+    assert (s.model.h, s.model.ffn, s.parallelism.zero.bucket_elements) == (512, 2048, 200_000_000)
     assert "rotary_pct ignored" in capsys.readouterr().err
     hf.write_text(json.dumps({"model_type": "llama", "hidden_size": 4096}))
     assert main(["import", "--hf", str(hf), "-o", str(out)]) == 2
-    assert "Llama-family models are not supported yet" in capsys.readouterr().err
+    assert "num_attention_heads missing" in capsys.readouterr().err
+    hf.write_text(json.dumps({"model_type": "bert", "hidden_size": 4096}))
+    assert main(["import", "--hf", str(hf), "-o", str(out)]) == 2
+    assert "model_type 'bert'" in capsys.readouterr().err
+
+
+HF = Path(__file__).parent / "data" / "hf"
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [  # published parameter counts: TinyLlama 1,100,048,384; Mistral 7B 7,241,732,096
+        ("tinyllama-1.1b.json", (22, 2048, 32, 4, 5632, 32000, False, "bf16", 1_100_048_384)),
+        ("mistral-7b.json", (32, 4096, 32, 8, 14336, 32000, False, "bf16", 7_241_732_096)),
+    ],
+)
+def test_llama_family_hugging_face_configs(
+    config: str, expected: tuple[object, ...], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "s.yaml"
+    assert main(["import", "--hf", str(HF / config), "--dp", "8", "-o", str(out)]) == 0
+    (s,) = load_file(out)
+    m = s.model
+    count = predict(s).param_count
+    assert (m.L, m.h, m.a, m.kv, m.ffn, m.V, m.tied_embeddings, m.dtype, count) == expected
+    assert (m.architecture, m.position, s.parallelism.scheme) == ("llama", "rotary", "ddp")
+    assert "rope_theta ignored" in capsys.readouterr().err
+    # the reduced variant keeps the layers, heads and key/value heads, the MLP's ratio to h, and splits over tp
+    assert main(["import", "--hf", str(HF / config), "--tp", "2", "--cpu", "-o", str(out)]) == 0
+    (small,) = load_file(out)
+    r = small.model
+    assert (r.L, r.a, r.kv, r.h, r.architecture) == (m.L, m.a, m.kv, 8 * m.a, "llama")
+    assert r.ffn % 4 == 0 and abs(r.ffn / r.h - m.ffn / m.h) < 4 / r.h
+
+
+def test_llama_with_biases_or_another_head_dimension_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = json.loads((HF / "tinyllama-1.1b.json").read_text())
+    hf, out = tmp_path / "config.json", tmp_path / "s.yaml"
+    for change, message in (({"attention_bias": True}, "attention_bias: true"), ({"head_dim": 128}, "head_dim 128")):
+        hf.write_text(json.dumps(base | change))
+        assert main(["import", "--hf", str(hf), "-o", str(out)]) == 2
+        assert message in capsys.readouterr().err
+    assert not out.exists()

@@ -1,7 +1,7 @@
 """Presets and the parameter inventory (the model as built) against Eq. 1 and hand counts."""
 
 import pytest
-from commgate.model.paper import eq1_param_count
+from commgate.model.paper import eq1_param_count, llama_param_count
 from commgate.model.transformer import PRESETS, ModelSpec, Shard, inventory, param_count, stage_split
 
 # (L, h, a) from GPT-NeoX's configs, as the seed paper uses them.
@@ -39,7 +39,7 @@ def test_reduced_presets_keep_structure(name: str) -> None:
     assert small.h % small.a == 0 and small.dtype == "fp32"
 
 
-@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("name", [n for n, m in PRESETS.items() if not m.llama])
 def test_model_as_built_differs_from_eq1_by_biases_and_layernorms(name: str) -> None:
     m = PRESETS[name]
     eq1 = eq1_param_count(V=m.V, h=m.h, s=m.s, L=m.L)
@@ -85,3 +85,41 @@ def test_moe_layers_replace_the_mlp() -> None:
     assert sum(p.numel for p in moe if p.expert) == 3 * dense_mlp
     assert param_count(m, experts=3, moe_every=2) == param_count(m) - dense_mlp + 3 * 4 + 3 * dense_mlp
     assert all(p.layer == 1 for p in moe if p.expert)
+
+
+# Published parameter counts of the Llama-family models the presets are taken from.
+PUBLISHED = {
+    "llama3.2-1B": 1_235_814_400,
+    "tinyllama-1.1B": 1_100_048_384,
+    "llama2-7B": 6_738_415_616,
+    "llama3-8B": 8_030_261_248,
+    "llama2-70B": 68_976_648_192,
+}
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_llama_presets_have_the_published_parameter_counts(name: str) -> None:
+    m = PRESETS[name]
+    assert param_count(m) == PUBLISHED[name]
+    # the counterpart of Eq. 1 is exact for a Llama-style model (no biases to leave out)
+    assert llama_param_count(
+        V=m.V, h=m.h, L=m.L, a=m.a, kv_heads=m.kv, ffn=m.ffn, tied_embeddings=m.tied_embeddings
+    ) == param_count(m)
+    small = PRESETS[f"{name}-cpu"]
+    assert (small.L, small.a, small.kv, small.architecture, small.tied_embeddings) == (
+        m.L, m.a, m.kv, "llama", m.tied_embeddings
+    )  # fmt: skip
+    assert small.ffn * m.h == m.ffn * small.h  # the MLP keeps its ratio to h
+
+
+def test_llama_counted_by_hand() -> None:
+    m = ModelSpec(L=1, h=8, a=4, V=10, s=3, architecture="llama", position="rotary", kv_heads=2, ffn_hidden=12)
+    # embed 80; layer: RMSNorm 8, q 64, k 32 (2 heads of 2), v 32, dense 64, RMSNorm 8, gate 96, up 96,
+    # down 96; final RMSNorm 8; head 80
+    assert param_count(m) == 80 + (8 + 64 + 32 + 32 + 64 + 8 + 3 * 96) + 8 + 80
+    names = [p.name for p in inventory(m)]
+    assert not any(n.endswith(".bias") for n in names)
+    assert "layers.0.attention.k.weight" in names and "layers.0.mlp.gate.weight" in names
+    # t=2: every projection halves (whole heads per rank), norms stay whole
+    ((dense, _),) = stage_split(inventory(m), L=1, tp=2, pp=1)
+    assert dense == 40 + (8 + 32 + 16 + 16 + 32 + 8 + 3 * 48) + 8 + 40

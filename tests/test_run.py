@@ -373,3 +373,34 @@ def test_a_stale_extension_build_lock_is_named(tmp_path: Path, monkeypatch: pyte
     lock.parent.mkdir(parents=True)
     lock.touch()
     assert stale_build_locks() == [lock]
+
+
+LLAMA = (
+    "schema_version: 1\nname: llama-{name}\n"
+    "model: {{architecture: llama, L: 2, h: 32, a: 4, kv_heads: 2, ffn_hidden: 88, V: 128, s: 32}}\n"
+    "parallelism: {{scheme: {scheme}, {par}, activation_checkpointing: true, micro_batches: 2}}\nsteps: 2\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "par"),
+    [
+        ("ddp", "dp: 2"),
+        ("zero1", "dp: 2"),
+        ("zero2", "dp: 3"),
+        ("zero3", "dp: 2"),
+        ("zero++", "dp: 4, zero: {hpz: 2}"),
+        ("tp", "dp: 2, tp: 2"),
+        ("pp", "dp: 1, pp: 2"),
+        ("3d", "dp: 1, tp: 2, pp: 2"),
+        ("moe", "dp: 2, moe: {experts: 2, ep: 2}"),
+    ],
+)
+def test_a_llama_style_model_under_every_scheme_every_byte_explained(scheme: str, par: str, tmp_path: Path) -> None:
+    """Grouped-query attention (2 key/value heads for 4 query heads), SwiGLU, RMSNorm, no biases; with
+    activation checkpointing and 2 micro-batches."""
+    (s,) = load_text(LLAMA.format(name=scheme.replace("+", "p"), scheme=scheme, par=par))
+    rec = reconcile(predict(s), launch_local(s, workdir=tmp_path))
+    assert not rec.mismatches, rec.mismatches
+    assert all(o.unexplained_bytes == 0 for o in rec.ops), rec.ops
+    assert rec.traffic_measured == rec.traffic_predicted

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from commgate.model.collectives import OPS, Op, add_traffic
 from commgate.model.layout import Axis, Group, Layout
-from commgate.model.paper import eq1_param_count
+from commgate.model.paper import eq1_param_count, llama_param_count
 from commgate.model.transformer import ITEMSIZE, ParamTensor, inventory, param_stages, stage_split
 
 if TYPE_CHECKING:  # the scenario language sits above the model (it reads the scheme registry)
@@ -215,11 +215,20 @@ class Context:
 
     @cached_property
     def eq1(self) -> int:
-        """Eq. 1 with the scenario's switches (tied embeddings, positions, expansion factor)."""
+        """Eq. 1 with the scenario's switches (tied embeddings, positions, MLP width), or for a Llama-style
+        model its counterpart (``eq1_name``)."""
         m = self.scenario.model
+        if m.llama:
+            return llama_param_count(
+                V=m.V, h=m.h, L=m.L, a=m.a, kv_heads=m.kv, ffn=m.ffn, tied_embeddings=m.tied_embeddings
+            )
         return eq1_param_count(
-            V=m.V, h=m.h, s=m.s, L=m.L, tied_embeddings=m.tied_embeddings, position=m.position, x=m.x
+            V=m.V, h=m.h, s=m.s, L=m.L, tied_embeddings=m.tied_embeddings, position=m.position, ffn=m.ffn
         )
+
+    @property
+    def eq1_name(self) -> str:
+        return "Llama counterpart of Eq. 1" if self.scenario.model.llama else "Eq. 1"
 
     @property
     def bsh(self) -> int:
@@ -262,9 +271,7 @@ class Prediction:
 
     def not_in_paper(self, rank: int = 0) -> tuple[tuple[str, int], ...]:
         """(source, bytes per step on ``rank``) of the steady rows no paper equation covers."""
-        return tuple(
-            (c.source, c.bytes_per_step) for c in self.steady if c.paper_term is None and c.issued_by(rank)
-        )
+        return tuple((c.source, c.bytes_per_step) for c in self.steady if c.paper_term is None and c.issued_by(rank))
 
     def job_bytes_per_step(self) -> int:
         return sum(c.bytes_per_step * c.participant_count for c in self.steady)

@@ -5,8 +5,9 @@
   ``no-weight-tying``), the parallelism (``pipe-parallel-size``, ``model-parallel-size``), activation
   checkpointing, and DeepSpeed's own keys (``zero_optimization``, ``fp16``/``bf16``, batch sizes);
 * a DeepSpeed JSON (``--deepspeed``): becomes the ``deepspeed:`` block;
-* a Hugging Face ``config.json`` (``--hf``) of ``model_type`` ``gpt_neox``: dimensions, heads, MLP width,
-  tied embeddings.
+* a Hugging Face ``config.json`` (``--hf``) of ``model_type`` ``gpt_neox``, ``llama`` or ``mistral`` (the
+  last two as ``architecture: llama``): dimensions, heads, key/value heads, MLP width, tied embeddings,
+  ``torch_dtype``.
 
 Every key that is not used is listed, and so is every DeepSpeed key left out because the model does not
 follow its value yet (``commgate.model.dsconfig``): the scenario written is one the model checks, and it
@@ -158,36 +159,69 @@ def _neox(
             notes.append(f"{f}: {key} ignored (no communication effect commgate models)")
 
 
+HF_LLAMA = ("llama", "mistral")
+"""Hugging Face model types imported as ``architecture: llama`` (Mistral's sliding window changes no
+parameter and no collective)."""
+
+HF_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
 def _hf(cfg: dict[str, Any], model: dict[str, Any], notes: list[str], f: str) -> None:
     kind = cfg.get("model_type")
-    if kind in ("llama", "mistral"):
-        raise UsageError(f"{f}: model_type {kind!r}: Llama-family models are not supported yet (GPT-NeoX only)")
-    if kind != "gpt_neox":
-        raise UsageError(f"{f}: model_type {kind!r}: commgate imports gpt_neox configs")
-    h = int(cfg["hidden_size"])
-    model.update(
-        L=int(cfg["num_hidden_layers"]),
-        h=h,
-        a=int(cfg["num_attention_heads"]),
-        V=int(cfg["vocab_size"]),
-        s=int(cfg.get("max_position_embeddings", 2048)),
-        position="rotary",
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-    )
-    if "intermediate_size" in cfg:
-        model["x"] = int(cfg["intermediate_size"]) // h
+    if kind not in ("gpt_neox", *HF_LLAMA):
+        raise UsageError(f"{f}: model_type {kind!r}: commgate imports {', '.join(('gpt_neox', *HF_LLAMA))} configs")
+    try:
+        h, a = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        model.update(
+            L=int(cfg["num_hidden_layers"]),
+            h=h,
+            a=a,
+            V=int(cfg["vocab_size"]),
+            s=int(cfg.get("max_position_embeddings", 2048)),
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+        if "intermediate_size" in cfg:
+            model["ffn_hidden"] = int(cfg["intermediate_size"])
+        model.pop("x", None)
+        if kind in HF_LLAMA:
+            model.update(architecture="llama", kv_heads=int(cfg.get("num_key_value_heads") or a))
+            model.pop("position", None)  # rotary
+        else:
+            model["position"] = "rotary"
+    except KeyError as exc:
+        raise UsageError(f"{f}: {exc.args[0]} missing (a {kind} config.json states it)") from None
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"{f}: not a number where one is needed ({exc})") from None
+    notes.append(f"{f}: s = max_position_embeddings = {model['s']}; set model.s to the sequence length you train with")
+    for key in ("attention_bias", "mlp_bias"):
+        if kind in HF_LLAMA and cfg.get(key):
+            raise UsageError(f"{f}: {key}: true: Llama-style layers with biases are not modelled")
+    head_dim = cfg.get("head_dim")
+    if kind in HF_LLAMA and head_dim is not None and int(head_dim) * a != h:
+        raise UsageError(f"{f}: head_dim {head_dim} != hidden_size/num_attention_heads = {h}/{a}: not modelled")
+    if kind in HF_LLAMA and cfg.get("hidden_act", "silu") != "silu":
+        notes.append(f"{f}: hidden_act {cfg['hidden_act']!r}: the gated MLP's activation moves no bytes; SiLU is run")
+    if dtype := HF_DTYPES.get(str(cfg.get("torch_dtype"))):
+        model["dtype"] = dtype
+        notes.append(f"{f}: dtype {dtype} from torch_dtype (a DeepSpeed fp16/bf16 block overrides it)")
     used = {"model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
-            "max_position_embeddings", "tie_word_embeddings", "intermediate_size"}  # fmt: skip
+            "max_position_embeddings", "tie_word_embeddings", "intermediate_size", "num_key_value_heads",
+            "attention_bias", "mlp_bias", "head_dim", "hidden_act", "torch_dtype"}  # fmt: skip
     notes += [f"{f}: {k} ignored" for k in cfg if k not in used]
 
 
 def _reduce(model: dict[str, Any], par: dict[str, Any], ds: dict[str, Any], notes: list[str]) -> None:
-    a = model["a"]
+    a, h = model["a"], model["h"]
     notes.append(
-        f"--cpu: h {model['h']} -> {8 * a} (head dimension 8), V {model['V']} -> 1024, s {model['s']} -> 128; "
-        "layers, heads, MLP expansion, embeddings and positions kept"
+        f"--cpu: h {h} -> {8 * a} (head dimension 8), V {model['V']} -> 1024, s {model['s']} -> 128; "
+        "layers, heads, key/value heads, MLP ratio, embeddings and positions kept"
     )
     model.update(h=8 * a, V=1024, s=128)
+    if "ffn_hidden" in model:  # the same ratio to h, rounded up to what tensor parallelism splits
+        step = 2 * par.get("tp", 1)
+        ffn = -(-model["ffn_hidden"] * 8 * a // h // step) * step
+        notes.append(f"--cpu: ffn_hidden {model['ffn_hidden']} -> {ffn}")
+        model["ffn_hidden"] = ffn
     if model.get("dtype") == "fp16":
         notes.append("--cpu: fp16 -> fp32 (DeepSpeed's fp16 runs on GPUs only)")
         model["dtype"] = "fp32"

@@ -12,17 +12,38 @@ from fractions import Fraction
 
 
 def eq1_param_count(
-    *, V: int, h: int, s: int, L: int, tied_embeddings: bool = False, position: str = "learned", x: int = 4
+    *,
+    V: int,
+    h: int,
+    s: int,
+    L: int,
+    tied_embeddings: bool = False,
+    position: str = "learned",
+    x: int = 4,
+    ffn: int | None = None,
 ) -> int:
     """Eq. 1: ``2Vh + sh + L(12h^2 + 8h) + 2h``.
 
     With the defaults it is the paper's equation literally. The switches generalise it: tied
-    embeddings count Vh once, positions other than ``learned`` have no ``sh`` table, and the expansion
-    factor x turns the ``12h^2`` into ``4h^2 + 2xh^2``.
+    embeddings count Vh once, positions other than ``learned`` have no ``sh`` table, and the MLP width
+    (``ffn``, else ``x*h``) turns the ``12h^2`` into ``4h^2 + 2h*ffn``.
     """
     embeddings = (1 if tied_embeddings else 2) * V * h
     positions = s * h if position == "learned" else 0
-    return embeddings + positions + L * (4 * h * h + 2 * x * h * h + 8 * h) + 2 * h
+    width = x * h if ffn is None else ffn
+    return embeddings + positions + L * (4 * h * h + 2 * h * width + 8 * h) + 2 * h
+
+
+def llama_param_count(*, V: int, h: int, L: int, a: int, kv_heads: int, ffn: int, tied_embeddings: bool) -> int:
+    """The counterpart of Eq. 1 for a Llama-style decoder (no biases, RMSNorm weights only, rotary
+    positions): ``2Vh + L(2h^2 + 2h*kv*h/a + 3h*ffn + 2h) + h``, with ``Vh`` once if tied.
+
+    Per layer: the query and output projections (``2h^2``), the grouped key and value projections
+    (``kv_heads`` heads of ``h/a``), the SwiGLU MLP's gate, up and down projections (``3h*ffn``) and two
+    norm weights; one more norm weight after the last layer.
+    """
+    embeddings = (1 if tied_embeddings else 2) * V * h
+    return embeddings + L * (2 * h * h + 2 * h * kv_heads * (h // a) + 3 * h * ffn + 2 * h) + h
 
 
 def allreduce_volume(m: int | Fraction, d: int) -> Fraction:

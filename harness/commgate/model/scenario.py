@@ -572,12 +572,37 @@ _DIMS = ("L", "h", "a", "V", "s")
 
 def _build_model(m: dict[str, Any], bad: Bad) -> ModelSpec | None:
     explicit = {k: v for k, v in m.items() if k != "preset"}
+    if "x" in explicit and "ffn_hidden" in explicit:
+        bad(
+            ["model", "ffn_hidden"], f"{explicit['ffn_hidden']} and x={explicit['x']} both give the MLP width; keep one"
+        )
+    if explicit.get("architecture") == "llama" and "position" not in explicit:
+        explicit["position"] = "rotary"  # Llama's; a gpt-neox preset's learned positions do not carry over
     if "preset" in m:
         return replace(PRESETS[m["preset"]], **explicit)
     missing = [d for d in _DIMS if d not in m]
     for d in missing:
         bad(["model"], f"missing field {d!r}; give a preset (e.g. preset: 19M-cpu) or all of {', '.join(_DIMS)}")
     return None if missing else ModelSpec(**explicit)
+
+
+def _check_architecture(m: ModelSpec, tp: int, bad: Bad) -> None:
+    """What the architecture's shapes need, including what tensor parallelism over ``tp`` ranks splits."""
+    if m.llama and m.position != "rotary":
+        bad(["model", "position"], f"{m.position!r}: architecture llama uses rotary positions")
+    if m.kv_heads is not None and not m.llama:
+        bad(["model", "kv_heads"], f"{m.kv_heads}: grouped-query attention needs architecture: llama")
+    if m.a % m.kv:
+        bad(["model", "kv_heads"], f"{m.kv}: heads a={m.a} are not divisible by kv_heads")
+    if m.position == "rotary" and (m.h // m.a) % 2:
+        bad(["model", "h"], f"{m.h}: rotary positions need an even head dimension, h/a = {m.h}/{m.a} is odd")
+    if tp > 1 and m.llama and m.kv % tp:
+        bad(
+            ["parallelism", "tp"],
+            f"{tp}: key/value heads kv_heads={m.kv} are not divisible by tp (each rank holds whole heads)",
+        )
+    if tp > 1 and m.ffn_hidden is not None and m.ffn % tp:  # x*h divides when the heads do
+        bad(["parallelism", "tp"], f"{tp}: the MLP width ffn={m.ffn} is not divisible by tp")
 
 
 def _build_parallelism(p: dict[str, Any], bad: Bad) -> Parallelism:
@@ -618,6 +643,7 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
         bad([P, "dp"], f"{par.dp}: scheme {s!r} needs dp >= {rule.min_dp}")
     if par.tp > 1 and m.a % par.tp:
         bad([P, "tp"], f"{par.tp}: heads a={m.a} are not divisible by tp")
+    _check_architecture(m, par.tp, bad)
     if par.tp > 1 and m.V % par.tp:
         bad([P, "tp"], f"{par.tp}: vocabulary V={m.V} is not divisible by tp (vocab-parallel embedding)")
     if par.pp > 1 and m.L % par.pp:

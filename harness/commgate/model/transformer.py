@@ -1,10 +1,18 @@
 """The transformer being trained: its dimensions, presets, and the inventory of its parameter tensors.
 
-The inventory is the single truth for parameter counts. It lists every tensor of a GPT-NeoX-shaped
-decoder (token embedding, optional learned positions, L x [LayerNorm, QKV, attention output,
-LayerNorm, MLP h->xh->h], final LayerNorm, untied output layer) with the way Megatron-style tensor
-parallelism splits it and the pipeline stage that holds it. The paper's Eq. 1 lives in
-``commgate.model.paper``; the difference between the two is a named term (biases, LayerNorm counting).
+The inventory is the single truth for parameter counts. It lists every tensor of the decoder with the
+way Megatron-style tensor parallelism splits it and the pipeline stage that holds it, for two
+architectures:
+
+- ``gpt-neox`` (the default, the seed paper's): token embedding, optional learned positions,
+  L x [LayerNorm, fused QKV, attention output, LayerNorm, MLP h->ffn->h with biases], final LayerNorm,
+  untied output layer;
+- ``llama``: token embedding, L x [RMSNorm, separate Q, K, V projections (grouped-query attention:
+  ``kv_heads`` key/value heads), attention output, RMSNorm, SwiGLU MLP (gate, up h->ffn, down
+  ffn->h)], final RMSNorm, output layer (untied unless tied); rotary positions, no biases.
+
+The paper's Eq. 1 (and its Llama counterpart) live in ``commgate.model.paper``; the difference between
+Eq. 1 and the inventory is a named term (biases, LayerNorm counting).
 
 Naming: ``L`` layers, ``h`` hidden, ``a`` heads, ``V`` vocabulary, ``s`` sequence, ``x`` MLP expansion,
 as in the seed paper's Table I.
@@ -14,10 +22,13 @@ from __future__ import annotations
 
 import enum
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
 Position = Literal["learned", "rotary", "none"]
+Architecture = Literal["gpt-neox", "llama"]
+ARCHITECTURES: tuple[Architecture, ...] = ("gpt-neox", "llama")
 DType = Literal["fp32", "fp16", "bf16"]
 
 ITEMSIZE: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -25,7 +36,7 @@ ITEMSIZE: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSpec:
-    """Dimensions of a GPT-NeoX-shaped decoder."""
+    """Dimensions of a decoder (GPT-NeoX-shaped by default, or Llama-style)."""
 
     L: int
     """Transformer layers."""
@@ -38,7 +49,12 @@ class ModelSpec:
     s: int
     """Sequence length."""
     x: int = 4
-    """MLP expansion factor."""
+    """MLP expansion factor (the MLP's width is ``x * h`` unless ``ffn_hidden`` is given)."""
+    architecture: Architecture = "gpt-neox"
+    kv_heads: int | None = None
+    """Key/value heads (grouped-query attention; Llama only); None: as many as ``a``."""
+    ffn_hidden: int | None = None
+    """The MLP's inner width; None: ``x * h``."""
     tied_embeddings: bool = False
     position: Position = "learned"
     dtype: DType = "fp32"
@@ -48,6 +64,20 @@ class ModelSpec:
     @property
     def itemsize(self) -> int:
         return ITEMSIZE[self.dtype]
+
+    @property
+    def ffn(self) -> int:
+        """The MLP's inner width."""
+        return self.ffn_hidden if self.ffn_hidden is not None else self.x * self.h
+
+    @property
+    def kv(self) -> int:
+        """Key/value heads."""
+        return self.kv_heads if self.kv_heads is not None else self.a
+
+    @property
+    def llama(self) -> bool:
+        return self.architecture == "llama"
 
 
 # GPT-NeoX's configs as used in the seed paper (Section IV): s=2048, V=50304 (padded), untied
@@ -72,6 +102,17 @@ REDUCED_V = 1024
 REDUCED_S = 128
 
 
+# Llama-family shapes, from the models' published Hugging Face config.json files: (L, h, a, kv_heads,
+# ffn_hidden, V, s, tied). Trained in bf16 with rotary positions and no biases.
+_LLAMA: dict[str, tuple[int, int, int, int, int, int, int, bool]] = {
+    "llama3.2-1B": (16, 2048, 32, 8, 8192, 128256, 8192, True),
+    "tinyllama-1.1B": (22, 2048, 32, 4, 5632, 32000, 2048, False),
+    "llama2-7B": (32, 4096, 32, 32, 11008, 32000, 4096, False),
+    "llama3-8B": (32, 4096, 32, 8, 14336, 128256, 8192, False),
+    "llama2-70B": (80, 8192, 64, 8, 28672, 32000, 4096, False),
+}
+
+
 def _presets() -> dict[str, ModelSpec]:
     out: dict[str, ModelSpec] = {}
     for name, (L, h, a) in _FULL.items():
@@ -79,6 +120,17 @@ def _presets() -> dict[str, ModelSpec]:
         out[f"{name}-cpu"] = ModelSpec(
             L=L, h=REDUCED_HEAD_DIM * a, a=a, V=REDUCED_V, s=REDUCED_S, dtype="fp32", preset=f"{name}-cpu"
         )
+    for name, (L, h, a, kv, ffn, V, s, tied) in _LLAMA.items():
+        llama = ModelSpec(
+            L=L, h=h, a=a, kv_heads=kv, ffn_hidden=ffn, V=V, s=s, tied_embeddings=tied, architecture="llama",
+            position="rotary", dtype="bf16", preset=name,
+        )  # fmt: skip
+        out[name] = llama
+        # the MLP keeps its ratio to h (the head dimension shrinks to 8, so ffn by the same factor)
+        out[f"{name}-cpu"] = replace(
+            llama, h=REDUCED_HEAD_DIM * a, ffn_hidden=ffn * REDUCED_HEAD_DIM // (h // a), V=REDUCED_V,
+            s=REDUCED_S, dtype="fp32", preset=f"{name}-cpu",
+        )  # fmt: skip
     return out
 
 
@@ -134,15 +186,18 @@ def stage_of_layer(layer: int, L: int, p: int) -> int:
 
 def forward_modules(m: ModelSpec) -> int:
     """How many modules of the built-in decoder (``commgate.run.workloads.gpt.GPT``) run a forward: the
-    model, the embedding block with its word (and learned position) embedding, per layer the layer, two
-    norms, attention with its two projections and the MLP with its two, the final norm and (untied) the
-    output layer. Containers that never run (``nn.ModuleList``) are not counted. ZeRO-3's trace records
-    each of them once in the forward and once in the backward."""
-    return 3 + (m.position == "learned") + LAYER_MODULES * m.L + 1 + (not m.tied_embeddings)
+    model, the embedding block with its word (and learned position) embedding, per layer its
+    ``layer_modules``, the final norm and (untied) the output layer. Containers that never run
+    (``nn.ModuleList``) are not counted. ZeRO-3's trace records each of them once in the forward and
+    once in the backward."""
+    return 3 + (m.position == "learned") + layer_modules(m) * m.L + 1 + (not m.tied_embeddings)
 
 
-LAYER_MODULES = 9
-"""Modules of one decoder layer: the layer, two norms, attention with two projections, the MLP with two."""
+def layer_modules(m: ModelSpec) -> int:
+    """Modules of one decoder layer that run a forward: the layer, two norms, the attention and the
+    MLP with their projections (GPT-NeoX: fused QKV and output, MLP in and out, 9; Llama: Q, K, V and
+    output, gate, up and down, 12)."""
+    return 12 if m.llama else 9
 
 
 @functools.cache
@@ -152,40 +207,60 @@ def inventory(m: ModelSpec, *, experts: int = 0, moe_every: int = 1) -> tuple[Pa
     With ``experts > 0`` every ``moe_every``-th layer (the last of each group, as DeepSpeed's
     examples do) replaces its MLP by a top-k gate and ``experts`` expert MLPs.
     """
-    h, xh = m.h, m.x * m.h
+    h, ffn, bias = m.h, m.ffn, not m.llama
+    kv = m.kv * (m.h // m.a)  # key/value width (grouped-query attention)
     out: list[ParamTensor] = [
         ParamTensor(name="embed.word.weight", shape=(m.V, h), shard=Shard.VOCAB, block="embedding")
     ]
     if m.position == "learned":
         out.append(ParamTensor(name="embed.position.weight", shape=(m.s, h), shard=Shard.REPLICATED, block="embedding"))
+
+    def linear(t: Callable[..., None], name: str, n_out: int, n_in: int, shard: Shard, expert: bool = False) -> None:
+        shard = Shard.REPLICATED if expert else shard  # an expert is whole on the ranks that hold it
+        t(f"{name}.weight", (n_out, n_in), shard, expert)
+        if bias:  # a row-parallel layer's bias stays whole on each tensor-parallel rank
+            t(f"{name}.bias", (n_out,), Shard.REPLICATED if shard is Shard.ROW else shard, expert)
+
+    def mlp(t: Callable[..., None], prefix: str, expert: bool = False) -> None:
+        if m.llama:
+            linear(t, prefix + "gate", ffn, h, Shard.COLUMN, expert)
+            linear(t, prefix + "up", ffn, h, Shard.COLUMN, expert)
+            linear(t, prefix + "down", h, ffn, Shard.ROW, expert)
+        else:
+            linear(t, prefix + "fc_in", ffn, h, Shard.COLUMN, expert)
+            linear(t, prefix + "fc_out", h, ffn, Shard.ROW, expert)
+
+    def norm(t: Callable[..., None], name: str) -> None:
+        t(f"{name}.weight", (h,), Shard.REPLICATED)
+        if bias:  # LayerNorm; Llama's RMSNorm has a weight only
+            t(f"{name}.bias", (h,), Shard.REPLICATED)
+
     for i in range(m.L):
         p = f"layers.{i}."
 
         def t(name: str, shape: tuple[int, ...], shard: Shard, expert: bool = False, _p: str = p, _i: int = i) -> None:
             out.append(ParamTensor(name=_p + name, shape=shape, shard=shard, block="layer", layer=_i, expert=expert))
 
-        t("input_norm.weight", (h,), Shard.REPLICATED)
-        t("input_norm.bias", (h,), Shard.REPLICATED)
-        t("attention.qkv.weight", (3 * h, h), Shard.COLUMN)
-        t("attention.qkv.bias", (3 * h,), Shard.COLUMN)
-        t("attention.dense.weight", (h, h), Shard.ROW)
-        t("attention.dense.bias", (h,), Shard.REPLICATED)
-        t("post_attention_norm.weight", (h,), Shard.REPLICATED)
-        t("post_attention_norm.bias", (h,), Shard.REPLICATED)
+        norm(t, "input_norm")
+        if m.llama:
+            linear(t, "attention.q", h, h, Shard.COLUMN)
+            linear(t, "attention.k", kv, h, Shard.COLUMN)
+            linear(t, "attention.v", kv, h, Shard.COLUMN)
+        else:
+            linear(t, "attention.qkv", 3 * h, h, Shard.COLUMN)
+        linear(t, "attention.dense", h, h, Shard.ROW)
+        norm(t, "post_attention_norm")
         if experts and (i + 1) % moe_every == 0:
             t("moe.gate.weight", (experts, h), Shard.REPLICATED)
             for e in range(experts):
-                t(f"moe.experts.{e}.fc_in.weight", (xh, h), Shard.REPLICATED, True)
-                t(f"moe.experts.{e}.fc_in.bias", (xh,), Shard.REPLICATED, True)
-                t(f"moe.experts.{e}.fc_out.weight", (h, xh), Shard.REPLICATED, True)
-                t(f"moe.experts.{e}.fc_out.bias", (h,), Shard.REPLICATED, True)
+                mlp(t, f"moe.experts.{e}.", True)
         else:
-            t("mlp.fc_in.weight", (xh, h), Shard.COLUMN)
-            t("mlp.fc_in.bias", (xh,), Shard.COLUMN)
-            t("mlp.fc_out.weight", (h, xh), Shard.ROW)
-            t("mlp.fc_out.bias", (h,), Shard.REPLICATED)
-    out.append(ParamTensor(name="final_norm.weight", shape=(h,), shard=Shard.REPLICATED, block="final"))
-    out.append(ParamTensor(name="final_norm.bias", shape=(h,), shard=Shard.REPLICATED, block="final"))
+            mlp(t, "mlp.")
+
+    def final(name: str, shape: tuple[int, ...], shard: Shard, _expert: bool = False) -> None:
+        out.append(ParamTensor(name=name, shape=shape, shard=shard, block="final"))
+
+    norm(final, "final_norm")
     if not m.tied_embeddings:
         out.append(ParamTensor(name="head.weight", shape=(m.V, h), shard=Shard.VOCAB, block="final"))
     return tuple(out)

@@ -7,7 +7,7 @@ from typing import Any
 
 from commgate import __version__
 from commgate.core.units import human_bytes, number
-from commgate.model.expectation import Prediction
+from commgate.model.expectation import Context, Prediction
 
 DOCUMENT_VERSION = 1
 
@@ -105,12 +105,14 @@ def _table(headers: list[str], rows: list[list[str]], right: set[int]) -> list[s
 def prediction_text(p: Prediction, *, matrix: bool = False) -> str:
     s, m, par = p.scenario, p.scenario.model, p.scenario.parallelism
     axes = ", ".join(f"{k}={v}" for k, v in (("dp", par.dp), ("tp", par.tp), ("pp", par.pp), ("ep", par.ep)) if v > 1)
+    ctx = Context(scenario=s)
+    eq1 = f"{ctx.eq1_name}: {ctx.eq1:,}" if m.llama else f"Eq. 1: {p.param_count_eq1:,}"
     lines = [
         f"{s.id}: {par.scheme} on {s.world_size} ranks ({axes or 'single rank'}), zero stage {par.zero.stage}, "
         f"b={par.micro_batch}, m={par.micro_batches}{', checkpointing' if par.activation_checkpointing else ''}",
-        f"  model {m.preset or 'custom'}: L={m.L} h={m.h} a={m.a} V={m.V} s={m.s} x={m.x} {m.dtype}"
-        f"{' tied' if m.tied_embeddings else ''} {m.position} positions; "
-        f"{p.param_count:,} parameters (Eq. 1: {p.param_count_eq1:,})",
+        f"  model {m.preset or 'custom'}: {m.architecture} L={m.L} h={m.h} a={m.a}"
+        f"{f' kv_heads={m.kv}' if m.llama else ''} V={m.V} s={m.s} ffn={m.ffn} {m.dtype}"
+        f"{' tied' if m.tied_embeddings else ''} {m.position} positions; {p.param_count:,} parameters ({eq1})",
     ]
     headers = [
         "when",

@@ -27,21 +27,26 @@ def init_broadcast(
 
 
 def beyond_eq1(ctx: Context, *, term: str, factor: Fraction, counted: int) -> Residual:
-    """Parameters of the model as built (``counted`` of them are reduced in ``term``) vs Eq. 1."""
+    """Parameters of the model as built (``counted`` of them are reduced in ``term``) vs Eq. 1 (or its
+    Llama counterpart, exact for a dense model)."""
     m = ctx.scenario.model
     moe = (
         " MoE layers swap the MLP for a gate and experts (experts are counted separately)."
         if ctx.expert_param_count
         else ""
     )
+    if m.llama:
+        why = ""
+    else:
+        why = (
+            f" each layer's attention/MLP biases and two LayerNorms are 9h+ffn = {9 * m.h + m.ffn:,}, "
+            f"Eq. 1 counts 8h = {8 * m.h:,}."
+        )
     return Residual(
         term=term,
-        name="parameters beyond Eq. 1",
+        name=f"parameters beyond {ctx.eq1_name}",
         bytes=factor * (counted - ctx.eq1) * m.itemsize,
-        detail=(
-            f"the model has {counted:,} such parameters, Eq. 1 gives {ctx.eq1:,}: each layer's attention/MLP biases "
-            f"and two LayerNorms are (9+x)h = {(9 + m.x) * m.h:,}, Eq. 1 counts 8h = {8 * m.h:,}.{moe}"
-        ),
+        detail=f"the model has {counted:,} such parameters, {ctx.eq1_name} gives {ctx.eq1:,}:{why}{moe}",
     )
 
 

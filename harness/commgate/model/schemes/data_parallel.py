@@ -78,7 +78,7 @@ class DataParallel:
             rank0_term(
                 ctx,
                 equation=TERM,
-                formula=f"2*N*(d-1)/d, N={ctx.eq1:,} (Eq. 1), d={d}",
+                formula=f"2*N*(d-1)/d, N={ctx.eq1:,} ({ctx.eq1_name}), d={d}",
                 elements=eq2_data_parallel(ctx.eq1, d),
             )
         ]

@@ -57,7 +57,7 @@ from commgate.model.expectation import Context, ExpectedCollective, Phase, Resid
 from commgate.model.schemes._common import padded
 from commgate.model.schemes.data_parallel import DataParallel
 from commgate.model.schemes.zero3 import Zero3
-from commgate.model.transformer import LAYER_MODULES, ParamTensor, forward_modules
+from commgate.model.transformer import ParamTensor, forward_modules, layer_modules
 
 
 def modules(params: tuple[ParamTensor, ...], over: int = 1) -> list[int]:
@@ -372,7 +372,7 @@ class DeepSpeedZero3(Zero3):
         traced_modules = 2 * forward_modules(model)
         traced_params = 2 * (len(ctx.params) + model.tied_embeddings)  # a tied output layer: the word embedding
         if par.activation_checkpointing:  # the recompute runs every layer's modules again
-            traced_modules += LAYER_MODULES * model.L
+            traced_modules += layer_modules(model) * model.L
             traced_params += sum(1 for p in ctx.params if p.block == "layer")
         m = par.micro_batches
         second = 1 // m  # the step of the coordinator's second micro-batch

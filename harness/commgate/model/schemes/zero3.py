@@ -54,7 +54,10 @@ class Zero3:
         d = ctx.scenario.parallelism.dp
         return [
             rank0_term(
-                ctx, equation=TERM, formula=f"3*N*(d-1)/d, N={ctx.eq1:,} (Eq. 1), d={d}", elements=eq3_zero3(ctx.eq1, d)
+                ctx,
+                equation=TERM,
+                formula=f"3*N*(d-1)/d, N={ctx.eq1:,} ({ctx.eq1_name}), d={d}",
+                elements=eq3_zero3(ctx.eq1, d),
             )
         ]
 

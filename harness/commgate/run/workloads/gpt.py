@@ -1,10 +1,15 @@
-"""A GPT-NeoX-shaped decoder in plain torch whose parameters are exactly ``commgate.model.transformer.inventory``.
+"""The decoder in plain torch, whose parameters are exactly ``commgate.model.transformer.inventory``.
 
-Token embedding, optional learned positions (or rotary, or none), L x [LayerNorm, fused QKV,
-causal attention, output projection, LayerNorm, MLP h -> xh -> h with GELU], final LayerNorm and an
-untied output layer (or the embedding reused when tied). Parameter names match the inventory's, so
-tests compare the two tensor by tensor. Residuals are sequential pre-LayerNorm (GPT-NeoX's parallel
-residual changes no parameter and no collective).
+GPT-NeoX-shaped (the default): token embedding, optional learned positions (or rotary, or none),
+L x [LayerNorm, fused QKV, causal attention, output projection, LayerNorm, MLP h -> ffn -> h with
+GELU], final LayerNorm and an untied output layer (or the embedding reused when tied). Residuals are
+sequential pre-LayerNorm (GPT-NeoX's parallel residual changes no parameter and no collective).
+
+Llama-style (``architecture: llama``), as Hugging Face's ``LlamaForCausalLM`` lays it out: RMSNorm,
+separate Q, K, V projections with grouped-query attention (``kv_heads``) and rotary positions, the
+output projection, RMSNorm, a SwiGLU MLP (``down(silu(gate(x)) * up(x))``), no biases.
+
+Parameter names match the inventory's, so tests compare the two tensor by tensor.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ def rotary(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    """GPT-NeoX's attention: one fused QKV projection."""
+
     def __init__(self, m: ModelSpec) -> None:
         super().__init__()
         self.head_dim, self.rotary = m.h // m.a, m.position == "rotary"
@@ -49,24 +56,72 @@ class Attention(nn.Module):
         return self.dense(out.transpose(1, 2).reshape(b, s, heads * self.head_dim))
 
 
-class MLP(nn.Module):
+class GroupedQueryAttention(nn.Module):
+    """Llama's attention: separate Q, K and V projections, ``kv_heads`` key/value heads each shared by
+    a/kv_heads query heads, rotary positions, no biases."""
+
     def __init__(self, m: ModelSpec) -> None:
         super().__init__()
-        self.fc_in = nn.Linear(m.h, m.x * m.h)
-        self.fc_out = nn.Linear(m.x * m.h, m.h)
+        self.head_dim = m.h // m.a
+        self.q = nn.Linear(m.h, m.h, bias=False)
+        self.k = nn.Linear(m.h, m.kv * self.head_dim, bias=False)
+        self.v = nn.Linear(m.h, m.kv * self.head_dim, bias=False)
+        self.dense = nn.Linear(m.h, m.h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # on a tensor-parallel shard each projection holds whole heads: a/t query and kv/t key/value heads
+        b, s = x.shape[0], x.shape[1]
+        q = self.q(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = rotary(q), rotary(k)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.dense(out.transpose(1, 2).reshape(b, s, q.shape[1] * self.head_dim))
+
+
+class MLP(nn.Module):
+    """GPT-NeoX's MLP: h -> ffn -> h with GELU."""
+
+    def __init__(self, m: ModelSpec) -> None:
+        super().__init__()
+        self.fc_in = nn.Linear(m.h, m.ffn)
+        self.fc_out = nn.Linear(m.ffn, m.h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc_out(F.gelu(self.fc_in(x)))
 
 
+class SwiGLU(nn.Module):
+    """Llama's MLP: ``down(silu(gate(x)) * up(x))``, no biases."""
+
+    def __init__(self, m: ModelSpec) -> None:
+        super().__init__()
+        self.gate = nn.Linear(m.h, m.ffn, bias=False)
+        self.up = nn.Linear(m.h, m.ffn, bias=False)
+        self.down = nn.Linear(m.ffn, m.h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def mlp(m: ModelSpec) -> nn.Module:
+    """The architecture's MLP (also the expert an MoE layer replicates)."""
+    return SwiGLU(m) if m.llama else MLP(m)
+
+
+def norm(m: ModelSpec) -> nn.Module:
+    """The architecture's norm: LayerNorm (GPT-NeoX) or RMSNorm (Llama)."""
+    return nn.RMSNorm(m.h) if m.llama else nn.LayerNorm(m.h)
+
+
 class Layer(nn.Module):
-    def __init__(self, m: ModelSpec, mlp: nn.Module | None = None) -> None:
+    def __init__(self, m: ModelSpec, mlp_: nn.Module | None = None) -> None:
         super().__init__()
         self.checkpointed = False
-        self.input_norm = nn.LayerNorm(m.h)
-        self.attention = Attention(m)
-        self.post_attention_norm = nn.LayerNorm(m.h)
-        self.mlp = mlp if mlp is not None else MLP(m)
+        self.input_norm = norm(m)
+        self.attention = GroupedQueryAttention(m) if m.llama else Attention(m)
+        self.post_attention_norm = norm(m)
+        self.mlp = mlp_ if mlp_ is not None else mlp(m)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.input_norm(x))
@@ -99,7 +154,7 @@ class GPT(nn.Module):
         for layer in layers:
             layer.checkpointed = checkpointing
         self.layers = nn.ModuleList(layers)
-        self.final_norm = nn.LayerNorm(m.h)
+        self.final_norm = norm(m)
         self.head = None if m.tied_embeddings else nn.Linear(m.h, m.V, bias=False)
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from commgate.model.scenario import Scenario
-from commgate.run.workloads.gpt import DTYPES, GPT, MLP
+from commgate.run.workloads.gpt import DTYPES, GPT, mlp
 from commgate.run.workloads.zero import ZeroWorkload, ds_config
 
 
@@ -46,7 +46,7 @@ class MoEWorkload(ZeroWorkload):
                 layer.mlp = _MoEMLP(
                     MoE(
                         hidden_size=scenario.model.h,
-                        expert=MLP(scenario.model),
+                        expert=mlp(scenario.model),
                         num_experts=cfg.experts,
                         ep_size=cfg.ep,
                         k=cfg.top_k,

@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from commgate.core.errors import CommgateError
 from commgate.model.scenario import Scenario
+from commgate.model.transformer import ModelSpec
 from commgate.run.interpose import phase
 from commgate.run.workloads.gpt import DTYPES, GPT, batch
 from commgate.run.workloads.zero import ds_config
@@ -72,7 +73,7 @@ class PipelineWorkload:
             checkpointable_layers=["Layer"],
         )
         if par.tp > 1:
-            _shard_stage(self.module, device)
+            _shard_stage(self.module, scenario.model, device)
         optimizer = torch.optim.AdamW([p for p in self.module.parameters()], lr=1e-4)
         self.engine, *_ = deepspeed.initialize(model=self.module, optimizer=optimizer, config=ds_config(scenario))
 
@@ -89,7 +90,7 @@ class PipelineWorkload:
             return float(self.engine.train_batch(data_iter=self._data(k)))
 
 
-def _shard_stage(module: Any, device: torch.device) -> None:  # a deepspeed.pipe.PipelineModule
+def _shard_stage(module: Any, m: ModelSpec, device: torch.device) -> None:  # a deepspeed.pipe.PipelineModule
     """Shard this stage's layers over the engine's model-parallel group with DTensor, Megatron style, and
     hand their parameters to the engine as local shards (``commgate.run.workloads.tp.localize``)."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -101,7 +102,7 @@ def _shard_stage(module: Any, device: torch.device) -> None:  # a deepspeed.pipe
     mesh = DeviceMesh.from_group(module._grid.get_slice_parallel_group(), device.type)
     for layer in module.forward_funcs:
         if isinstance(layer, Layer):
-            parallelize_module(layer, mesh, layer_plan())
+            parallelize_module(layer, mesh, layer_plan(m))
         elif isinstance(layer, Embedding):
             parallelize_module(layer, mesh, embedding_plan())
         elif isinstance(layer, _Head):

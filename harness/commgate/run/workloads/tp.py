@@ -1,7 +1,11 @@
-"""Megatron-style tensor parallelism with torch DTensor (``parallelize_module``) on the GPT decoder.
+"""Megatron-style tensor parallelism with torch DTensor (``parallelize_module``) on the decoder.
 
 Per layer the fused QKV and the MLP input projection are column-parallel, the attention output and
-MLP output projections row-parallel; the token embedding is vocabulary-parallel (row-wise on its
+MLP output projections row-parallel. Llama-style layers (separate Q, K, V; SwiGLU gate, up, down) are
+sharded as torchtitan shards them: the attention's and the MLP's input is made a replicated DTensor once
+(``PrepareModuleInput``), so that the column-parallel projections reading it share one input-gradient
+all-reduce in the backward; Q, K, V, gate and up column-parallel (whole query and key/value heads per
+rank), output and down row-parallel. the token embedding is vocabulary-parallel (row-wise on its
 vocabulary dimension) and the output layer column-parallel with a vocabulary-parallel cross-entropy
 (``loss_parallel``). LayerNorms and learned positions stay replicated. With activation checkpointing
 each layer is recomputed in the backward. With dp > 1 the replicas are kept in sync by ``DistributedDataParallel``.
@@ -18,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
     RowwiseParallel,
     loss_parallel,
     parallelize_module,
@@ -26,12 +31,26 @@ from torch.nn.parallel import DistributedDataParallel
 
 from commgate.core.errors import CommgateError
 from commgate.model.scenario import Scenario
+from commgate.model.transformer import ModelSpec
 from commgate.run.interpose import optimizer_phase
 from commgate.run.workloads.gpt import DTYPES, GPT, batch
 
 
-def layer_plan(prefix: str = "") -> dict[str, ParallelStyle]:
+def layer_plan(m: ModelSpec, prefix: str = "") -> dict[str, ParallelStyle]:
     """One transformer layer: QKV and MLP input column-parallel, their outputs row-parallel."""
+    if m.llama:
+        shared = {"input_layouts": (Replicate(),), "desired_input_layouts": (Replicate(),), "use_local_output": False}
+        return {
+            f"{prefix}attention": PrepareModuleInput(**shared),  # type: ignore[arg-type]
+            f"{prefix}attention.q": ColwiseParallel(),
+            f"{prefix}attention.k": ColwiseParallel(),
+            f"{prefix}attention.v": ColwiseParallel(),
+            f"{prefix}attention.dense": RowwiseParallel(),
+            f"{prefix}mlp": PrepareModuleInput(**shared),  # type: ignore[arg-type]
+            f"{prefix}mlp.gate": ColwiseParallel(),
+            f"{prefix}mlp.up": ColwiseParallel(),
+            f"{prefix}mlp.down": RowwiseParallel(),
+        }
     return {
         f"{prefix}attention.qkv": ColwiseParallel(),
         f"{prefix}attention.dense": RowwiseParallel(),
@@ -53,7 +72,7 @@ def head_plan(prefix: str = "") -> dict[str, ParallelStyle]:
 def plan(model: GPT) -> dict[str, ParallelStyle]:
     out = embedding_plan("embed.") | head_plan()
     for i in range(len(model.layers)):
-        out |= layer_plan(f"layers.{i}.")
+        out |= layer_plan(model.spec, f"layers.{i}.")
     return out
 
 
