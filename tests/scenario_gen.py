@@ -73,7 +73,7 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
     if zero:
         par["zero"] = zero
     doc: dict[str, Any] = {}
-    if rule.deepspeed and rng.random() < 0.5:  # the user's own DeepSpeed keys
+    if rule.deepspeed and rng.random() < (0.8 if rule.zero_stage == 3 else 0.5):  # the user's own DeepSpeed keys
         zo: dict[str, Any] = {}
         stage = zero.get("stage", rule.zero_stage or 0)
         if stage >= 2 or rng.random() < 0.3:
@@ -82,6 +82,15 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
             zo["contiguous_gradients"] = rng.random() < 0.5
         if stage in (1, 2) and rng.random() < 0.4:
             zo["reduce_scatter"] = rng.random() < 0.5
+        if stage == 3:  # the coordinator's knobs, each left to DeepSpeed's default or drawn
+            for key, values in (
+                ("stage3_param_persistence_threshold", [0, 0, 100, 1_000, 100_000]),
+                ("stage3_prefetch_bucket_size", [0, 500, 3_000, 50_000_000]),
+                ("stage3_max_live_parameters", [0, 2_000, 20_000, 1_000_000_000]),
+                ("stage3_max_reuse_distance", [0, 1_000, 10_000, 1_000_000_000]),
+            ):
+                if rng.random() < 0.6:
+                    zo[key] = rng.choice(values)
         if "bucket_elements" in zero and rng.random() < 0.5:
             zo["reduce_bucket_size"] = zo["allgather_bucket_size"] = zero.pop("bucket_elements")
         if zo:

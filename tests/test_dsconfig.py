@@ -44,8 +44,13 @@ def test_mapped_keys_set_the_scenario() -> None:
         ("{scheme: zero2, dp: 2}", "{train_batch_size: 3}", r"train_batch_size: 3 != dp\*b\*m = 2\*1\*1"),
         (
             "{scheme: zero3, dp: 2}",
-            "{zero_optimization: {stage3_prefetch_bucket_size: 50000000}}",
-            r"parameter prefetching is not modelled yet",
+            "{zero_optimization: {stage3_use_all_reduce_for_fetch_params: true}}",
+            r"all-reduce fetches is not modelled yet",
+        ),
+        (
+            "{scheme: zero3, dp: 2}",
+            "{zero_optimization: {stage3_prefetch_bucket_size: lots}}",
+            r"stage3_prefetch_bucket_size: 'lots': ZeRO-3 parameter prefetching is not modelled yet",
         ),
         (
             "{scheme: zero1, dp: 2}",
@@ -71,9 +76,9 @@ def test_contradictions_and_unmodelled_keys_are_one_line_errors(par: str, block:
 
 
 def test_the_baseline_only_mode_accepts_unmodelled_keys() -> None:
-    s = load("{scheme: zero3, dp: 2}", "{zero_optimization: {stage3_prefetch_bucket_size: 50000000}}",
+    s = load("{scheme: zero3, dp: 2}", "{zero_optimization: {stage3_use_all_reduce_for_fetch_params: true}}",
              "expectations: {model: {check: false}}\n")  # fmt: skip
-    assert s.deepspeed_config["zero_optimization"]["stage3_prefetch_bucket_size"] == 50000000
+    assert s.deepspeed_config["zero_optimization"]["stage3_use_all_reduce_for_fetch_params"] is True
 
 
 def test_a_typo_warns_with_the_closest_key() -> None:

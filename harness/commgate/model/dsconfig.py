@@ -75,6 +75,11 @@ def _is(expected: Any) -> Callable[[Any, int], bool]:
     return lambda value, stage: value == expected
 
 
+def _count(value: Any, stage: int) -> bool:
+    """A number of elements (``commgate.model.schemes.zero3_fetch`` replays the coordinator with it)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+
+
 MODELLED: dict[tuple[str, ...], tuple[Callable[[Any, int], bool], str, str]] = {
     # measured: ZeRO-2/3 send the same with overlap_comm on or off; ZeRO-1 with it on reduces in the hooks
     ("zero_optimization", "overlap_comm"): (
@@ -84,11 +89,11 @@ MODELLED: dict[tuple[str, ...], tuple[Callable[[Any, int], bool], str, str]] = {
     ),
     ("zero_optimization", "round_robin_gradients"): (_is(False), "false", "round-robin gradient partitioning"),
     ("zero_optimization", "use_multi_rank_bucket_allreduce"): (_is(True), "true", "per-rank bucket reduces"),
-    ("zero_optimization", "stage3_prefetch_bucket_size"): (_is(0), "0", "ZeRO-3 parameter prefetching"),
-    ("zero_optimization", "stage3_param_persistence_threshold"): (_is(0), "0", "ZeRO-3 persistent parameters"),
-    ("zero_optimization", "stage3_model_persistence_threshold"): (_absent, "left out", "ZeRO-3 persistence"),
-    ("zero_optimization", "stage3_max_live_parameters"): (_is(0), "0", "ZeRO-3 live-parameter limits"),
-    ("zero_optimization", "stage3_max_reuse_distance"): (_is(0), "0", "ZeRO-3 parameter reuse"),
+    ("zero_optimization", "stage3_prefetch_bucket_size"): (_count, "a count", "ZeRO-3 parameter prefetching"),
+    ("zero_optimization", "stage3_param_persistence_threshold"): (_count, "a count", "ZeRO-3 persistent parameters"),
+    ("zero_optimization", "stage3_model_persistence_threshold"): (_count, "a count", "ZeRO-3 persistence"),
+    ("zero_optimization", "stage3_max_live_parameters"): (_count, "a count", "ZeRO-3 live-parameter limits"),
+    ("zero_optimization", "stage3_max_reuse_distance"): (_count, "a count", "ZeRO-3 parameter reuse"),
     ("zero_optimization", "stage3_use_all_reduce_for_fetch_params"): (_is(False), "false", "all-reduce fetches"),
     # measured: a sub-group smaller than the model all-reduces one norm per sub-group
     ("zero_optimization", "sub_group_size"): (

@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO stages 1-3 as DeepSpeed 0.19 runs them on torch 2.x (measured through the capture and
 read from ``deepspeed/runtime/engine.py`` and ``deepspeed/runtime/zero/``), with the workload's config
 (``commgate.run.workloads.zero``): client AdamW, ``reduce_bucket_size = allgather_bucket_size =
-bucket_elements``, ZeRO-3 releasing parameters after use and prefetching nothing.
+bucket_elements``, the scenario's ``deepspeed:`` block over it, DeepSpeed's defaults for the rest.
 
 ZeRO-1/2 (``stage_1_and_2.py``)
 * Construction: ``_broadcast_model`` broadcasts every parameter from rank 0, as bytes (a uint8 view).
@@ -14,10 +14,12 @@ ZeRO-1/2 (``stage_1_and_2.py``)
 
 ZeRO-3 (``stage3.py``, ``partitioned_param_coordinator.py``)
 * Construction: every parameter is broadcast twice as bytes and all-gathered once; three barriers.
-* Each step: every module's own parameters are all-gathered before its forward and again before its
-  backward (one call per module, its parameters coalesced); with activation checkpointing each layer's
-  recompute gathers its modules once more, all but the last (``recomputed``); the gradients are reduce-scattered in
-  buckets as above; the gradient norm is all-reduced (one float64).
+* Each step: the parameters are all-gathered as the coordinator fetches them (``zero3_fetch`` replays it:
+  with its knobs at 0 every module's own parameters before its forward and again before its backward,
+  one call per module, and with activation checkpointing once more in each layer's recompute, all but
+  the last module's; with DeepSpeed's defaults prefetched in larger calls, kept for their reuse, and the
+  persistent ones kept gathered and re-gathered after each optimizer step); the gradients are
+  reduce-scattered in buckets as above; the gradient norm is all-reduced (one float64).
 * Steps 0 and 1 also carry the coordinator's trace broadcasts (int64, ``assert_ints_same_as_other_ranks``
   in ``partitioned_param_coordinator.reset_step``): step 0 one of 1 element and one empty; step 1 three of
   1 element, one of the recorded module order (every module that runs, once in the forward and once in
@@ -25,9 +27,9 @@ ZeRO-3 (``stage3.py``, ``partitioned_param_coordinator.py``)
   backward; a tied output layer uses the word embedding as an external parameter).
 
 ZeRO++ (the same engine with ``zero_hpz_partition_size``): hpZ keeps a secondary copy of the
-parameters partitioned within groups of hpz ranks, and the backward all-gathers come from it, over those
-groups, as do the forward all-gathers of a step's later micro-batches (only the first forward after the
-optimizer step gathers the primary partition); everything else is ZeRO-3's. Its quantized weights and
+parameters partitioned within groups of hpz ranks, made when a gathered parameter is released (and by
+the initial partitioning) and dropped after each optimizer step; a parameter that has one is gathered
+from it, over those groups; everything else is ZeRO-3's. Its quantized weights and
 gradients (qwZ, qgZ) run on GPUs only (DeepSpeed's quantizer has no CPU kernel); for them the paper-level
 ZeRO++ model stands.
 
@@ -54,37 +56,11 @@ from fractions import Fraction
 
 from commgate.model.collectives import OPS, Op
 from commgate.model.expectation import Context, ExpectedCollective, Phase, Residual
+from commgate.model.schemes import zero3_fetch
 from commgate.model.schemes._common import padded
 from commgate.model.schemes.data_parallel import DataParallel
 from commgate.model.schemes.zero3 import Zero3
 from commgate.model.transformer import ParamTensor, forward_modules, layer_modules
-
-
-def modules(params: tuple[ParamTensor, ...], over: int = 1) -> list[int]:
-    """Parameters per module that owns parameters, in registration order (``a.b.weight`` -> ``a.b``),
-    each parameter padded to a multiple of ``over`` (its ZeRO-3 partitioning)."""
-    return [size for size, _ in _owners(params, over)]
-
-
-def recomputed(params: tuple[ParamTensor, ...], over: int = 1) -> list[int]:
-    """The modules whose parameters a layer's activation-checkpoint recompute gathers again in the
-    backward: every module of a layer that owns parameters but the layer's last (its output projection,
-    still gathered for its own backward, where torch's non-reentrant recompute stops)."""
-    out: list[int] = []
-    for layer in sorted({p.layer for p in params if p.block == "layer" and p.layer is not None}):
-        owned = _owners(tuple(p for p in params if p.block == "layer" and p.layer == layer), over)
-        out += [size for size, _ in owned[:-1]]
-    return out
-
-
-def _owners(params: tuple[ParamTensor, ...], over: int) -> list[tuple[int, int]]:
-    """(padded elements, parameter count) per owning module, in registration order."""
-    sizes: dict[str, tuple[int, int]] = {}
-    for p in params:
-        owner = p.name.rsplit(".", 1)[0]
-        size, count = sizes.get(owner, (0, 0))
-        sizes[owner] = (size + padded(p.numel, over), count + 1)
-    return list(sizes.values())
 
 
 def _padding(
@@ -125,7 +101,27 @@ def _accumulation(ctx: Context, term: str, component: DeepSpeedZero12 | DeepSpee
             "communication dtype",
             f"gradients are reduced in {dtype} (communication_data_type), the parameters are "
             f"{ctx.scenario.model.dtype}",
-        ),
+        )
+    ]
+    if par.zero.stage == 3 and not zero3_fetch.knobs(ctx).inert:
+        # the coordinator's knobs, then the rest with parameters released after use and nothing prefetched
+        zo = plain.get("zero_optimization", {})
+        inert = plain | {"zero_optimization": (zo if isinstance(zo, dict) else {}) | zero3_fetch.INERT}
+        k = zero3_fetch.knobs(ctx)
+        steps.append(
+            (
+                at(plain),
+                at(inert),
+                "ZeRO-3 prefetch, reuse and persistence",
+                f"DeepSpeed's coordinator keeps parameters gathered for reuse within {k.reuse:,} elements "
+                f"(stage3_max_reuse_distance), prefetches up to {k.prefetch:,} (stage3_prefetch_bucket_size, at "
+                f"most {k.max_live:,} live) and keeps parameters of at most {k.persistence:,} elements "
+                "(stage3_param_persistence_threshold) gathered, re-gathering them after each optimizer step; "
+                "Eq. 3 gathers every parameter in each forward and backward",
+            )
+        )
+        plain = inert
+    steps += [
         (
             at(plain, micro_batches=1),
             at(plain, micro_batches=1, activation_checkpointing=False),
@@ -352,6 +348,50 @@ class DeepSpeedZero12(DataParallel):
         return [*DataParallel.residuals(self, ctx), extra, *_accumulation(ctx, "Eq. 2", self), *padding]
 
 
+def _coordinator_gathers(ctx: Context, step: ExpectedCollective, over: int) -> list[ExpectedCollective]:
+    """The parameter all-gathers of DeepSpeed's coordinator (``zero3_fetch``), replayed over steps 0 and 1
+    (later steps repeat step 1): step 0 records the trace, then prefetching and reuse apply; and after
+    every optimizer step the persistent parameters' re-gathering (one call each)."""
+    m = ctx.scenario.parallelism.micro_batches
+    runs = zero3_fetch.passes(ctx, 2)
+
+    Key = tuple[bool, bool, bool, bool, int]
+    hpz = {"axis": "hpz", "groups": ctx.layout.hpz_groups()}
+
+    def tally(passes: list[list[zero3_fetch.Gather]]) -> Counter[Key]:
+        return Counter(
+            (g.backward, g.recompute, g.prefetch, g.secondary, sum(padded(p.numel, over) for p in g.params))
+            for g in itertools.chain.from_iterable(passes)
+        )
+
+    def rows(counts: Counter[Key], **when: object) -> list[ExpectedCollective]:
+        out = []
+        for (backward, recompute, prefetch, secondary, size), calls in sorted(counts.items()):
+            phase = Phase.BACKWARD if backward else Phase.FORWARD
+            what = "prefetch" if prefetch else "module parameter"
+            where = f"{phase}{', hpZ' if secondary else ''}{', recompute' if recompute else ''}"
+            source = f"ZeRO-3 {what} all-gather ({where})"
+            group = hpz if secondary else {}
+            out.append(replace(step, phase=phase, elements=size, calls=calls, source=source, **group, **when))  # type: ignore[arg-type]
+        return out
+
+    first, later = tally(runs[:m]), tally(runs[m:])
+    out = rows(later) if first == later else [*rows(first, once=True, at_step=0), *rows(later, from_step=1)]
+    kept = zero3_fetch.persistent(ctx.params, zero3_fetch.knobs(ctx))
+    sizes = Counter(padded(p.numel, over) for p in ctx.params if p.name in kept)
+    out += [
+        replace(
+            step,
+            phase=Phase.OPTIMIZER,
+            elements=size,
+            calls=calls,
+            source="ZeRO-3 persistent parameters re-gathered after the optimizer step (per parameter)",
+        )
+        for size, calls in sorted(sizes.items())
+    ]
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class DeepSpeedZero3(Zero3):
     def collectives(self, ctx: Context, *, pad: bool = True, init: bool = True) -> list[ExpectedCollective]:
@@ -384,31 +424,7 @@ class DeepSpeedZero3(Zero3):
             replace(trace, elements=traced_params, calls=2, at_step=second),
         ]
         step = replace(base, once=False, phase=Phase.FORWARD, paper_term="Eq. 3", calls=m)
-        # ZeRO++ hpZ: the backward gathers from the secondary partition, within hpz ranks
-        hpz = {"axis": "hpz", "groups": ctx.layout.hpz_groups()} if z.hpz > 1 else {}
-        # (with hpZ, only a step's first forward gathers the primary partition, updated by the optimizer; the
-        # later micro-batches' forwards gather the secondary one, as every backward does)
-        passes = (
-            [(Phase.FORWARD, "", {}, 1), (Phase.FORWARD, ", hpZ", hpz, m - 1), (Phase.BACKWARD, ", hpZ", hpz, m)]
-            if hpz
-            else [(Phase.FORWARD, "", {}, m), (Phase.BACKWARD, "", {}, m)]
-        )
-        if par.activation_checkpointing:
-            passes.append((Phase.BACKWARD, ", hpZ, recompute" if hpz else ", recompute", hpz, m))
-        for phase, where, groups, calls in passes:
-            if not calls:
-                continue
-            for size in recomputed(ctx.params, over) if where.endswith("recompute") else modules(ctx.params, over):
-                rows.append(
-                    replace(
-                        step,
-                        phase=phase,
-                        elements=size,
-                        calls=calls,
-                        source=f"ZeRO-3 module parameter all-gather ({phase}{where})",
-                        **groups,  # type: ignore[arg-type]
-                    )
-                )
+        rows += _coordinator_gathers(ctx, step, over)
         for i, b in enumerate(buckets := _gradient_buckets(ctx, over)):
             rows.append(
                 replace(

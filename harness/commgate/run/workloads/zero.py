@@ -34,17 +34,6 @@ def ds_config(s: Scenario) -> dict[str, Any]:
         cfg["bf16"] = {"enabled": True}
     elif s.model.dtype == "fp16":
         cfg["fp16"] = {"enabled": True}
-    if z.stage == 3:
-        # Gather parameters for use and release them right after, prefetching nothing: each module's
-        # parameters are all-gathered in the forward and again in the backward, the regime of the
-        # paper's Eq. 3 (at full scale the model does not fit; DeepSpeed's defaults would keep every
-        # tensor of a reduced-scale model resident).
-        cfg["zero_optimization"] |= {
-            "stage3_param_persistence_threshold": 0,
-            "stage3_prefetch_bucket_size": 0,
-            "stage3_max_live_parameters": 0,
-            "stage3_max_reuse_distance": 0,
-        }
     if par.pp > 1 and par.tp > 1:
         # Each tensor-parallel rank sends its stage's whole activation to its peer in the next stage.
         # (DeepSpeed's default, sending 1/t and all-gathering it there, aborts in gloo on CPU.)

@@ -1,0 +1,346 @@
+"""ZeRO-3's parameter fetching as DeepSpeed 0.19's coordinator does it, replayed on the module trace.
+
+``deepspeed/runtime/zero/partitioned_param_coordinator.py`` gathers a module's parameters in the
+module's pre-forward and pre-backward hooks and releases them in its post-hooks. Four knobs change what
+it gathers, and all four are on by default:
+
+* ``stage3_param_persistence_threshold`` (1e5): parameters of at most this many elements are
+  *persistent*. They are gathered again after every optimizer step (one call each) and, once the trace
+  is complete, never released.
+* ``stage3_prefetch_bucket_size`` (5e7): with a complete trace, every fetch (of any module, also one
+  without parameters) then gathers, in one more call, the parameters the trace uses next, up to this many
+  elements.
+* ``stage3_max_live_parameters`` (1e9): that prefetch takes at most this many elements less those
+  already gathered.
+* ``stage3_max_reuse_distance`` (1e9): with a complete trace, a module's release keeps the parameters
+  that the trace uses again within this many elements (a small model's forward parameters stay gathered
+  for its backward).
+
+The trace: the coordinator records the modules in the order their hooks fetch (the pass after it is
+first called records; ``reset_step`` at the start of the next forward completes it). For the built-in
+decoder that order is the module tree in pre-order for the forward, and in pre-order with children
+reversed for the backward; with activation checkpointing, torch's non-reentrant recompute of a layer
+runs between the backward of its last leaf module and the rest (its pre-forward hooks all fire, its
+post-forward hooks only for the modules that complete before the recompute stops at the last saved
+tensor). A tied output layer reads the word embedding in the model's own forward: an external parameter
+of the model from the second pass on. Leaf modules are released right after their own hook; the
+embedding's backward release never fires (its input needs no gradient) and is the end-of-backward
+release of leftovers.
+
+``passes(ctx)`` replays every pass of the first steps, with the coordinator's state (what is gathered,
+the release cache, which is keyed by module and trace position and kept across passes) carried from one
+to the next, and returns each pass's gathers.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+from dataclasses import dataclass, field, replace
+
+from commgate.model.expectation import Context
+from commgate.model.transformer import ParamTensor
+
+DEFAULTS = {
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_max_live_parameters": 1_000_000_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+    "stage3_model_persistence_threshold": sys.maxsize,
+}
+"""DeepSpeed's defaults for the coordinator's knobs (``deepspeed/runtime/zero/config.py``)."""
+
+INERT = {
+    "stage3_prefetch_bucket_size": 0,
+    "stage3_max_live_parameters": 0,
+    "stage3_max_reuse_distance": 0,
+    "stage3_param_persistence_threshold": 0,
+}
+"""Knobs under which each module's parameters are gathered for its use and released right after."""
+
+
+@dataclass(frozen=True, slots=True)
+class Knobs:
+    prefetch: int
+    max_live: int
+    reuse: int
+    persistence: int
+    model_persistence: int
+
+    @property
+    def inert(self) -> bool:
+        """Release after use, prefetch nothing, persist nothing: the regime of the paper's Eq. 3."""
+        return not (self.prefetch or self.reuse or self.persistence)
+
+
+def knobs(ctx: Context) -> Knobs:
+    """The coordinator's knobs: the scenario's DeepSpeed block over DeepSpeed's defaults ("auto" and
+    absent keys take the default)."""
+    zo = ctx.scenario.deepspeed_config.get("zero_optimization", {})
+    zo = zo if isinstance(zo, dict) else {}
+
+    def get(key: str) -> int:
+        value = zo.get(key, DEFAULTS[key])
+        return int(DEFAULTS[key] if value == "auto" or value is None else value)
+
+    return Knobs(
+        prefetch=get("stage3_prefetch_bucket_size"),
+        max_live=get("stage3_max_live_parameters"),
+        reuse=get("stage3_max_reuse_distance"),
+        persistence=get("stage3_param_persistence_threshold"),
+        model_persistence=get("stage3_model_persistence_threshold"),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Module:
+    name: str
+    params: tuple[ParamTensor, ...]
+    """The module's own parameters (not its children's), in registration order."""
+    children: tuple[Module, ...] = ()
+
+
+def module_tree(params: tuple[ParamTensor, ...]) -> Module:
+    """The decoder's modules that run a forward, from its parameters' names: each owner and its
+    ancestors (``layers``, a ``ModuleList``, never runs), children in registration order."""
+    owned: dict[str, list[ParamTensor]] = {"": []}
+    for p in params:
+        owner = p.name.rsplit(".", 1)[0]
+        parts = owner.split(".")
+        for i in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            if prefix != "layers":
+                owned.setdefault(prefix, [])
+        owned[owner].append(p)
+
+    def build(name: str) -> Module:
+        depth = 0 if not name else name.count(".") + 1
+        kids = [
+            n
+            for n in owned
+            if n
+            and n.startswith(f"{name}." if name else "")
+            and (n.count(".") + 1 == depth + 1 or (n.startswith("layers.") and n.count(".") == 1 and not name))
+        ]
+        return Module(name, tuple(owned[name]), tuple(build(k) for k in kids))
+
+    return build("")
+
+
+@dataclass(frozen=True, slots=True)
+class Hook:
+    module: Module
+    fetch: bool
+    """Pre-hook (fetch) or post-hook (release)."""
+    backward: bool
+    """In the backward pass (a recompute's forward hooks included)."""
+    trace: bool = True
+    """A step of the coordinator's trace (False: a read of an external parameter outside the hooks)."""
+    leftover: bool = False
+    """The end-of-backward release of a module whose backward release never fired."""
+    recompute: bool = False
+    """A forward hook of activation checkpointing's recompute, in the backward."""
+
+
+def pass_hooks(root: Module, *, checkpointed: bool, external: tuple[ParamTensor, ...] = ()) -> list[Hook]:
+    """One forward and backward of the decoder, hook by hook. ``external``: parameters the model reads
+    in its own forward (a tied output layer's word embedding) that the recorded trace does not list yet:
+    gathered on the read, then the model's own."""
+    out: list[Hook] = []
+    owner = replace(root, params=root.params + external)
+
+    def forward(m: Module, *, backward: bool, stop_at: Module | None = None) -> bool:
+        """Pre-order fetches, post-order releases; False where a recompute stopped (no more hooks)."""
+        out.append(Hook(m, True, backward, recompute=backward))
+        if m is stop_at:
+            return False
+        for c in m.children:
+            if not forward(c, backward=backward, stop_at=stop_at):
+                return False
+        if m is root and external:
+            out.append(Hook(Module("", external), True, backward, trace=False, recompute=backward))
+        out.append(Hook(owner if m is root else m, False, backward, recompute=backward))
+        return True
+
+    leftovers: list[Module] = []
+
+    def backward(m: Module) -> None:
+        out.append(Hook(m, True, True))
+        kids = list(reversed(m.children))
+        if checkpointed and _is_layer(m):
+            path = [kids[0]]  # from the layer's last child down to its last leaf, whose backward recomputes
+            while path[-1].children:
+                path.append(path[-1].children[-1])
+            out.extend(Hook(c, True, True) for c in path)
+            forward(m, backward=True, stop_at=_leaves(m)[-1])
+            out.append(Hook(path[-1], False, True))
+            for parent in reversed(path[:-1]):
+                for c in reversed(parent.children[:-1]):
+                    backward(c)
+                out.append(Hook(parent, False, True))
+            kids = kids[1:]
+        for c in kids:
+            backward(c)
+        if m.name.startswith("embed") or not m.name:
+            leftovers.append(m)  # its input needs no gradient: its backward release never fires
+        else:
+            out.append(Hook(m, False, True))
+
+    forward(root, backward=False)
+    backward(owner)
+    out += [Hook(m, False, True, leftover=True) for m in reversed(leftovers)]
+    return out
+
+
+def _is_layer(m: Module) -> bool:
+    return m.name.startswith("layers.") and m.name.count(".") == 1
+
+
+def _leaves(m: Module) -> list[Module]:
+    return [m] if not m.children else [leaf for c in m.children for leaf in _leaves(c)]
+
+
+@dataclass(frozen=True, slots=True)
+class Gather:
+    """One all-gather call of the coordinator (its parameters coalesced)."""
+
+    params: tuple[ParamTensor, ...]
+    backward: bool
+    prefetch: bool
+    recompute: bool
+    secondary: bool = False
+    """ZeRO++ hpZ: from the secondary partition, within hpz ranks."""
+
+
+@dataclass
+class _State:
+    """The coordinator and the parameters' status, carried from pass to pass."""
+
+    knobs: Knobs
+    persistent: frozenset[str]
+    available: set[str] = field(default_factory=set)
+    active: dict[str, set[str]] = field(default_factory=lambda: collections.defaultdict(set))
+    n_available: int = 0
+    release_cache: dict[tuple[str, int], frozenset[str]] = field(default_factory=dict)
+    order: list[Module] | None = None
+    """The recorded module trace (None until complete)."""
+    hpz: bool = False
+    secondary: set[str] = field(default_factory=set)
+    """ZeRO++ hpZ: parameters with a secondary partition (made when a gathered parameter is released;
+    dropped after each optimizer step, ``invalidate_secondary_tensor``)."""
+
+
+def persistent(params: tuple[ParamTensor, ...], k: Knobs) -> frozenset[str]:
+    """``mark_persistent_parameters``: in registration order, each parameter of at most ``persistence``
+    elements while the persistent total stays within ``model_persistence``."""
+    out, total = set(), 0
+    for p in params:
+        if p.numel + total > k.model_persistence:
+            continue
+        if p.numel <= k.persistence:
+            out.add(p.name)
+            total += p.numel
+    return frozenset(out)
+
+
+def passes(ctx: Context, steps: int) -> list[list[Gather]]:
+    """The coordinator's gathers in each forward-and-backward pass of the first ``steps`` steps (m passes
+    a step; the optimizer's re-gathering of the persistent parameters after each step not included)."""
+    par, model = ctx.scenario.parallelism, ctx.scenario.model
+    root = module_tree(ctx.params)
+    k = knobs(ctx)
+    state = _State(knobs=k, persistent=persistent(ctx.params, k), hpz=par.zero.hpz > 1)
+    if state.hpz:  # the engine's initial partitioning made every parameter's secondary partition
+        state.secondary = {p.name for p in ctx.params}
+    external = tuple(p for p in ctx.params if p.name == "embed.word.weight") if model.tied_embeddings else ()
+    first = pass_hooks(root, checkpointed=par.activation_checkpointing, external=external)
+    later = pass_hooks(replace(root, params=external), checkpointed=par.activation_checkpointing)
+    out: list[list[Gather]] = []
+    for step in range(steps):
+        for micro in range(par.micro_batches):
+            if step == 0 and micro == 0:
+                out.append(_one_pass(state, first))
+                state.order = [h.module for h in later if h.fetch and h.trace]  # reset_step: the trace is complete
+                continue
+            if micro == 0:  # the optimizer step partitioned everything, then gathered the persistent ones
+                state.available = set(state.persistent)
+                state.secondary.clear()
+                state.n_available = sum(p.numel for p in ctx.params if p.name in state.persistent)
+            out.append(_one_pass(state, later))
+    return out
+
+
+def _one_pass(state: _State, hooks: list[Hook]) -> list[Gather]:
+    k, order = state.knobs, state.order
+    gathers: list[Gather] = []
+    queue = collections.deque((p, i) for i, mod in enumerate(order or ()) for p in mod.params)
+    recent: dict[str, int] = collections.defaultdict(lambda: -(10**10))
+    step_id = 0
+
+    def gather(ps: tuple[ParamTensor, ...], hook: Hook, prefetch: bool) -> None:
+        todo = tuple(p for p in ps if p.name not in state.available)
+        for secondary in (True, False):  # one call each (all_gather_coalesced per process group)
+            part = tuple(p for p in todo if (p.name in state.secondary) == secondary)
+            if part:
+                gathers.append(Gather(part, hook.backward, prefetch, hook.recompute, secondary))
+        state.available |= {p.name for p in todo}
+        state.n_available += sum(p.numel for p in todo)
+
+    for hook in hooks:
+        mod = hook.module
+        if hook.fetch:
+            gather(mod.params, hook, False)
+            if not hook.trace:
+                continue
+            for p in mod.params:
+                state.active[p.name].add(mod.name)
+            if order is not None:
+                due = {p.name for p in mod.params if recent[p.name] < step_id}
+                popped: set[str] = set()
+                while queue and len(popped) < len(due):
+                    p, used = queue.popleft()
+                    recent[p.name] = used
+                    popped.add(p.name)
+                if k.prefetch > 0:
+                    budget, chosen, numel = min(k.max_live - state.n_available, k.prefetch), {}, 0
+                    while queue and numel < budget:
+                        p, used = queue.popleft()
+                        recent[p.name] = max(recent[p.name], used)
+                        if p.name not in state.available and p.name not in chosen:
+                            chosen[p.name] = p
+                            numel += p.numel
+                    gather(tuple(chosen.values()), hook, True)
+            step_id += 1
+            continue
+        if hook.leftover:
+            released = frozenset(p.name for p in mod.params if p.name not in state.persistent)
+        elif order is not None:
+            released = _to_release(state, mod, step_id, recent)
+        else:
+            released = frozenset(p.name for p in mod.params)
+        for p in mod.params:
+            state.active[p.name].discard(mod.name)
+            if p.name in released and p.name in state.available and not state.active[p.name]:
+                state.available.discard(p.name)
+                state.n_available -= p.numel
+                if state.hpz:
+                    state.secondary.add(p.name)
+    return gathers
+
+
+def _to_release(state: _State, mod: Module, step_id: int, recent: dict[str, int]) -> frozenset[str]:
+    """``__params_to_release``, cached by module and trace position for the rest of the run (as
+    DeepSpeed's ``lru_cache`` does)."""
+    key = (mod.name, step_id)
+    if key not in state.release_cache:
+        assert state.order is not None
+        out = {p.name for p in mod.params if p.name not in state.persistent and recent[p.name] <= step_id}
+        traversed = 0
+        for later in state.order[step_id:]:
+            if traversed >= state.knobs.reuse:
+                break
+            for p in later.params:
+                out.discard(p.name)
+                traversed += p.numel
+        state.release_cache[key] = frozenset(out)
+    return state.release_cache[key]
