@@ -10,6 +10,7 @@ from commgate.model import layout
 from commgate.model import transformer as model
 from commgate.model.predict import predict
 from commgate.model.scenario import Scenario, load_document
+from commgate.model.schemes import zero3_fetch
 
 BIG = {"scheme": "3d", "dp": 64, "tp": 8, "pp": 8, "micro_batches": 16}
 
@@ -22,6 +23,9 @@ def scenario(**par: Any) -> Scenario:
 
 def clear_caches() -> None:
     model.inventory.cache_clear()
+    zero3_fetch.module_tree.cache_clear()
+    zero3_fetch._builtin_hooks.cache_clear()
+    zero3_fetch._passes.cache_clear()
     for f in (layout.Layout.dp_groups, layout.Layout.tp_groups, layout.Layout.pp_groups, layout.Layout.stage_pairs):
         f.cache_clear()
 

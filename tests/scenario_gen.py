@@ -1,7 +1,7 @@
 """A seeded generator of random valid scenarios over the whole configuration space commgate runs on CPU
 gloo: scheme, model dimensions and switches, dp/tp/pp, micro-batch size and count, activation
-checkpointing, parameter dtype, architecture (GPT-NeoX or Llama-style), bucket sizes, ZeRO stages, hpZ,
-MoE, DeepSpeed knobs. Used by ``tests/test_generated.py``; the same seed
+checkpointing, parameter dtype, architecture (GPT-NeoX or Llama-style, or a user's own module), bucket
+sizes, ZeRO stages, hpZ, MoE, DeepSpeed knobs. Used by ``tests/test_generated.py``; the same seed
 always gives the same scenarios, so a failure is replayed with its seed.
 
     python tests/scenario_gen.py SEED [COUNT]    # print the scenario documents as YAML
@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from commgate.core.errors import ScenarioError
-from commgate.model.scenario import Scenario, load_document
+from commgate.model.scenario import USER_MODULE_SCHEMES, Scenario, load_document
 from commgate.model.schemes import SCHEMES
 from commgate.run.workloads import skip_reason
 
@@ -43,6 +43,8 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
         model["architecture"] = "llama"
         model["kv_heads"] = rng.choice([k for k in (1, 2, 4) if a % k == 0])
         model["ffn_hidden"] = rng.choice([2, 3, 5]) * model["h"] // 2 + rng.choice([0, 2, 6])
+    if scheme in USER_MODULE_SCHEMES and rng.random() < 0.15:  # a user's own module instead of the decoder
+        model = {"module": "commgate.examples.mixer:build", "dtype": model["dtype"]}
     par: dict[str, Any] = {
         "scheme": scheme,
         "dp": rng.choice([1, 2, 3, 4]) if rule.min_dp == 1 else rng.choice([2, 3, 4]),
@@ -55,6 +57,8 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
     if rule.pipeline:
         par["pp"] = 2
         model["L"] = rng.choice([2, 4])
+    if "module" in model:
+        par["activation_checkpointing"] = False
     zero: dict[str, Any] = {}
     if (rule.zero_stage is not None or rule.moe or rule.pipeline) and rng.random() < 0.6:
         zero["bucket_elements"] = rng.choice([2_000, 20_000, 200_000, 500_000_000])

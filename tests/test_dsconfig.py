@@ -53,6 +53,16 @@ def test_mapped_keys_set_the_scenario() -> None:
             r"stage3_prefetch_bucket_size: 'lots': ZeRO-3 parameter prefetching is not modelled yet",
         ),
         (
+            "{scheme: moe, dp: 2, moe: {experts: 2}, zero: {stage: 2}}",
+            "{zero_optimization: {contiguous_gradients: false}}",
+            r"MoE at ZeRO-2 needs contiguous gradients",
+        ),
+        (
+            "{scheme: moe, dp: 2, moe: {experts: 2}, zero: {stage: 1}}",
+            "{zero_optimization: {contiguous_gradients: false}}",
+            r"MoE at ZeRO-1 without contiguous gradients .* is not modelled yet",
+        ),
+        (
             "{scheme: zero1, dp: 2}",
             "{zero_optimization: {overlap_comm: true}}",
             r"overlap_comm: True: ZeRO-1 reducing in the backward hooks",

@@ -9,11 +9,16 @@ from commgate.model.collectives import Op
 from commgate.model.expectation import Phase, Prediction
 from commgate.model.predict import predict
 from commgate.model.scenario import load_document
+from commgate.model.schemes.zero3_fetch import INERT
 
 
-def scenario(model: dict[str, Any] | str = "19M-cpu", **par: Any) -> Prediction:
+def scenario(
+    model: dict[str, Any] | str = "19M-cpu", deepspeed: dict[str, Any] | None = None, **par: Any
+) -> Prediction:
     m = {"preset": model} if isinstance(model, str) else model
-    doc = {"schema_version": 1, "name": "t", "model": m, "parallelism": par}
+    doc = {"schema_version": 1, "name": "t", "model": m, "parallelism": par} | (
+        {"deepspeed": deepspeed} if deepspeed else {}
+    )
     (s,) = load_document(doc, file="<test>")
     return predict(s)
 
@@ -47,13 +52,26 @@ def test_ddp_bucket_and_broadcast_chunking() -> None:
 
 
 def test_13b_zero3_reproduces_eq_3() -> None:
-    p = scenario("13B", scheme="zero3", dp=16)
+    # the paper's regime: each module's parameters gathered for its use and released (the coordinator inert)
+    p = scenario("13B", scheme="zero3", dp=16, deepspeed={"zero_optimization": INERT})
     assert p.paper_volume_elements == 36_872_323_200
     gathers = [c for c in p.steady if c.op is Op.ALL_GATHER]
     # every module's parameters are gathered in the forward and again in the backward
-    assert sum(c.elements for c in gathers) == 2 * p.param_count
+    assert sum(c.elements * c.calls for c in gathers) == 2 * p.param_count
     assert {c.op for c in p.steady} == {Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE}
     assert sum(c.elements for c in p.steady if c.op is Op.REDUCE_SCATTER) == p.param_count
+
+
+def test_13b_zero3_on_deepspeeds_defaults_gathers_less_than_eq_3() -> None:
+    p = scenario("13B", scheme="zero3", dp=16)
+    inert = scenario("13B", scheme="zero3", dp=16, deepspeed={"zero_optimization": INERT})
+    gathered = sum(c.bytes_per_step for c in p.steady if c.op is Op.ALL_GATHER)
+    # every parameter is gathered at least once a step (the optimizer step partitions them all), fewer
+    # than twice: the reuse distance (1e9 elements) keeps the last layers' parameters for the backward
+    eq3_regime = sum(c.bytes_per_step for c in inert.steady if c.op is Op.ALL_GATHER)
+    assert p.param_count * p.scenario.model.itemsize <= gathered < eq3_regime
+    (term,) = [r for r in p.residuals if r.name == "ZeRO-3 prefetch, reuse and persistence"]
+    assert term.bytes < 0 and all(c.unexplained_bytes == 0 for c in p.comparison())
 
 
 def test_deepspeed_zero1_and_zero2_send_half_again_what_ddp_sends() -> None:

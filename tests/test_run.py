@@ -16,6 +16,7 @@ import pytest
 from commgate.judge.reconcile import reconcile
 from commgate.model.predict import predict
 from commgate.model.scenario import Scenario, load_text
+from commgate.model.schemes.zero3_fetch import INERT
 from commgate.run.capture import INIT_STEP, Capture
 from commgate.run.capture import validate as validate_capture
 from commgate.run.launcher import RunError, launch_local
@@ -186,7 +187,8 @@ def test_cli_run_writes_the_report_and_fails_on_a_planted_crash(tmp_path: Path) 
         ("zero1", 2, "", ""),
         ("zero2", 3, ", zero: {bucket_elements: 100000}", ""),  # five gradient buckets
         ("zero3", 2, "", "warmup_steps: 0\n"),  # the trace broadcasts of steps 0-1 are measured too
-        ("zero++", 4, ", zero: {hpz: 2}", ""),  # backward gathers within pairs
+        # backward gathers within pairs (the paper's regime: nothing persistent, prefetched or kept)
+        ("zero++", 4, ", zero: {hpz: 2}", "deepspeed: {zero_optimization: " + str(INERT).replace("'", "") + "}\n"),
         ("zero1", 5, "", ""),  # the flat buffer padded to 2 x 5 elements
         ("zero3", 5, "", ""),  # every parameter padded to a multiple of 5
     ],

@@ -183,8 +183,24 @@ class Context:
 
     @cached_property
     def params(self) -> tuple[ParamTensor, ...]:
+        if self.scenario.model.module:
+            from commgate.model.usermodule import describe
+
+            return describe(self.scenario).params
         moe = self.scenario.parallelism.moe
         return inventory(self.scenario.model, experts=moe.experts if moe else 0, moe_every=moe.every if moe else 1)
+
+    @cached_property
+    def ready_order(self) -> tuple[ParamTensor, ...]:
+        """The parameters in the order their gradients become ready in the backward: the built-in
+        decoder's in reverse registration order, a user's module's as autograd produced them on the meta
+        device (``commgate.model.usermodule``)."""
+        if self.scenario.model.module:
+            from commgate.model.usermodule import describe
+
+            by_name = {p.name: p for p in self.params}
+            return tuple(by_name[n] for n in describe(self.scenario).ready)
+        return tuple(reversed(self.params))
 
     @cached_property
     def _stage_split(self) -> tuple[tuple[int, int], ...]:
@@ -218,6 +234,8 @@ class Context:
         """Eq. 1 with the scenario's switches (tied embeddings, positions, MLP width), or for a Llama-style
         model its counterpart (``eq1_name``)."""
         m = self.scenario.model
+        if m.module:
+            return self.param_count
         if m.llama:
             return llama_param_count(
                 V=m.V, h=m.h, L=m.L, a=m.a, kv_heads=m.kv, ffn=m.ffn, tied_embeddings=m.tied_embeddings
@@ -228,7 +246,8 @@ class Context:
 
     @property
     def eq1_name(self) -> str:
-        return "Llama counterpart of Eq. 1" if self.scenario.model.llama else "Eq. 1"
+        m = self.scenario.model
+        return "the module's parameter count" if m.module else "Llama counterpart of Eq. 1" if m.llama else "Eq. 1"
 
     @property
     def bsh(self) -> int:

@@ -22,7 +22,7 @@ import jsonschema
 import yaml
 
 from commgate.core import schemas
-from commgate.core.errors import Problem, ScenarioError
+from commgate.core.errors import CommgateError, Problem, ScenarioError
 from commgate.core.fsutil import json_path
 from commgate.model import dsconfig
 from commgate.model.schemes import SCHEMES
@@ -483,6 +483,19 @@ def _build(doc: dict[str, Any], *, file: str, where: _Located, label: str) -> tu
             ["deepspeed", "zero_optimization", "reduce_scatter"],
             "false: DeepSpeed's MoE needs reduce_scatter (it asserts 'Reduce Scatter ... must be set to True for MoE')",
         )
+    if par.moe is not None and par.zero.stage in (1, 2) and isinstance(zo, Mapping):
+        if zo.get("contiguous_gradients", True) is False and par.zero.stage == 2:
+            bad(
+                ["deepspeed", "zero_optimization", "contiguous_gradients"],
+                "false: DeepSpeed's MoE at ZeRO-2 needs contiguous gradients (it asserts 'Contiguous Gradients in "
+                "ZeRO Stage 2 must be set to True for MoE')",
+            )
+        elif zo.get("contiguous_gradients", True) is False and checked:
+            bad(
+                ["deepspeed", "zero_optimization", "contiguous_gradients"],
+                "false: MoE at ZeRO-1 without contiguous gradients (DeepSpeed's experimental path) is not modelled "
+                "yet; expectations: {model: {check: false}} runs it as a baseline-only gate",
+            )
     batch = ds.get("train_batch_size", "auto")
     if dsconfig.given(batch) and batch != par.dp * par.micro_batch * par.micro_batches:
         bad(
@@ -576,6 +589,11 @@ def _build_model(m: dict[str, Any], bad: Bad) -> ModelSpec | None:
         bad(
             ["model", "ffn_hidden"], f"{explicit['ffn_hidden']} and x={explicit['x']} both give the MLP width; keep one"
         )
+    if "module" in explicit:  # a user's own model: its parameters come from the module, not dimensions
+        if set(explicit) & {"L", "h", "a", "V", "architecture", "kv_heads", "ffn_hidden", "x"} or "preset" in m:
+            bad(["model", "module"], "a user's module takes no preset or dimensions (only s and dtype)")
+        return ModelSpec(L=1, h=1, a=1, V=1, s=explicit.get("s", 1), dtype=explicit.get("dtype", "fp32"),
+                         module=explicit["module"], position="none")  # fmt: skip
     if explicit.get("architecture") == "llama" and "position" not in explicit:
         explicit["position"] = "rotary"  # Llama's; a gpt-neox preset's learned positions do not carry over
     if "preset" in m:
@@ -584,6 +602,26 @@ def _build_model(m: dict[str, Any], bad: Bad) -> ModelSpec | None:
     for d in missing:
         bad(["model"], f"missing field {d!r}; give a preset (e.g. preset: 19M-cpu) or all of {', '.join(_DIMS)}")
     return None if missing else ModelSpec(**explicit)
+
+
+USER_MODULE_SCHEMES = ("ddp", "zero1", "zero2", "zero3")
+"""Schemes whose model a user's module can stand in for (their engines see only its parameters)."""
+
+
+def _check_module(spec: str, scheme: str, bad: Bad) -> None:
+    from commgate.model.usermodule import resolve
+
+    if scheme not in USER_MODULE_SCHEMES:
+        bad(
+            ["model", "module"],
+            f"{spec!r}: a user's module is modelled under {', '.join(USER_MODULE_SCHEMES)}, not {scheme!r} "
+            "(for another scheme, give your own training step as workload:)",
+        )
+        return
+    try:
+        resolve(spec)
+    except CommgateError as exc:
+        bad(["model", "module"], str(exc).removeprefix(f"model.module {spec!r}: "))
 
 
 def _check_architecture(m: ModelSpec, tp: int, bad: Bad) -> None:
@@ -627,7 +665,7 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
     rule = SCHEMES[s]
     if "world_size" in doc and doc["world_size"] != par.world_size:
         bad(["world_size"], f"{doc['world_size']} != dp*tp*pp = {par.dp}*{par.tp}*{par.pp} = {par.world_size}")
-    if m.h % m.a:
+    if m.module is None and m.h % m.a:
         bad(["model", "a"], f"hidden size h={m.h} is not divisible by heads a={m.a}")
     # Which axes each scheme allows (beyond dp, which all allow).
     need_tp, need_pp = rule.tensor, rule.pipeline
@@ -641,13 +679,16 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
         bad([P, "pp"], f"{par.pp}: scheme {s!r} has no pipeline parallelism; use scheme 'pp' or '3d'")
     if par.dp < rule.min_dp:
         bad([P, "dp"], f"{par.dp}: scheme {s!r} needs dp >= {rule.min_dp}")
-    if par.tp > 1 and m.a % par.tp:
-        bad([P, "tp"], f"{par.tp}: heads a={m.a} are not divisible by tp")
-    _check_architecture(m, par.tp, bad)
-    if par.tp > 1 and m.V % par.tp:
-        bad([P, "tp"], f"{par.tp}: vocabulary V={m.V} is not divisible by tp (vocab-parallel embedding)")
-    if par.pp > 1 and m.L % par.pp:
-        bad([P, "pp"], f"{par.pp}: layers L={m.L} are not divisible by pp")
+    if m.module is not None:  # its own parameters: no dimensions to check
+        _check_module(m.module, s, bad)
+    else:
+        if par.tp > 1 and m.a % par.tp:
+            bad([P, "tp"], f"{par.tp}: heads a={m.a} are not divisible by tp")
+        _check_architecture(m, par.tp, bad)
+        if par.tp > 1 and m.V % par.tp:
+            bad([P, "tp"], f"{par.tp}: vocabulary V={m.V} is not divisible by tp (vocab-parallel embedding)")
+        if par.pp > 1 and m.L % par.pp:
+            bad([P, "pp"], f"{par.pp}: layers L={m.L} are not divisible by pp")
     stage = par.zero.stage
     if not rule.zero and stage:
         bad([P, "zero", "stage"], f"{stage}: {rule.summary} has no ZeRO; use scheme 'zero{stage}'")

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 Position = Literal["learned", "rotary", "none"]
@@ -55,6 +56,9 @@ class ModelSpec:
     """Key/value heads (grouped-query attention; Llama only); None: as many as ``a``."""
     ffn_hidden: int | None = None
     """The MLP's inner width; None: ``x * h``."""
+    module: str | None = None
+    """A user's own model, ``package.module:build`` (``commgate.model.usermodule``): its parameters,
+    gradient order and module trace replace the built-in decoder's (the dimensions above are then unused)."""
     tied_embeddings: bool = False
     position: Position = "learned"
     dtype: DType = "fp32"
@@ -166,12 +170,11 @@ class ParamTensor:
     expert: bool = False
     """Belongs to an MoE expert (reduced over the expert-data-parallel group)."""
 
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+    numel: int = field(init=False, repr=False, compare=False)
+    """Elements (the shape's product, computed once)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "numel", math.prod(self.shape))
 
     def numel_per_tp_rank(self, t: int) -> int:
         if self.shard is Shard.REPLICATED or t == 1:
@@ -182,22 +185,6 @@ class ParamTensor:
 def stage_of_layer(layer: int, L: int, p: int) -> int:
     """Pipeline stage holding ``layer`` when L layers are split uniformly over p stages."""
     return layer // (L // p)
-
-
-def forward_modules(m: ModelSpec) -> int:
-    """How many modules of the built-in decoder (``commgate.run.workloads.gpt.GPT``) run a forward: the
-    model, the embedding block with its word (and learned position) embedding, per layer its
-    ``layer_modules``, the final norm and (untied) the output layer. Containers that never run
-    (``nn.ModuleList``) are not counted. ZeRO-3's trace records each of them once in the forward and
-    once in the backward."""
-    return 3 + (m.position == "learned") + layer_modules(m) * m.L + 1 + (not m.tied_embeddings)
-
-
-def layer_modules(m: ModelSpec) -> int:
-    """Modules of one decoder layer that run a forward: the layer, two norms, the attention and the
-    MLP with their projections (GPT-NeoX: fused QKV and output, MLP in and out, 9; Llama: Q, K, V and
-    output, gate, up and down, 12)."""
-    return 12 if m.llama else 9
 
 
 @functools.cache

@@ -107,12 +107,17 @@ def prediction_text(p: Prediction, *, matrix: bool = False) -> str:
     axes = ", ".join(f"{k}={v}" for k, v in (("dp", par.dp), ("tp", par.tp), ("pp", par.pp), ("ep", par.ep)) if v > 1)
     ctx = Context(scenario=s)
     eq1 = f"{ctx.eq1_name}: {ctx.eq1:,}" if m.llama else f"Eq. 1: {p.param_count_eq1:,}"
+    model = (
+        f"  model {m.module} (your module, read on the meta device): {m.dtype}; {p.param_count:,} parameters"
+        if m.module
+        else f"  model {m.preset or 'custom'}: {m.architecture} L={m.L} h={m.h} a={m.a}"
+        f"{f' kv_heads={m.kv}' if m.llama else ''} V={m.V} s={m.s} ffn={m.ffn} {m.dtype}"
+        f"{' tied' if m.tied_embeddings else ''} {m.position} positions; {p.param_count:,} parameters ({eq1})"
+    )
     lines = [
         f"{s.id}: {par.scheme} on {s.world_size} ranks ({axes or 'single rank'}), zero stage {par.zero.stage}, "
         f"b={par.micro_batch}, m={par.micro_batches}{', checkpointing' if par.activation_checkpointing else ''}",
-        f"  model {m.preset or 'custom'}: {m.architecture} L={m.L} h={m.h} a={m.a}"
-        f"{f' kv_heads={m.kv}' if m.llama else ''} V={m.V} s={m.s} ffn={m.ffn} {m.dtype}"
-        f"{' tied' if m.tied_embeddings else ''} {m.position} positions; {p.param_count:,} parameters ({eq1})",
+        model,
     ]
     headers = [
         "when",

@@ -7,10 +7,11 @@ and measured): Eq. 2 with DDP's buckets, its construction-time checks, and its b
 * First iteration: with ``find_unused_parameters=False`` DDP starts with a single bucket, so the
   gradients go in one all-reduce.
 * Second iteration: the reducer rebuilds its buckets in the order gradients became ready (reverse
-  registration order for this decoder) and broadcasts the new assignment from rank 0: one int32 per
-  parameter plus the bucket count, then one int32 per bucket (their sizes). A bucket closes once it
-  holds at least its cap: 1 MiB for the first bucket and 25 MiB after, when ``bucket_cap_mb`` is left
-  at its default; the given cap throughout otherwise.
+  registration order for the built-in decoder; a user's module's as measured on the meta device) and
+  broadcasts the new assignment from rank 0: one int32 per parameter plus the bucket count, then one
+  int32 per bucket (their sizes). A bucket closes once it holds at least its cap: 1 MiB for the first
+  bucket and 25 MiB after, when ``bucket_cap_mb`` is left at its default; the given cap throughout
+  otherwise.
 * From then on every step all-reduces each rebuilt bucket once.
 """
 
@@ -55,12 +56,12 @@ def coalesced_chunks(sizes: list[int], limit: int) -> list[int]:
     return out
 
 
-def rebuilt_buckets(params: tuple[ParamTensor, ...], itemsize: int, bucket_mb: float | None, tp: int = 1) -> list[int]:
-    """Elements per bucket after DDP's rebuild, in the order they are all-reduced (a rank's
-    tensor-parallel shards with ``tp`` > 1)."""
+def rebuilt_buckets(ready: tuple[ParamTensor, ...], itemsize: int, bucket_mb: float | None, tp: int = 1) -> list[int]:
+    """Elements per bucket after DDP's rebuild, in the order they are all-reduced, from the parameters
+    in the order their gradients became ready (a rank's tensor-parallel shards with ``tp`` > 1)."""
     cap = int((bucket_mb if bucket_mb is not None else DEFAULT_BUCKET_MB) * MIB)
     limits = [FIRST_BUCKET_BYTES, cap] if bucket_mb is None else [cap]
-    sizes = [p.numel_per_tp_rank(tp) * itemsize for p in reversed(params)]
+    sizes = [p.numel_per_tp_rank(tp) * itemsize for p in ready]
     return [b // itemsize for b in buckets_by_size(sizes, limits)]
 
 
@@ -109,7 +110,7 @@ class DistributedDataParallel(DataParallel):
             at_step=0,
         )
         rows.append(grad)
-        buckets = rebuilt_buckets(params, isz, par.ddp_bucket_mb, par.tp)
+        buckets = rebuilt_buckets(ctx.ready_order, isz, par.ddp_bucket_mb, par.tp)
         if s.warmup_steps + s.steps > 1:
             rebuild = replace(init, dtype="int32", phase=Phase.FORWARD, at_step=1)
             rows += [

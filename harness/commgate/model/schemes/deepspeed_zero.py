@@ -60,7 +60,7 @@ from commgate.model.schemes import zero3_fetch
 from commgate.model.schemes._common import padded
 from commgate.model.schemes.data_parallel import DataParallel
 from commgate.model.schemes.zero3 import Zero3
-from commgate.model.transformer import ParamTensor, forward_modules, layer_modules
+from commgate.model.transformer import ParamTensor
 
 
 def _padding(
@@ -86,11 +86,17 @@ def _accumulation(ctx: Context, term: str, component: DeepSpeedZero12 | DeepSpee
     plain = {k: v for k, v in cfg.items() if k != "communication_data_type"}
 
     def at(ds: dict[str, object], **changes: object) -> Context:
+        if ds == cfg and not changes:
+            return ctx
         scenario = replace(ctx.scenario, deepspeed=json.dumps(ds), parallelism=replace(par, **changes))  # type: ignore[arg-type]
         return Context(scenario=scenario)
 
+    volumes: dict[int, Fraction] = {}
+
     def volume(c: Context) -> Fraction:
-        return _volume(component.collectives(c, pad=False, init=False), term)
+        if id(c) not in volumes:
+            volumes[id(c)] = _volume(component.collectives(c, pad=False, init=False), term)
+        return volumes[id(c)]
 
     what = "reduces gradients" if par.zero.stage < 3 else "gathers parameters and reduce-scatters gradients"
     dtype = cfg.get("communication_data_type")
@@ -208,7 +214,9 @@ def sliced(ctx: Context) -> bool:
     return bool(zo.get("reduce_scatter", True)) and bool(zo.get("contiguous_gradients", True))
 
 
-def reduction_buckets(sizes: list[int], stage: int, limit: int, d: int, *, slices: bool = True) -> list[int]:
+def reduction_buckets(
+    sizes: list[int], stage: int, limit: int, d: int, *, slices: bool = True, ready: list[int] | None = None
+) -> list[int]:
     """Elements per gradient all-reduce of DeepSpeed's engine for one parameter group, ``sizes`` in
     registration order, reduced over ``d`` ranks. Stage 0 (the engine itself, ``allreduce_no_retain``):
     registration order, a bucket sent once it has passed ``MEMORY_OPT_ALLREDUCE_SIZE`` (the zero config's
@@ -225,7 +233,7 @@ def reduction_buckets(sizes: list[int], stage: int, limit: int, d: int, *, slice
                 out.append(current)
                 current = 0
         return [*out, current] if current else out
-    order = list(range(len(sizes))) if stage == 1 else list(reversed(range(len(sizes))))
+    order = list(range(len(sizes))) if stage == 1 else (ready or list(reversed(range(len(sizes)))))
     bucket: list[int] = []
     for i in order:
         if bucket and sum(sizes[j] for j in bucket) + sizes[i] > limit:
@@ -259,13 +267,17 @@ def oversized(sizes: list[int], index: int, limit: int, d: int) -> list[int]:
     return [*out, group] if group else out
 
 
-def _ready_order(params: tuple[ParamTensor, ...]) -> list[ParamTensor]:
-    """The order gradients reach ZeRO-3's reduction: a module's gradients together, modules in reverse
-    order, each module's parameters in registration order (a linear layer's weight, then bias)."""
+def _ready_order(ctx: Context) -> list[ParamTensor]:
+    """The order gradients reach ZeRO-3's reduction: a module's gradients together, modules in the order
+    their first gradient becomes ready (the built-in decoder's in reverse), each module's parameters in
+    registration order (a linear layer's weight, then bias)."""
     owners: dict[str, list[ParamTensor]] = {}
-    for p in params:
+    for p in ctx.params:
         owners.setdefault(p.name.rsplit(".", 1)[0], []).append(p)
-    return [p for group in reversed(owners.values()) for p in group]
+    first: dict[str, int] = {}
+    for i, p in enumerate(ctx.ready_order):
+        first.setdefault(p.name.rsplit(".", 1)[0], i)
+    return [p for owner in sorted(owners, key=lambda o: first[o]) for p in owners[owner]]
 
 
 def _gradient_buckets(ctx: Context, over: int = 1) -> list[int]:
@@ -275,10 +287,14 @@ def _gradient_buckets(ctx: Context, over: int = 1) -> list[int]:
     par = ctx.scenario.parallelism
     if par.zero.stage < 3:
         sizes = [p.numel for p in ctx.params]
-        return reduction_buckets(sizes, par.zero.stage, par.zero.bucket_elements, par.dp, slices=sliced(ctx))
+        index = {p.name: i for i, p in enumerate(ctx.params)}
+        ready = [index[p.name] for p in ctx.ready_order]
+        return reduction_buckets(
+            sizes, par.zero.stage, par.zero.bucket_elements, par.dp, slices=sliced(ctx), ready=ready
+        )
     limit = par.zero.bucket_elements
     out, current, sent = [], 0, 0
-    for p in _ready_order(ctx.params):
+    for p in _ready_order(ctx):
         if current and current + p.numel > limit:
             out.append(sent)
             current = sent = 0
@@ -359,10 +375,13 @@ def _coordinator_gathers(ctx: Context, step: ExpectedCollective, over: int) -> l
     hpz = {"axis": "hpz", "groups": ctx.layout.hpz_groups()}
 
     def tally(passes: list[list[zero3_fetch.Gather]]) -> Counter[Key]:
-        return Counter(
-            (g.backward, g.recompute, g.prefetch, g.secondary, sum(padded(p.numel, over) for p in g.params))
-            for g in itertools.chain.from_iterable(passes)
-        )
+        counts: Counter[Key] = Counter()
+        for gathers, n in Counter(id(p) for p in passes).items():  # later passes repeat earlier ones
+            one = next(p for p in passes if id(p) == gathers)
+            for g in one:
+                size = sum(padded(p.numel, over) for p in g.params)
+                counts[g.backward, g.recompute, g.prefetch, g.secondary, size] += n
+        return counts
 
     def rows(counts: Counter[Key], **when: object) -> list[ExpectedCollective]:
         out = []
@@ -408,12 +427,8 @@ class DeepSpeedZero3(Zero3):
         ]
         rows.append(replace(base, op=Op.BARRIER, dtype="none", calls=3, source="ZeRO-3 construction barriers"))
         trace = replace(base, op=Op.BROADCAST, dtype="int64", phase=Phase.FORWARD, source="ZeRO-3 trace broadcast")
-        model, par = ctx.scenario.model, ctx.scenario.parallelism
-        traced_modules = 2 * forward_modules(model)
-        traced_params = 2 * (len(ctx.params) + model.tied_embeddings)  # a tied output layer: the word embedding
-        if par.activation_checkpointing:  # the recompute runs every layer's modules again
-            traced_modules += layer_modules(model) * model.L
-            traced_params += sum(1 for p in ctx.params if p.block == "layer")
+        par = ctx.scenario.parallelism
+        traced_modules, traced_params = zero3_fetch.traced(ctx)
         m = par.micro_batches
         second = 1 // m  # the step of the coordinator's second micro-batch
         rows += [

@@ -35,11 +35,17 @@ to the next, and returns each pass's gathers.
 from __future__ import annotations
 
 import collections
+import functools
 import sys
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from commgate.model.expectation import Context
+from commgate.model.moduletrace import Hook, Module
 from commgate.model.transformer import ParamTensor
+
+if TYPE_CHECKING:
+    from commgate.model.scenario import Scenario
 
 DEFAULTS = {
     "stage3_prefetch_bucket_size": 50_000_000,
@@ -92,54 +98,30 @@ def knobs(ctx: Context) -> Knobs:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class Module:
-    name: str
-    params: tuple[ParamTensor, ...]
-    """The module's own parameters (not its children's), in registration order."""
-    children: tuple[Module, ...] = ()
-
-
+@functools.cache
 def module_tree(params: tuple[ParamTensor, ...]) -> Module:
     """The decoder's modules that run a forward, from its parameters' names: each owner and its
     ancestors (``layers``, a ``ModuleList``, never runs), children in registration order."""
     owned: dict[str, list[ParamTensor]] = {"": []}
+    children: dict[str, list[str]] = {"": []}
     for p in params:
         owner = p.name.rsplit(".", 1)[0]
+        parent = ""
         parts = owner.split(".")
         for i in range(1, len(parts) + 1):
             prefix = ".".join(parts[:i])
-            if prefix != "layers":
-                owned.setdefault(prefix, [])
+            if prefix == "layers":
+                continue
+            if prefix not in owned:
+                owned[prefix], children[prefix] = [], []
+                children[parent].append(prefix)
+            parent = prefix
         owned[owner].append(p)
 
     def build(name: str) -> Module:
-        depth = 0 if not name else name.count(".") + 1
-        kids = [
-            n
-            for n in owned
-            if n
-            and n.startswith(f"{name}." if name else "")
-            and (n.count(".") + 1 == depth + 1 or (n.startswith("layers.") and n.count(".") == 1 and not name))
-        ]
-        return Module(name, tuple(owned[name]), tuple(build(k) for k in kids))
+        return Module(name, tuple(owned[name]), tuple(build(k) for k in children[name]))
 
     return build("")
-
-
-@dataclass(frozen=True, slots=True)
-class Hook:
-    module: Module
-    fetch: bool
-    """Pre-hook (fetch) or post-hook (release)."""
-    backward: bool
-    """In the backward pass (a recompute's forward hooks included)."""
-    trace: bool = True
-    """A step of the coordinator's trace (False: a read of an external parameter outside the hooks)."""
-    leftover: bool = False
-    """The end-of-backward release of a module whose backward release never fired."""
-    recompute: bool = False
-    """A forward hook of activation checkpointing's recompute, in the backward."""
 
 
 def pass_hooks(root: Module, *, checkpointed: bool, external: tuple[ParamTensor, ...] = ()) -> list[Hook]:
@@ -243,19 +225,50 @@ def persistent(params: tuple[ParamTensor, ...], k: Knobs) -> frozenset[str]:
     return frozenset(out)
 
 
+def hooks(ctx: Context) -> tuple[list[Hook], list[Hook]]:
+    """The hooks of the recording pass and of every later one: the built-in decoder's (``pass_hooks``),
+    or a user's module's as measured on the meta device (``commgate.model.usermodule``)."""
+    par, model = ctx.scenario.parallelism, ctx.scenario.model
+    if model.module:
+        from commgate.model.usermodule import describe
+
+        measured = describe(ctx.scenario)
+        return list(measured.first), list(measured.later)
+    return _builtin_hooks(ctx.params, par.activation_checkpointing, model.tied_embeddings)
+
+
+@functools.cache
+def _builtin_hooks(params: tuple[ParamTensor, ...], checkpointed: bool, tied: bool) -> tuple[list[Hook], list[Hook]]:
+    root = module_tree(params)
+    external = tuple(p for p in params if p.name == "embed.word.weight") if tied else ()
+    first = pass_hooks(root, checkpointed=checkpointed, external=external)
+    later = pass_hooks(replace(root, params=external), checkpointed=checkpointed)
+    return first, later
+
+
+def traced(ctx: Context) -> tuple[int, int]:
+    """The recorded trace's length in modules and in parameters (what ``reset_step`` checks across ranks)."""
+    fetched = [h.module for h in hooks(ctx)[1] if h.fetch and h.trace]
+    return len(fetched), sum(len(m.params) for m in fetched)
+
+
 def passes(ctx: Context, steps: int) -> list[list[Gather]]:
     """The coordinator's gathers in each forward-and-backward pass of the first ``steps`` steps (m passes
     a step; the optimizer's re-gathering of the persistent parameters after each step not included)."""
-    par, model = ctx.scenario.parallelism, ctx.scenario.model
-    root = module_tree(ctx.params)
+    return _passes(ctx.scenario, steps)
+
+
+@functools.lru_cache(maxsize=64)
+def _passes(scenario: Scenario, steps: int) -> list[list[Gather]]:
+    ctx = Context(scenario=scenario)
+    par = scenario.parallelism
     k = knobs(ctx)
     state = _State(knobs=k, persistent=persistent(ctx.params, k), hpz=par.zero.hpz > 1)
     if state.hpz:  # the engine's initial partitioning made every parameter's secondary partition
         state.secondary = {p.name for p in ctx.params}
-    external = tuple(p for p in ctx.params if p.name == "embed.word.weight") if model.tied_embeddings else ()
-    first = pass_hooks(root, checkpointed=par.activation_checkpointing, external=external)
-    later = pass_hooks(replace(root, params=external), checkpointed=par.activation_checkpointing)
+    first, later = hooks(ctx)
     out: list[list[Gather]] = []
+    seen: dict[tuple[object, ...], tuple[list[Gather], _State]] = {}
     for step in range(steps):
         for micro in range(par.micro_batches):
             if step == 0 and micro == 0:
@@ -264,67 +277,99 @@ def passes(ctx: Context, steps: int) -> list[list[Gather]]:
                 continue
             if micro == 0:  # the optimizer step partitioned everything, then gathered the persistent ones
                 state.available = set(state.persistent)
-                state.secondary.clear()
                 state.n_available = sum(p.numel for p in ctx.params if p.name in state.persistent)
+                state.secondary.clear()
+            # a pass is a function of the state it starts from (and of the release cache, filled by the
+            # first complete pass): a pass starting where an earlier one did repeats it, and ends as it did
+            key = (
+                frozenset(state.available),
+                frozenset(state.secondary),
+                frozenset((n, frozenset(a)) for n, a in state.active.items() if a),
+                len(state.release_cache),
+            )
+            if key in seen:
+                gathers, end = seen[key]
+                out.append(gathers)
+                state.available, state.secondary, state.n_available = (
+                    set(end.available),
+                    set(end.secondary),
+                    end.n_available,
+                )
+                state.active = collections.defaultdict(set, {n: set(a) for n, a in end.active.items()})
+                continue
             out.append(_one_pass(state, later))
+            if len(state.release_cache) == key[3]:
+                end = replace(state, available=set(state.available), secondary=set(state.secondary))
+                end.active = collections.defaultdict(set, {n: set(a) for n, a in state.active.items() if a})
+                seen[key] = (out[-1], end)
     return out
 
 
 def _one_pass(state: _State, hooks: list[Hook]) -> list[Gather]:
     k, order = state.knobs, state.order
+    available, active, secondary = state.available, state.active, state.secondary
     gathers: list[Gather] = []
     queue = collections.deque((p, i) for i, mod in enumerate(order or ()) for p in mod.params)
     recent: dict[str, int] = collections.defaultdict(lambda: -(10**10))
     step_id = 0
 
     def gather(ps: tuple[ParamTensor, ...], hook: Hook, prefetch: bool) -> None:
-        todo = tuple(p for p in ps if p.name not in state.available)
-        for secondary in (True, False):  # one call each (all_gather_coalesced per process group)
-            part = tuple(p for p in todo if (p.name in state.secondary) == secondary)
+        todo = tuple(p for p in ps if p.name not in available)
+        if not todo:
+            return
+        for second in (True, False):  # one call each (all_gather_coalesced per process group)
+            part = tuple(p for p in todo if (p.name in secondary) == second)
             if part:
-                gathers.append(Gather(part, hook.backward, prefetch, hook.recompute, secondary))
-        state.available |= {p.name for p in todo}
+                gathers.append(Gather(part, hook.backward, prefetch, hook.recompute, second))
+        available.update(p.name for p in todo)
         state.n_available += sum(p.numel for p in todo)
 
     for hook in hooks:
         mod = hook.module
+        params = mod.params
         if hook.fetch:
-            gather(mod.params, hook, False)
+            if params:
+                gather(params, hook, False)
             if not hook.trace:
                 continue
-            for p in mod.params:
-                state.active[p.name].add(mod.name)
+            for p in params:
+                active[p.name].add(mod.name)
             if order is not None:
-                due = {p.name for p in mod.params if recent[p.name] < step_id}
+                due = sum(1 for p in params if recent[p.name] < step_id)
                 popped: set[str] = set()
-                while queue and len(popped) < len(due):
+                while queue and len(popped) < due:
                     p, used = queue.popleft()
                     recent[p.name] = used
                     popped.add(p.name)
-                if k.prefetch > 0:
+                if k.prefetch > 0 and queue:
                     budget, chosen, numel = min(k.max_live - state.n_available, k.prefetch), {}, 0
                     while queue and numel < budget:
                         p, used = queue.popleft()
-                        recent[p.name] = max(recent[p.name], used)
-                        if p.name not in state.available and p.name not in chosen:
+                        if recent[p.name] < used:
+                            recent[p.name] = used
+                        if p.name not in available and p.name not in chosen:
                             chosen[p.name] = p
                             numel += p.numel
-                    gather(tuple(chosen.values()), hook, True)
+                    if chosen:
+                        gather(tuple(chosen.values()), hook, True)
             step_id += 1
             continue
+        if not params:
+            continue
         if hook.leftover:
-            released = frozenset(p.name for p in mod.params if p.name not in state.persistent)
+            released = frozenset(p.name for p in params if p.name not in state.persistent)
         elif order is not None:
             released = _to_release(state, mod, step_id, recent)
         else:
-            released = frozenset(p.name for p in mod.params)
-        for p in mod.params:
-            state.active[p.name].discard(mod.name)
-            if p.name in released and p.name in state.available and not state.active[p.name]:
-                state.available.discard(p.name)
+            released = frozenset(p.name for p in params)
+        for p in params:
+            owners = active[p.name]
+            owners.discard(mod.name)
+            if p.name in released and p.name in available and not owners:
+                available.discard(p.name)
                 state.n_available -= p.numel
                 if state.hpz:
-                    state.secondary.add(p.name)
+                    secondary.add(p.name)
     return gathers
 
 

@@ -1,4 +1,5 @@
-"""torch DistributedDataParallel around the GPT decoder (gradient accumulation with ``no_sync``)."""
+"""torch DistributedDataParallel around the GPT decoder or the scenario's own module (gradient accumulation
+with ``no_sync``)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from commgate.model.scenario import Scenario
 from commgate.run.interpose import optimizer_phase
-from commgate.run.workloads.gpt import DTYPES, GPT, batch
+from commgate.run.workloads.gpt import build
 
 
 class DDPWorkload:
     def __init__(self, scenario: Scenario, *, rank: int, device: torch.device) -> None:
         self.s, self.rank, self.device = scenario, rank, device
         torch.manual_seed(0)  # the same initial weights everywhere; DDP broadcasts rank 0's anyway
-        model = GPT(scenario.model, checkpointing=scenario.parallelism.activation_checkpointing).to(
-            device=device, dtype=DTYPES[scenario.model.dtype]
-        )
+        model, self.inputs = build(scenario, device, checkpointing=scenario.parallelism.activation_checkpointing)
         self.engine = DistributedDataParallel(model, bucket_cap_mb=scenario.parallelism.ddp_bucket_mb)
         self.optimizer = torch.optim.AdamW(self.engine.parameters(), lr=1e-4)
 
@@ -28,8 +27,7 @@ class DDPWorkload:
         for i in range(par.micro_batches):
             sync = i == par.micro_batches - 1
             with contextlib.nullcontext() if sync else self.engine.no_sync():
-                tokens = batch(self.s.model, par.micro_batch, seed=1000 * k + 10 * i + self.rank, device=self.device)
-                loss = self.engine(tokens)
+                loss = self.engine(*self.inputs(1000 * k + 10 * i + self.rank))
                 loss.backward()
         with optimizer_phase():
             self.optimizer.step()

@@ -14,11 +14,14 @@ Parameter names match the inventory's, so tests compare the two tensor by tensor
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from commgate.model.scenario import Scenario
 from commgate.model.transformer import ModelSpec
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -176,3 +179,24 @@ def batch(m: ModelSpec, b: int, *, seed: int, device: torch.device | str = "cpu"
     """Deterministic token ids of shape (b, s + 1): s inputs and their next-token targets."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, m.V, (b, m.s + 1), generator=g).to(device)
+
+
+def build(
+    scenario: Scenario, device: torch.device, *, checkpointing: bool = False
+) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, ...]]]:
+    """The model a data-parallel workload trains and a function from a seed to one micro-batch's inputs
+    on ``device``: the built-in decoder and its token batches, or the scenario's own module
+    (``model.module``, ``commgate.model.usermodule``)."""
+    m = scenario.model
+    if m.module:
+        from commgate.model.usermodule import build as user_build
+
+        torch.manual_seed(0)
+        model, inputs = user_build(scenario, device)
+        model = model.to(device=device, dtype=DTYPES[m.dtype])
+        return model, lambda seed: tuple(
+            t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs(seed)
+        )
+    b = scenario.parallelism.micro_batch
+    model = GPT(m, checkpointing=checkpointing).to(device=device, dtype=DTYPES[m.dtype])
+    return model, lambda seed: (batch(m, b, seed=seed, device=device),)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from commgate.model.scenario import Scenario
-from commgate.run.workloads.gpt import DTYPES, GPT, mlp
+from commgate.run.workloads.gpt import DTYPES, GPT, batch, mlp
 from commgate.run.workloads.zero import ZeroWorkload, ds_config
 
 
@@ -64,3 +64,5 @@ class MoEWorkload(ZeroWorkload):
         )
         optimizer = torch.optim.AdamW(groups, lr=1e-4)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(scenario))
+        m, b = scenario.model, scenario.parallelism.micro_batch
+        self.inputs = lambda seed: (batch(m, b, seed=seed, device=device),)

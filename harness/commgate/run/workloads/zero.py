@@ -14,7 +14,7 @@ import torch
 
 from commgate.model.scenario import Scenario
 from commgate.run.interpose import optimizer_phase, phase
-from commgate.run.workloads.gpt import DTYPES, GPT, batch
+from commgate.run.workloads.gpt import build
 
 
 def ds_config(s: Scenario) -> dict[str, Any]:
@@ -66,9 +66,7 @@ class ZeroWorkload:
 
         self.s, self.rank, self.device = scenario, rank, device
         torch.manual_seed(0)
-        model = GPT(scenario.model, checkpointing=scenario.parallelism.activation_checkpointing).to(
-            device=device, dtype=DTYPES[scenario.model.dtype]
-        )
+        model, self.inputs = build(scenario, device, checkpointing=scenario.parallelism.activation_checkpointing)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(scenario))
 
@@ -76,8 +74,7 @@ class ZeroWorkload:
         par = self.s.parallelism
         loss = torch.zeros(())
         for i in range(par.micro_batches):
-            tokens = batch(self.s.model, par.micro_batch, seed=1000 * k + 10 * i + self.rank, device=self.device)
-            loss = self.engine(tokens)
+            loss = self.engine(*self.inputs(1000 * k + 10 * i + self.rank))
             with phase("backward"):
                 self.engine.backward(loss)
             if i == par.micro_batches - 1:

@@ -1,0 +1,1 @@
+"""Examples of what a user hands commgate (``model.module``, ``workload``)."""

@@ -1,0 +1,240 @@
+"""Your own model: its parameter inventory, gradient order and ZeRO-3 module trace, read off the module
+itself, built on the meta device (no weights, no memory, no ranks).
+
+The hook (``model: {module: "package.module:build"}`` in a scenario)::
+
+    def build(scenario) -> tuple[torch.nn.Module, Callable[[int], tuple[torch.Tensor, ...]]]:
+        '''The model, created on torch's current default device, and a function from a seed to one
+        micro-batch's inputs; ``model(*inputs)`` returns the loss.'''
+
+commgate calls it under ``torch.device("meta")`` to predict, and on each rank's device to run it
+(``commgate.run.workloads.user``) under DDP or DeepSpeed ZeRO, the scheme's engine. One forward and
+backward on the meta device then gives what the models of those engines need, as the engines see it:
+
+* the parameters in registration order (``named_parameters``): shapes, and the module owning each;
+* the order in which their gradients become ready (autograd's, through ``register_post_accumulate_grad_hook``):
+  DDP's rebuilt buckets and ZeRO's reduction order;
+* for ZeRO-3, the hook sequence DeepSpeed's coordinator sees: each module's pre-forward and post-forward
+  hook, and its pre-backward and post-backward events placed as DeepSpeed places them (an identity
+  autograd function on the module's outputs, fired when their gradient arrives, and one on its inputs,
+  fired when theirs is computed; a module whose inputs need no gradient is released at the end of the
+  backward), activation checkpointing's recompute included, since torch replays it on meta tensors too.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from commgate.core.errors import CommgateError
+from commgate.model.moduletrace import Hook, Module
+from commgate.model.transformer import ParamTensor, Shard
+
+if TYPE_CHECKING:
+    from commgate.model.scenario import Scenario
+
+
+@dataclass(frozen=True, slots=True)
+class Described:
+    params: tuple[ParamTensor, ...]
+    """Every parameter, in registration order (named after its first owner)."""
+    ready: tuple[str, ...]
+    """Parameter names in the order their gradients became ready."""
+    first: tuple[Hook, ...]
+    """The first pass's hooks as DeepSpeed's ZeRO-3 coordinator sees them."""
+    later: tuple[Hook, ...]
+    """Every later pass's: a parameter read in the forward of a module that does not own it (and was
+    not gathered then) is that module's from the first such read on (``register_external_parameter``)."""
+
+
+def resolve(spec: str) -> Callable[..., Any]:
+    module, _, attr = spec.partition(":")
+    try:
+        fn: Callable[..., Any] = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise CommgateError(f"model.module {spec!r}: cannot be imported ({exc})") from None
+    return fn
+
+
+def build(scenario: Scenario, device: Any) -> tuple[Any, Callable[[int], tuple[Any, ...]]]:
+    """The user's model and micro-batch function, on ``device`` (a ``torch.device``)."""
+    import torch
+
+    assert scenario.model.module is not None
+    with torch.device(device):
+        out = resolve(scenario.model.module)(scenario)
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.nn.Module) and callable(out[1])):
+        raise CommgateError(
+            f"model.module {scenario.model.module!r}: build(scenario) must return (torch.nn.Module, "
+            f"function from a seed to the inputs), got {type(out).__name__}"
+        )
+    return out
+
+
+def describe(scenario: Scenario) -> Described:
+    """What the engines' models need of the user's module (cached per scenario)."""
+    return _describe(scenario)
+
+
+@functools.cache
+def _describe(scenario: Scenario) -> Described:
+    import torch
+
+    model, inputs = build(scenario, torch.device("meta"))
+    spec = scenario.model.module
+    if frozen := [n for n, p in model.named_parameters() if not p.requires_grad]:
+        raise CommgateError(f"model.module {spec!r}: frozen parameters ({frozen[0]}, ...) are not modelled yet")
+    if buffers := [n for n, _ in model.named_buffers()]:
+        raise CommgateError(f"model.module {spec!r}: buffers ({buffers[0]}, ...) are not modelled yet")
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = tuple(
+        ParamTensor(name=n, shape=tuple(p.shape), shard=Shard.REPLICATED, block="layer", layer=0)
+        for n, p in model.named_parameters()
+    )
+    by_name = {p.name: p for p in params}
+    modules: dict[str, Module] = {}
+    for mname, mod in model.named_modules():
+        own = tuple(names[id(p)] for p in mod._parameters.values() if p is not None and id(p) in names)
+        modules[mname] = Module(mname, tuple(by_name[n] for n in own))
+    index = {p.name: i for i, p in enumerate(params)}
+    ready: list[str] = []
+    handles = [
+        p.register_post_accumulate_grad_hook(lambda t, _n=n: ready.append(_n))
+        for n, p in model.named_parameters()
+    ]
+    # events: (kind, module, backward, recompute) for fetch/release/leftover, ("read", module, param) for a
+    # parameter read in the forward by a module that does not own it
+    events: list[tuple[Any, ...]] = []
+    stack: list[str] = []
+    in_backward = [False]
+    backward_open: dict[str, bool] = {}
+
+    class _Mark(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, name: str, pre: bool, *ts: torch.Tensor) -> Any:
+            ctx.name, ctx.pre = name, pre
+            return ts if len(ts) > 1 else ts[0]
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            if ctx.pre:  # the gradient of the module's output arrived: its pre-backward
+                in_backward[0] = True
+                events.append(("fetch", ctx.name, True, False))
+                backward_open[ctx.name] = True
+            elif backward_open.pop(ctx.name, False):  # its inputs' gradient is computed: post-backward
+                events.append(("release", ctx.name, True, False))
+            return (None, None, *grads)
+
+    def mark(name: str, pre: bool, value: Any) -> Any:
+        tensors = [t for t in _flat(value) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not tensors:
+            return value
+        marked = _Mark.apply(name, pre, *tensors)  # type: ignore[no-untyped-call]
+        marked = marked if isinstance(marked, tuple) else (marked,)
+        swap = dict(zip((id(t) for t in tensors), marked, strict=True))
+        return _replace(value, swap)
+
+    def pre_forward(mod: Any, args: Any, *, _n: str) -> Any:
+        events.append(("fetch", _n, in_backward[0], in_backward[0]))
+        stack.append(_n)
+        return mark(_n, False, args)
+
+    def post_forward(mod: Any, args: Any, output: Any, *, _n: str) -> Any:
+        stack.pop()
+        events.append(("release", _n, in_backward[0], in_backward[0]))
+        return mark(_n, True, output)
+
+    class _Reads(dict):  # type: ignore[type-arg]
+        """A module's ``_parameters`` that notes reads from another module's forward (DeepSpeed's
+        ``ZeROOrderedDict`` gathers and registers those)."""
+
+        owner = ""
+
+        def __getitem__(self, key: str) -> Any:
+            value = super().__getitem__(key)
+            if value is not None and stack and stack[-1] != self.owner and not in_backward[0]:
+                events.append(("read", stack[-1], names[id(value)]))
+            return value
+
+    originals = {}
+    for mname, mod in model.named_modules():
+        if isinstance(mod, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            continue
+        handles.append(mod.register_forward_pre_hook(functools.partial(pre_forward, _n=mname)))
+        handles.append(mod.register_forward_hook(functools.partial(post_forward, _n=mname)))
+        reads = _Reads(mod._parameters)
+        reads.owner = mname
+        originals[mname] = (mod, mod._parameters)
+        mod._parameters = reads
+    try:
+        loss = model(*(t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs(0)))
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise CommgateError(f"model.module {spec!r}: model(*inputs) must return the loss")
+        loss.backward()  # type: ignore[no-untyped-call]
+    finally:
+        for h in handles:
+            h.remove()
+        for mod, original in originals.values():
+            mod._parameters = original
+    # modules whose backward began but whose inputs needed no gradient: released with the leftovers
+    events += [("leftover", name, True, False) for name in reversed(list(backward_open))]
+    first, later = _hooks(events, modules, by_name, index)
+    return Described(params=params, ready=tuple(ready), first=first, later=later)
+
+
+def _hooks(
+    events: list[tuple[Any, ...]], modules: dict[str, Module], by_name: dict[str, ParamTensor], index: dict[str, int]
+) -> tuple[tuple[Hook, ...], tuple[Hook, ...]]:
+    """The first pass's hooks (a module takes on a parameter it reads from its first read on) and the
+    later passes' (it has them throughout)."""
+
+    def extended(name: str, extra: set[str]) -> Module:
+        own = {p.name for p in modules[name].params}
+        names = sorted(own | extra, key=index.__getitem__)  # the coordinator's trace sorts by ds_id
+        return Module(name, tuple(by_name[n] for n in names))
+
+    external: dict[str, set[str]] = {}
+    for e in events:
+        if e[0] == "read" and e[2] not in {p.name for p in modules[e[1]].params}:
+            external.setdefault(e[1], set()).add(e[2])
+    final = {name: extended(name, external.get(name, set())) for name in modules}
+
+    def build(first: bool) -> tuple[Hook, ...]:
+        seen: dict[str, set[str]] = {}
+        out: list[Hook] = []
+        for e in events:
+            kind, name = e[0], e[1]
+            if kind == "read":
+                if e[2] in external.get(name, set()):
+                    out.append(Hook(Module(name, (by_name[e[2]],)), True, False, trace=False))
+                    seen.setdefault(name, set()).add(e[2])
+                continue
+            mod = extended(name, seen.get(name, set())) if first else final[name]
+            if kind == "leftover":
+                out.append(Hook(mod, False, True, leftover=True))
+            else:
+                out.append(Hook(mod, kind == "fetch", e[2], recompute=e[3]))
+        return tuple(out)
+
+    return build(True), build(False)
+
+
+def _flat(value: Any) -> list[Any]:
+    if isinstance(value, (tuple, list)):
+        return [x for v in value for x in _flat(v)]
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in _flat(v)]
+    return [value]
+
+
+def _replace(value: Any, swap: dict[int, Any]) -> Any:
+    if isinstance(value, tuple):
+        return tuple(_replace(v, swap) for v in value)
+    if isinstance(value, list):
+        return [_replace(v, swap) for v in value]
+    if isinstance(value, dict):
+        return {k: _replace(v, swap) for k, v in value.items()}
+    return swap.get(id(value), value)

@@ -1,0 +1,107 @@
+"""Your own model (``model: {module: ...}``): the DDP and ZeRO models built from the module itself, on the
+meta device, predict what the built-in model predicts for the built-in decoder, reconcile on real runs for
+a model unlike it, and bad hooks are one-line errors."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from commgate.core.errors import CommgateError, ScenarioError
+from commgate.judge.reconcile import reconcile
+from commgate.model.predict import predict
+from commgate.model.scenario import load_text
+
+MIXER = "commgate.examples.mixer:build"
+
+
+def text(module: str, par: str, ds: str = "") -> str:
+    out = (
+        f'schema_version: 1\nname: u\nmodel: {{module: "{module}"}}\nparallelism: {{{par}}}\n'
+        "steps: 3\nwarmup_steps: 0\n"
+    )
+    return out + (f"deepspeed: {ds}\n" if ds else "")
+
+
+def rows(p):  # type: ignore[no-untyped-def]
+    return sorted(
+        str((r.op, r.phase, r.elements, r.calls, r.once, r.at_step, r.from_step, r.dtype)) for r in p.collectives
+    )
+
+
+@pytest.mark.parametrize(
+    ("par", "ds", "tied"),
+    [
+        ("scheme: ddp, dp: 3, micro_batches: 2", "", False),
+        ("scheme: zero1, dp: 2", "", False),
+        ("scheme: zero2, dp: 3, zero: {bucket_elements: 1000}", "", False),
+        ("scheme: zero3, dp: 2, activation_checkpointing: true, micro_batches: 2", "", False),
+        (
+            "scheme: zero3, dp: 2, activation_checkpointing: true",
+            "{zero_optimization: {stage3_param_persistence_threshold: 0, stage3_prefetch_bucket_size: 900, "
+            "stage3_max_reuse_distance: 3000}}",
+            True,
+        ),
+    ],
+    ids=["ddp", "zero1", "zero2-buckets", "zero3-checkpointing-m2", "zero3-tied-knobs"],
+)
+def test_the_built_in_decoder_as_a_users_module_predicts_as_the_built_in_model(
+    par: str, ds: str, tied: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import user_gpt
+
+    if tied:
+        monkeypatch.setenv("USER_GPT_TIED", "1")
+    (user,) = load_text(text("user_gpt:build", par, ds))
+    builtin = replace(user, model=replace(user_gpt.spec(), module=None))
+    assert rows(predict(user)) == rows(predict(builtin))
+    assert predict(user).param_count == predict(builtin).param_count
+
+
+@pytest.mark.parametrize(
+    ("par", "ds"),
+    [
+        ("scheme: ddp, dp: 3, micro_batches: 2, ddp_bucket_mb: 0.02", ""),
+        ("scheme: zero2, dp: 3, zero: {bucket_elements: 3000}, micro_batches: 2", ""),
+        (
+            "scheme: zero3, dp: 2, micro_batches: 2",
+            "{zero_optimization: {stage3_param_persistence_threshold: 0, stage3_prefetch_bucket_size: 4000, "
+            "stage3_max_reuse_distance: 3000}}",
+        ),
+        (
+            "scheme: zero3, dp: 3, zero: {bucket_elements: 5000}",
+            "{zero_optimization: {stage3_param_persistence_threshold: 1000}}",
+        ),
+    ],
+    ids=["ddp-buckets", "zero2-buckets", "zero3-knobs", "zero3-persistence"],
+)
+def test_a_model_unlike_the_decoder_reconciles_on_real_runs(par: str, ds: str, tmp_path: Path) -> None:
+    from commgate.run.launcher import launch_local
+
+    (s,) = load_text(text(MIXER, par, ds))
+    rec = reconcile(predict(s), launch_local(s, workdir=tmp_path))
+    assert not rec.mismatches, rec.mismatches
+    assert all(o.unexplained_bytes == 0 for o in rec.ops), rec.ops
+    assert rec.traffic_measured == rec.traffic_predicted
+
+
+@pytest.mark.parametrize(
+    ("model", "par", "message"),
+    [
+        ('{module: "no_such_pkg.mod:build"}', "scheme: ddp, dp: 2", "cannot be imported"),
+        (f'{{module: "{MIXER}"}}', "scheme: tp, tp: 2", "a user's module is modelled under ddp, zero1, zero2, zero3"),
+        (f'{{module: "{MIXER}", L: 4}}', "scheme: ddp, dp: 2", "takes no preset or dimensions"),
+    ],
+)
+def test_bad_module_hooks_are_one_line_errors(model: str, par: str, message: str) -> None:
+    doc = f"schema_version: 1\nname: u\nmodel: {model}\nparallelism: {{{par}}}\n"
+    with pytest.raises(ScenarioError, match=message) as info:
+        load_text(doc)
+    assert len(info.value.problems) == 1
+
+
+def test_what_the_meta_run_cannot_describe_is_named() -> None:
+    (s,) = load_text(text("user_gpt:frozen", "scheme: ddp, dp: 2"))
+    with pytest.raises(CommgateError, match=r"frozen parameters \(embed.word.weight, ...\) are not modelled yet"):
+        predict(s)
