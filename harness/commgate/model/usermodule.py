@@ -8,17 +8,22 @@ The hook (``model: {module: "package.module:build"}`` in a scenario)::
         micro-batch's inputs; ``model(*inputs)`` returns the loss.'''
 
 commgate calls it under ``torch.device("meta")`` to predict, and on each rank's device to run it
-(``commgate.run.workloads.user``) under DDP or DeepSpeed ZeRO, the scheme's engine. One forward and
-backward on the meta device then gives what the models of those engines need, as the engines see it:
+(``commgate.run.workloads.gpt.build``, used by the DDP and ZeRO workloads) under the scheme's engine.
+One forward and backward on the meta device then gives what the models of those engines need, as the
+engines see it:
 
 * the parameters in registration order (``named_parameters``): shapes, and the module owning each;
-* the order in which their gradients become ready (autograd's, through ``register_post_accumulate_grad_hook``):
-  DDP's rebuilt buckets and ZeRO's reduction order;
+* the order in which their gradients become ready (autograd's, through
+  ``register_post_accumulate_grad_hook``): DDP's rebuilt buckets and ZeRO's reduction order;
 * for ZeRO-3, the hook sequence DeepSpeed's coordinator sees: each module's pre-forward and post-forward
   hook, and its pre-backward and post-backward events placed as DeepSpeed places them (an identity
   autograd function on the module's outputs, fired when their gradient arrives, and one on its inputs,
   fired when theirs is computed; a module whose inputs need no gradient is released at the end of the
-  backward), activation checkpointing's recompute included, since torch replays it on meta tensors too.
+  backward; a parameter read in another module's forward becomes that module's, as DeepSpeed's
+  ``ZeROOrderedDict`` registers it), activation checkpointing's recompute included, since torch replays
+  it on meta tensors too.
+
+Not described yet (one-line errors): frozen parameters and buffers.
 """
 
 from __future__ import annotations
