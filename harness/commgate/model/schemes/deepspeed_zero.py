@@ -91,12 +91,8 @@ def _accumulation(ctx: Context, term: str, component: DeepSpeedZero12 | DeepSpee
         scenario = replace(ctx.scenario, deepspeed=json.dumps(ds), parallelism=replace(par, **changes))  # type: ignore[arg-type]
         return Context(scenario=scenario)
 
-    volumes: dict[int, Fraction] = {}
-
     def volume(c: Context) -> Fraction:
-        if id(c) not in volumes:
-            volumes[id(c)] = _volume(component.collectives(c, pad=False, init=False), term)
-        return volumes[id(c)]
+        return _volume(component.collectives(c, pad=False, init=False), term)
 
     what = "reduces gradients" if par.zero.stage < 3 else "gathers parameters and reduce-scatters gradients"
     dtype = cfg.get("communication_data_type")
@@ -376,9 +372,9 @@ def _coordinator_gathers(ctx: Context, step: ExpectedCollective, over: int) -> l
 
     def tally(passes: list[list[zero3_fetch.Gather]]) -> Counter[Key]:
         counts: Counter[Key] = Counter()
-        for gathers, n in Counter(id(p) for p in passes).items():  # later passes repeat earlier ones
-            one = next(p for p in passes if id(p) == gathers)
-            for g in one:
+        distinct = {id(p): p for p in passes}  # later passes repeat earlier ones (the same list)
+        for key, n in Counter(id(p) for p in passes).items():
+            for g in distinct[key]:
                 size = sum(padded(p.numel, over) for p in g.params)
                 counts[g.backward, g.recompute, g.prefetch, g.secondary, size] += n
         return counts
