@@ -81,7 +81,7 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
         zo: dict[str, Any] = {}
         stage = zero.get("stage", rule.zero_stage or 0)
         if stage >= 2 or rng.random() < 0.3:
-            zo["overlap_comm"] = rng.random() < 0.5 if stage >= 2 else False
+            zo["overlap_comm"] = rng.random() < 0.5
         if rng.random() < 0.4:
             zo["contiguous_gradients"] = rng.random() < 0.5
         if stage in (1, 2) and rng.random() < 0.4:

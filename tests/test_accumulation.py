@@ -16,10 +16,11 @@ from commgate.run.launcher import launch_local
 MODEL = "{L: 2, h: 32, a: 4, V: 256, s: 32, x: 2, dtype: DTYPE}"
 
 
-def run(par: str, *, m: int, dtype: str = "fp32", ac: bool = False, tmp: Path) -> None:
+def run(par: str, *, m: int, dtype: str = "fp32", ac: bool = False, tmp: Path, deepspeed: str = "{}") -> None:
     text = (
         f"schema_version: 1\nname: t\nmodel: {MODEL.replace('DTYPE', dtype)}\n"
         f"parallelism: {{{par}, micro_batches: {m}, activation_checkpointing: {str(ac).lower()}}}\nsteps: 2\n"
+        f"deepspeed: {deepspeed}\n"
     )
     (s,) = load_text(text)
     prediction = predict(s)
@@ -30,7 +31,7 @@ def run(par: str, *, m: int, dtype: str = "fp32", ac: bool = False, tmp: Path) -
     comparison = prediction.comparison()
     assert comparison and all(c.unexplained_bytes == 0 for c in comparison)
     named = {r.name for c in comparison for r in c.residuals}
-    if m > 1 and "zero1" not in par and "ddp" not in par and "stage: 0" not in par:
+    if m > 1 and not any(k in par for k in ("zero1", "ddp", "stage: 0", "stage: 1")):
         assert "gradient accumulation" in named  # the m - 1 extra passes are a named term, not a remainder
 
 
@@ -48,6 +49,33 @@ SCHEMES = {
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_accumulation_is_modelled(scheme: str, m: int, tmp_path: Path) -> None:
     run(SCHEMES[scheme], m=m, tmp=tmp_path)
+
+
+OVERLAP = "{zero_optimization: {overlap_comm: true}}"
+
+
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize(
+    "par",
+    [
+        "scheme: zero1, dp: 2, zero: {bucket_elements: 4000}",
+        "scheme: moe, dp: 2, moe: {experts: 2, ep: 2}, zero: {stage: 1, bucket_elements: 2000}",
+    ],
+)
+def test_zero1_with_overlap_comm_reduces_in_the_hooks(par: str, m: int, tmp_path: Path) -> None:
+    """``overlap_comm: true`` at ZeRO-1 (GPT-NeoX's configs set it) fills the buckets as the gradients
+    become ready in the boundary micro-batch's backward, not in registration order after it: other
+    bucket sizes, once per step."""
+
+    def buckets(ds: str) -> list[tuple[int, int]]:
+        (s,) = load_text(
+            f"schema_version: 1\nname: t\nmodel: {MODEL.replace('DTYPE', 'fp32')}\n"
+            f"parallelism: {{{par}}}\ndeepspeed: {ds}\n"
+        )
+        return sorted((r.elements, r.calls) for r in predict(s).collectives if "gradient all-reduce" in r.source)
+
+    assert buckets(OVERLAP) != buckets("{}")  # the test below can tell the orders apart
+    run(par, m=m, tmp=tmp_path, deepspeed=OVERLAP)
 
 
 @pytest.mark.parametrize("scheme", ["ddp", "zero2", "zero3"])

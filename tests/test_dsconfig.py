@@ -63,11 +63,6 @@ def test_mapped_keys_set_the_scenario() -> None:
             r"MoE at ZeRO-1 without contiguous gradients .* is not modelled yet",
         ),
         (
-            "{scheme: zero1, dp: 2}",
-            "{zero_optimization: {overlap_comm: true}}",
-            r"overlap_comm: True: ZeRO-1 reducing in the backward hooks",
-        ),
-        (
             "{scheme: pp, pp: 2}",
             "{communication_data_type: fp16}",
             r"communication_data_type: 'fp16': a communication dtype is modelled for ZeRO-1/2/3 only",

@@ -27,7 +27,8 @@ def test_gpt_neox_13b_at_full_size(tmp_path: Path, capsys: pytest.CaptureFixture
     assert (par.scheme, par.dp, par.micro_batch, par.activation_checkpointing) == ("zero1", 1024, 4, True)
     assert predict(s).comparison()
     err = capsys.readouterr().err
-    assert "zero_optimization.overlap_comm = True left out" in err  # ZeRO-1 with overlap_comm: not modelled
+    assert "overlap_comm" not in err  # ZeRO-1 with overlap_comm on: modelled, kept
+    assert s.deepspeed_config["zero_optimization"]["overlap_comm"] is True
     assert "init_method ignored" in err
 
 

@@ -63,6 +63,7 @@ ZERO = frozenset(
 )  # fmt: skip
 """Keys of ``zero_optimization`` (``DeepSpeedZeroConfig``'s fields and aliases; a test keeps them in step)."""
 
+
 def _absent(value: Any, stage: int) -> bool:
     return False
 
@@ -81,12 +82,6 @@ def _count(value: Any, stage: int) -> bool:
 
 
 MODELLED: dict[tuple[str, ...], tuple[Callable[[Any, int], bool], str, str]] = {
-    # measured: ZeRO-2/3 send the same with overlap_comm on or off; ZeRO-1 with it on reduces in the hooks
-    ("zero_optimization", "overlap_comm"): (
-        lambda v, stage: stage != 1 or v is False,
-        "false at stage 1",
-        "ZeRO-1 reducing in the backward hooks",
-    ),
     ("zero_optimization", "round_robin_gradients"): (_is(False), "false", "round-robin gradient partitioning"),
     ("zero_optimization", "use_multi_rank_bucket_allreduce"): (_is(True), "true", "per-rank bucket reduces"),
     ("zero_optimization", "stage3_prefetch_bucket_size"): (_count, "a count", "ZeRO-3 parameter prefetching"),
@@ -123,7 +118,8 @@ MODELLED: dict[tuple[str, ...], tuple[Callable[[Any, int], bool], str, str]] = {
 changes. Measured on CPU gloo to send nothing different, and so accepted at any value:
 ``contiguous_gradients`` and ``reduce_scatter`` (modelled: without either an oversized gradient is
 all-reduced whole), ``allgather_partitions``, ``allgather_bucket_size`` (torch >= 1.13 gathers in one call),
-``gradient_clipping``, and ``overlap_comm`` at stages 2 and 3."""
+``gradient_clipping``, and ``overlap_comm`` at stages 2 and 3 and in the pipeline engine. ``overlap_comm`` at
+ZeRO-1 (and MoE's) reduces in the backward hooks, in gradient-ready order (``deepspeed_zero.in_hooks``)."""
 
 Problem = Callable[[list[str | int], str], None]
 

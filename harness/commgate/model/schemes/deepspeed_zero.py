@@ -7,7 +7,8 @@ ZeRO-1/2 (``stage_1_and_2.py``)
 * Construction: ``_broadcast_model`` broadcasts every parameter from rank 0, as bytes (a uint8 view).
 * Backward: gradients are reduced with **all-reduce** (not the reduce-scatter Eq. 2 assumes), in
   buckets flushed before one would pass ``reduce_bucket_size`` elements: ZeRO-2 as the gradients become
-  ready (reverse registration), ZeRO-1 at the accumulation boundary in registration order.
+  ready (reverse registration), ZeRO-1 at the accumulation boundary in registration order (with
+  ``overlap_comm`` on, in the boundary micro-batch's backward hooks, as the gradients become ready).
 * Optimizer: the gradient norm is all-reduced (one fp32, whatever the parameters' dtype), with bf16 or
   fp16 parameters also an overflow flag (one uint8); then the updated partitions (kept in fp32, the
   master weights) are all-gathered into the flat parameter buffer in the parameters' dtype (one call).
@@ -210,16 +211,33 @@ def sliced(ctx: Context) -> bool:
     return bool(zo.get("reduce_scatter", True)) and bool(zo.get("contiguous_gradients", True))
 
 
+def in_hooks(ctx: Context) -> bool:
+    """Whether ZeRO-1/2 reduce the gradients in their backward hooks, as each becomes ready
+    (``process_gradients``: ``partition_gradients or overlap_comm``): ZeRO-2 always, ZeRO-1 with
+    ``overlap_comm`` on (only in the boundary micro-batch's backward). Otherwise ZeRO-1 reduces them
+    after the backward, in registration order (``reduce_gradients``)."""
+    zo = ctx.scenario.deepspeed_config.get("zero_optimization", {})
+    overlap = isinstance(zo, dict) and zo.get("overlap_comm") is True
+    return ctx.scenario.parallelism.zero.stage >= 2 or overlap
+
+
 def reduction_buckets(
-    sizes: list[int], stage: int, limit: int, d: int, *, slices: bool = True, ready: list[int] | None = None
+    sizes: list[int],
+    stage: int,
+    limit: int,
+    d: int,
+    *,
+    slices: bool = True,
+    ready: list[int] | None = None,
+    hooked: bool | None = None,
 ) -> list[int]:
     """Elements per gradient all-reduce of DeepSpeed's engine for one parameter group, ``sizes`` in
     registration order, reduced over ``d`` ranks. Stage 0 (the engine itself, ``allreduce_no_retain``):
     registration order, a bucket sent once it has passed ``MEMORY_OPT_ALLREDUCE_SIZE`` (the zero config's
-    bucket size does not apply). ZeRO-1: registration order at the boundary; ZeRO-2: as gradients become
-    ready (reverse); both flushed before a gradient would take the bucket past ``limit``
-    (``reduce_bucket_size``), and a gradient larger than that reduced on its own in slices
-    (``oversized``)."""
+    bucket size does not apply). ZeRO-1/2: ``hooked`` (``in_hooks``; by default ZeRO-2's) as gradients
+    become ready (``ready``, else reverse registration), otherwise in registration order; both flushed
+    before a gradient would take the bucket past ``limit`` (``reduce_bucket_size``), and a gradient larger
+    than that reduced on its own in slices (``oversized``)."""
     out: list[int] = []
     if stage == 0:
         current = 0
@@ -229,7 +247,8 @@ def reduction_buckets(
                 out.append(current)
                 current = 0
         return [*out, current] if current else out
-    order = list(range(len(sizes))) if stage == 1 else (ready or list(reversed(range(len(sizes)))))
+    hooked = stage >= 2 if hooked is None else hooked
+    order = (ready or list(reversed(range(len(sizes))))) if hooked else list(range(len(sizes)))
     bucket: list[int] = []
     for i in order:
         if bucket and sum(sizes[j] for j in bucket) + sizes[i] > limit:
@@ -286,7 +305,13 @@ def _gradient_buckets(ctx: Context, over: int = 1) -> list[int]:
         index = {p.name: i for i, p in enumerate(ctx.params)}
         ready = [index[p.name] for p in ctx.ready_order]
         return reduction_buckets(
-            sizes, par.zero.stage, par.zero.bucket_elements, par.dp, slices=sliced(ctx), ready=ready
+            sizes,
+            par.zero.stage,
+            par.zero.bucket_elements,
+            par.dp,
+            slices=sliced(ctx),
+            ready=ready,
+            hooked=in_hooks(ctx),
         )
     limit = par.zero.bucket_elements
     out, current, sent = [], 0, 0

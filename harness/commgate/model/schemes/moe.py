@@ -182,7 +182,6 @@ class MoEDataParallel(DataParallel):
         return out
 
 
-
 def _zero_buckets(
     dense: tuple[ParamTensor, ...], mine: tuple[ParamTensor, ...], *, expert: bool, stage: int, limit: int, ctx: Context
 ) -> list[int]:
@@ -192,11 +191,11 @@ def _zero_buckets(
     interleaved). The bucket is reduced before a gradient would take it past ``reduce_bucket_size``, one
     all-reduce per group present in it, over that group's ranks; a gradient larger than the bucket size
     is reduced alone, in slices (``deepspeed_zero.oversized``)."""
-    from commgate.model.schemes.deepspeed_zero import oversized, sliced
+    from commgate.model.schemes.deepspeed_zero import in_hooks, oversized, sliced
 
     held = [p for p in ctx.params if p in dense or p in mine]  # this rank's parameters, registration order
     group = [p for p in held if p.expert == expert]
-    order = [p for p in held if not p.expert] + [p for p in held if p.expert] if stage == 1 else held[::-1]
+    order = held[::-1] if in_hooks(ctx) else [p for p in held if not p.expert] + [p for p in held if p.expert]
     d = len((ctx.layout.edp_groups() if expert else ctx.layout.dp_groups())[0])
     out: list[int] = []
     bucket: list[ParamTensor] = []
