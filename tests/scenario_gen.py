@@ -103,6 +103,8 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
             doc["gradient_clipping"] = 1.0
         if stage >= 1 and not rule.moe and not rule.pipeline and rng.random() < 0.3:
             doc["communication_data_type"] = rng.choice(["fp32", "bf16"])
+        if model.get("dtype") == "bf16" and stage >= 1 and rng.random() < 0.3:  # fp32 accumulation
+            doc["data_types"] = {"grad_accum_dtype": "fp32"}
     out: dict[str, Any] = {
         "schema_version": 1,
         "name": f"gen{index}-{scheme.replace('+', 'p')}",

@@ -63,6 +63,21 @@ def test_mapped_keys_set_the_scenario() -> None:
             r"MoE at ZeRO-1 without contiguous gradients .* is not modelled yet",
         ),
         (
+            "{scheme: moe, dp: 2, moe: {experts: 2}, zero: {stage: 0}}",
+            "{bf16: {enabled: true}, data_types: {grad_accum_dtype: fp32}}",
+            r"data_types.grad_accum_dtype: fp32: DeepSpeed accumulates bf16 gradients without ZeRO only in bf16",
+        ),
+        (
+            "{scheme: zero1, dp: 2}",
+            "{bf16: {enabled: true}, data_types: {grad_accum_dtype: double}}",
+            r"grad_accum_dtype: 'double': DeepSpeed's dtypes are bf16, bfloat16, float16",
+        ),
+        (
+            "{scheme: 3d, dp: 1, tp: 2, pp: 2}",
+            "{bf16: {enabled: true}}",
+            r"model.dtype: bf16: DeepSpeed's BF16_Optimizer fails with tensor parallelism on DTensor \(tp=2\)",
+        ),
+        (
             "{scheme: pp, pp: 2}",
             "{communication_data_type: fp16}",
             r"communication_data_type: 'fp16': a communication dtype is modelled for ZeRO-1/2/3 only",

@@ -96,10 +96,12 @@ def test_a_missing_file_is_a_one_line_error(tmp_path: Path) -> None:
 
 def test_what_the_model_does_not_cover_yet_is_a_one_line_error() -> None:
     head = "schema_version: 1\nname: x\nmodel: {preset: 19M-cpu, dtype: bf16}\n"
-    with pytest.raises(ScenarioError, match=r"\$\.model\.dtype: bf16: the communication of the pipeline engine"):
-        load_text(head + "parallelism: {scheme: pp, pp: 2}\n")
+    moe = "parallelism: {scheme: moe, dp: 2, moe: {experts: 2}, zero: {stage: 1}}\n"
+    fp32_acc = "deepspeed: {data_types: {grad_accum_dtype: fp32}}\n"
+    with pytest.raises(ScenarioError, match=r"grad_accum_dtype: fp32: MoE under DeepSpeed's BF16_Optimizer is not"):
+        load_text(head + moe + fp32_acc)
     # the baseline-only mode takes what the model cannot describe
-    (s,) = load_text(head + "parallelism: {scheme: pp, pp: 2}\nexpectations: {model: {check: false}}\n")
+    (s,) = load_text(head + moe + fp32_acc + "expectations: {model: {check: false}}\n")
     assert not s.expectations.model_check
     with pytest.raises(ScenarioError, match=r"zero\.bucket_elements: 2001: DeepSpeed's ZeRO-1/2 need an even bucket"):
         load_text(head + "parallelism: {scheme: zero1, dp: 2, zero: {bucket_elements: 2001}}\n")

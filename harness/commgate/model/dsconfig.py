@@ -188,6 +188,34 @@ def enabled(cfg: Mapping[str, Any], key: str) -> bool:
     return isinstance(section, Mapping) and section.get("enabled", False) is True
 
 
+DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
+"""``data_types.grad_accum_dtype``'s spellings (DeepSpeed's ``DtypeEnum``), as commgate's dtype names."""
+
+
+def grad_accum_dtype(cfg: Mapping[str, Any], dtype: str) -> str:
+    """The dtype DeepSpeed accumulates gradients in: ``data_types.grad_accum_dtype``, else the
+    parameters' (``engine.get_data_types``)."""
+    section = cfg.get("data_types")
+    value = section.get("grad_accum_dtype") if isinstance(section, Mapping) else None
+    return DTYPES.get(str(value), dtype) if value is not None else dtype
+
+
+def optimizer(cfg: Mapping[str, Any], dtype: str, stage: int, *, pipeline: bool) -> str | None:
+    """The optimizer wrapper DeepSpeed's engine puts around the client optimizer
+    (``engine._do_optimizer_sanity_check``): ``"BF16_Optimizer"`` for bf16 parameters with fp32
+    accumulation at ZeRO-1 and for bf16 without ZeRO in the pipeline engine, ``"ZeRO"`` at any other
+    stage >= 1, ``"FP16_Optimizer"`` for 16-bit parameters without ZeRO (bf16 too, outside the pipeline),
+    None for fp32 without ZeRO. Raises ValueError for a mix DeepSpeed refuses."""
+    acc = grad_accum_dtype(cfg, dtype)
+    if stage >= 1:
+        return "BF16_Optimizer" if (dtype, acc, stage) == ("bf16", "fp32", 1) else "ZeRO"
+    if acc != dtype:
+        raise ValueError(f"{acc}: DeepSpeed accumulates {dtype} gradients without ZeRO only in {dtype}")
+    if dtype == "fp32":
+        return None
+    return "BF16_Optimizer" if dtype == "bf16" and pipeline else "FP16_Optimizer"
+
+
 def given(value: Any) -> bool:
     """A value the config states (Hugging Face's ``"auto"`` leaves it to the trainer: here, the scenario)."""
     return bool(value != "auto")

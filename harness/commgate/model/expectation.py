@@ -18,6 +18,7 @@ from fractions import Fraction
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from commgate.model import dsconfig
 from commgate.model.collectives import OPS, Op, add_traffic
 from commgate.model.layout import Axis, Group, Layout
 from commgate.model.paper import eq1_param_count, llama_param_count
@@ -201,6 +202,15 @@ class Context:
             by_name = {p.name: p for p in self.params}
             return tuple(by_name[n] for n in describe(self.scenario).ready)
         return tuple(reversed(self.params))
+
+    @cached_property
+    def optimizer(self) -> str | None:
+        """The optimizer wrapper DeepSpeed's engine runs (``dsconfig.optimizer``): ``"ZeRO"``,
+        ``"BF16_Optimizer"``, ``"FP16_Optimizer"`` or None."""
+        s = self.scenario
+        return dsconfig.optimizer(
+            s.deepspeed_config, s.model.dtype, s.parallelism.zero.stage, pipeline=s.parallelism.pp > 1
+        )
 
     @cached_property
     def _stage_split(self) -> tuple[tuple[int, int], ...]:

@@ -326,6 +326,25 @@ def _gradient_buckets(ctx: Context, over: int = 1) -> list[int]:
     return out
 
 
+def _bf16_optimizer(ctx: Context, step: ExpectedCollective, *, pad: bool) -> list[ExpectedCollective]:
+    """ZeRO-1 with bf16 parameters and fp32 gradient accumulation (``data_types.grad_accum_dtype``) runs
+    DeepSpeed's ``BF16_Optimizer``: at the boundary the engine all-reduces its flat fp32 gradient buffer
+    (padded to a multiple of 2 x d) in one call, in the communication dtype (``buffered_allreduce_fallback``);
+    the norm needs no collective without model parallelism; the updated partitions are all-gathered in
+    bf16 (``all_gather_dp_groups``)."""
+    n = padded(ctx.param_count, 2 * ctx.scenario.parallelism.dp) if pad else ctx.param_count
+    return [
+        replace(step, elements=n, dtype=grad_dtype(ctx), source="BF16_Optimizer gradient all-reduce (flat buffer)"),
+        replace(
+            step,
+            op=Op.ALL_GATHER,
+            elements=n,
+            phase=Phase.OPTIMIZER,
+            source="BF16_Optimizer all-gather of the updated partitions",
+        ),
+    ]
+
+
 @dataclass(frozen=True, slots=True)
 class DeepSpeedZero12(DataParallel):
     def collectives(self, ctx: Context, *, pad: bool = True, init: bool = True) -> list[ExpectedCollective]:
@@ -334,6 +353,8 @@ class DeepSpeedZero12(DataParallel):
         base = _init_row(ctx, Op.ALL_REDUCE)
         rows = _init_broadcasts(ctx, base, 1) if init else []
         step = replace(base, once=False, phase=Phase.BACKWARD, paper_term="Eq. 2")
+        if ctx.optimizer == "BF16_Optimizer":
+            return rows + _bf16_optimizer(ctx, step, pad=pad)
         per_step = ctx.scenario.parallelism.micro_batches if zs >= 2 else 1  # ZeRO-1: at the boundary only
         for i, b in enumerate(buckets := _gradient_buckets(ctx)):
             rows.append(

@@ -129,7 +129,17 @@ class MoEDataParallel(DataParallel):
             source=f"{engine} gradient-norm all-reduce",
         )
         norms = [norm]
-        if zs:
+        if ctx.optimizer == "FP16_Optimizer":  # 16-bit without ZeRO: only its overflow flag, over the experts
+            norms = [
+                replace(
+                    norm,
+                    axis="ep",
+                    groups=ctx.layout.ep_groups(),
+                    dtype="uint8",
+                    source="FP16_Optimizer gradient overflow check over expert parallel (uint8)",
+                )
+            ]
+        elif zs:
             norm = replace(norm, dtype="fp32")  # ZeRO computes the norm in fp32 whatever the parameters' dtype
             norms = [
                 norm,

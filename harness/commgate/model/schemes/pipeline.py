@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from commgate.model.collectives import Op
+from commgate.model.dsconfig import grad_accum_dtype
 from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
 from commgate.model.paper import eq4_pipeline
 from commgate.model.schemes._common import init_broadcast, micro_batches, padded
@@ -55,7 +56,7 @@ class PipelineParallel:
                         base,
                         op=op,
                         groups=pairs,
-                        dtype=m.dtype,
+                        dtype="fp32",  # the engine's loss tensor, fp32 whatever the parameters' dtype
                         elements=1,
                         source=f"PP point-to-point warm-up {op} (stage {k} -> {k + 1})",
                     )
@@ -90,24 +91,35 @@ class PipelineParallel:
         last_first = tuple((g[-1], *g[:-1]) for g in pipes)  # a rooted op lists its root first
         rows.append(
             replace(
-                step, op=Op.BROADCAST, groups=last_first, elements=2, source="PP loss broadcast from the last stage"
-            )
-        )
-        rows.append(
-            replace(
                 step,
-                axis="mp",
-                groups=lay.mp_groups(),
-                elements=1,
-                source="PP gradient-norm all-reduce over the model-parallel group (stages x tp)",
+                op=Op.BROADCAST,
+                groups=last_first,
+                dtype="fp32",  # the engine stacks the losses as fp32
+                elements=2,
+                source="PP loss broadcast from the last stage",
             )
         )
+        norm = replace(
+            step,
+            axis="mp",
+            groups=lay.mp_groups(),
+            dtype="fp32",  # every optimizer computes the norm in fp32
+            elements=1,
+            source="PP gradient-norm all-reduce over the model-parallel group (stages x tp)",
+        )
+        rows.append(norm)
+        if ctx.optimizer in ("ZeRO", "FP16_Optimizer") and m.dtype != "fp32":
+            rows.append(replace(norm, dtype="uint8", source="PP gradient overflow check over the model-parallel group"))
         if m.tied_embeddings:
             ends = tuple((g[0], g[-1]) for g in pipes)
             rows.append(
                 replace(
                     step,
                     groups=ends,
+                    # BF16_Optimizer reduces the weight's gradient in its accumulation buffer
+                    dtype=grad_accum_dtype(ctx.scenario.deepspeed_config, m.dtype)
+                    if ctx.optimizer == "BF16_Optimizer"
+                    else m.dtype,
                     elements=m.V * m.h // par.tp,
                     source="PP tied-embedding gradient all-reduce (first <-> last stage)",
                 )
@@ -146,11 +158,12 @@ class PipelineDataParallel(DataParallel):
     each stage's updated partitions are all-gathered after the step (not in a group of one rank)."""
 
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
-        from commgate.model.schemes.deepspeed_zero import _init_broadcasts, reduction_buckets, sliced
+        from commgate.model.schemes.deepspeed_zero import _init_broadcasts, grad_dtype, reduction_buckets, sliced
 
-        par = ctx.scenario.parallelism
+        par, m = ctx.scenario.parallelism, ctx.scenario.model
         rows: list[ExpectedCollective] = []
         term = "Eq. 2" if par.dp > 1 else None
+        bf16, wire = ctx.optimizer == "BF16_Optimizer", grad_dtype(ctx)
         for stage in range(par.pp):
             groups = ctx.layout.dp_groups(stage)
             base = init_broadcast(ctx, elements=0, groups=groups, axis="dp", what="")
@@ -161,7 +174,13 @@ class PipelineDataParallel(DataParallel):
             ]
             step = replace(base, op=Op.ALL_REDUCE, once=False, phase=Phase.PIPELINE, paper_term=term)
             shards = [p.numel_per_tp_rank(par.tp) for p in stage_params]
-            buckets = reduction_buckets(shards, par.zero.stage, par.zero.bucket_elements, par.dp, slices=sliced(ctx))
+            if bf16:  # the engine all-reduces the optimizer's flat gradient buffer, padded, in one call
+                buckets = [padded(sum(shards), 2 * par.dp)]
+                step = replace(step, dtype=wire)
+            else:
+                buckets = reduction_buckets(
+                    shards, par.zero.stage, par.zero.bucket_elements, par.dp, slices=sliced(ctx)
+                )
             for i, b in enumerate(buckets):
                 rows.append(
                     replace(
@@ -170,21 +189,42 @@ class PipelineDataParallel(DataParallel):
                         source=f"PP data-parallel gradient all-reduce (stage {stage}, bucket {i} of {len(buckets)})",
                     )
                 )
-            rows.append(
-                replace(
+            step = replace(step, dtype=m.dtype)
+            if not bf16:  # BF16_Optimizer's norm goes over the model-parallel group only
+                norm = replace(
                     step,
                     elements=1,
                     paper_term=None,
+                    dtype="fp32" if ctx.optimizer == "ZeRO" else m.dtype,
                     source=f"PP gradient-norm all-reduce over data parallel (stage {stage})",
                 )
-            )
+                rows.append(norm)
+                if ctx.optimizer == "ZeRO" and m.dtype != "fp32":
+                    rows.append(
+                        replace(
+                            norm, dtype="uint8", source=f"PP gradient overflow check over data parallel (stage {stage})"
+                        )
+                    )
             if stage == par.pp - 1 and par.dp > 1:
                 rows.append(
                     replace(
-                        step, elements=1, paper_term=None, source="PP loss all-reduce over data parallel (last stage)"
+                        step,
+                        elements=1,
+                        dtype="fp32",  # the workload's loss (cross-entropy in fp32)
+                        paper_term=None,
+                        source="PP loss all-reduce over data parallel (last stage)",
                     )
                 )
-            if par.zero.stage == 1 and par.dp > 1:  # ZeRO-1's optimizer gathers the updated partitions back
+            if bf16 and par.dp > 1:  # BF16_Optimizer gathers the updated flat parameters (not in a group of one)
+                rows.append(
+                    replace(
+                        step,
+                        op=Op.ALL_GATHER,
+                        elements=padded(sum(shards), 2 * par.dp),
+                        source=f"PP BF16_Optimizer all-gather of the updated partitions (stage {stage})",
+                    )
+                )
+            elif par.zero.stage == 1 and par.dp > 1:  # ZeRO-1's optimizer gathers the updated partitions back
                 # (DeepSpeed skips the all-gather in a data-parallel group of one rank)
                 rows.append(
                     replace(
@@ -199,15 +239,17 @@ class PipelineDataParallel(DataParallel):
     def residuals(self, ctx: Context) -> list[Residual]:
         par, isz = ctx.scenario.parallelism, ctx.scenario.model.itemsize
         out = DataParallel.residuals(self, ctx)
-        if par.zero.stage == 1 and par.dp > 1:
+        bf16 = ctx.optimizer == "BF16_Optimizer"
+        if (par.zero.stage == 1 or bf16) and par.dp > 1:
             d, n = par.dp, ctx.rank_params(0)
             share = Fraction(d - 1, d)
+            who = "BF16_Optimizer" if bf16 else "ZeRO-1"
             out.append(
                 Residual(
                     term="Eq. 2",
                     name="gradients all-reduced, not reduce-scattered",
                     bytes=share * n * isz,
-                    detail="DeepSpeed's pipeline engine with ZeRO-1 all-reduces gradients (2N(d-1)/d) and "
+                    detail=f"DeepSpeed's pipeline engine with {who} all-reduces gradients (2N(d-1)/d) and "
                     "all-gathers the updated partitions; Eq. 2 assumes reduce_scatter + all_gather",
                 )
             )
@@ -216,7 +258,8 @@ class PipelineDataParallel(DataParallel):
                     Residual(
                         term="Eq. 2",
                         name="partition padding",
-                        bytes=share * pad * isz,
+                        # BF16_Optimizer all-reduces the padded gradient buffer too
+                        bytes=(3 if bf16 else 1) * share * pad * isz,
                         detail=f"the stage's flat buffer is padded to a multiple of 2 x d = {2 * d} elements",
                     )
                 )
