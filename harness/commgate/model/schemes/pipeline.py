@@ -215,23 +215,16 @@ class PipelineDataParallel(DataParallel):
                         source="PP loss all-reduce over data parallel (last stage)",
                     )
                 )
-            if bf16 and par.dp > 1:  # BF16_Optimizer gathers the updated flat parameters (not in a group of one)
+            if (bf16 or par.zero.stage == 1) and par.dp > 1:
+                # the optimizer (BF16_Optimizer or ZeRO-1) gathers the updated partitions back, in the
+                # parameters' dtype (DeepSpeed skips the all-gather in a data-parallel group of one rank)
+                who = "BF16_Optimizer" if bf16 else "ZeRO-1"
                 rows.append(
                     replace(
                         step,
                         op=Op.ALL_GATHER,
                         elements=padded(sum(shards), 2 * par.dp),
-                        source=f"PP BF16_Optimizer all-gather of the updated partitions (stage {stage})",
-                    )
-                )
-            elif par.zero.stage == 1 and par.dp > 1:  # ZeRO-1's optimizer gathers the updated partitions back
-                # (DeepSpeed skips the all-gather in a data-parallel group of one rank)
-                rows.append(
-                    replace(
-                        step,
-                        op=Op.ALL_GATHER,
-                        elements=padded(sum(shards), 2 * par.dp),
-                        source=f"PP ZeRO-1 all-gather of the updated fp32 partitions (stage {stage})",
+                        source=f"PP {who} all-gather of the updated partitions (stage {stage})",
                     )
                 )
         return rows
