@@ -137,15 +137,29 @@ def test_the_named_term_carries_the_difference_to_eq3() -> None:
             "{stage3_param_persistence_threshold: 500, stage3_prefetch_bucket_size: 2000, "
             "stage3_max_reuse_distance: 3000}",
         ),
+        (  # persistent biases kept across passes: reset_step's zeroed live count lets the prefetch take more
+            "{L: 3, h: 16, a: 2, V: 256, s: 64, x: 4, position: rotary}",
+            ", dp: 3, micro_batch: 2, micro_batches: 2, activation_checkpointing: true",
+            "{stage3_param_persistence_threshold: 100, stage3_prefetch_bucket_size: 3000, "
+            "stage3_max_live_parameters: 2000, stage3_max_reuse_distance: 1000}",
+        ),
     ],
-    ids=["defaults", "reuse-checkpointing-m2", "prefetch-no-reuse", "tied-live-limit", "llama-mixed", "zeropp-mixed"],
+    ids=[
+        "defaults",
+        "reuse-checkpointing-m2",
+        "prefetch-no-reuse",
+        "tied-live-limit",
+        "llama-mixed",
+        "zeropp-mixed",
+        "live-count-reset",
+    ],
 )
 def test_real_runs_reconcile_under_the_coordinators_knobs(model: str, par: str, ds: str, tmp_path: Path) -> None:
     from commgate.run.launcher import launch_local
 
-    text = scenario(model, par, ds)
+    text = scenario(model, par, ds).replace("dp: 2, dp: ", "dp: ")
     if "hpz" in par:
-        text = text.replace("scheme: zero3, dp: 2, dp: 4", "scheme: zero++, dp: 4")
+        text = text.replace("scheme: zero3, dp: 4", "scheme: zero++, dp: 4")
     (s,) = load_text(text)
     rec = reconcile(predict(s), launch_local(s, workdir=tmp_path))
     assert not rec.mismatches, rec.mismatches

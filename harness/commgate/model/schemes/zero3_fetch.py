@@ -11,7 +11,8 @@ it gathers, and all four are on by default:
   without parameters) then gathers, in one more call, the parameters the trace uses next, up to this many
   elements.
 * ``stage3_max_live_parameters`` (1e9): that prefetch takes at most this many elements less those
-  already gathered.
+  gathered in this pass and not released yet (``reset_step`` zeroes the count after every pass, so the
+  persistent parameters and those kept across passes do not count; a release of one of those lowers it).
 * ``stage3_max_reuse_distance`` (1e9): with a complete trace, a module's release keeps the parameters
   that the trace uses again within this many elements (a small model's forward parameters stay gathered
   for its backward).
@@ -284,7 +285,6 @@ def _passes(scenario: Scenario, steps: int) -> list[list[Gather]]:
                 continue
             if micro == 0:  # the optimizer step partitioned everything, then gathered the persistent ones
                 state.available = set(state.persistent)
-                state.n_available = sum(p.numel for p in ctx.params if p.name in state.persistent)
                 state.secondary.clear()
             # a pass is a function of the state it starts from (and of the release cache, filled by the
             # first complete pass): a pass starting where an earlier one did repeats it, and ends as it did
@@ -292,11 +292,7 @@ def _passes(scenario: Scenario, steps: int) -> list[list[Gather]]:
             if key in seen:
                 gathers, end = seen[key]
                 out.append(gathers)
-                state.available, state.secondary, state.n_available = (
-                    set(end.available),
-                    set(end.secondary),
-                    end.n_available,
-                )
+                state.available, state.secondary = set(end.available), set(end.secondary)
                 state.active = collections.defaultdict(set, {n: set(a) for n, a in end.active.items()})
                 continue
             out.append(_one_pass(state, later))
@@ -324,6 +320,9 @@ def _key(state: _State) -> tuple[object, ...]:
 
 
 def _one_pass(state: _State, hooks: list[Hook]) -> list[Gather]:
+    # reset_step zeroes the count of gathered elements after every pass, whatever stays gathered (the
+    # persistent parameters, what a release kept): the prefetch's live budget counts this pass's only
+    state.n_available = 0
     k, order = state.knobs, state.order
     available, active, secondary = state.available, state.active, state.secondary
     gathers: list[Gather] = []
