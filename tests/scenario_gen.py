@@ -95,13 +95,15 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
             ):
                 if rng.random() < 0.6:
                     zo[key] = rng.choice(values)
+            if rng.random() < 0.3:  # optimizer sub-groups: one norm all-reduce each
+                zo["sub_group_size"] = rng.choice([300, 3_000, 1_000_000_000])
         if "bucket_elements" in zero and rng.random() < 0.5:
             zo["reduce_bucket_size"] = zo["allgather_bucket_size"] = zero.pop("bucket_elements")
         if zo:
             doc["zero_optimization"] = zo
         if rng.random() < 0.4:
             doc["gradient_clipping"] = 1.0
-        if stage >= 1 and not rule.moe and not rule.pipeline and rng.random() < 0.3:
+        if rng.random() < 0.3:
             doc["communication_data_type"] = rng.choice(["fp32", "bf16"])
         if model.get("dtype") == "bf16" and stage >= 1 and rng.random() < 0.3:  # fp32 accumulation
             doc["data_types"] = {"grad_accum_dtype": "fp32"}

@@ -90,10 +90,10 @@ MODELLED: dict[tuple[str, ...], tuple[Callable[[Any, int], bool], str, str]] = {
     ("zero_optimization", "stage3_max_live_parameters"): (_count, "a count", "ZeRO-3 live-parameter limits"),
     ("zero_optimization", "stage3_max_reuse_distance"): (_count, "a count", "ZeRO-3 parameter reuse"),
     ("zero_optimization", "stage3_use_all_reduce_for_fetch_params"): (_is(False), "false", "all-reduce fetches"),
-    # measured: a sub-group smaller than the model all-reduces one norm per sub-group
+    # ZeRO-3 all-reduces the norm once per optimizer sub-group (deepspeed_zero.sub_groups); stages 1-2 ignore it
     ("zero_optimization", "sub_group_size"): (
-        lambda v, stage: isinstance(v, (int, float)) and v >= 1e9,
-        ">= 1e9 (DeepSpeed's default)",
+        lambda v, stage: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 1,
+        "a count >= 1",
         "optimizer sub-groups",
     ),
     ("zero_optimization", "zero_quantized_weights"): (_absent, "left out", "qwZ (set parallelism.zero.qwz)"),

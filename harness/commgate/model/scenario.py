@@ -473,12 +473,6 @@ def _build(doc: dict[str, Any], *, file: str, where: _Located, label: str) -> tu
         dsconfig.unmodelled(ds, par.zero.stage, bad)
     if SCHEMES[par.scheme].deepspeed:
         _check_optimizer(ds, model.dtype, par, checked, bad)
-    if checked and "communication_data_type" in ds and (par.moe is not None or par.pp > 1 or par.zero.stage == 0):
-        bad(
-            ["deepspeed", "communication_data_type"],
-            f"{ds['communication_data_type']!r}: a communication dtype is modelled for ZeRO-1/2/3 only, not for "
-            f"scheme {par.scheme!r} yet; expectations: {{model: {{check: false}}}} runs it as a baseline-only gate",
-        )
     zo = ds.get("zero_optimization", {})
     if par.moe is not None and isinstance(zo, Mapping) and zo.get("reduce_scatter", True) is False:
         bad(

@@ -20,7 +20,8 @@ ZeRO-3 (``stage3.py``, ``partitioned_param_coordinator.py``)
   one call per module, and with activation checkpointing once more in each layer's recompute, all but
   the last module's; with DeepSpeed's defaults prefetched in larger calls, kept for their reuse, and the
   persistent ones kept gathered and re-gathered after each optimizer step); the gradients are
-  reduce-scattered in buckets as above; the gradient norm is all-reduced (one float64).
+  reduce-scattered in buckets as above; the gradient norm is all-reduced (one float64), once per
+  optimizer sub-group (``sub_groups``: ``sub_group_size``).
 * Steps 0 and 1 also carry the coordinator's trace broadcasts (int64, ``assert_ints_same_as_other_ranks``
   in ``partitioned_param_coordinator.reset_step``): step 0 one of 1 element and one empty; step 1 three of
   1 element, one of the recorded module order (every module that runs, once in the forward and once in
@@ -52,6 +53,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
@@ -78,6 +80,29 @@ def _padding(
     return [Residual(term=term, name="partition padding", bytes=extra, detail=detail)]
 
 
+def without_comm_dtype(ctx: Context) -> Context:
+    """The scenario with its DeepSpeed block's ``communication_data_type`` left out (``ctx`` itself if it
+    has none)."""
+    cfg = ctx.scenario.deepspeed_config
+    if "communication_data_type" not in cfg:
+        return ctx
+    plain = {k: v for k, v in cfg.items() if k != "communication_data_type"}
+    return Context(scenario=replace(ctx.scenario, deepspeed=json.dumps(plain)))
+
+
+def comm_dtype_residual(ctx: Context, term: str, volume: Callable[[Context], Fraction]) -> list[Residual]:
+    """The named term "communication dtype": ``volume`` (rank 0's bytes towards ``term``) of the scenario
+    minus that of the scenario without ``communication_data_type``."""
+    extra = volume(ctx) - volume(without_comm_dtype(ctx))
+    if not extra:
+        return []
+    detail = (
+        f"gradients are reduced in {ctx.scenario.deepspeed_config.get('communication_data_type')} "
+        f"(communication_data_type), the parameters are {ctx.scenario.model.dtype}"
+    )
+    return [Residual(term=term, name="communication dtype", bytes=extra, detail=detail)]
+
+
 def _accumulation(ctx: Context, term: str, component: DeepSpeedZero12 | DeepSpeedZero3) -> list[Residual]:
     """The named terms for what the paper's one pass per step in the parameters' dtype leaves out, each
     the model's own unpadded rows differenced: the gradients' communication dtype, then the recompute's
@@ -96,16 +121,8 @@ def _accumulation(ctx: Context, term: str, component: DeepSpeedZero12 | DeepSpee
         return _volume(component.collectives(c, pad=False, init=False), term)
 
     what = "reduces gradients" if par.zero.stage < 3 else "gathers parameters and reduce-scatters gradients"
-    dtype = cfg.get("communication_data_type")
-    steps = [
-        (
-            ctx,
-            at(plain),
-            "communication dtype",
-            f"gradients are reduced in {dtype} (communication_data_type), the parameters are "
-            f"{ctx.scenario.model.dtype}",
-        )
-    ]
+    out = comm_dtype_residual(ctx, term, volume)
+    steps = []
     if par.zero.stage == 3 and not zero3_fetch.knobs(ctx).inert:
         # the coordinator's knobs, then the rest with parameters released after use and nothing prefetched
         zo = plain.get("zero_optimization", {})
@@ -139,7 +156,6 @@ def _accumulation(ctx: Context, term: str, component: DeepSpeedZero12 | DeepSpee
             "pass a step",
         ),
     ]
-    out = []
     for now, before, name, detail in steps:
         extra = volume(now) - volume(before)
         if extra:
@@ -453,6 +469,29 @@ def _coordinator_gathers(ctx: Context, step: ExpectedCollective, over: int) -> l
     return out
 
 
+SUB_GROUP_SIZE = 1_000_000_000
+"""``zero_optimization.sub_group_size``'s default (``DeepSpeedZeroConfig``)."""
+
+
+def sub_groups(ctx: Context) -> int:
+    """How many optimizer sub-groups ZeRO-3 cuts its parameters into (``stage3._create_fp16_sub_groups``):
+    in registration order, a sub-group closed once its parameters' partitions (each parameter's
+    ceil(numel / d) elements) reach ``sub_group_size``; one sub-group when the whole partition is no
+    larger. ZeRO-3 all-reduces the gradient norm once per sub-group."""
+    zo = ctx.scenario.deepspeed_config.get("zero_optimization", {})
+    size = zo.get("sub_group_size", SUB_GROUP_SIZE) if isinstance(zo, dict) else SUB_GROUP_SIZE
+    d = ctx.scenario.parallelism.dp
+    parts = [padded(p.numel, d) // d for p in ctx.params]
+    if size >= sum(parts):
+        return 1
+    count = current = 0
+    for i, n in enumerate(parts):
+        current += n
+        if current >= size or i == len(parts) - 1:
+            count, current = count + 1, 0
+    return count
+
+
 @dataclass(frozen=True, slots=True)
 class DeepSpeedZero3(Zero3):
     def collectives(self, ctx: Context, *, pad: bool = True, init: bool = True) -> list[ExpectedCollective]:
@@ -494,16 +533,18 @@ class DeepSpeedZero3(Zero3):
                     dtype=grad_dtype(ctx),
                 )
             )
+        groups = sub_groups(ctx)
         rows.append(
             replace(
                 step,
                 op=Op.ALL_REDUCE,
                 dtype="float64",
                 elements=1,
-                calls=1,
+                calls=groups,
                 phase=Phase.OPTIMIZER,
                 paper_term=None,
-                source="ZeRO-3 gradient-norm all-reduce (float64)",
+                source="ZeRO-3 gradient-norm all-reduce (float64)"
+                + (f", one per optimizer sub-group ({groups})" if groups > 1 else ""),
             )
         )
         return rows

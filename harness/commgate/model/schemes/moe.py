@@ -74,7 +74,7 @@ class MoEDataParallel(DataParallel):
 
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         from commgate.model.schemes._common import init_broadcast, padded
-        from commgate.model.schemes.deepspeed_zero import _init_broadcasts, reduction_buckets
+        from commgate.model.schemes.deepspeed_zero import _init_broadcasts, grad_dtype, reduction_buckets
 
         par = ctx.scenario.parallelism
         assert par.moe is not None
@@ -103,6 +103,7 @@ class MoEDataParallel(DataParallel):
                     step,
                     elements=b,
                     calls=par.micro_batches if zs >= 2 else 1,
+                    dtype=grad_dtype(ctx),
                     source=f"{engine} {what}gradient all-reduce, bucket {i} of {len(buckets)}",
                 )
                 for i, b in enumerate(buckets)
@@ -122,6 +123,7 @@ class MoEDataParallel(DataParallel):
             rows[-1],
             axis="dp",
             groups=ctx.layout.dp_groups(),
+            dtype=ctx.scenario.model.dtype,
             elements=1,
             calls=2 if zs else 1,
             phase=Phase.OPTIMIZER,
@@ -167,8 +169,11 @@ class MoEDataParallel(DataParallel):
                 )
             )
 
+        from commgate.model.schemes.deepspeed_zero import _volume, comm_dtype_residual
+
         plain = at(0, 1)
         out = DataParallel.residuals(self, plain)
+        out += comm_dtype_residual(plain, "Eq. 2", lambda c: _volume(self.collectives(c), "Eq. 2"))
         steps = [
             (
                 at(par.zero.stage, 1),
@@ -183,8 +188,6 @@ class MoEDataParallel(DataParallel):
                 f"stage {par.zero.stage} reduces the gradients of each of the m={par.micro_batches} micro-batches",
             ),
         ]
-        from commgate.model.schemes.deepspeed_zero import _volume
-
         for now, before, name, detail in steps:
             extra = _volume(self.collectives(now), "Eq. 2") - _volume(self.collectives(before), "Eq. 2")
             if extra:

@@ -163,7 +163,7 @@ class PipelineDataParallel(DataParallel):
         par, m = ctx.scenario.parallelism, ctx.scenario.model
         rows: list[ExpectedCollective] = []
         term = "Eq. 2" if par.dp > 1 else None
-        bf16, wire = ctx.optimizer == "BF16_Optimizer", grad_dtype(ctx)
+        bf16 = ctx.optimizer == "BF16_Optimizer"
         for stage in range(par.pp):
             groups = ctx.layout.dp_groups(stage)
             base = init_broadcast(ctx, elements=0, groups=groups, axis="dp", what="")
@@ -174,9 +174,9 @@ class PipelineDataParallel(DataParallel):
             ]
             step = replace(base, op=Op.ALL_REDUCE, once=False, phase=Phase.PIPELINE, paper_term=term)
             shards = [p.numel_per_tp_rank(par.tp) for p in stage_params]
+            step = replace(step, dtype=grad_dtype(ctx))  # the engine's (or ZeRO-1's) communication dtype
             if bf16:  # the engine all-reduces the optimizer's flat gradient buffer, padded, in one call
                 buckets = [padded(sum(shards), 2 * par.dp)]
-                step = replace(step, dtype=wire)
             else:
                 buckets = reduction_buckets(
                     shards, par.zero.stage, par.zero.bucket_elements, par.dp, slices=sliced(ctx)
@@ -230,8 +230,11 @@ class PipelineDataParallel(DataParallel):
         return rows
 
     def residuals(self, ctx: Context) -> list[Residual]:
+        from commgate.model.schemes.deepspeed_zero import _volume, comm_dtype_residual
+
         par, isz = ctx.scenario.parallelism, ctx.scenario.model.itemsize
         out = DataParallel.residuals(self, ctx)
+        out += comm_dtype_residual(ctx, "Eq. 2", lambda c: _volume(self.collectives(c), "Eq. 2"))
         bf16 = ctx.optimizer == "BF16_Optimizer"
         if (par.zero.stage == 1 or bf16) and par.dp > 1:
             d, n = par.dp, ctx.rank_params(0)
