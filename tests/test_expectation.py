@@ -47,8 +47,30 @@ def test_ddp_bucket_and_broadcast_chunking() -> None:
 
     assert buckets_by_size([3, 3, 3, 3, 3], [4, 7]) == [6, 9]  # a bucket closes once it reaches its cap
     assert buckets_by_size([10, 1], [4]) == [10, 1]
-    assert coalesced_chunks([3, 3, 3], 7) == [6, 3]  # a chunk never passes its limit unless one tensor does
-    assert coalesced_chunks([9, 1], 7) == [9, 1]
+    assert coalesced_chunks([("fp32", 3)] * 3, 5) == [("fp32", 6), ("fp32", 3)]  # closed once it reaches it
+    assert coalesced_chunks([("fp32", 4), ("int64", 8), ("fp32", 4)], 100) == [("fp32", 8), ("int64", 8)]
+
+
+def test_the_bucket_assignment_is_torchs() -> None:
+    """``ddp.bucket_assignment`` against torch's own ``_compute_bucket_assignment_by_size`` on random
+    tensors of mixed dtypes, sizes and limits."""
+    import random
+
+    import torch
+    import torch.distributed as dist
+    from commgate.model.schemes.ddp import bucket_assignment
+
+    rng = random.Random(7)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "int64": torch.int64, "bool": torch.bool}
+    for _ in range(200):
+        drawn = [(rng.choice(list(dtypes)), rng.randint(1, 40)) for _ in range(rng.randint(1, 12))]
+        tensors = [torch.empty(n, dtype=dtypes[d]) for d, n in drawn]
+        limits = [rng.randint(1, 200) for _ in range(rng.randint(1, 3))]
+        expected, _ = dist._compute_bucket_assignment_by_size(tensors, limits)
+        ours = bucket_assignment(
+            [(d, t.numel() * t.element_size()) for (d, _), t in zip(drawn, tensors, strict=True)], limits
+        )
+        assert [idx for _, idx in ours] == expected, (drawn, limits)
 
 
 def test_13b_zero3_reproduces_eq_3() -> None:

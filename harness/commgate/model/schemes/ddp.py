@@ -17,6 +17,7 @@ and measured): Eq. 2 with DDP's buckets, its construction-time checks, and its b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from commgate.model.collectives import Op
@@ -30,30 +31,37 @@ DEFAULT_BUCKET_MB = 25
 BROADCAST_BUCKET_BYTES = 250 * MIB  # DistributedDataParallel.broadcast_bucket_size
 
 
+def bucket_assignment(
+    tensors: Sequence[tuple[str, int]], limits: Sequence[int], *, ordered: bool = False
+) -> list[tuple[str, list[int]]]:
+    """torch's ``compute_bucket_assignment_by_size`` (``torch.distributed._compute_bucket_assignment_by_size``)
+    for tensors given as (dtype, bytes): one open bucket per dtype, closed once it reaches its limit
+    (``limits`` in turn, per dtype, the last repeated), the open ones closed at the end; then sorted by
+    the smallest tensor index each holds, unless the tensors are ``ordered`` (the reducer's gradient-ready
+    order). Returns each bucket's dtype and tensor indices."""
+    open_: dict[str, list[int]] = {}
+    filled: dict[str, int] = {}
+    closed: dict[str, int] = {}
+    out: list[tuple[str, list[int]]] = []
+    for i, (dtype, nbytes) in enumerate(tensors):
+        open_.setdefault(dtype, []).append(i)
+        filled[dtype] = filled.get(dtype, 0) + nbytes
+        if filled[dtype] >= limits[min(closed.get(dtype, 0), len(limits) - 1)]:
+            out.append((dtype, open_.pop(dtype)))
+            filled[dtype], closed[dtype] = 0, closed.get(dtype, 0) + 1
+    out += list(open_.items())
+    return out if ordered else sorted(out, key=lambda bucket: min(bucket[1]))
+
+
 def buckets_by_size(sizes: list[int], limits: list[int]) -> list[int]:
-    """Bucket sizes (bytes) as the reducer assigns them: a bucket closes once it reaches its limit."""
-    out, current, i = [], 0, 0
-    for n in sizes:
-        current += n
-        if current >= limits[min(i, len(limits) - 1)]:
-            out.append(current)
-            current, i = 0, i + 1
-    if current:
-        out.append(current)
-    return out
+    """Bucket sizes (bytes) as the reducer assigns them to gradients of one dtype in ready order."""
+    return [sum(sizes[i] for i in idx) for _, idx in bucket_assignment([("", n) for n in sizes], limits, ordered=True)]
 
 
-def coalesced_chunks(sizes: list[int], limit: int) -> list[int]:
-    """Chunks of ``_broadcast_coalesced``: tensors are added until the next would pass ``limit``."""
-    out, current = [], 0
-    for n in sizes:
-        if current and current + n > limit:
-            out.append(current)
-            current = 0
-        current += n
-    if current:
-        out.append(current)
-    return out
+def coalesced_chunks(tensors: Sequence[tuple[str, int]], limit: int) -> list[tuple[str, int]]:
+    """(dtype, bytes) of each broadcast ``_broadcast_coalesced`` issues for tensors given as (dtype,
+    bytes): one flat tensor per bucket of ``bucket_assignment``."""
+    return [(dtype, sum(tensors[i][1] for i in idx)) for dtype, idx in bucket_assignment(tensors, [limit])]
 
 
 def rebuilt_buckets(ready: tuple[ParamTensor, ...], itemsize: int, bucket_mb: float | None, tp: int = 1) -> list[int]:
@@ -93,10 +101,10 @@ class DistributedDataParallel(DataParallel):
                 source="DDP parameter check: sizes and strides (broadcast, int64)",
             ),
         ]
-        for chunk in coalesced_chunks([p.numel_per_tp_rank(par.tp) * isz for p in params], BROADCAST_BUCKET_BYTES):
-            rows.append(
-                replace(init, dtype=m.dtype, elements=chunk // isz, source="DDP initial module-state broadcast")
-            )
+        for dtype, chunk in coalesced_chunks(
+            [(m.dtype, p.numel_per_tp_rank(par.tp) * isz) for p in params], BROADCAST_BUCKET_BYTES
+        ):
+            rows.append(replace(init, dtype=dtype, elements=chunk // isz, source="DDP initial module-state broadcast"))
         grad = ExpectedCollective(
             op=Op.ALL_REDUCE,
             axis="dp",

@@ -9,6 +9,7 @@ The paper has no MoE equation: this traffic is reported as not in the paper.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
 
@@ -163,11 +164,13 @@ class MoEDataParallel(DataParallel):
         par = ctx.scenario.parallelism
 
         def at(stage: int, m: int) -> Context:
-            return Context(
-                scenario=replace(
-                    ctx.scenario, parallelism=replace(par, zero=replace(par.zero, stage=stage), micro_batches=m)
-                )
+            scenario = replace(
+                ctx.scenario, parallelism=replace(par, zero=replace(par.zero, stage=stage), micro_batches=m)
             )
+            if stage == 0 and "data_types" in scenario.deepspeed_config:  # fp32 accumulation needs ZeRO
+                kept = {k: v for k, v in scenario.deepspeed_config.items() if k != "data_types"}
+                scenario = replace(scenario, deepspeed=json.dumps(kept))
+            return Context(scenario=scenario)
 
         from commgate.model.schemes.deepspeed_zero import _volume, comm_dtype_residual
 
