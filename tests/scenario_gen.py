@@ -44,7 +44,8 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
         model["kv_heads"] = rng.choice([k for k in (1, 2, 4) if a % k == 0])
         model["ffn_hidden"] = rng.choice([2, 3, 5]) * model["h"] // 2 + rng.choice([0, 2, 6])
     if scheme in USER_MODULE_SCHEMES and rng.random() < 0.15:  # a user's own module instead of the decoder
-        model = {"module": "commgate.examples.mixer:build", "dtype": model["dtype"]}
+        # the example, or a LoRA-style one with frozen parameters and buffers (tests/user_lora.py)
+        model = {"module": rng.choice(["commgate.examples.mixer:build", "user_lora:build"]), "dtype": model["dtype"]}
     par: dict[str, Any] = {
         "scheme": scheme,
         "dp": rng.choice([1, 2, 3, 4]) if rule.min_dp == 1 else rng.choice([2, 3, 4]),

@@ -1,6 +1,6 @@
 """Your own model (``model: {module: ...}``): the DDP and ZeRO models built from the module itself, on the
 meta device, predict what the built-in model predicts for the built-in decoder, reconcile on real runs for
-a model unlike it, and bad hooks are one-line errors."""
+a model unlike it and for one with frozen parameters and buffers, and bad hooks are one-line errors."""
 
 from __future__ import annotations
 
@@ -101,7 +101,32 @@ def test_bad_module_hooks_are_one_line_errors(model: str, par: str, message: str
     assert len(info.value.problems) == 1
 
 
-def test_what_the_meta_run_cannot_describe_is_named() -> None:
+def test_a_module_with_nothing_to_train_is_named() -> None:
     (s,) = load_text(text("user_gpt:frozen", "scheme: ddp, dp: 2"))
-    with pytest.raises(CommgateError, match=r"frozen parameters \(embed.word.weight, ...\) are not modelled yet"):
+    with pytest.raises(CommgateError, match=r"every parameter is frozen \(requires_grad off\): nothing to train"):
         predict(s)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("scheme", ["ddp", "zero1", "zero2", "zero3"])
+def test_frozen_parameters_and_buffers_reconcile_on_real_runs(scheme: str, m: int, tmp_path: Path) -> None:
+    """A LoRA-style module (``tests/user_lora.py``): frozen embedding and base projections, trainable
+    adapters, a float buffer cast to bf16 with the module, a boolean and an int64 buffer. Frozen parameters
+    are broadcast (and under ZeRO-3 gathered) but never reduced; DDP broadcasts the buffers, by dtype, at
+    construction and before each step's first forward. The difference to the paper is the named term."""
+    from commgate.run.launcher import launch_local
+
+    (s,) = load_text(
+        text("user_lora:build", f"scheme: {scheme}, dp: 3, micro_batches: {m}").replace(
+            'model: {module: "user_lora:build"}', 'model: {module: "user_lora:build", dtype: bf16}'
+        )
+    )
+    prediction = predict(s)
+    comparison = prediction.comparison()
+    assert all(c.unexplained_bytes == 0 for c in comparison)
+    assert "frozen parameters" in {r.name for c in comparison for r in c.residuals}
+    broadcasts = {r.dtype for r in prediction.collectives if r.source == "DDP buffer broadcast before the forward"}
+    assert broadcasts == ({"bf16", "bool", "int64"} if scheme == "ddp" else set())
+    rec = reconcile(prediction, launch_local(s, workdir=tmp_path))
+    assert not rec.mismatches, rec.mismatches
+    assert all(o.unexplained_bytes == 0 for o in rec.ops) and rec.traffic_measured == rec.traffic_predicted

@@ -24,7 +24,7 @@ def build(scenario: Scenario) -> tuple[torch.nn.Module, Callable[[int], tuple[to
 
 
 def frozen(scenario: Scenario) -> tuple[torch.nn.Module, Callable[[int], tuple[torch.Tensor, ...]]]:
-    """The decoder with its word embedding frozen (what the meta run does not describe yet)."""
+    """The decoder with every parameter frozen: nothing to train."""
     model, inputs = build(scenario)
-    model.embed.word.weight.requires_grad_(False)
+    model.requires_grad_(False)
     return model, inputs

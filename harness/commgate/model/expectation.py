@@ -22,21 +22,11 @@ from commgate.model import dsconfig
 from commgate.model.collectives import OPS, Op, add_traffic
 from commgate.model.layout import Axis, Group, Layout
 from commgate.model.paper import eq1_param_count, llama_param_count
-from commgate.model.transformer import ITEMSIZE, ParamTensor, inventory, param_stages, stage_split
+from commgate.model.transformer import WIRE_ITEMSIZE, ParamTensor, inventory, param_stages, stage_split
 
 if TYPE_CHECKING:  # the scenario language sits above the model (it reads the scheme registry)
     from commgate.model.scenario import Scenario
-
-WIRE_ITEMSIZE: dict[str, Fraction] = {
-    **{k: Fraction(v) for k, v in ITEMSIZE.items()},
-    "float64": Fraction(8),
-    "int64": Fraction(8),
-    "int32": Fraction(4),
-    "int8": Fraction(1),
-    "uint8": Fraction(1),
-    "none": Fraction(0),
-    "int4": Fraction(1, 2),
-}
+    from commgate.model.usermodule import Buffer
 
 
 class Phase(enum.Enum):
@@ -192,6 +182,24 @@ class Context:
         return inventory(self.scenario.model, experts=moe.experts if moe else 0, moe_every=moe.every if moe else 1)
 
     @cached_property
+    def trainable(self) -> tuple[ParamTensor, ...]:
+        """The parameters with gradients (all but a user's module's frozen ones), in registration order."""
+        return tuple(p for p in self.params if not p.frozen)
+
+    @cached_property
+    def trainable_count(self) -> int:
+        return sum(p.numel for p in self.trainable)
+
+    @cached_property
+    def buffers(self) -> tuple[Buffer, ...]:
+        """A user's module's buffers (the built-in models have none)."""
+        if self.scenario.model.module:
+            from commgate.model.usermodule import describe
+
+            return describe(self.scenario).buffers
+        return ()
+
+    @cached_property
     def ready_order(self) -> tuple[ParamTensor, ...]:
         """The parameters in the order their gradients become ready in the backward: the built-in
         decoder's in reverse registration order, a user's module's as autograd produced them on the meta
@@ -201,7 +209,7 @@ class Context:
 
             by_name = {p.name: p for p in self.params}
             return tuple(by_name[n] for n in describe(self.scenario).ready)
-        return tuple(reversed(self.params))
+        return tuple(reversed(self.trainable))
 
     @cached_property
     def optimizer(self) -> str | None:

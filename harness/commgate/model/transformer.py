@@ -25,6 +25,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from typing import Literal
 
 Position = Literal["learned", "rotary", "none"]
@@ -33,6 +34,19 @@ ARCHITECTURES: tuple[Architecture, ...] = ("gpt-neox", "llama")
 DType = Literal["fp32", "fp16", "bf16"]
 
 ITEMSIZE: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+WIRE_ITEMSIZE: dict[str, Fraction] = {  # bytes per element of every dtype a collective carries
+    **{k: Fraction(v) for k, v in ITEMSIZE.items()},
+    "float64": Fraction(8),
+    "int64": Fraction(8),
+    "int32": Fraction(4),
+    "int16": Fraction(2),
+    "int8": Fraction(1),
+    "bool": Fraction(1),
+    "uint8": Fraction(1),
+    "none": Fraction(0),
+    "int4": Fraction(1, 2),
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -169,6 +183,9 @@ class ParamTensor:
     layer: int | None = None
     expert: bool = False
     """Belongs to an MoE expert (reduced over the expert-data-parallel group)."""
+    frozen: bool = False
+    """``requires_grad`` off (a user's module): broadcast, partitioned and gathered as any parameter, never
+    reduced, and left out of the optimizer."""
 
     numel: int = field(init=False, repr=False, compare=False)
     """Elements (the shape's product, computed once)."""

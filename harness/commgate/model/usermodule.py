@@ -23,7 +23,10 @@ engines see it:
   ``ZeROOrderedDict`` registers it), activation checkpointing's recompute included, since torch replays
   it on meta tensors too.
 
-Not described yet (one-line errors): frozen parameters and buffers.
+* its buffers (``named_buffers``: dtype and size after the cast to the scenario's dtype, which casts the
+  floating-point ones), which DDP broadcasts at construction and before every forward;
+* which parameters are frozen (``requires_grad`` off): DDP and ZeRO leave them out of the gradient
+  reduction and the optimizer, but broadcast (and ZeRO-3 partitions and gathers) them as any other.
 """
 
 from __future__ import annotations
@@ -36,16 +39,26 @@ from typing import TYPE_CHECKING, Any
 
 from commgate.core.errors import CommgateError
 from commgate.model.moduletrace import Hook, Module
-from commgate.model.transformer import ParamTensor, Shard
+from commgate.model.transformer import WIRE_ITEMSIZE, ParamTensor, Shard
 
 if TYPE_CHECKING:
     from commgate.model.scenario import Scenario
 
 
 @dataclass(frozen=True, slots=True)
+class Buffer:
+    name: str
+    dtype: str
+    """commgate's (and the capture's) dtype name: fp32, bf16, int64, bool, ..."""
+    numel: int
+
+
+@dataclass(frozen=True, slots=True)
 class Described:
     params: tuple[ParamTensor, ...]
-    """Every parameter, in registration order (named after its first owner)."""
+    """Every parameter, in registration order (named after its first owner); ``frozen`` ones included."""
+    buffers: tuple[Buffer, ...]
+    """Every buffer, in registration order, as the workload holds it."""
     ready: tuple[str, ...]
     """Parameter names in the order their gradients became ready."""
     first: tuple[Hook, ...]
@@ -90,15 +103,20 @@ def _describe(scenario: Scenario) -> Described:
 
     model, inputs = build(scenario, torch.device("meta"))
     spec = scenario.model.module
-    if frozen := [n for n, p in model.named_parameters() if not p.requires_grad]:
-        raise CommgateError(f"model.module {spec!r}: frozen parameters ({frozen[0]}, ...) are not modelled yet")
-    if buffers := [n for n, _ in model.named_buffers()]:
-        raise CommgateError(f"model.module {spec!r}: buffers ({buffers[0]}, ...) are not modelled yet")
+    # as the workload holds it (commgate.run.workloads.gpt.build): floating-point tensors in the scenario's dtype
+    model = model.to(dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[scenario.model.dtype])
     names = {id(p): n for n, p in model.named_parameters()}
     params = tuple(
-        ParamTensor(name=n, shape=tuple(p.shape), shard=Shard.REPLICATED, block="layer", layer=0)
+        ParamTensor(
+            name=n, shape=tuple(p.shape), shard=Shard.REPLICATED, block="layer", layer=0, frozen=not p.requires_grad
+        )
         for n, p in model.named_parameters()
     )
+    if all(p.frozen for p in params):
+        raise CommgateError(f"model.module {spec!r}: every parameter is frozen (requires_grad off): nothing to train")
+    buffers = tuple(Buffer(n, _dtype_name(b.dtype), b.numel()) for n, b in model.named_buffers())
+    if odd := [b for b in buffers if b.dtype not in WIRE_ITEMSIZE]:
+        raise CommgateError(f"model.module {spec!r}: buffer {odd[0].name} of dtype {odd[0].dtype} is not modelled")
     by_name = {p.name: p for p in params}
     modules: dict[str, Module] = {}
     for mname, mod in model.named_modules():
@@ -109,6 +127,7 @@ def _describe(scenario: Scenario) -> Described:
     handles = [
         p.register_post_accumulate_grad_hook(lambda t, _n=n: ready.append(_n))
         for n, p in model.named_parameters()
+        if p.requires_grad
     ]
     # events: (kind, module, backward, recompute) for fetch/release/leftover, ("read", module, param) for a
     # parameter read in the forward by a module that does not own it
@@ -187,7 +206,13 @@ def _describe(scenario: Scenario) -> Described:
     # modules whose backward began but whose inputs needed no gradient: released with the leftovers
     events += [("leftover", name, True, False) for name in reversed(list(backward_open))]
     first, later = _hooks(events, modules, by_name, index)
-    return Described(params=params, ready=tuple(ready), first=first, later=later)
+    return Described(params=params, buffers=buffers, ready=tuple(ready), first=first, later=later)
+
+
+def _dtype_name(dtype: Any) -> str:
+    """The capture's name for a torch dtype (``commgate.run.interpose``): float32 is fp32, and so on."""
+    name = str(dtype).removeprefix("torch.")
+    return {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(name, name)
 
 
 def _hooks(

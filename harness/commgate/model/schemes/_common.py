@@ -87,3 +87,21 @@ def rank0_term(ctx: Context, *, equation: str, formula: str, elements: Fraction)
 def padded(numel: int, n: int) -> int:
     """``numel`` rounded up to a multiple of ``n``: a tensor partitioned over n ranks, gathered whole."""
     return -(-numel // n) * n
+
+
+def frozen(ctx: Context, term: str, factor: Fraction, *, unused: int = 0, why: str = "") -> list[Residual]:
+    """The named term for a user's module's frozen parameters: N counts them, but they have no gradient,
+    so nothing reduces (or, under ZeRO-3, reduce-scatters) them; ``unused`` more elements of N are left
+    out of another pass (``why`` says which)."""
+    n = ctx.param_count - ctx.trainable_count
+    if not n:
+        return []
+    detail = f"{n:,} parameters have requires_grad off: counted in N, never reduced"
+    return [
+        Residual(
+            term=term,
+            name="frozen parameters",
+            bytes=-factor * (n + unused) * ctx.scenario.model.itemsize,
+            detail=detail + (f"; {why}" if unused else ""),
+        )
+    ]

@@ -15,7 +15,7 @@ from commgate.model.collectives import Op
 from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
 from commgate.model.layout import Axis, Group
 from commgate.model.paper import eq2_data_parallel
-from commgate.model.schemes._common import beyond_eq1, init_broadcast, rank0_term, sharding
+from commgate.model.schemes._common import beyond_eq1, frozen, init_broadcast, rank0_term, sharding
 
 TERM = "Eq. 2"
 
@@ -94,6 +94,7 @@ class DataParallel:
         out = [
             beyond_eq1(ctx, term=TERM, factor=factor, counted=dense),
             sharding(ctx, term=TERM, factor=factor, full=dense, rank0=ctx.rank_params(0, expert=expert)),
+            *frozen(ctx, TERM, factor),
         ]
         if par.moe:
             e = d // par.moe.ep

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from commgate.model.collectives import Op
 from commgate.model.expectation import Context, ExpectedCollective, Phase
 from commgate.model.schemes.data_parallel import TERM, DataParallel
-from commgate.model.transformer import ParamTensor
+from commgate.model.transformer import WIRE_ITEMSIZE, ParamTensor
 
 MIB = 1024 * 1024
 FIRST_BUCKET_BYTES = 1 * MIB  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
@@ -77,11 +77,12 @@ def rebuilt_buckets(ready: tuple[ParamTensor, ...], itemsize: int, bucket_mb: fl
 class DistributedDataParallel(DataParallel):
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         s, m = ctx.scenario, ctx.scenario.model
-        par, params, isz = s.parallelism, ctx.params, m.itemsize
+        par, params, isz = s.parallelism, ctx.trainable, m.itemsize
         if par.dp == 1:  # tensor parallelism alone: no DDP
             return []
         groups = ctx.layout.dp_groups()  # one per tensor-parallel rank with tp > 1
-        n = ctx.rank_params(0)  # with tp > 1 the rank's shards
+        # with tp > 1 the rank's shards; a user's module: its trainable parameters
+        n = sum(p.numel for p in params) if m.module else ctx.rank_params(0)
         init = ExpectedCollective(
             op=Op.BROADCAST,
             axis="dp",
@@ -101,10 +102,31 @@ class DistributedDataParallel(DataParallel):
                 source="DDP parameter check: sizes and strides (broadcast, int64)",
             ),
         ]
-        for dtype, chunk in coalesced_chunks(
-            [(m.dtype, p.numel_per_tp_rank(par.tp) * isz) for p in params], BROADCAST_BUCKET_BYTES
-        ):
-            rows.append(replace(init, dtype=dtype, elements=chunk // isz, source="DDP initial module-state broadcast"))
+        # the module state: every parameter (frozen ones too), then every buffer
+        state = [(m.dtype, p.numel_per_tp_rank(par.tp) * isz) for p in ctx.params]
+        buffers = [(b.dtype, int(b.numel * WIRE_ITEMSIZE[b.dtype])) for b in ctx.buffers]
+        for dtype, chunk in coalesced_chunks(state + buffers, BROADCAST_BUCKET_BYTES):
+            rows.append(
+                replace(
+                    init,
+                    dtype=dtype,
+                    elements=int(chunk / WIRE_ITEMSIZE[dtype]),
+                    source="DDP initial module-state broadcast",
+                )
+            )
+        # rank 0's buffers again before the first forward of each step: a forward under no_sync turns the
+        # next one's sync off (require_forward_param_sync), the synchronised last one turns it back on
+        for dtype, chunk in coalesced_chunks(buffers, BROADCAST_BUCKET_BYTES):
+            rows.append(
+                replace(
+                    init,
+                    dtype=dtype,
+                    elements=int(chunk / WIRE_ITEMSIZE[dtype]),
+                    once=False,
+                    phase=Phase.FORWARD,
+                    source="DDP buffer broadcast before the forward",
+                )
+            )
         grad = ExpectedCollective(
             op=Op.ALL_REDUCE,
             axis="dp",

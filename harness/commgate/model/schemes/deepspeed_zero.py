@@ -14,7 +14,8 @@ ZeRO-1/2 (``stage_1_and_2.py``)
   master weights) are all-gathered into the flat parameter buffer in the parameters' dtype (one call).
 
 ZeRO-3 (``stage3.py``, ``partitioned_param_coordinator.py``)
-* Construction: every parameter is broadcast twice as bytes and all-gathered once; three barriers.
+* Construction: every parameter is broadcast twice as bytes and each trainable one all-gathered once;
+  three barriers.
 * Each step: the parameters are all-gathered as the coordinator fetches them (``zero3_fetch`` replays it:
   with its knobs at 0 every module's own parameters before its forward and again before its backward,
   one call per module, and with activation checkpointing once more in each layer's recompute, all but
@@ -60,7 +61,7 @@ from fractions import Fraction
 from commgate.model.collectives import OPS, Op
 from commgate.model.expectation import Context, ExpectedCollective, Phase, Residual
 from commgate.model.schemes import zero3_fetch
-from commgate.model.schemes._common import padded
+from commgate.model.schemes._common import frozen, padded
 from commgate.model.schemes.data_parallel import DataParallel
 from commgate.model.schemes.zero3 import Zero3
 from commgate.model.transformer import ParamTensor
@@ -303,7 +304,7 @@ def _ready_order(ctx: Context) -> list[ParamTensor]:
     their first gradient becomes ready (the built-in decoder's in reverse), each module's parameters in
     registration order (a linear layer's weight, then bias)."""
     owners: dict[str, list[ParamTensor]] = {}
-    for p in ctx.params:
+    for p in ctx.trainable:
         owners.setdefault(p.name.rsplit(".", 1)[0], []).append(p)
     first: dict[str, int] = {}
     for i, p in enumerate(ctx.ready_order):
@@ -317,8 +318,8 @@ def _gradient_buckets(ctx: Context, over: int = 1) -> list[int]:
     take it past ``reduce_bucket_size``, and each gradient is sent padded to a multiple of ``over``."""
     par = ctx.scenario.parallelism
     if par.zero.stage < 3:
-        sizes = [p.numel for p in ctx.params]
-        index = {p.name: i for i, p in enumerate(ctx.params)}
+        sizes = [p.numel for p in ctx.trainable]
+        index = {p.name: i for i, p in enumerate(ctx.trainable)}
         ready = [index[p.name] for p in ctx.ready_order]
         return reduction_buckets(
             sizes,
@@ -348,7 +349,7 @@ def _bf16_optimizer(ctx: Context, step: ExpectedCollective, *, pad: bool) -> lis
     (padded to a multiple of 2 x d) in one call, in the communication dtype (``buffered_allreduce_fallback``);
     the norm needs no collective without model parallelism; the updated partitions are all-gathered in
     bf16 (``all_gather_dp_groups``)."""
-    n = padded(ctx.param_count, 2 * ctx.scenario.parallelism.dp) if pad else ctx.param_count
+    n = padded(ctx.trainable_count, 2 * ctx.scenario.parallelism.dp) if pad else ctx.trainable_count
     return [
         replace(step, elements=n, dtype=grad_dtype(ctx), source="BF16_Optimizer gradient all-reduce (flat buffer)"),
         replace(
@@ -400,7 +401,7 @@ class DeepSpeedZero12(DataParallel):
                 step,
                 op=Op.ALL_GATHER,
                 # the flat buffer is padded to a multiple of 2 x d elements (nccl_start_alignment_factor)
-                elements=padded(ctx.param_count, 2 * d) if pad else ctx.param_count,
+                elements=padded(ctx.trainable_count, 2 * d) if pad else ctx.trainable_count,
                 phase=Phase.OPTIMIZER,
                 source=f"ZeRO-{zs} all-gather of the updated fp32 partitions",
             )
@@ -412,7 +413,7 @@ class DeepSpeedZero12(DataParallel):
         extra = Residual(
             term="Eq. 2",
             name="gradients all-reduced, not reduce-scattered",
-            bytes=Fraction(d - 1, d) * ctx.param_count * ctx.scenario.model.itemsize,
+            bytes=Fraction(d - 1, d) * ctx.trainable_count * ctx.scenario.model.itemsize,
             detail="DeepSpeed reduces ZeRO-1/2 gradients with all_reduce (2N(d-1)/d); Eq. 2 assumes "
             "reduce_scatter (N(d-1)/d) + all_gather",
         )
@@ -481,7 +482,7 @@ def sub_groups(ctx: Context) -> int:
     zo = ctx.scenario.deepspeed_config.get("zero_optimization", {})
     size = zo.get("sub_group_size", SUB_GROUP_SIZE) if isinstance(zo, dict) else SUB_GROUP_SIZE
     d = ctx.scenario.parallelism.dp
-    parts = [padded(p.numel, d) // d for p in ctx.params]
+    parts = [padded(p.numel, d) // d for p in ctx.trainable]
     if size >= sum(parts):
         return 1
     count = current = 0
@@ -502,9 +503,9 @@ class DeepSpeedZero3(Zero3):
         over = d if pad else 1  # each parameter is partitioned (padded) on its own
         base = _init_row(ctx, Op.ALL_GATHER)
         rows = _init_broadcasts(ctx, base, 2) if init else []
-        rows += [
+        rows += [  # the trainable ones (a frozen parameter is not)
             replace(base, elements=padded(p.numel, over), source="ZeRO-3 initial all-gather (per parameter)")
-            for p in (ctx.params if init else ())
+            for p in (ctx.trainable if init else ())
         ]
         rows.append(replace(base, op=Op.BARRIER, dtype="none", calls=3, source="ZeRO-3 construction barriers"))
         trace = replace(base, op=Op.BROADCAST, dtype="int64", phase=Phase.FORWARD, source="ZeRO-3 trace broadcast")
@@ -553,4 +554,39 @@ class DeepSpeedZero3(Zero3):
         padding = _padding(
             ctx, "Eq. 3", self.collectives(ctx, init=False), self.collectives(ctx, pad=False, init=False)
         )
-        return [*Zero3.residuals(self, ctx), *_accumulation(ctx, "Eq. 3", self), *padding]
+        skipped = _not_gathered_for_backward(ctx)
+        why = (
+            f"{skipped:,} elements belong to modules whose backward never runs (no gradient reaches them), "
+            "so the backward does not gather them"
+        )
+        return [
+            *Zero3.residuals(self, ctx),
+            *frozen(
+                ctx,
+                "Eq. 3",
+                Fraction(ctx.scenario.parallelism.dp - 1, ctx.scenario.parallelism.dp),
+                unused=skipped,
+                why=why,
+            ),
+            *_accumulation(ctx, "Eq. 3", self),
+            *padding,
+        ]
+
+
+def _not_gathered_for_backward(ctx: Context) -> int:
+    """Elements a pass's backward leaves ungathered in Eq. 3's regime (the coordinator's knobs inert, one
+    micro-batch, no recompute): those of modules whose backward never runs, which only frozen parameters
+    cause (none for the built-in models)."""
+    if ctx.param_count == ctx.trainable_count:
+        return 0
+    par, cfg = ctx.scenario.parallelism, ctx.scenario.deepspeed_config
+    zo = cfg.get("zero_optimization", {})
+    inert = cfg | {"zero_optimization": (zo if isinstance(zo, dict) else {}) | zero3_fetch.INERT}
+    scenario = replace(
+        ctx.scenario,
+        deepspeed=json.dumps(inert),
+        parallelism=replace(par, micro_batches=1, activation_checkpointing=False),
+    )
+    later = zero3_fetch.passes(Context(scenario=scenario), 2)[-1]
+    gathered = {p.name for g in later if g.backward and not g.recompute for p in g.params}
+    return sum(p.numel for p in ctx.params if p.name not in gathered)
