@@ -60,3 +60,19 @@ def test_predict_13b_at_1024_gpus(benchmark: Any, scheme: str) -> None:
     (cold caches: the parameter inventory and the layout are rebuilt every round)."""
     s = scenario(scheme=scheme, dp=1024, micro_batches=4, activation_checkpointing=True)
     benchmark.pedantic(run, args=(s,), setup=clear_caches, rounds=20)
+
+
+def test_import_and_predict_neox_13b_at_1024_gpus(benchmark: Any) -> None:
+    """Goal (issue 11): GPT-NeoX's own 13B config (ZeRO-1 with overlap_comm, fp16, checkpointing), imported
+    at 1024 GPUs and predicted in under 50 ms, from the file (cold caches every round)."""
+    from pathlib import Path
+
+    from commgate.model.importer import build
+
+    neox = Path(__file__).resolve().parents[1] / "tests" / "data" / "neox" / "13B.yml"
+
+    def imported() -> None:
+        (s,) = load_document(build(neox=neox, dp=1024).doc, file="<import>")
+        run(s)
+
+    benchmark.pedantic(imported, setup=clear_caches, rounds=20)

@@ -406,3 +406,19 @@ def test_a_llama_style_model_under_every_scheme_every_byte_explained(scheme: str
     assert not rec.mismatches, rec.mismatches
     assert all(o.unexplained_bytes == 0 for o in rec.ops), rec.ops
     assert rec.traffic_measured == rec.traffic_predicted
+
+
+def test_more_ranks_than_the_machine_holds_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A million-rank scenario is refused before any process starts, naming how to run it instead."""
+    from commgate.run.launcher import RunError, launch_local, local_rank_limit
+
+    (s,) = load_text(
+        "schema_version: 1\nname: big\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: ddp, dp: 1000000}\n"
+    )
+    with pytest.raises(
+        RunError,
+        match=rf"world size 1000000 is more local ranks than this machine holds \(at most {local_rank_limit()}",
+    ) as info:
+        launch_local(s, workdir=tmp_path)
+    assert "\n" not in str(info.value) and "torchrun" in str(info.value)
+    assert not any(tmp_path.iterdir())  # nothing started, nothing left

@@ -26,5 +26,5 @@ def test_schema_fields_are_record_fields() -> None:
     assert set(par) - {"zero", "moe"} <= set(field_names(Parallelism))
     assert set(par["zero"]["properties"]) == set(field_names(ZeroConfig))
     assert set(par["moe"]["properties"]) == set(field_names(MoEConfig))
-    top = set(props) - {"schema_version", "sweep", "world_size"}
+    top = set(props) - {"schema_version", "sweep", "sweep_limit", "world_size"}
     assert top <= set(field_names(Scenario))

@@ -8,6 +8,7 @@ runs. Under pytest-xdist each worker hands its results to the controller through
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run every scenario on this backend instead of the one it declares",
     )
     group.addoption("--commgate-deadline", metavar="S", type=float, help="per-scenario deadline in seconds")
+    parser.addini(
+        "commgate_scenario_dirs",
+        type="linelist",
+        default=["scenarios"],
+        help="directories (relative to the rootdir) whose every .yaml/.yml file is a scenario; elsewhere a YAML "
+        "file is one if it declares schema_version or is named on the command line. A scenario file that cannot "
+        "be read or validated is a collection error.",
+    )
     group.addoption(
         "--commgate-fault",
         metavar="FAULT",
@@ -114,18 +123,38 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[SESSION] = _Session(options=options, faults=faults)
 
 
-def _is_scenario(path: Path) -> bool:
-    """A YAML file whose top level names ``schema_version`` and ``parallelism`` (cheap: no YAML parse)."""
+_DECLARES = re.compile(r"""^[\s{"']*schema_version\b""", re.MULTILINE)
+
+
+def _is_scenario(path: Path, parent: pytest.Collector) -> bool:
+    """Which YAML files are scenarios (never a silent pass: such a file that cannot be read or validated
+    fails collection): every one under the ``commgate_scenario_dirs`` ini option (default ``scenarios``),
+    every one named on the command line, and any other that declares ``schema_version`` (read as UTF-8,
+    or as UTF-16/32 when it starts with their byte-order mark)."""
+    config = parent.config
+    if parent.session.isinitpath(path):
+        return True
+    here = path.resolve()
+    if any(here.is_relative_to((config.rootpath / d).resolve()) for d in config.getini("commgate_scenario_dirs")):
+        return True
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        with path.open("rb") as f:
+            head = f.read(1 << 20)
     except OSError:
         return False
-    lines = [line.split(":", 1)[0] for line in text.splitlines() if line and not line[0].isspace()]
-    return "schema_version" in lines and "parallelism" in lines
+    for bom, codec in (
+        (b"\xff\xfe\x00\x00", "utf-32"),
+        (b"\x00\x00\xfe\xff", "utf-32"),
+        (b"\xff\xfe", "utf-16"),
+        (b"\xfe\xff", "utf-16"),
+    ):
+        if head.startswith(bom):
+            return bool(_DECLARES.search(head.decode(codec, errors="replace")))
+    return bool(_DECLARES.search(head.decode("utf-8", errors="replace").lstrip("\ufeff")))
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
-    if file_path.suffix in (".yaml", ".yml") and _is_scenario(file_path):
+    if file_path.suffix in (".yaml", ".yml") and _is_scenario(file_path, parent):
         return ScenarioFile.from_parent(parent, path=file_path)
     return None
 

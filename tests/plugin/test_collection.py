@@ -44,3 +44,49 @@ def test_hardware_this_machine_lacks_is_a_skip_with_the_reason(
     result = pytester.runpytest("-rs")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*needs GPUs (marker gpu or backend nccl); this machine has none*"])
+
+
+BROKEN = {
+    "empty.yaml": b"",
+    "binary.yaml": bytes(range(256)) * 4,
+    "utf16.yaml": "schema_version: 1\nname: u\n".encode("utf-16"),
+    "a_list.yaml": b"- schema_version: 1\n- parallelism: {scheme: ddp}\n",
+    "typo.yaml": b"schema_version: 1\nname: t\nmodel: {preset: 19M-cpu}\nparallelsim: {scheme: ddp, dp: 2}\n",
+}
+
+
+def test_a_broken_file_among_scenarios_is_never_a_silent_pass(
+    pytester: pytest.Pytester, scenario_file: Callable[..., Path]
+) -> None:
+    """Every YAML file under the scenario directories (``commgate_scenario_dirs``, default ``scenarios``) is a
+    scenario: one good file and five broken ones (empty, binary, UTF-16, a top-level list, a mistyped
+    key) give one good test, five collection errors, one line each, and a failed run."""
+    (pytester.path / "scenarios").mkdir()
+    good = scenario_file("good")
+    good.rename(pytester.path / "scenarios" / "good.yaml")
+    for name, data in BROKEN.items():
+        (pytester.path / "scenarios" / name).write_bytes(data)
+    pytester.makefile(".yaml", unrelated="key: value\n")  # elsewhere, declaring no schema_version: not collected
+    result = pytester.runpytest("--collect-only", "-q")
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    out = result.stdout.str()
+    assert "Traceback" not in out and "unrelated.yaml" not in out
+    result.stdout.fnmatch_lines(["*5 errors*"])
+    for name in BROKEN:
+        assert f"ERROR scenarios/{name}" in out, (name, out)
+    result.stdout.fnmatch_lines(["*typo.yaml*parallelsim*"])
+
+
+def test_scenario_directories_and_declared_files_are_configurable(pytester: pytest.Pytester) -> None:
+    """``commgate_scenario_dirs = comm`` makes comm/'s files scenarios; outside it, a file declaring
+    schema_version is one (and a broken one fails); a file named on the command line always is."""
+    pytester.makeini("[pytest]\ncommgate_scenario_dirs = comm\n")
+    (pytester.path / "comm").mkdir()
+    (pytester.path / "comm" / "empty.yml").write_bytes(b"")
+    (pytester.path / "declared.yaml").write_text("schema_version: 1\nname: d\n")  # no parallelism: invalid
+    (pytester.path / "other.yaml").write_text("not: a scenario\n")
+    result = pytester.runpytest("--collect-only", "-q")
+    out = result.stdout.str()
+    assert "ERROR comm/empty.yml" in out and "ERROR declared.yaml" in out and "other.yaml" not in out
+    result = pytester.runpytest("--collect-only", "-q", "other.yaml")
+    assert result.ret == pytest.ExitCode.INTERRUPTED and "ERROR other.yaml" in result.stdout.str()

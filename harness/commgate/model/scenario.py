@@ -12,6 +12,7 @@ import difflib
 import functools
 import itertools
 import json
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
@@ -219,8 +220,23 @@ class _Located:
         return best
 
 
+def _non_finite(doc: Any, path: list[Any]) -> Iterator[list[Any]]:
+    """Paths of NaN and infinite numbers (YAML's ``.nan``, ``.inf``): a schema's bounds cannot catch them."""
+    if isinstance(doc, float) and not math.isfinite(doc):
+        yield path
+    elif isinstance(doc, Mapping):
+        for k, v in doc.items():
+            yield from _non_finite(v, [*path, k])
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _non_finite(v, [*path, i])
+
+
 def _schema_problems(doc: Any, file: str, where: _Located, context: str = "") -> list[Problem]:
-    problems: list[Problem] = []
+    problems = [
+        Problem(file=file, path=json_path(parts), message="not a finite number" + context, line=where.line(parts))
+        for parts in _non_finite(doc, [])
+    ]
     for err in _validator().iter_errors(doc):
         for parts, message in _describe(err):
             problems.append(
@@ -285,6 +301,8 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, _Located]:
         loader = yaml.SafeLoader(text)
         try:
             node = loader.get_single_node()
+            if node is not None:
+                _bounded(node, file)
             problems = list(_duplicate_keys(node, file, [])) if node is not None else []
             if problems:
                 raise ScenarioError(problems)
@@ -303,7 +321,38 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, _Located]:
         raise ScenarioError([Problem(file=file, path="$", message=f"{kind}: {what}", line=line)]) from None
     except yaml.YAMLError as exc:
         raise ScenarioError([Problem(file=file, path="$", message=f"YAML error: {exc}")]) from None
+    except RecursionError:
+        message = "YAML nested too deeply to read (thousands of levels); a scenario is a few levels deep"
+        raise ScenarioError([Problem(file=file, path="$", message=message)]) from None
     return data, _Located(node)
+
+
+MAX_NODES, MAX_DEPTH = 100_000, 64
+"""Bounds on a scenario document, counted with YAML aliases expanded (an alias "bomb" of a few lines
+expands to billions of nodes, which validation would walk)."""
+
+
+def _bounded(root: yaml.Node, file: str) -> None:
+    """Raise ScenarioError if the document, aliases expanded, has more than MAX_NODES nodes or is nested
+    deeper than MAX_DEPTH (an iterative walk that stops at the bound)."""
+    stack, seen = [(root, 1)], 0
+    while stack:
+        node, depth = stack.pop()
+        seen += 1
+        problem = (
+            f"the document expands to more than {MAX_NODES:,} YAML nodes (aliases expanded)"
+            if seen > MAX_NODES
+            else f"nested deeper than {MAX_DEPTH} levels"
+            if depth > MAX_DEPTH
+            else None
+        )
+        if problem:
+            line = node.start_mark.line + 1 if node.start_mark else None
+            raise ScenarioError([Problem(file=file, path="$", message=f"{problem}; not a scenario", line=line)])
+        if isinstance(node, yaml.MappingNode):
+            stack += [(n, depth + 1) for pair in node.value for n in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            stack += [(n, depth + 1) for n in node.value]
 
 
 def _duplicate_keys(node: yaml.Node, file: str, path: list[Any]) -> Iterator[Problem]:
@@ -354,13 +403,27 @@ def load_document(doc: Any, *, file: str, where: _Located | None = None) -> list
     return scenarios
 
 
+MAX_FILE_BYTES = 1 << 20
+"""A scenario file is at most this large (a YAML document larger than 1 MiB is not a scenario)."""
+
+
 def load_file(path: str | Path) -> list[Scenario]:
     file = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ScenarioError([Problem(file=file, path="$", message=f"cannot read: {exc}")]) from None
-    return load_text(text, file=file)
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ScenarioError([Problem(file=file, path="$", message=f"cannot read: {exc.strerror}")]) from None
+    if len(data) > MAX_FILE_BYTES:
+        message = f"{len(data):,} bytes: larger than a scenario file can be ({MAX_FILE_BYTES:,} bytes)"
+        raise ScenarioError([Problem(file=file, path="$", message=message)])
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        utf16 = data.startswith((b"\xff\xfe", b"\xfe\xff"))
+        what = "it starts with a UTF-16 byte-order mark" if utf16 else f"byte {exc.start} is 0x{data[exc.start]:02x}"
+        message = f"not UTF-8 text ({what}); scenario files are UTF-8 YAML"
+        raise ScenarioError([Problem(file=file, path="$", message=message)]) from None
+    return load_text(text.removeprefix("\ufeff"), file=file)
 
 
 def scenario_files(paths: Iterable[str | Path]) -> list[Path]:
@@ -404,9 +467,13 @@ def load_paths(paths: Iterable[str | Path]) -> list[Scenario]:
 # -------------------------------------------------------------------------------------------- sweeps
 
 
+SWEEP_LIMIT = 64
+"""The most variants a sweep expands into unless the scenario's ``sweep_limit`` raises it."""
+
+
 def _expand(doc: dict[str, Any], file: str, where: _Located) -> Iterator[tuple[str, dict[str, Any]]]:
     sweep: dict[str, list[Any]] = doc.get("sweep") or {}
-    base = {k: v for k, v in doc.items() if k != "sweep"}
+    base = {k: v for k, v in doc.items() if k not in ("sweep", "sweep_limit")}
     if not sweep:
         yield "", base
         return
@@ -425,6 +492,13 @@ def _expand(doc: dict[str, Any], file: str, where: _Located) -> Iterator[tuple[s
                 [Problem(file=file, path=f"$.sweep.{key}", message=msg, line=where.line(["sweep", key]))]
             )
         axes.append([list(zip(paths, v, strict=True)) for v in values])
+    limit = doc.get("sweep_limit", SWEEP_LIMIT)
+    if (variants := math.prod(len(a) for a in axes)) > limit:
+        msg = (
+            f"{' x '.join(str(len(a)) for a in axes)} = {variants:,} variants, more than the sweep limit {limit}; "
+            "raise it with sweep_limit: N if you mean it"
+        )
+        raise ScenarioError([Problem(file=file, path="$.sweep", message=msg, line=where.line(["sweep"]))])
     for combo in itertools.product(*axes):
         variant = copy.deepcopy(base)
         assignments = [pair for group in combo for pair in group]

@@ -159,6 +159,21 @@ def stale_build_locks() -> list[Path]:
     return sorted(root.glob("*/*/lock")) + sorted(root.glob("*/lock"))
 
 
+RANK_MEMORY = 512 << 20
+"""What one local rank holds with torch and DeepSpeed imported and a reduced-scale model (bytes)."""
+RANKS_PER_CORE = 8
+
+
+def local_rank_limit() -> int:
+    """The most ranks ``launch_local`` starts here: RANKS_PER_CORE per core, and no more than the
+    machine's memory holds at RANK_MEMORY each (a million-rank scenario is refused, not forked)."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        memory = 8 << 30
+    return max(2, min(RANKS_PER_CORE * (os.cpu_count() or 1), memory // RANK_MEMORY))
+
+
 def launch_local(
     scenario: Scenario,
     *,
@@ -173,6 +188,12 @@ def launch_local(
     temporary directory) and removed afterwards.
     """
     world = scenario.world_size
+    if world > (limit := local_rank_limit()):
+        raise RunError(
+            f"{scenario.id}: world size {world} is more local ranks than this machine holds (at most {limit}: "
+            f"{os.cpu_count()} cores, about {RANK_MEMORY >> 20} MiB a rank); run it under torchrun on a cluster "
+            "(commgate run under torchrun), or see its prediction with commgate predict"
+        )
     deadline = deadline_s if deadline_s is not None else scenario.deadline_s
     _sweep_orphans(Path(workdir or tempfile.gettempdir()))
     tmp = Path(tempfile.mkdtemp(prefix=f"commgate-{os.getpid()}-", dir=workdir))
