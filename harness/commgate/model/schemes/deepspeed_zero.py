@@ -94,6 +94,8 @@ def without_comm_dtype(ctx: Context) -> Context:
 def comm_dtype_residual(ctx: Context, term: str, volume: Callable[[Context], Fraction]) -> list[Residual]:
     """The named term "communication dtype": ``volume`` (rank 0's bytes towards ``term``) of the scenario
     minus that of the scenario without ``communication_data_type``."""
+    if "communication_data_type" not in ctx.scenario.deepspeed_config:
+        return []
     extra = volume(ctx) - volume(without_comm_dtype(ctx))
     if not extra:
         return []
@@ -118,8 +120,12 @@ def _accumulation(ctx: Context, term: str, component: DeepSpeedZero12 | DeepSpee
         scenario = replace(ctx.scenario, deepspeed=json.dumps(ds), parallelism=replace(par, **changes))  # type: ignore[arg-type]
         return Context(scenario=scenario)
 
-    def volume(c: Context) -> Fraction:
-        return _volume(component.collectives(c, pad=False, init=False), term)
+    volumes: dict[object, Fraction] = {}
+
+    def volume(c: Context) -> Fraction:  # the steps difference some scenarios twice: each computed once
+        if c.scenario not in volumes:
+            volumes[c.scenario] = _volume(component.collectives(c, pad=False, init=False), term)
+        return volumes[c.scenario]
 
     what = "reduces gradients" if par.zero.stage < 3 else "gathers parameters and reduce-scatters gradients"
     out = comm_dtype_residual(ctx, term, volume)
