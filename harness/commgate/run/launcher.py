@@ -108,25 +108,46 @@ def _kill(procs: list[BaseProcess]) -> None:
         p.join(timeout=10)
 
 
+CONSEQUENCES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
+                "ConnectionResetError", "ConnectionRefusedError", "BrokenPipeError", "Socket Timeout")  # fmt: skip
+"""What a rank raises when a peer is gone: a consequence of that peer's failure, not a cause."""
+
+GRACE_S = 1.0
+"""After the first failure, how long the launcher lets the others settle before it names the cause (the
+rank that died can be reaped a moment after its peers have raised)."""
+
+
 def _failure(scenario: Scenario, procs: list[BaseProcess], tmp: Path) -> str | None:
     """Why the run failed, or None while no rank has failed.
 
-    When one rank fails its peers soon fail too ("connection reset by peer"): the rank whose error was
-    written first is the cause. A rank killed by a signal writes no error and is named with the signal.
+    When one rank fails its peers soon fail too. The cause is, in order: a rank killed by a signal; a
+    rank that exited with a non-zero status without raising (``os._exit``, a library's ``exit``); the
+    rank whose exception was written first, a peer's connection error ("connection reset by peer")
+    only if no rank raised anything else. The other ranks' errors are listed after it as consequences.
     """
     failed = [(rank, code) for rank, code in enumerate(p.exitcode for p in procs) if code is not None and code != 0]
     if not failed:
         return None
-    for rank, code in failed:
-        if code < 0:  # with what it printed last (an abort's C++ message, say)
-            return f"{scenario.id}: rank {rank} died by signal {signal.Signals(-code).name}" + _log_tail(tmp, rank)
-    errors = sorted((e.stat().st_mtime_ns, r) for r in range(len(procs)) if (e := tmp / f"rank{r}.err").exists())
-    if errors:
-        rank = errors[0][1]
-        tb = (tmp / f"rank{rank}.err").read_text().rstrip()
-        return f"{scenario.id}: rank {rank} raised {tb.splitlines()[-1]}\n{tb}"
-    rank, code = failed[0]
-    return f"{scenario.id}: rank {rank} exited with status {code}" + _log_tail(tmp, rank)
+    errors = {r: e for r in range(len(procs)) if (e := tmp / f"rank{r}.err").exists()}
+    silent = [(rank, code) for rank, code in failed if rank not in errors]
+    last = {r: (e.read_text(errors="replace").rstrip().splitlines() or [""])[-1] for r, e in errors.items()}
+    cause: int | None = None
+    if signalled := [(rank, code) for rank, code in silent if code < 0]:  # with what it printed last
+        rank, code = signalled[0]
+        head = f"{scenario.id}: rank {rank} died by signal {signal.Signals(-code).name}" + _log_tail(tmp, rank)
+        cause = rank
+    elif silent:
+        rank, code = silent[0]
+        head = f"{scenario.id}: rank {rank} exited with status {code} without raising" + _log_tail(tmp, rank)
+        cause = rank
+    else:
+        first = sorted((e.stat().st_mtime_ns, r) for r, e in errors.items())
+        own = [r for _, r in first if not any(c in errors[r].read_text(errors="replace") for c in CONSEQUENCES)]
+        cause = own[0] if own else first[0][1]
+        tb = errors[cause].read_text(errors="replace").rstrip()
+        head = f"{scenario.id}: rank {cause} raised {last[cause]}\n{tb}"
+    after = [f"rank {r} then raised {last[r]}" for r in sorted(errors) if r != cause]
+    return head + ("\n(consequences: " + "; ".join(after) + ")" if after else "")
 
 
 def _log_tail(tmp: Path, rank: int, lines: int = 20) -> str:
@@ -222,9 +243,11 @@ def launch_local(
             p.start()
             procs.append(p)
         while any(p.exitcode is None for p in procs):
-            reason = _failure(scenario, procs, tmp)
-            if reason:
-                raise RunError(reason)
+            if _failure(scenario, procs, tmp):  # let the others settle, then name the cause
+                settle = time.monotonic() + GRACE_S
+                while any(p.exitcode is None for p in procs) and time.monotonic() < settle:
+                    time.sleep(POLL_S)
+                raise RunError(str(_failure(scenario, procs, tmp)))
             if time.monotonic() - started > deadline:
                 raise RunError(_hang_report(scenario, tmp, deadline))
             time.sleep(POLL_S)

@@ -4,6 +4,8 @@ Each all-reduces a small tensor every step; at step 1, rank 1 misbehaves:
 
 * ``crash``: raises ``RuntimeError``;
 * ``die``: is killed by SIGKILL (an OOM killer, a segfault);
+* ``exit_without_raising``: leaves with ``os._exit(3)``, raising nothing (a library calling ``exit``),
+  so that rank 0's all-reduce then fails with a connection error of its own;
 * ``hang``: skips the step's all-reduce and waits for a message nobody sends, so that rank 0 is stuck
   in the all-reduce and rank 1 in the receive until the deadline.
 """
@@ -46,6 +48,11 @@ class _Die(_Faulty):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class _Exit(_Faulty):
+    def misbehave(self) -> None:
+        os._exit(3)
+
+
 class _Hang(_Faulty):
     def misbehave(self) -> None:
         dist.recv(torch.empty(1, device=self.device), src=0)
@@ -57,6 +64,10 @@ def crash(scenario: Scenario, *, rank: int, device: torch.device) -> _Faulty:
 
 def die(scenario: Scenario, *, rank: int, device: torch.device) -> _Faulty:
     return _Die(scenario, rank=rank, device=device)
+
+
+def exit_without_raising(scenario: Scenario, *, rank: int, device: torch.device) -> _Faulty:
+    return _Exit(scenario, rank=rank, device=device)
 
 
 def hang(scenario: Scenario, *, rank: int, device: torch.device) -> _Faulty:
