@@ -5,6 +5,7 @@ Each test starts real rank processes (a few seconds each: torch is imported per 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -437,3 +438,55 @@ def test_a_rank_that_exits_without_raising_is_blamed_not_its_peer(tmp_path: Path
         text = str(info.value)
         assert text.startswith("t: rank 1 exited with status 3 without raising"), text
         assert rank_processes(tmp_path) == []
+
+
+def _listening(pids: list[int]) -> set[str]:
+    """The local addresses of the listening TCP sockets ``pids`` hold (Linux: /proc)."""
+    import socket
+
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            with contextlib.suppress(OSError):
+                if (link := os.readlink(fd)).startswith("socket:["):
+                    inodes.add(link[8:-1])
+    out = set()
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                raw = bytes.fromhex(fields[1].split(":")[0])
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # little-endian words
+                out.add(socket.inet_ntop(family, words))
+    return out
+
+
+def test_local_ranks_listen_on_loopback_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Even told to use another interface (GLOO_SOCKET_IFNAME), a local run's ranks listen on loopback only:
+    the sockets listening while a run is under way are all 127.0.0.1 or ::1."""
+    import socket
+    import threading
+
+    other = [name for _, name in socket.if_nameindex() if not name.startswith("lo")]
+    if other:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", other[-1])
+    s = scenario(extra="workload: commgate.run.workloads.faults:hang\ndeadline_s: 8\n")
+    errors: list[BaseException] = []
+
+    def hang() -> None:
+        try:
+            launch_local(s, workdir=tmp_path)
+        except RunError as exc:  # the deadline, as planted
+            errors.append(exc)
+
+    run = threading.Thread(target=hang, daemon=True)
+    run.start()
+    seen: set[str] = set()
+    until = time.monotonic() + 7
+    while time.monotonic() < until and not seen:
+        time.sleep(0.2)
+        seen = _listening(rank_processes(tmp_path))
+    run.join(timeout=30)
+    assert seen, "no listening socket seen while the ranks ran"
+    assert all(addr.startswith("127.") or addr == "::1" for addr in seen), seen
+    assert errors and "deadline of 8 s passed" in str(errors[0])

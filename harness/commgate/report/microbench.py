@@ -31,6 +31,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from commgate.report.bandwidth import algbw, busbw
 from commgate.run import interpose
+from commgate.run.launcher import loopback_env, loopback_store
 
 PATHS = ("bare", "harness")
 GEMM_N = 256
@@ -152,8 +153,17 @@ def _join(rank: int, world: int, store: Any, sizes: Sequence[int], timeout_s: fl
         torch.cuda.init()  # type: ignore[no-untyped-call]
     interpose.install(backend, rank)
     timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    return Groups(world, sizes, backend)
+    saved = {k: os.environ.get(k) for k in loopback_env()}
+    os.environ.update(loopback_env())  # the sockets of every group made here listen on loopback only
+    try:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        return Groups(world, sizes, backend)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class World:
@@ -161,13 +171,12 @@ class World:
 
     def __init__(self, world: int, sizes: Sequence[int], *, backend: str = "gloo", timeout_s: float = 120) -> None:
         self.world, self.sizes, self.backend, self._k = world, tuple(sizes), backend, 0
-        self.store = TCPStore(
-            "127.0.0.1", 0, world, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
-        )
+        self.store = loopback_store(world, timeout_s)
         argv = [sys.executable, "-m", "commgate.report.microbench", "--world", str(world)]
         argv += ["--port", str(self.store.port)]
         argv += ["--sizes", ",".join(map(str, sizes)), "--timeout", str(timeout_s), "--backend", backend]
-        self.followers = [subprocess.Popen([*argv, "--rank", str(r)]) for r in range(1, world)]
+        env = os.environ | loopback_env()
+        self.followers = [subprocess.Popen([*argv, "--rank", str(r)], env=env) for r in range(1, world)]
         try:
             self.groups = _join(0, world, self.store, sizes, timeout_s, backend)
         except BaseException:

@@ -5,7 +5,8 @@ GPUs, DeepSpeed) once: a rank starts in milliseconds instead of the seconds thos
 state passes from one scenario to the next. (No fork after torch is imported in this process, which
 imports neither; the forkserver itself never initialises CUDA.) Every rank runs in its own session, so
 that it and anything it started are killed at once. Ranks meet through a ``FileStore`` in a private
-temporary directory: no port to collide with. The launcher fails a run
+temporary directory: no port to collide with; their gloo sockets listen on the loopback interface only.
+The launcher fails a run
 
 * when a rank raises: naming the rank and showing its traceback (the other ranks are killed at once),
 * when a rank dies by a signal: naming the rank and the signal,
@@ -24,12 +25,14 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import tempfile
 import time
 from collections.abc import Callable
 from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Any
 
 from commgate.core.errors import CommgateError
 from commgate.model.scenario import Scenario
@@ -180,6 +183,36 @@ def stale_build_locks() -> list[Path]:
     return sorted(root.glob("*/*/lock")) + sorted(root.glob("*/lock"))
 
 
+def loopback_env() -> dict[str, str]:
+    """What makes gloo's (and NCCL's bootstrap) sockets of local ranks listen on the loopback interface
+    only, whatever the host name resolves to or the caller's ``GLOO_SOCKET_IFNAME`` says."""
+    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    lo = names[0] if names else "lo"
+    return {"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo}
+
+
+def loopback_store(world: int, timeout_s: float) -> Any:
+    """A master ``TCPStore`` that listens on 127.0.0.1 only (given its own bound socket: torch's would
+    listen on every interface)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1",
+        sock.getsockname()[1],
+        world,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
+    return store
+
+
 RANK_MEMORY = 512 << 20
 """What one local rank holds with torch and DeepSpeed imported and a reduced-scale model (bytes)."""
 RANKS_PER_CORE = 8
@@ -229,6 +262,7 @@ def launch_local(
         for rank in range(world):
             # what torchrun sets (DeepSpeed insists on LOCAL_RANK)
             env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
+            env |= loopback_env()  # nothing a local run opens is reachable from another machine
             args = (
                 str(spec),
                 rank,
