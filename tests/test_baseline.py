@@ -128,3 +128,14 @@ def test_a_cold_start_spike_names_rank_op_peer_size_and_ratio() -> None:
     )
     assert cold_starts(cap, ColdStartRule(factor=10, min_excess_ms=1000)) == []  # not slow enough in absolute terms
     assert cold_starts(cap, ColdStartRule(factor=1000, min_excess_ms=0)) == []  # nor relatively
+
+
+def test_another_scenarios_baseline_is_a_one_line_error(tmp_path: Path) -> None:
+    """A baseline copied or renamed from another scenario's file is not compared with this one's run."""
+    stored = bl.load(DATA / "ddp.json")
+    assert bl.load(DATA / "ddp.json", scenario=stored.scenario) == stored
+    with pytest.raises(
+        bl.BaselineError, match=rf"\$\.scenario: '{stored.scenario}' is another scenario's baseline, not 'zero3'"
+    ) as info:
+        bl.load(DATA / "ddp.json", scenario="zero3")
+    assert "\n" not in str(info.value)

@@ -157,17 +157,17 @@ def migrate(doc: dict[str, Any], *, file: str = "<baseline>") -> dict[str, Any]:
     return doc
 
 
-def load(path: Path) -> Baseline:
-    """The baseline at ``path``, migrated and validated; ``BaselineError`` (one line) otherwise."""
+def load(path: Path, *, scenario: str | None = None) -> Baseline:
+    """The baseline at ``path``, migrated and validated (and, given ``scenario``, of that scenario: a file
+    copied or renamed from another's is not compared); ``BaselineError`` (one line) otherwise."""
+    hint = "; delete it or rerun with --commgate-update-baselines"
     try:
-        doc = read_json(
-            path,
-            validate,
-            migrate=lambda d: migrate(d, file=str(path)),
-            hint="; delete it or rerun with --commgate-update-baselines",
-        )
+        doc = read_json(path, validate, migrate=lambda d: migrate(d, file=str(path)), hint=hint)
     except DocumentError as exc:
         raise BaselineError(exc.problems) from None
+    if scenario is not None and doc["scenario"] != scenario:
+        message = f"{doc['scenario']!r} is another scenario's baseline, not {scenario!r}'s" + hint
+        raise BaselineError([Problem(file=str(path), path="$.scenario", message=message)])
     return Baseline.from_json(doc)
 
 

@@ -232,7 +232,7 @@ def judge(
 
     now = bl.Baseline.from_run(capture, rec, bl.provenance(capture, s.world_size))
     path = bl.path_for(root, capture.backend, s.id)
-    stored = bl.load(path) if path.exists() else None
+    stored = bl.load(path, scenario=s.id) if path.exists() else None
     findings, written = settle_baseline(
         evaluate(s, prediction, capture, rec, now, stored, update_flag), now, stored, path, update=update
     )

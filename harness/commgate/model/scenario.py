@@ -694,6 +694,19 @@ def _check_module(spec: str, scheme: str, bad: Bad) -> None:
         bad(["model", "module"], str(exc).removeprefix(f"model.module {spec!r}: "))
 
 
+def _check_workload(spec: str, bad: Bad) -> None:
+    """``workload:`` names an importable callable (imported now, so that validate finds what a run would)."""
+    from commgate.model.usermodule import resolve
+
+    try:
+        fn = resolve(spec)
+    except CommgateError as exc:
+        bad(["workload"], str(exc).removeprefix(f"model.module {spec!r}: "))
+        return
+    if not callable(fn):
+        bad(["workload"], f"{spec!r} is a {type(fn).__name__}, not a callable")
+
+
 def _check_architecture(m: ModelSpec, tp: int, bad: Bad) -> None:
     """What the architecture's shapes need, including what tensor parallelism over ``tp`` ranks splits."""
     if m.llama and m.position != "rotary":
@@ -766,6 +779,8 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
     rule = SCHEMES[s]
     if "world_size" in doc and doc["world_size"] != par.world_size:
         bad(["world_size"], f"{doc['world_size']} != dp*tp*pp = {par.dp}*{par.tp}*{par.pp} = {par.world_size}")
+    if isinstance(doc.get("workload"), str):
+        _check_workload(doc["workload"], bad)
     if m.module is None and m.h % m.a:
         bad(["model", "a"], f"hidden size h={m.h} is not divisible by heads a={m.a}")
     # Which axes each scheme allows (beyond dp, which all allow).
