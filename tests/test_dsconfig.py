@@ -96,12 +96,27 @@ def test_the_baseline_only_mode_accepts_unmodelled_keys() -> None:
     assert s.deepspeed_config["zero_optimization"]["stage3_use_all_reduce_for_fetch_params"] is True
 
 
-def test_a_typo_warns_with_the_closest_key() -> None:
-    # GPT-NeoX's own 13B config (configs/13B.yml) spells it this way
-    s = load("{scheme: zero3, dp: 2}", "{zero_optimization: {stage3_param_persitance_threshold: 0}, steps_per_prnt: 1}")
-    warnings = " ".join(s.warnings)
-    assert "did you mean zero_optimization.stage3_param_persistence_threshold?" in warnings
-    assert "did you mean steps_per_print?" in warnings
+def test_a_typo_names_the_closest_key() -> None:
+    """A top-level typo is a warning (DeepSpeed ignores the key); one under zero_optimization is an error,
+    as DeepSpeed's pydantic config refuses it. GPT-NeoX's own 13B ZeRO-3 config spells it this way."""
+    s = load("{scheme: zero3, dp: 2}", "{steps_per_prnt: 1}")
+    assert "did you mean steps_per_print?" in " ".join(s.warnings)
+    with pytest.raises(
+        ScenarioError,
+        match=r"stage3_param_persitance_threshold: DeepSpeed has no such key and refuses "
+        r"the config \(extra fields forbidden\); did you mean stage3_param_persistence_threshold\?",
+    ):
+        load("{scheme: zero3, dp: 2}", "{zero_optimization: {stage3_param_persitance_threshold: 0}}")
+
+
+def test_deepspeed_refuses_what_the_error_says_it_refuses() -> None:
+    """The error is DeepSpeed's own behaviour: its zero config raises on the same key."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"extra_forbidden|Extra inputs are not permitted"):
+        DeepSpeedZeroConfig(stage=3, stage3_param_persitance_threshold=0)
+    assert dsconfig.refused_keys({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}) == []
 
 
 def test_a_json_file_next_to_the_scenario(tmp_path: Path) -> None:

@@ -130,6 +130,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     if a.update_baselines and not a.gate:
         raise UsageError("--update-baselines needs --gate")
+    if a.refresh_latency and not a.update_baselines:
+        raise UsageError("--refresh-latency works with --update-baselines; add it")
     scenarios = load_paths(a.paths or [DEFAULT_SUITE])
     if a.select:
         scenarios = [s for s in scenarios if any(k in s.id for k in a.select)]
@@ -142,7 +144,11 @@ def cmd_run(a: argparse.Namespace) -> int:
     else:
         runner, lead, how = LocalRanks(deadline_s=a.deadline), True, ""
     options = Options(
-        baseline_dir=a.baseline_dir, gate=a.gate, update_baselines=a.update_baselines, update_flag="--update-baselines"
+        baseline_dir=a.baseline_dir,
+        gate=a.gate,
+        update_baselines=a.update_baselines,
+        update_flag="--update-baselines",
+        refresh_latency=a.refresh_latency,
     )
     report = Report(a.report_dir / "report.json" if a.report_dir and lead else None)
     for i, s in enumerate(scenarios, 1):
@@ -266,7 +272,14 @@ def build_parser() -> argparse.ArgumentParser:
         "fails), latency and cold-start drift; for torchrun/Slurm where pytest does not run the ranks",
     )
     r.add_argument(
-        "--update-baselines", action="store_true", help="with --gate: rewrite the baselines and report what changed"
+        "--update-baselines",
+        action="store_true",
+        help="with --gate: rewrite the baselines whose communication changed and report what changed",
+    )
+    r.add_argument(
+        "--refresh-latency",
+        action="store_true",
+        help="with --update-baselines: rewrite unchanged baselines too, storing this run's latency samples",
     )
     r.add_argument("-k", "--select", action="append", help="run only scenarios whose id contains this (repeatable)")
     c = sub.add_parser(

@@ -29,6 +29,9 @@ class Options:
     gate: bool = True
     """Judge as the regression gate does (model, paper, baseline, drift); else against the model only."""
     update_baselines: bool = False
+    refresh_latency: bool = False
+    """With ``update_baselines``: also rewrite a baseline whose communication is unchanged, to store this
+    run's latency samples."""
     update_flag: str = UPDATE_FLAG
     """The flag a failure names as the way to accept a change."""
     backend: Backend | None = None
@@ -64,6 +67,7 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
             rec,
             options.baseline_dir,
             update=options.update_baselines,
+            refresh_latency=options.refresh_latency,
             update_flag=options.update_flag,
         )
         findings, baseline, written = j.findings, j.baseline, j.written

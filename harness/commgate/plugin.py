@@ -39,6 +39,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="write the baselines of the scenarios run (missing or changed ones), and report what changed",
     )
     group.addoption(
+        "--commgate-refresh-latency",
+        action="store_true",
+        help="with --commgate-update-baselines: rewrite unchanged baselines too, storing this run's latency samples",
+    )
+    group.addoption(
         "--commgate-baseline-dir", metavar="DIR", type=Path, help="where baselines live (default: <rootdir>/baselines)"
     )
     group.addoption("--commgate-report-dir", metavar="DIR", type=Path, help="write report.json and the HTML there")
@@ -104,6 +109,8 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(
             "--commgate-update-baselines with --commgate-fault would store a faulty run as the baseline; use one"
         )
+    if config.getoption("commgate_refresh_latency", False) and not update:
+        raise pytest.UsageError("--commgate-refresh-latency works with --commgate-update-baselines; add it")
     deadline = config.getoption("commgate_deadline", None)
     if deadline is not None and deadline <= 0:
         raise pytest.UsageError(f"--commgate-deadline {deadline:g}: expected a positive number of seconds")
@@ -118,6 +125,7 @@ def pytest_configure(config: pytest.Config) -> None:
     options = Options(
         baseline_dir=config.getoption("commgate_baseline_dir", None) or config.rootpath / "baselines",
         update_baselines=update,
+        refresh_latency=config.getoption("commgate_refresh_latency", False),
         backend=config.getoption("commgate_backend", None),
     )
     config.stash[SESSION] = _Session(options=options, faults=faults)

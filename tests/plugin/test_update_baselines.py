@@ -50,3 +50,22 @@ def test_baselines_are_canonical_json(pytester: pytest.Pytester, scenario_file: 
     pytester.runpytest("--commgate-update-baselines").assert_outcomes(passed=1)
     text = (pytester.path / "baselines" / "gloo" / "g.json").read_text()
     assert text == json.dumps(json.loads(text), sort_keys=True, indent=2) + "\n"
+
+
+def test_an_unchanged_baseline_is_left_as_it_is(pytester: pytest.Pytester, scenario_file: Callable[..., Path]) -> None:
+    """--commgate-update-baselines leaves a baseline whose communication did not change byte for byte as it
+    was (so git diff shows only real changes); --commgate-refresh-latency stores the new latency samples."""
+    scenario_file("g")
+    pytester.runpytest("--commgate-update-baselines").assert_outcomes(passed=1)
+    path = pytester.path / "baselines" / "gloo" / "g.json"
+    before = path.read_bytes()
+    again = pytester.runpytest("--commgate-update-baselines")
+    again.assert_outcomes(passed=1)
+    again.stdout.fnmatch_lines(["g: *g.json left as it is: communication unchanged*"])
+    assert path.read_bytes() == before
+    refreshed = pytester.runpytest("--commgate-update-baselines", "--commgate-refresh-latency")
+    refreshed.assert_outcomes(passed=1)
+    refreshed.stdout.fnmatch_lines(["g: *g.json *"])
+    assert path.read_bytes() != before  # new provenance date and this run's samples
+    alone = pytester.runpytest("--commgate-refresh-latency")
+    assert alone.ret == pytest.ExitCode.USAGE_ERROR

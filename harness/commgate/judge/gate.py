@@ -176,18 +176,24 @@ def evaluate(
 
 
 def settle_baseline(
-    v: Verdict, now: Baseline, stored: Baseline | None, path: Path, *, update: bool
+    v: Verdict, now: Baseline, stored: Baseline | None, path: Path, *, update: bool, refresh_latency: bool = False
 ) -> tuple[list[Finding], str | None]:
     """The baseline policy. A missing baseline is written and the test fails (nothing passes silently);
-    with ``update`` it is rewritten, keeping other machines' latency samples, and what changed is
-    reported instead of failing; a run that fails the model or the paper is never stored. Returns the
-    findings that stand and, when a file was written, a line saying so."""
+    with ``update`` a baseline whose communication changed is rewritten (keeping other machines' latency
+    samples) and what changed is reported instead of failing, one whose communication did not is left
+    as it is, so that ``git diff`` shows only real changes, unless ``refresh_latency`` asks for this
+    machine's new latency samples; a run that fails the model or the paper is never stored. Returns the
+    findings that stand and, when a file was written or left alone, a line saying so."""
     if stored is not None and not update:
         return v.findings, None
     changed = [f for f in v.findings if f.kind in ("baseline", "latency")]
     findings = [f for f in v.findings if f.kind not in ("baseline", "latency")]
     if any(f.fail for f in findings):
         return findings, None
+    communication = [f for f in changed if f.kind == "baseline"]
+    if stored is not None and not communication and not refresh_latency:
+        kept = "; latency samples kept (--commgate-refresh-latency stores this run's)" if changed else ""
+        return findings, f"{path} left as it is: communication unchanged{kept}"
     if stored is not None:
         now = replace(now, latency={**stored.latency, **now.latency})
     write(path, now)
@@ -199,7 +205,7 @@ def settle_baseline(
         return findings, f"{path} written"
     if changed:
         return findings, f"{path} updated: " + "; ".join(line for f in changed for line in f.lines[:3])
-    return findings, f"{path} rewritten, unchanged"
+    return findings, f"{path} rewritten: latency samples refreshed"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -224,6 +230,7 @@ def judge(
     *,
     update: bool = False,
     update_flag: str = UPDATE_FLAG,
+    refresh_latency: bool = False,
 ) -> Judgement:
     """The whole gate for one run (the pytest plugin's and ``commgate run --gate``'s): its baseline from
     ``root/{backend}/{id}.json``, the verdict, and the baseline policy (``settle_baseline``). A failure
@@ -234,6 +241,11 @@ def judge(
     path = bl.path_for(root, capture.backend, s.id)
     stored = bl.load(path, scenario=s.id) if path.exists() else None
     findings, written = settle_baseline(
-        evaluate(s, prediction, capture, rec, now, stored, update_flag), now, stored, path, update=update
+        evaluate(s, prediction, capture, rec, now, stored, update_flag),
+        now,
+        stored,
+        path,
+        update=update,
+        refresh_latency=refresh_latency,
     )
     return Judgement(findings=tuple(findings), baseline=path, written=written)

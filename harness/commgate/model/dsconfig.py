@@ -12,8 +12,10 @@ Every key is one of three kinds, read from DeepSpeed 0.19's config (``runtime/co
   the key (the model would be wrong), unless the scenario turns the model check off;
 * **everything else DeepSpeed knows** (optimizer, scheduler, logging, checkpointing ...): passed through.
 
-A key DeepSpeed does not know is a warning with the closest known key ("did you mean ..."): real configs
-carry such typos, e.g. GPT-NeoX's 13B ZeRO-3 config spells ``stage3_param_persitance_threshold``.
+A top-level key DeepSpeed does not know is a warning with the closest known key ("did you mean ..."):
+DeepSpeed ignores it. One under ``zero_optimization`` is an error, as DeepSpeed 0.19's pydantic config
+forbids extra fields and refuses the whole config. Real configs carry such typos, e.g. GPT-NeoX's 13B
+ZeRO-3 config spells ``stage3_param_persitance_threshold`` (``commgate import`` leaves it out, saying so).
 Pure Python: nothing here imports DeepSpeed.
 """
 
@@ -142,18 +144,32 @@ def load(block: Any, *, scenario_file: str | None) -> dict[str, Any]:
     return doc
 
 
+def _closest(key: str, known: frozenset[str], where: str) -> str:
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+    return f"; did you mean {where}{close[0]}?" if close else ""
+
+
 def unknown_keys(cfg: Mapping[str, Any]) -> list[str]:
-    """One warning per key DeepSpeed does not know, with the closest known key."""
-    out = []
-    for where, keys, known in (("", cfg, TOP_LEVEL), ("zero_optimization.", cfg.get("zero_optimization", {}), ZERO)):
-        if not isinstance(keys, Mapping):
-            continue
-        for k in keys:
-            if k not in known:
-                close = difflib.get_close_matches(k, sorted(known), n=1, cutoff=0.75)
-                hint = f"; did you mean {where}{close[0]}?" if close else ""
-                out.append(f"deepspeed.{where}{k}: DeepSpeed has no such key (it would be ignored){hint}")
-    return out
+    """One warning per top-level key DeepSpeed does not know (its config ignores them), with the closest
+    known key."""
+    return [
+        f"deepspeed.{k}: DeepSpeed has no such key (it would be ignored){_closest(k, TOP_LEVEL, '')}"
+        for k in cfg
+        if k not in TOP_LEVEL
+    ]
+
+
+def refused_keys(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(key, message) per ``zero_optimization`` key DeepSpeed does not know: its pydantic config forbids
+    extra fields, so DeepSpeed would refuse the config (``extra_forbidden``); with the closest known key."""
+    zo = cfg.get("zero_optimization", {})
+    if not isinstance(zo, Mapping):
+        return []
+    return [
+        (k, f"DeepSpeed has no such key and refuses the config (extra fields forbidden){_closest(k, ZERO, '')}")
+        for k in zo
+        if k not in ZERO
+    ]
 
 
 def violations(cfg: Mapping[str, Any], stage: int) -> list[tuple[tuple[str, ...], Any, str, str]]:

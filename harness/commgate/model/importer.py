@@ -233,6 +233,9 @@ def _reduce(model: dict[str, Any], par: dict[str, Any], ds: dict[str, Any], note
 
 
 def _drop_unmodelled(ds: dict[str, Any], stage: int, notes: list[str]) -> None:
+    for key, message in dsconfig.refused_keys(ds):
+        del ds["zero_optimization"][key]
+        notes.append(f"deepspeed zero_optimization.{key} left out: {message}")
     for path, value, expected, what in dsconfig.violations(ds, stage):
         parent: Any = ds
         for part in path[:-1]:

@@ -543,6 +543,8 @@ def _build(doc: dict[str, Any], *, file: str, where: _Located, label: str) -> tu
         return None, problems
     _check_consistency(doc, model, par, bad)
     checked = doc.get("expectations", {}).get("model", {}).get("check", True)
+    for key, message in dsconfig.refused_keys(ds):
+        bad(["deepspeed", "zero_optimization", key], message)
     if checked:
         dsconfig.unmodelled(ds, par.zero.stage, bad)
     if SCHEMES[par.scheme].deepspeed:
@@ -611,6 +613,11 @@ def _from_deepspeed(
     zo = zo if isinstance(zo, Mapping) else {}
 
     def take(target: dict[str, Any], field: str, value: Any, key: str, where: str) -> None:
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**62:  # JSON's 5e8
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            bad(["deepspeed", *key.split(".")], f"{value!r}: expected a whole number >= 1")
+            return
         if field in target and target[field] != value:
             bad(["deepspeed", *key.split(".")], f"{value!r} contradicts {where}.{field} = {target[field]!r}")
         target[field] = value
@@ -624,7 +631,7 @@ def _from_deepspeed(
         take(
             zero,
             "bucket_elements",
-            int(zo["reduce_bucket_size"]),
+            zo["reduce_bucket_size"],
             "zero_optimization.reduce_bucket_size",
             "parallelism.zero",
         )
@@ -644,7 +651,9 @@ def _from_deepspeed(
             )
     for key, dtype in (("bf16", "bf16"), ("fp16", "fp16")):
         if dsconfig.enabled(ds, key):
-            take(model, "dtype", dtype, f"{key}.enabled", "model")
+            if model.get("dtype", dtype) != dtype:
+                bad(["deepspeed", key, "enabled"], f"True contradicts model.dtype = {model['dtype']!r}")
+            model["dtype"] = dtype
     if zero:
         par["zero"] = zero
     return model, par

@@ -23,6 +23,7 @@ import json
 import multiprocessing
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -133,7 +134,7 @@ def _failure(scenario: Scenario, procs: list[BaseProcess], tmp: Path) -> str | N
         return None
     errors = {r: e for r in range(len(procs)) if (e := tmp / f"rank{r}.err").exists()}
     silent = [(rank, code) for rank, code in failed if rank not in errors]
-    last = {r: (e.read_text(errors="replace").rstrip().splitlines() or [""])[-1] for r, e in errors.items()}
+    last = {r: _exception_line(e.read_text(errors="replace")) for r, e in errors.items()}
     cause: int | None = None
     if signalled := [(rank, code) for rank, code in silent if code < 0]:  # with what it printed last
         rank, code = signalled[0]
@@ -151,6 +152,17 @@ def _failure(scenario: Scenario, procs: list[BaseProcess], tmp: Path) -> str | N
         head = f"{scenario.id}: rank {cause} raised {last[cause]}\n{tb}"
     after = [f"rank {r} then raised {last[r]}" for r in sorted(errors) if r != cause]
     return head + ("\n(consequences: " + "; ".join(after) + ")" if after else "")
+
+
+_HEADER = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)\b.*")
+
+
+def _exception_line(traceback_text: str) -> str:
+    """The exception's own line of a traceback ("ValueError: ..."), which a multi-line message (pydantic's,
+    say) would leave far from the last line; else the last line."""
+    lines = traceback_text.rstrip().splitlines() or [""]
+    headers = [line for line in lines if _HEADER.match(line)]
+    return headers[-1] if headers else lines[-1]
 
 
 def _log_tail(tmp: Path, rank: int, lines: int = 20) -> str:
