@@ -114,7 +114,8 @@ def test_a_rank_killed_by_a_signal_is_named(tmp_path: Path) -> None:
 
 
 def test_a_hang_fails_at_the_deadline_naming_each_ranks_call(tmp_path: Path) -> None:
-    s = scenario(extra="workload: commgate.run.workloads.faults:hang\ndeadline_s: 20\n")
+    # the stall watchdog held off: the deadline is the backstop
+    s = scenario(extra="workload: commgate.run.workloads.faults:hang\ndeadline_s: 20\nstall_s: 600\n")
     with pytest.raises(RunError) as info:
         launch_local(s, workdir=tmp_path)
     lines = str(info.value).splitlines()
@@ -122,6 +123,43 @@ def test_a_hang_fails_at_the_deadline_naming_each_ranks_call(tmp_path: Path) -> 
     assert lines[1] == "  rank 0: in all_reduce (group [0, 1], 16 B, step 1, forward)"
     assert lines[2] == "  rank 1: in recv (peer 0, 4 B, step 1, forward)"
     assert rank_processes(tmp_path) == []
+
+
+def test_a_stall_fails_early_naming_the_first_divergence(tmp_path: Path) -> None:
+    """Rank 1 skips its all-reduce in step 1 and goes on: its later all-reduces meet rank 0's earlier ones,
+    so rank 0 waits in its last while rank 1 has finished. The watchdog fails the run once no rank has
+    made progress for stall_s (long before the deadline) and says where the call sequences part."""
+    s = scenario(extra="workload: commgate.run.workloads.faults:skip\ndeadline_s: 300\nstall_s: 3\n")
+    with pytest.raises(RunError) as info:
+        launch_local(s, workdir=tmp_path)
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith("t: stalled: no rank issued or completed a call for ")
+    assert lines[1] == (
+        "  first divergence: rank 1 issued 0 call(s) in step 1 on group [0, 1], rank 0 issued 1: "
+        "rank 1 never issued all_reduce #1 (16 B, group [0, 1])"
+    )
+    assert lines[3].startswith("    rank 0: in all_reduce (group [0, 1], 16 B, step")
+    assert lines[4].startswith("    rank 1: finished its steps, in teardown (waiting for its peers)")
+    assert rank_processes(tmp_path) == []
+
+
+def test_the_divergence_of_call_sequences() -> None:
+    from commgate.run.launcher import divergence
+
+    def call(step: int, op: str, nbytes: int, group: tuple[int, ...] = (0, 1), peer: int | None = None) -> dict:  # type: ignore[type-arg]
+        return {"step": step, "op": op, "bytes": nbytes, "group": list(group), "peer": peer}
+
+    same = [call(0, "all_reduce", 16), call(1, "broadcast", 8)]
+    assert divergence({0: same, 1: same}) is None
+    assert divergence({0: same, 1: [call(0, "all_reduce", 16), call(1, "all_reduce", 8)]}) == (
+        "in step 1, call #1 on group [0, 1]: rank 0 issued broadcast (8 B), rank 1 issued all_reduce (8 B)"
+    )
+    sends = {0: [call(2, "send", 4, peer=1)], 1: []}
+    assert divergence(sends) == (
+        "rank 1 issued 0 call(s) in step 2 on send/recv 0 -> 1, rank 0 issued 1: rank 1 never issued "
+        "send/recv #1 (4 B, send/recv 0 -> 1)"
+    )
+    assert divergence({0: [call(2, "send", 4, peer=1)], 1: [call(2, "recv", 4, peer=0)]}) is None
 
 
 def test_ranks_die_with_a_launcher_killed_outright(tmp_path: Path) -> None:

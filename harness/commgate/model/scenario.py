@@ -140,6 +140,8 @@ class Scenario:
     steps: int = 3
     warmup_steps: int = 1
     deadline_s: float = 300.0
+    stall_s: float | None = None
+    """The stall watchdog's limit (``commgate.run.launcher``); None: derived from the steps seen."""
     markers: tuple[str, ...] = ()
     workload: str | None = None
     expectations: Expectations = field(default_factory=Expectations)
@@ -593,6 +595,7 @@ def _build(doc: dict[str, Any], *, file: str, where: _Located, label: str) -> tu
             steps=doc.get("steps", 3),
             warmup_steps=doc.get("warmup_steps", 1),
             deadline_s=float(doc.get("deadline_s", 300.0)),
+            stall_s=float(doc["stall_s"]) if "stall_s" in doc else None,
             markers=markers,
             workload=doc.get("workload"),
             expectations=_build_expectations(doc.get("expectations", {})),

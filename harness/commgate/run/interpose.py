@@ -140,8 +140,27 @@ class Recorder:
             pending = [CapturedCall(**rec, duration_ns=None) for rec in self._open.values()]
             return sorted(self._completed() + pending, key=lambda c: c.seq)
 
+    def progress(self) -> tuple[int, int, int]:
+        """(issued, completed, open) calls so far: the launcher's stall watchdog reads them."""
+        with self._lock:
+            done = len(self.calls) + len(self._done)
+            return done + len(self._open), done, len(self._open)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Every call issued so far, in issue order, as plain records (``open``: not completed): what the
+        launcher aligns across ranks when they stall."""
+        keys = ("seq", "step", "phase", "op", "group", "peer", "bytes")
+        with self._lock:
+            done = [{k: getattr(c, k) for k in keys} | {"open": False} for c in self.calls]
+            done += [{k: r[k] for k in keys} | {"open": False} for r in self._done]
+            pending = [{k: r[k] for k in keys} | {"open": True} for r in self._open.values()]
+        return sorted(done + pending, key=lambda r: r["seq"])
+
 
 RECORDER: Recorder | None = None
+INSTALLED: Recorder | None = None
+"""The recorder ``install`` made last, kept after a run's teardown unsets ``RECORDER`` (the heartbeat
+still reports on it)."""
 
 
 @contextlib.contextmanager
@@ -356,5 +375,6 @@ def install(inner: str, rank: int) -> Recorder:
     global RECORDER
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND_NAME, _creator(inner), extended_api=True, devices=[_INNER[inner][0]])
-    RECORDER = Recorder(rank)
+    global INSTALLED
+    RECORDER = INSTALLED = Recorder(rank)
     return RECORDER

@@ -172,6 +172,132 @@ def _log_tail(tmp: Path, rank: int, lines: int = 20) -> str:
     return "".join(f"\n{line}" for line in tail)
 
 
+STALL_MIN_S = 10.0
+"""The stall watchdog's least patience (a scenario's ``stall_s`` overrides it)."""
+
+
+class Watchdog:
+    """Reads the ranks' heartbeats (``commgate.run.rank._heartbeat``) and says when the run has stalled:
+    every running rank has started its steps and is blocked — in a call it issued, or in the teardown
+    after its steps — and no rank has issued or completed a call for ``stall_s``, by default
+    max(STALL_MIN_S, 2 x the slowest step seen + 5 s). The deadline stays the backstop."""
+
+    def __init__(self, tmp: Path, world: int, stall_s: float | None) -> None:
+        self.tmp, self.world, self.stall_s = tmp, world, stall_s
+        self.seen: tuple[object, ...] = ()
+        self.since = time.monotonic()
+        self.next_look = 0.0
+
+    def limit(self, beats: list[dict[str, Any]]) -> float:
+        slowest = max((ns for b in beats for ns in b.get("steps_ns", [])), default=0) / 1e9
+        return self.stall_s if self.stall_s is not None else max(STALL_MIN_S, 2 * slowest + 5)
+
+    def stalled(self, running: list[bool]) -> float | None:
+        """The seconds without progress once that means a stall, else None."""
+        now = time.monotonic()
+        if now < self.next_look:
+            return None
+        self.next_look = now + 0.25
+        beats: list[dict[str, Any]] = []
+        for r in range(self.world):
+            try:
+                beats.append(json.loads((self.tmp / f"rank{r}.beat").read_bytes().strip() or b"null") or {})
+            except (OSError, ValueError):
+                beats.append({})
+        progress = tuple((b.get("issued"), b.get("done"), b.get("teardown")) for b in beats)
+        if progress != self.seen:
+            self.seen, self.since = progress, now
+            return None
+        blocked = all(
+            not alive or (b.get("issued") is not None and (b.get("open", 0) > 0 or b.get("teardown")))
+            for alive, b in zip(running, beats, strict=True)
+        )
+        started = all(
+            not alive or b.get("steps_ns") or b.get("open", 0) > 0 for alive, b in zip(running, beats, strict=True)
+        )
+        waited = now - self.since
+        return waited if blocked and started and waited > self.limit(beats) else None
+
+
+def _stall_report(scenario: Scenario, tmp: Path, procs: list[BaseProcess], waited: float) -> str:
+    """The stall: the first place the ranks' call sequences part (from every rank's issued calls, which
+    the launcher asks them for), then each rank's state."""
+    (tmp / "dump.request").touch()
+    running = [r for r, p in enumerate(procs) if p.exitcode is None]
+    until = time.monotonic() + 3
+    while time.monotonic() < until and not all((tmp / f"rank{r}.calls.json").exists() for r in running):
+        time.sleep(POLL_S)
+    dumps: dict[int, dict[str, Any]] = {}
+    for r in running:
+        with contextlib.suppress(OSError, ValueError):
+            dumps[r] = json.loads((tmp / f"rank{r}.calls.json").read_text())
+    lines = [f"{scenario.id}: stalled: no rank issued or completed a call for {waited:.0f} s, every rank blocked"]
+    parted = divergence({r: d["calls"] for r, d in dumps.items()})
+    lines.append(f"  first divergence: {parted}" if parted else "  the ranks issued the same calls (a peer is slow?)")
+    lines.append("  each rank:")
+    for r in range(scenario.world_size):
+        status = tmp / f"rank{r}.status"
+        text = status.read_text(errors="replace").strip() if status.exists() else ""
+        if r not in running:
+            state = f"exited ({procs[r].exitcode})"
+        elif dumps.get(r, {}).get("teardown"):
+            state = f"finished its steps, in teardown (waiting for its peers); last call {text or 'none'}"
+        else:
+            state = f"in {text}" if text else "no call issued yet"
+        lines.append(f"    rank {r}: {state}")
+    return "\n".join(lines)
+
+
+def _call_key(rank: int, call: dict[str, Any]) -> tuple[tuple[Any, ...], tuple[int, ...], Any]:
+    """(key, member ranks, entry) of a call: a collective by its group and (op, bytes); a send or recv by
+    its direction, so that one rank's send meets the other's receive."""
+    peer = call.get("peer")
+    if peer is not None:
+        src, dst = (rank, peer) if call["op"] in ("send", "isend") else (peer, rank)
+        return ("p2p", src, dst), (src, dst), ("send/recv", call["bytes"])
+    group = tuple(call["group"])
+    return ("group", group), group, (call["op"], call["bytes"])
+
+
+def divergence(calls: dict[int, list[dict[str, Any]]]) -> str | None:
+    """Where the ranks' call sequences first part: for each step in order, each group's (or send/recv
+    pair's) calls on its member ranks compared in issue order. None if they never do."""
+    for step in sorted({c["step"] for cs in calls.values() for c in cs}):
+        seqs: dict[tuple[Any, ...], dict[int, list[Any]]] = {}
+        members: dict[tuple[Any, ...], tuple[int, ...]] = {}
+        for r, cs in calls.items():
+            for c in cs:
+                if c["step"] == step:
+                    key, ranks, entry = _call_key(r, c)
+                    members[key] = ranks
+                    seqs.setdefault(key, {}).setdefault(r, []).append(entry)
+        for key in sorted(seqs, key=str):
+            lists = {r: seqs[key].get(r, []) for r in members[key] if r in calls}
+            if len({tuple(v) for v in lists.values()}) <= 1:
+                continue
+            where = f"send/recv {key[1]} -> {key[2]}" if key[0] == "p2p" else f"group {list(key[1])}"
+            for i in range(max(len(v) for v in lists.values())):
+                at = {r: v[i] if i < len(v) else None for r, v in lists.items()}
+                if len(set(at.values())) == 1:
+                    continue
+                short = [r for r, e in at.items() if e is None]
+                full = next(r for r, e in at.items() if e is not None)
+                op, nbytes = lists[full][i]
+                if short:
+                    r = short[0]
+                    return (
+                        f"rank {r} issued {len(lists[r])} call(s) in step {step} on {where}, rank {full} issued "
+                        f"{len(lists[full])}: rank {r} never issued {op} #{i + 1} ({nbytes} B, {where})"
+                    )
+                other = next(r for r, e in at.items() if e != at[full])
+                their_op, their_bytes = lists[other][i]
+                return (
+                    f"in step {step}, call #{i + 1} on {where}: rank {full} issued {op} ({nbytes} B), rank {other} "
+                    f"issued {their_op} ({their_bytes} B)"
+                )
+    return None
+
+
 def _hang_report(scenario: Scenario, tmp: Path, waited: float) -> str:
     lines = [f"{scenario.id}: deadline of {waited:g} s passed; the last call each rank issued:"]
     idle = 0
@@ -288,6 +414,7 @@ def launch_local(
             p = ctx.Process(target=child, args=args, name=f"commgate-rank{rank}", daemon=False)
             p.start()
             procs.append(p)
+        watchdog = Watchdog(tmp, world, scenario.stall_s)
         while any(p.exitcode is None for p in procs):
             if _failure(scenario, procs, tmp):  # let the others settle, then name the cause
                 settle = time.monotonic() + GRACE_S
@@ -296,6 +423,8 @@ def launch_local(
                 raise RunError(str(_failure(scenario, procs, tmp)))
             if time.monotonic() - started > deadline:
                 raise RunError(_hang_report(scenario, tmp, deadline))
+            if (stalled := watchdog.stalled([p.exitcode is None for p in procs])) is not None:
+                raise RunError(_stall_report(scenario, tmp, procs, stalled))
             time.sleep(POLL_S)
         reason = _failure(scenario, procs, tmp)
         if reason:

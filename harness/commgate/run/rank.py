@@ -6,10 +6,12 @@ session) or by torchrun (then every rank runs ``run_rank`` in-process, one scena
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -199,6 +201,34 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+HEARTBEAT_S = 0.2
+BEAT_WIDTH = 512
+
+
+def _heartbeat(out: Path, rank: int, marks: dict[str, float]) -> None:
+    """The rank's side of the launcher's stall watchdog, off the calls' path: every HEARTBEAT_S the
+    recorder's progress (calls issued, completed, open), the steps' durations so far and whether the
+    steps are over (teardown) go to ``OUT/rank{r}.beat``; when the launcher asks (``OUT/dump.request``),
+    every call issued so far goes to ``OUT/rank{r}.calls.json``. The main thread may be blocked in a
+    collective meanwhile (torch releases the GIL while it waits)."""
+    from commgate.run import interpose
+
+    fd = os.open(out / f"rank{rank}.beat", os.O_WRONLY | os.O_CREAT, 0o644)
+    dumped = False
+    while True:
+        time.sleep(HEARTBEAT_S)
+        rec = interpose.INSTALLED  # still there after the steps, when the teardown unsets RECORDER
+        if rec is None:
+            continue
+        issued, done, open_ = rec.progress()
+        steps = [w.end_ns - w.start_ns for w in list(rec.windows)]
+        beat = {"issued": issued, "done": done, "open": open_, "steps_ns": steps, "teardown": "stepped" in marks}
+        os.pwrite(fd, json.dumps(beat).encode()[:BEAT_WIDTH].ljust(BEAT_WIDTH), 0)
+        if not dumped and (out / "dump.request").exists():
+            atomic_write_json(out / f"rank{rank}.calls.json", {"calls": rec.snapshot(), "teardown": "stepped" in marks})
+            dumped = True
+
+
 def child(
     spec: str, rank: int, world: int, store: str, out_s: str, env: dict[str, str], launched: float, faults: Faults
 ) -> None:
@@ -223,6 +253,8 @@ def child(
 
     def on_issue(text: str) -> None:
         os.pwrite(fd, text.encode()[:STATUS_WIDTH].ljust(STATUS_WIDTH), 0)
+
+    threading.Thread(target=_heartbeat, args=(out, rank, marks), daemon=True, name="commgate-heartbeat").start()
 
     code = 0
     try:

@@ -7,7 +7,9 @@ Each all-reduces a small tensor every step; at step 1, rank 1 misbehaves:
 * ``exit_without_raising``: leaves with ``os._exit(3)``, raising nothing (a library calling ``exit``),
   so that rank 0's all-reduce then fails with a connection error of its own;
 * ``hang``: skips the step's all-reduce and waits for a message nobody sends, so that rank 0 is stuck
-  in the all-reduce and rank 1 in the receive until the deadline.
+  in the all-reduce and rank 1 in the receive until the deadline;
+* ``skip``: skips the step's all-reduce and goes on, so that its later all-reduces meet rank 0's earlier
+  ones and rank 0 is left waiting in its last while rank 1 has finished (the stall watchdog's case).
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ class _Exit(_Faulty):
         os._exit(3)
 
 
+class _Skip(_Faulty):
+    def misbehave(self) -> None:
+        pass
+
+
 class _Hang(_Faulty):
     def misbehave(self) -> None:
         dist.recv(torch.empty(1, device=self.device), src=0)
@@ -68,6 +75,10 @@ def die(scenario: Scenario, *, rank: int, device: torch.device) -> _Faulty:
 
 def exit_without_raising(scenario: Scenario, *, rank: int, device: torch.device) -> _Faulty:
     return _Exit(scenario, rank=rank, device=device)
+
+
+def skip(scenario: Scenario, *, rank: int, device: torch.device) -> _Faulty:
+    return _Skip(scenario, rank=rank, device=device)
 
 
 def hang(scenario: Scenario, *, rank: int, device: torch.device) -> _Faulty:
