@@ -75,6 +75,8 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
         zero["stage"] = rng.choice([0, 1, 2])
     if scheme == "ddp" and rng.random() < 0.5:
         par["ddp_bucket_mb"] = rng.choice([0.01, 0.05, 25])
+    if scheme == "ddp" and model.get("dtype") == "fp32" and rng.random() < 0.3:  # mixed precision by autocast
+        model["autocast"] = "bf16"
     if zero:
         par["zero"] = zero
     doc: dict[str, Any] = {}

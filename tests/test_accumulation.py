@@ -138,3 +138,29 @@ def test_a_communication_dtype_other_than_the_parameters(scheme: str, tmp_path: 
     assert "communication dtype" in {r.name for c in comparison for r in c.residuals}
     assert all(c.unexplained_bytes == 0 for c in comparison)
     assert reconcile(prediction, launch_local(s, workdir=tmp_path)).ok
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_ddp_under_autocast_reduces_fp32_gradients(m: int, tmp_path: Path) -> None:
+    """``model.autocast: bf16``: the forward computes in bf16 under torch.autocast, the parameters stay
+    fp32, so DDP all-reduces fp32 gradients: the same buckets as plain fp32, and 0 unexplained bytes."""
+    text = (
+        f"schema_version: 1\nname: t\nmodel: {MODEL.replace('DTYPE', 'fp32').replace('}', ', autocast: bf16}')}\n"
+        f"parallelism: {{scheme: ddp, dp: 2, micro_batches: {m}}}\nsteps: 2\n"
+    )
+    (s,) = load_text(text)
+    assert s.model.autocast == "bf16"
+    prediction = predict(s)
+    assert {r.dtype for r in prediction.collectives if "gradient all-reduce" in r.source} == {"fp32"}
+    rec = reconcile(prediction, launch_local(s, workdir=tmp_path))
+    assert not rec.mismatches and all(o.unexplained_bytes == 0 for o in rec.ops)
+
+
+def test_autocast_is_for_ddp_with_fp32_parameters() -> None:
+    from commgate.core.errors import ScenarioError
+
+    bad = f"schema_version: 1\nname: t\nmodel: {MODEL.replace('DTYPE', 'bf16').replace('}', ', autocast: bf16}')}\n"
+    with pytest.raises(ScenarioError, match=r"model\.autocast: bf16: autocast is run under scheme ddp with fp32"):
+        load_text(bad + "parallelism: {scheme: ddp, dp: 2}\n")
+    with pytest.raises(ScenarioError, match=r"scheme 'zero2'"):
+        load_text(bad.replace("bf16,", "fp32,") + "parallelism: {scheme: zero2, dp: 2}\n")

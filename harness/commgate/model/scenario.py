@@ -675,7 +675,7 @@ def _build_model(m: dict[str, Any], bad: Bad) -> ModelSpec | None:
         if set(explicit) & {"L", "h", "a", "V", "architecture", "kv_heads", "ffn_hidden", "x"} or "preset" in m:
             bad(["model", "module"], "a user's module takes no preset or dimensions (only s and dtype)")
         return ModelSpec(L=1, h=1, a=1, V=1, s=explicit.get("s", 1), dtype=explicit.get("dtype", "fp32"),
-                         module=explicit["module"], position="none")  # fmt: skip
+                         autocast=explicit.get("autocast"), module=explicit["module"], position="none")  # fmt: skip
     if explicit.get("architecture") == "llama" and "position" not in explicit:
         explicit["position"] = "rotary"  # Llama's; a gpt-neox preset's learned positions do not carry over
     if "preset" in m:
@@ -807,6 +807,12 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
         bad([P, "pp"], f"{par.pp}: scheme {s!r} has no pipeline parallelism; use scheme 'pp' or '3d'")
     if par.dp < rule.min_dp:
         bad([P, "dp"], f"{par.dp}: scheme {s!r} needs dp >= {rule.min_dp}")
+    if m.autocast is not None and (s != "ddp" or m.dtype != "fp32"):
+        bad(
+            ["model", "autocast"],
+            f"{m.autocast}: autocast is run under scheme ddp with fp32 parameters (the model's dtype {m.dtype!r}, "
+            f"scheme {s!r}); for 16-bit parameters set model.dtype instead",
+        )
     if m.module is not None:  # its own parameters: no dimensions to check
         _check_module(m.module, s, bad)
     else:

@@ -76,6 +76,9 @@ class ModelSpec:
     tied_embeddings: bool = False
     position: Position = "learned"
     dtype: DType = "fp32"
+    autocast: DType | None = None
+    """Compute dtype under ``torch.autocast`` (DDP): the parameters, and so the gradients reduced, stay
+    ``dtype``."""
     preset: str | None = None
     """Name of the preset these dimensions came from, if any (informational)."""
 

@@ -1,5 +1,5 @@
 """torch DistributedDataParallel around the GPT decoder or the scenario's own module (gradient accumulation
-with ``no_sync``)."""
+with ``no_sync``; ``model.autocast`` runs the forward under ``torch.autocast``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from commgate.model.scenario import Scenario
 from commgate.run.interpose import optimizer_phase
-from commgate.run.workloads.gpt import build
+from commgate.run.workloads.gpt import DTYPES, build
 
 
 class DDPWorkload:
@@ -24,10 +24,15 @@ class DDPWorkload:
     def step(self, k: int) -> float:
         par = self.s.parallelism
         loss = torch.zeros(())
+        m = self.s.model
         for i in range(par.micro_batches):
             sync = i == par.micro_batches - 1
             with contextlib.nullcontext() if sync else self.engine.no_sync():
-                loss = self.engine(*self.inputs(1000 * k + 10 * i + self.rank))
+                # mixed precision by autocast: 16-bit compute, fp32 parameters and gradients
+                with torch.autocast(
+                    self.device.type, dtype=DTYPES[m.autocast or "bf16"], enabled=m.autocast is not None
+                ):
+                    loss = self.engine(*self.inputs(1000 * k + 10 * i + self.rank))
                 loss.backward()
         with optimizer_phase():
             self.optimizer.step()
