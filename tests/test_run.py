@@ -528,3 +528,21 @@ def test_local_ranks_listen_on_loopback_only(tmp_path: Path, monkeypatch: pytest
     assert seen, "no listening socket seen while the ranks ran"
     assert all(addr.startswith("127.") or addr == "::1" for addr in seen), seen
     assert errors and "deadline of 8 s passed" in str(errors[0])
+
+
+def test_a_scenario_beyond_the_machines_memory_is_refused_naming_the_estimate(tmp_path: Path) -> None:
+    """The full-size 13B preset under DDP needs ~100 GiB a rank (parameters, gradients, AdamW's moments,
+    activations): refused before any process starts, with the estimate by part and what to do instead."""
+    from commgate.run import budget
+
+    (s,) = load_text("schema_version: 1\nname: big\nmodel: {preset: 13B}\nparallelism: {scheme: ddp, dp: 2}\n")
+    one = budget.per_rank(s, 0)
+    n = 13_000_000_000
+    assert n * 2 < one.params < n * 2.2 and one.grads == one.params and one.optimizer == 2 * one.params
+    with pytest.raises(RunError, match=r"big: needs about \d+\.\d GiB for 2 local ranks, .* \(params .* GiB\); this "
+                       r"machine has .* GiB available: use a reduced-scale model") as info:  # fmt: skip
+        launch_local(s, workdir=tmp_path)
+    assert "\n" not in str(info.value)
+    assert not any(tmp_path.iterdir())
+    (small,) = load_text("schema_version: 1\nname: s\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: zero3, dp: 2}\n")
+    assert budget.refusal(small, 512 << 20) is None

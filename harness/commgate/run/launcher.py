@@ -37,6 +37,7 @@ from typing import Any
 
 from commgate.core.errors import CommgateError
 from commgate.model.scenario import Scenario
+from commgate.run import budget
 from commgate.run.capture import Capture, merge, timeline
 from commgate.run.inject import Faults
 from commgate.run.rank import child
@@ -386,6 +387,8 @@ def launch_local(
             f"{os.cpu_count()} cores, about {RANK_MEMORY >> 20} MiB a rank); run it under torchrun on a cluster "
             "(commgate run under torchrun), or see its prediction with commgate predict"
         )
+    if too_big := budget.refusal(scenario, RANK_MEMORY):
+        raise RunError(too_big)
     deadline = deadline_s if deadline_s is not None else scenario.deadline_s
     _sweep_orphans(Path(workdir or tempfile.gettempdir()))
     tmp = Path(tempfile.mkdtemp(prefix=f"commgate-{os.getpid()}-", dir=workdir))

@@ -1,0 +1,96 @@
+"""What a local run would need, estimated before any rank starts: memory per rank, so that a scenario this
+machine cannot hold is refused in one line instead of swapping or being killed by the kernel's OOM killer.
+
+Per rank (the largest pipeline stage; a tensor-parallel rank's shard; DeepSpeed's and torch's own
+accounting, as the scenario would run):
+
+* parameters in their dtype; ZeRO-3 keeps 1/dp of them (plus what it gathers: counted as one layer);
+* gradients in the parameters' dtype; ZeRO-2/3 keep 1/dp;
+* optimizer: AdamW's two moments, in fp32 on fp32 master weights under DeepSpeed (a copy for 16-bit
+  parameters), in the parameters' dtype under torch; ZeRO-1/2/3 keep 1/dp;
+* activations of one micro-batch: 34·b·s·h bytes per layer at 16 bits (Korthikanti et al., "Reducing
+  Activation Recomputation in Large Transformer Models"), scaled by the dtype and divided by tp; with
+  activation checkpointing only each layer's input, 2·b·s·h·itemsize, plus one layer's worth;
+* the runtime: RANK_MEMORY (torch and DeepSpeed imported).
+
+An estimate, erring high; a run is refused only when its ranks together would need more than the
+memory available now (``COMMGATE_SKIP_MEMORY_CHECK=1`` turns the check off).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from commgate.model.expectation import Context
+from commgate.model.scenario import Scenario
+from commgate.model.schemes import SCHEMES
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    runtime: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.runtime
+
+    def text(self) -> str:
+        parts = ("params", "grads", "optimizer", "activations", "runtime")
+        return ", ".join(f"{p} {getattr(self, p) / GIB:.2f}" for p in parts)
+
+
+def per_rank(scenario: Scenario, runtime: int) -> Estimate:
+    """The memory one rank of ``scenario`` needs (bytes), by part."""
+    ctx = Context(scenario=scenario)
+    m, par = scenario.model, scenario.parallelism
+    isz, d, stage = m.itemsize, par.dp, par.zero.stage
+    n = max(ctx.rank_params(k) for k in range(par.pp)) if not m.module else ctx.param_count
+    layer = n // max(1, m.L // par.pp) if not m.module else n
+    params = (n // d + layer) * isz if stage >= 3 else n * isz
+    grads = n * isz // (d if stage >= 2 else 1)
+    # DeepSpeed: fp32 moments on fp32 master weights (a copy for 16-bit parameters); torch's AdamW keeps
+    # its moments in the parameters' dtype
+    per_param = 8 + (4 if isz < 4 else 0) if SCHEMES[par.scheme].deepspeed else 2 * isz
+    optimizer = n * per_param // (d if stage >= 1 else 1)
+    bsh = par.micro_batch * m.s * m.h if not m.module else 0
+    layers = max(1, m.L // par.pp) if not m.module else 0
+    if par.activation_checkpointing:
+        activations = 2 * bsh * isz * layers + 17 * bsh * isz // par.tp
+    else:
+        activations = 17 * bsh * isz * layers // par.tp
+    return Estimate(params=params, grads=grads, optimizer=optimizer, activations=activations, runtime=runtime)
+
+
+def available() -> int | None:
+    """Memory available now (``MemAvailable``, Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def refusal(scenario: Scenario, runtime: int) -> str | None:
+    """Why ``scenario`` cannot run on this machine's memory (one line), or None."""
+    have = available()
+    if have is None or os.environ.get("COMMGATE_SKIP_MEMORY_CHECK"):
+        return None
+    one = per_rank(scenario, runtime)
+    need = one.total * scenario.world_size
+    if need <= have:
+        return None
+    return (
+        f"{scenario.id}: needs about {need / GIB:.1f} GiB for {scenario.world_size} local ranks, "
+        f"{one.total / GIB:.2f} GiB each ({one.text()} GiB); this machine has {have / GIB:.1f} GiB available: "
+        "use a reduced-scale model (a -cpu preset, commgate import --cpu), or run it on a cluster under torchrun"
+    )
