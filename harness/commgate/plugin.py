@@ -66,7 +66,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="FAULT",
         action="append",
         default=[],
-        help="plant a fault to prove the gate: delay-first-recv[=MS], extra-collective, ddp-bucket-mb=MB, zero-stage=N",
+        help="plant a fault to prove the gate: delay-first-recv[=MS], late-rank[=MS], extra-collective, "
+        "ddp-bucket-mb=MB, zero-stage=N",
     )
 
 

@@ -44,6 +44,25 @@ def test_a_delayed_first_recv_is_a_cold_start_spike(
     )
 
 
+def test_a_late_rank_before_ddps_first_step_is_named(
+    pytester: pytest.Pytester, scenario_file: Callable[..., Path]
+) -> None:
+    """Rank 1 starts step 0 400 ms late: rank 0 waits in DDP's single first-bucket all-reduce, a call with
+    no steady-state twin. It is judged against the time the measured steps' all-reduces give its size,
+    and the rank that arrived last (rank 1, whose own call was the shortest) is named."""
+    scenario_file("g", tail="expectations: {drift: {cold_start: {action: fail}}}\n")
+    pytester.runpytest("--commgate-update-baselines").assert_outcomes(passed=1)
+    result = pytester.runpytest("--commgate-fault", "late-rank=400")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*[[]cold-start[]]*",
+            "*cold-start spike: rank 0 all_reduce group 0,1 * B took 4??.* ms in step 0 vs * ms expected from the "
+            "measured steps' rate for its size (*x); rank 1 arrived last (the others waited for it)",
+        ]
+    )
+
+
 def test_an_unknown_fault_is_a_usage_error(pytester: pytest.Pytester, scenario_file: Callable[..., Path]) -> None:
     scenario_file("g")
     result = pytester.runpytest("--commgate-fault", "unplug-cable")

@@ -4,9 +4,12 @@ Torch-free. Latencies are the captured calls' ``duration_ns`` (issue to observed
 includes waiting for its sender: exactly what the paper's cold-cache anomaly looks like).
 
 * Cold start: for each (rank, op, peer or group, message size), the first call of step 0 against the
-  median of the same calls in the measured steps; flagged when the ratio passes the scenario's factor
+  median of the same calls in the measured steps, or, for a collective with no such twin (DDP's single
+  first bucket), against the time the measured steps' calls of the same op give its size (their fastest
+  call's time plus their median time per byte); flagged when the ratio passes the scenario's factor
   *and* the first call is at least ``min_excess_ms`` slower (a 20 us call taking 10x is noise, a recv
-  taking seconds is not).
+  taking seconds is not). The rank that arrived last is named: the member whose own instance of the
+  call was the shortest (the others waited for it).
 * Shift: per (op, peer or group, size, phase), the measured steps' samples against the baseline's;
   "slower"/"faster" only when the ratio of medians passes the factor *and* a two-sided Mann-Whitney U
   test rejects equality at ``p_value`` (shared among the keys tested: Bonferroni) with at least
@@ -57,16 +60,54 @@ class ColdStart:
     bytes: int
     first_ms: float
     steady_ms: float
+    """What the call takes in the measured steps: its own median, or (``expected``) the time the measured
+    steps' calls of the same op give a call of its size."""
+    expected: bool = False
+    late: int | None = None
+    """The member rank that arrived last (its own call of the same instance was the shortest: everyone
+    else waited for it), when another rank than ``rank``."""
 
     @property
     def ratio(self) -> float:
         return self.first_ms / self.steady_ms if self.steady_ms > 0 else math.inf
 
     def text(self) -> str:
+        vs = "expected from the measured steps' rate for its size" if self.expected else "steady"
+        late = f"; rank {self.late} arrived last (the others waited for it)" if self.late is not None else ""
         return (
             f"cold-start spike: rank {self.rank} {self.op} {self.where} {self.bytes} B took {self.first_ms:.1f} ms "
-            f"in step 0 vs {self.steady_ms:.2f} ms steady ({self.ratio:.0f}x)"
+            f"in step 0 vs {self.steady_ms:.2f} ms {vs} ({self.ratio:.0f}x){late}"
         )
+
+
+def _rate(calls: list[CapturedCall]) -> tuple[float, float] | None:
+    """(latency ns, ns per byte) of an op from its measured calls: the fastest call's time as the floor,
+    the median excess per byte as the rate; None with fewer than 3 calls."""
+    if len(calls) < 3:
+        return None
+    floor = min(c.duration_ns or 0 for c in calls)
+    per_byte = [((c.duration_ns or 0) - floor) / c.bytes for c in calls if c.bytes]
+    return float(floor), statistics.median(per_byte) if per_byte else 0.0
+
+
+def _late(capture: Capture, call: CapturedCall) -> int | None:
+    """The member rank whose instance of ``call`` (same step, op, group and size, same ordinal) was the
+    shortest: it arrived last. None for a send or recv, or when that is ``call``'s own rank."""
+    if call.peer is not None:
+        return None
+
+    def same(c: CapturedCall) -> bool:
+        return (c.step, c.op, c.group, c.bytes) == (call.step, call.op, call.group, call.bytes)
+
+    mine = [c for c in capture.calls if c.rank == call.rank and same(c)]
+    ordinal = next(i for i, c in enumerate(mine) if c.seq == call.seq)
+    twins: dict[int, int] = {}
+    for r in call.group:
+        theirs = [c for c in capture.calls if c.rank == r and same(c)]
+        if ordinal < len(theirs) and theirs[ordinal].duration_ns is not None:
+            twins[r] = theirs[ordinal].duration_ns or 0
+    late = min(twins, key=twins.__getitem__) if len(twins) > 1 else None
+    return late if late != call.rank else None
 
 
 def cold_starts(capture: Capture, rule: ColdStartRule) -> list[ColdStart]:
@@ -84,14 +125,35 @@ def cold_starts(capture: Capture, rule: ColdStartRule) -> list[ColdStart]:
             steady[k].append(c.duration_ns)
     if 0 in steps:  # no warm-up: step 0 is measured, nothing to compare it with
         return []
+    firsts = {(c.rank, latency_key(c)): c for c in reversed(capture.calls) if c.step == 0 and c.duration_ns is not None}
+    measured: dict[str, list[CapturedCall]] = defaultdict(list)
+    for c in capture.calls:
+        if c.step in steps and c.duration_ns is not None:
+            measured[str(c.op)].append(c)
     out = []
-    for k, durations in steady.items():
-        if k not in first:
+    for k, f in first.items():
+        rank, (op, where, nbytes, _) = k
+        if k in steady:  # its own twin in the measured steps
+            expected, estimated = float(statistics.median(steady[k])), False
+        elif firsts[k].peer is None and (rate := _rate(measured.get(op, []))) is not None:
+            # a collective with no twin (DDP's single first bucket, say); a send or recv without one (the
+            # pipeline's first tensor-metadata recv) waits for its peer's compute, not for the network
+            expected, estimated = rate[0] + rate[1] * nbytes, True
+        else:
             continue
-        med, f = statistics.median(durations), first[k]
-        if f > rule.factor * med and (f - med) / 1e6 >= rule.min_excess_ms:
-            rank, (op, where, nbytes, _) = k
-            out.append(ColdStart(rank=rank, op=op, where=where, bytes=nbytes, first_ms=f / 1e6, steady_ms=med / 1e6))
+        if f > rule.factor * expected and (f - expected) / 1e6 >= rule.min_excess_ms:
+            out.append(
+                ColdStart(
+                    rank=rank,
+                    op=op,
+                    where=where,
+                    bytes=nbytes,
+                    first_ms=f / 1e6,
+                    steady_ms=expected / 1e6,
+                    expected=estimated,
+                    late=_late(capture, firsts[k]),
+                )
+            )
     return sorted(out, key=lambda s: s.first_ms - s.steady_ms, reverse=True)
 
 

@@ -151,7 +151,8 @@ def cold_start(s: Scenario, capture: Capture) -> Finding | None:
     return Finding(
         "cold-start",
         rule.action == "fail",
-        f"first-step latency spikes (> {rule.factor:g}x the steady median and > {rule.min_excess_ms:g} ms slower)",
+        f"first-step latency spikes (> {rule.factor:g}x the steady median, or the time expected for the size, "
+        f"and > {rule.min_excess_ms:g} ms slower)",
         tuple(c.text() for c in spikes),
     )
 

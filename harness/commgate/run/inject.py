@@ -2,6 +2,8 @@
 
 * ``delay-first-recv[=MS]``: the first recv of step 0 on every rank waits MS ms (default 2000) before it
   is posted: a cold-start spike like the paper's first pipeline recv.
+* ``late-rank[=MS]``: the last rank sleeps MS ms (default 400) before step 0, so that its peers wait for
+  it in step 0's first collective (DDP's single initial bucket has no steady-state twin).
 * ``extra-collective``: one extra all-reduce (1 fp32, whole world) after every step.
 * ``ddp-bucket-mb=MB``: DDP runs with this ``bucket_cap_mb`` (the prediction keeps the scenario's).
 * ``zero-stage=N``: DeepSpeed runs ZeRO stage N (the prediction keeps the scenario's).
@@ -16,12 +18,13 @@ from dataclasses import dataclass, replace
 from commgate.core.errors import UsageError
 from commgate.model.scenario import Scenario
 
-SPECS = ("delay-first-recv[=MS]", "extra-collective", "ddp-bucket-mb=MB", "zero-stage=N")
+SPECS = ("delay-first-recv[=MS]", "late-rank[=MS]", "extra-collective", "ddp-bucket-mb=MB", "zero-stage=N")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Faults:
     delay_first_recv_ms: float = 0.0
+    late_rank_ms: float = 0.0
     extra_collective: bool = False
     ddp_bucket_mb: float | None = None
     zero_stage: int | None = None
@@ -33,6 +36,8 @@ class Faults:
         parts = []
         if self.delay_first_recv_ms:
             parts.append(f"delay-first-recv={self.delay_first_recv_ms:g}")
+        if self.late_rank_ms:
+            parts.append(f"late-rank={self.late_rank_ms:g}")
         if self.extra_collective:
             parts.append("extra-collective")
         if self.ddp_bucket_mb is not None:
@@ -59,6 +64,8 @@ def parse(specs: list[str]) -> Faults:
         try:
             if name == "delay-first-recv":
                 faults = replace(faults, delay_first_recv_ms=float(value) if value else 2000.0)
+            elif name == "late-rank":
+                faults = replace(faults, late_rank_ms=float(value) if value else 400.0)
             elif name == "extra-collective" and not value:
                 faults = replace(faults, extra_collective=True)
             elif name == "ddp-bucket-mb" and value:

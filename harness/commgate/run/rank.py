@@ -101,6 +101,8 @@ def run_rank(
     for k in range(scenario.warmup_steps + scenario.steps):
         rec.poll()
         rec.step, rec.phase = k, "forward"
+        if k == 0 and faults.late_rank_ms and rank == world_size - 1:  # planted: the last rank is late
+            time.sleep(faults.late_rank_ms / 1000)
         begun = rec.now()
         workload.step(k)
         if faults.extra_collective:  # planted fault
