@@ -107,6 +107,13 @@ def test_a_module_with_nothing_to_train_is_named() -> None:
         predict(s)
 
 
+def test_a_build_that_raises_is_one_line() -> None:
+    (s,) = load_text(text("os:getcwd", "scheme: ddp, dp: 2"))  # callable, but not a build(scenario)
+    with pytest.raises(CommgateError, match=r"^model.module 'os:getcwd': build\(scenario\) raised TypeError: ") as info:
+        predict(s)
+    assert "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("scheme", ["ddp", "zero1", "zero2", "zero3"])
 def test_frozen_parameters_and_buffers_reconcile_on_real_runs(scheme: str, m: int, tmp_path: Path) -> None:

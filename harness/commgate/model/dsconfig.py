@@ -144,6 +144,27 @@ def load(block: Any, *, scenario_file: str | None) -> dict[str, Any]:
     return doc
 
 
+SECTIONS = frozenset(
+    {
+        "zero_optimization", "bf16", "bfloat16", "fp16", "amp", "torch_autocast", "data_types", "pipeline",
+        "optimizer", "scheduler", "activation_checkpointing", "flops_profiler", "comms_logger", "tensorboard",
+        "wandb", "csv_monitor", "comet", "monitor_config", "aio", "autotuning", "checkpoint", "compile",
+        "elasticity", "sparse_attention", "data_efficiency", "curriculum_learning", "compression_training",
+        "hybrid_engine", "nebula", "weight_quantization", "timers", "tensor_parallel",
+    }
+)  # fmt: skip
+"""Top-level keys DeepSpeed reads as mappings (anything else there fails inside its config)."""
+
+
+def not_mappings(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(key, message) per section given as something other than a mapping (``bf16: yes``, a list)."""
+    return [
+        (k, f"{cfg[k]!r} is a {type(cfg[k]).__name__}; DeepSpeed reads {k} as a mapping of its keys")
+        for k in sorted(SECTIONS & set(cfg))
+        if not isinstance(cfg[k], Mapping)
+    ]
+
+
 def _closest(key: str, known: frozenset[str], where: str) -> str:
     close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
     return f"; did you mean {where}{close[0]}?" if close else ""

@@ -267,7 +267,8 @@ def _describe(err: jsonschema.ValidationError) -> Iterator[tuple[list[Any], str]
     elif kind == "type":
         yield (
             path,
-            f"{_show(inst)} is a {_type_name(inst)}, expected {want if isinstance(want, str) else ' or '.join(want)}",
+            f"{_show(inst)} is {'an' if _type_name(inst)[0] in 'aeiou' else 'a'} {_type_name(inst)}, "
+            f"expected {want if isinstance(want, str) else ' or '.join(want)}",
         )
     elif kind == "enum":
         yield path, f"{_show(inst)} is not one of: {', '.join(str(v) for v in want)}"
@@ -537,6 +538,10 @@ def _build(doc: dict[str, Any], *, file: str, where: _Located, label: str) -> tu
         ds = dsconfig.load(doc.get("deepspeed", {}), scenario_file=file)
     except ValueError as exc:
         bad(["deepspeed"], str(exc))
+        return None, problems
+    for key, message in dsconfig.not_mappings(ds):
+        bad(["deepspeed", key], message)
+    if problems:
         return None, problems
     model_doc, par_doc = _from_deepspeed(ds, dict(doc["model"]), dict(doc["parallelism"]), bad)
     model = _build_model(model_doc, bad)

@@ -82,8 +82,14 @@ def build(scenario: Scenario, device: Any) -> tuple[Any, Callable[[int], tuple[A
     import torch
 
     assert scenario.model.module is not None
+    spec = scenario.model.module
     with torch.device(device):
-        out = resolve(scenario.model.module)(scenario)
+        try:
+            out = resolve(spec)(scenario)
+        except CommgateError:
+            raise
+        except Exception as exc:
+            raise CommgateError(f"model.module {spec!r}: build(scenario) raised {type(exc).__name__}: {exc}") from None
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.nn.Module) and callable(out[1])):
         raise CommgateError(
             f"model.module {scenario.model.module!r}: build(scenario) must return (torch.nn.Module, "
@@ -198,6 +204,14 @@ def _describe(scenario: Scenario) -> Described:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise CommgateError(f"model.module {spec!r}: model(*inputs) must return the loss")
         loss.backward()  # type: ignore[no-untyped-call]
+    except CommgateError:
+        raise
+    except Exception as exc:  # the user's forward or backward, run on the meta device
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise CommgateError(
+            f"model.module {spec!r}: its forward and backward on the meta device (no weights) raised "
+            f"{type(exc).__name__}: {message}"
+        ) from None
     finally:
         for h in handles:
             h.remove()
