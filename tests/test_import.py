@@ -105,3 +105,16 @@ def test_llama_with_biases_or_another_head_dimension_is_refused(
         assert main(["import", "--hf", str(hf), "-o", str(out)]) == 2
         assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_value_that_is_not_a_number_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A NeoX key outside its braces keeps its trailing comma ('2,'), a stage can be a word: one line each."""
+    neox, ds, out = tmp_path / "n.yml", tmp_path / "ds.json", tmp_path / "s.yaml"
+    neox.write_text("num-layers: 2,\nhidden-size: 64\n")
+    assert main(["import", "--neox", str(neox), "-o", str(out)]) == 2
+    assert "n.yml: num-layers: '2,' is not a whole number" in capsys.readouterr().err
+    ds.write_text(json.dumps({"zero_optimization": {"stage": "x"}}))
+    assert main(["import", "--hf", str(HF / "tinyllama-1.1b.json"), "--deepspeed", str(ds), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "deepspeed zero_optimization.stage: 'x' is not a whole number" in err and "Traceback" not in err
+    assert not out.exists()

@@ -86,13 +86,14 @@ def build(
     if "L" not in model:
         raise UsageError("no model dimensions: give --neox or --hf (a DeepSpeed config has none)")
     stage = ds.get("zero_optimization", {}).get("stage", 0) if isinstance(ds.get("zero_optimization"), dict) else 0
-    par["scheme"] = _scheme(par, int(stage) if dsconfig.given(stage) else 0)
+    stage = _whole(stage, "deepspeed zero_optimization.stage") if dsconfig.given(stage) else 0
+    par["scheme"] = _scheme(par, stage)
     for key in ("bf16", "fp16"):
         if dsconfig.enabled(ds, key):
             model["dtype"] = key
     if cpu:
         _reduce(model, par, ds, out.notes)
-    _drop_unmodelled(ds, int(stage) if dsconfig.given(stage) else 0, out.notes)
+    _drop_unmodelled(ds, stage, out.notes)
     par.setdefault("tp", 1)
     par.setdefault("pp", 1)
     out.doc = {
@@ -132,13 +133,26 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _whole(value: Any, where: str) -> int:
+    """``value`` as a whole number; a one-line ``UsageError`` naming ``where`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise UsageError(f"{where}: {value!r} is not a whole number")
+    try:
+        number = float(value)
+    except ValueError:
+        raise UsageError(f"{where}: {value!r} is not a whole number") from None
+    if not number.is_integer():
+        raise UsageError(f"{where}: {value!r} is not a whole number")
+    return int(number)
+
+
 def _neox(
     cfg: dict[str, Any], model: dict[str, Any], par: dict[str, Any], ds: dict[str, Any], notes: list[str], f: str
 ) -> None:
     get = {k.replace("_", "-"): v for k, v in cfg.items()}
     for key, target in (("num-layers", "L"), ("hidden-size", "h"), ("num-attention-heads", "a"), ("seq-length", "s")):
         if key in get:
-            model[target] = int(get[key])
+            model[target] = _whole(get[key], f"{f}: {key}")
     model["V"] = 50304  # GPT-NeoX pads its tokenizer's vocabulary to a multiple of 128 (50277 -> 50304)
     notes.append(f"{f}: V = 50304, GPT-NeoX's padded vocabulary (the config does not state it)")
     pos = get.get("pos-emb", "learned")
@@ -146,10 +160,10 @@ def _neox(
     if pos not in ("rotary", "learned", "none"):
         notes.append(f"{f}: pos-emb {pos!r} has no counterpart; learned positions assumed")
     model["tied_embeddings"] = not get.get("no-weight-tying", False)
-    if int(get.get("pipe-parallel-size", 0)) > 1:
-        par["pp"] = int(get["pipe-parallel-size"])
-    if int(get.get("model-parallel-size", 1)) > 1:
-        par["tp"] = int(get["model-parallel-size"])
+    if (pp := _whole(get.get("pipe-parallel-size", 0), f"{f}: pipe-parallel-size")) > 1:
+        par["pp"] = pp
+    if (tp := _whole(get.get("model-parallel-size", 1), f"{f}: model-parallel-size")) > 1:
+        par["tp"] = tp
     if get.get("checkpoint-activations"):
         par["activation_checkpointing"] = True
     for key, value in cfg.items():
