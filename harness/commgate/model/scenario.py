@@ -790,10 +790,16 @@ def _check_optimizer(
         )
 
 
+MAX_WORLD = 1 << 20
+"""The most ranks a scenario may have (a million: beyond any cluster, and what a prediction enumerates)."""
+
+
 def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad: Bad) -> None:
     P = "parallelism"
     s = par.scheme
     rule = SCHEMES[s]
+    if par.world_size > MAX_WORLD:
+        bad([P], f"dp*tp*pp = {par.dp}*{par.tp}*{par.pp} = {par.world_size:,} ranks, more than {MAX_WORLD:,}")
     if "world_size" in doc and doc["world_size"] != par.world_size:
         bad(["world_size"], f"{doc['world_size']} != dp*tp*pp = {par.dp}*{par.tp}*{par.pp} = {par.world_size}")
     if isinstance(doc.get("workload"), str):
