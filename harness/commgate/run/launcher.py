@@ -179,8 +179,9 @@ STALL_MIN_S = 10.0
 
 class Watchdog:
     """Reads the ranks' heartbeats (``commgate.run.rank._heartbeat``) and says when the run has stalled:
-    every running rank has started its steps and is blocked — in a call it issued, or in the teardown
-    after its steps — and no rank has issued or completed a call for ``stall_s``, by default
+    every running rank is blocked — in a call it issued, or in the teardown after its steps — and no rank
+    has issued or completed a call for ``stall_s`` (a rank still starting, compiling or computing is not
+    blocked, so the ranks' start-up never counts), by default
     max(STALL_MIN_S, 2 x the slowest step seen + 5 s). The deadline stays the backstop."""
 
     def __init__(self, tmp: Path, world: int, stall_s: float | None) -> None:
