@@ -546,3 +546,24 @@ def test_a_scenario_beyond_the_machines_memory_is_refused_naming_the_estimate(tm
     assert not any(tmp_path.iterdir())
     (small,) = load_text("schema_version: 1\nname: s\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: zero3, dp: 2}\n")
     assert budget.refusal(small, 512 << 20) is None
+
+
+def test_steps_that_cannot_finish_before_the_deadline_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 64k-token sequence on CPUs: at least an hour of compute (Megatron-LM's FLOP count, at a generous
+    50 GFLOP/s a core) against a 300 s deadline is refused before any rank starts, naming the estimate."""
+    from commgate.run import budget
+
+    (s,) = load_text(
+        "schema_version: 1\nname: long\nmodel: {L: 2, h: 512, a: 8, V: 1024, s: 65536}\n"
+        "parallelism: {scheme: ddp, dp: 2}\nbackend: gloo\n"
+    )
+    need = budget.compute_s(s)
+    assert need is not None and need > 300
+    monkeypatch.setattr(budget, "refusal", lambda *a: None)  # whatever this machine's memory
+    with pytest.raises(RunError, match=r"long: its 4 steps need at least [\d,]+ s of compute on \d+ cores") as info:
+        launch_local(s, workdir=tmp_path)
+    assert "more than the deadline of 300 s" in str(info.value) and not any(tmp_path.iterdir())
+    (small,) = load_text("schema_version: 1\nname: s\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: ddp, dp: 2}\n")
+    assert budget.slow(small, 300) is None

@@ -297,3 +297,23 @@ def stage_split(params: tuple[ParamTensor, ...], *, L: int, tp: int, pp: int) ->
         for st in param_stages(p, L=L, pp=pp, tied=tied):
             counts[st][p.expert] += p.numel_per_tp_rank(tp)
     return tuple((d, e) for d, e in counts)
+
+
+def layer_flops(m: ModelSpec, b: int) -> float:
+    """Forward FLOPs of one transformer layer on a micro-batch (Megatron-LM's count: 24bsh^2 + 4bs^2h)."""
+    return 24 * b * m.s * m.h**2 + 4 * b * m.s**2 * m.h
+
+
+def logit_flops(m: ModelSpec, b: int) -> float:
+    return 2 * b * m.s * m.h * m.V
+
+
+def step_flops(m: ModelSpec, *, micro_batch: int, micro_batches: int, tp: int, pp: int, checkpointing: bool) -> float:
+    """Training FLOPs per step on one rank of the busiest pipeline stage: forward x 3 (x 4 with activation
+    checkpointing, which re-runs the forward), divided over the TP group."""
+    layers = -(-m.L // pp)  # the fullest stage
+    fwd = layers * layer_flops(m, micro_batch)
+    if pp == 1 or m.L % pp == 0:
+        fwd += logit_flops(m, micro_batch)  # the last stage computes the logits as well
+    passes = 4 if checkpointing else 3
+    return passes * fwd * micro_batches / tp

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from commgate.core.errors import CommgateError
+from commgate.model import transformer
 from commgate.model.expectation import Prediction
-from commgate.model.transformer import ModelSpec
 from commgate.report import bandwidth
 from commgate.report.bandwidth import Curve
 from commgate.run.capture import Capture, CapturedCall
@@ -40,26 +40,17 @@ AXIS_TERM = {"tp": "T_TP", "mp": "T_TP", "pp": "T_PP", "dp": "T_DP", "hpz": "T_D
 paper's PTP model: it gets its own term, counted as communication)."""
 
 
-def layer_flops(m: ModelSpec, b: int) -> float:
-    """Forward FLOPs of one transformer layer on a micro-batch (Megatron-LM's count: 24bsh^2 + 4bs^2h)."""
-    return 24 * b * m.s * m.h**2 + 4 * b * m.s**2 * m.h
-
-
-def logit_flops(m: ModelSpec, b: int) -> float:
-    return 2 * b * m.s * m.h * m.V
-
-
 def step_flops(prediction: Prediction) -> float:
-    """Training FLOPs per step on one rank of the busiest pipeline stage: forward x 3 (x 4 with activation
-    checkpointing, which re-runs the forward), divided over the TP group."""
-    s = prediction.scenario
-    par, m = s.parallelism, s.model
-    layers = -(-m.L // par.pp)  # the fullest stage
-    fwd = layers * layer_flops(m, par.micro_batch)
-    if par.pp == 1 or m.L % par.pp == 0:
-        fwd += logit_flops(m, par.micro_batch)  # the last stage computes the logits as well
-    passes = 4 if par.activation_checkpointing else 3
-    return passes * fwd * par.micro_batches / par.tp
+    """Training FLOPs per step on one rank of the busiest pipeline stage (``transformer.step_flops``)."""
+    par = prediction.scenario.parallelism
+    return transformer.step_flops(
+        prediction.scenario.model,
+        micro_batch=par.micro_batch,
+        micro_batches=par.micro_batches,
+        tp=par.tp,
+        pp=par.pp,
+        checkpointing=par.activation_checkpointing,
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,5 +1,7 @@
 """What a local run would need, estimated before any rank starts: memory per rank, so that a scenario this
-machine cannot hold is refused in one line instead of swapping or being killed by the kernel's OOM killer.
+machine cannot hold is refused in one line instead of swapping or being killed by the kernel's OOM killer,
+and (on CPUs) the compute of its steps, so that one that cannot finish before its deadline is refused
+instead of running into it (``slow``).
 
 Per rank (the largest pipeline stage; a tensor-parallel rank's shard; DeepSpeed's and torch's own
 accounting, as the scenario would run):
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from commgate.model.expectation import Context
 from commgate.model.scenario import Scenario
 from commgate.model.schemes import SCHEMES
+from commgate.model.transformer import step_flops
 
 GIB = 1 << 30
 
@@ -66,6 +69,41 @@ def per_rank(scenario: Scenario, runtime: int) -> Estimate:
     else:
         activations = 17 * bsh * isz * layers // par.tp
     return Estimate(params=params, grads=grads, optimizer=optimizer, activations=activations, runtime=runtime)
+
+
+CORE_FLOPS = 50e9
+"""FLOP/s one CPU core is granted: generous, so that the compute estimate errs short."""
+
+
+def compute_s(scenario: Scenario) -> float | None:
+    """A lower estimate of the seconds a CPU run's steps compute: every rank's training FLOPs (Megatron-LM's
+    count, ``transformer.step_flops``) for warm-up and measured steps, shared by this machine's cores at
+    CORE_FLOPS each. None for a user's module (no dimensions)."""
+    m, par = scenario.model, scenario.parallelism
+    if m.module:
+        return None
+    per_rank = step_flops(
+        m,
+        micro_batch=par.micro_batch,
+        micro_batches=par.micro_batches,
+        tp=par.tp,
+        pp=par.pp,
+        checkpointing=par.activation_checkpointing,
+    )
+    steps = scenario.warmup_steps + scenario.steps
+    return steps * per_rank * scenario.world_size / ((os.cpu_count() or 1) * CORE_FLOPS)
+
+
+def slow(scenario: Scenario, deadline_s: float) -> str | None:
+    """Why ``scenario``'s steps cannot finish within ``deadline_s`` on this machine's CPUs (one line), or None."""
+    need = compute_s(scenario)
+    if need is None or need <= deadline_s:
+        return None
+    return (
+        f"{scenario.id}: its {scenario.warmup_steps + scenario.steps} steps need at least {need:,.0f} s of compute "
+        f"on {os.cpu_count()} cores (at {CORE_FLOPS / 1e9:g} GFLOP/s each), more than the deadline of "
+        f"{deadline_s:g} s: use a reduced-scale model or fewer steps, raise deadline_s, or run it on GPUs"
+    )
 
 
 def available() -> int | None:

@@ -391,6 +391,9 @@ def launch_local(
     if too_big := budget.refusal(scenario, RANK_MEMORY):
         raise RunError(too_big)
     deadline = deadline_s if deadline_s is not None else scenario.deadline_s
+    cpu = scenario.backend == "gloo" or (scenario.backend == "auto" and not gpu_visible())
+    if cpu and (too_slow := budget.slow(scenario, deadline)):
+        raise RunError(too_slow)
     _sweep_orphans(Path(workdir or tempfile.gettempdir()))
     tmp = Path(tempfile.mkdtemp(prefix=f"commgate-{os.getpid()}-", dir=workdir))
     procs: list[BaseProcess] = []
