@@ -139,3 +139,26 @@ def test_another_scenarios_baseline_is_a_one_line_error(tmp_path: Path) -> None:
     ) as info:
         bl.load(DATA / "ddp.json", scenario="zero3")
     assert "\n" not in str(info.value)
+
+
+def test_a_speed_up_is_reported_never_a_failure() -> None:
+    """With ``latency.action: fail`` a slower collective fails the gate; one that got faster is reported
+    as a warning only."""
+    from dataclasses import replace
+
+    from commgate.judge.gate import against_baseline
+    from commgate.model.scenario import load_text
+
+    stored = bl.load(DATA / "ddp.json")
+    hw = stored.provenance["hardware"]
+    key = next(iter(stored.latency[hw]))
+    base = {key: list(range(1000, 1030))}
+    stored = replace(stored, latency={hw: base})
+    (s,) = load_text(
+        "schema_version: 1\nname: ddp-19m-dp4\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: ddp, dp: 4}\n"
+        "expectations: {baseline: {latency: {action: fail}}}\n"
+    )
+    for scale, fails in ((3, True), (1 / 3, False)):
+        now = replace(stored, latency={hw: {key: [int(x * scale) for x in base[key]]}})
+        (finding,) = [f for f in against_baseline(s, now, stored) if f.kind == "latency"]
+        assert finding.fail is fails, (scale, finding)
