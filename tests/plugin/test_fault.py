@@ -57,7 +57,7 @@ def test_a_late_rank_before_ddps_first_step_is_named(
     result.stdout.fnmatch_lines(
         [
             "*[[]cold-start[]]*",
-            "*cold-start spike: rank 0 all_reduce group 0,1 * B took 4??.* ms in step 0 vs * ms expected from the "
+            "*cold-start spike: rank 0 all_reduce group 0,1 * B took *.* ms in step 0 vs * ms expected from the "
             "measured steps' rate for its size (*x); rank 1 arrived last (the others waited for it)",
         ]
     )
