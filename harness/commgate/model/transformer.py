@@ -26,7 +26,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:  # the scenario module imports this one
+    from commgate.model.scenario import Parallelism
 
 Position = Literal["learned", "rotary", "none"]
 Architecture = Literal["gpt-neox", "llama"]
@@ -34,6 +37,14 @@ ARCHITECTURES: tuple[Architecture, ...] = ("gpt-neox", "llama")
 DType = Literal["fp32", "fp16", "bf16"]
 
 ITEMSIZE: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def dtype_name(torch_dtype: object) -> str:
+    """commgate's name for a torch dtype (the capture's, a buffer's): float32 is fp32, float16 fp16,
+    bfloat16 bf16, any other its torch name (int64, bool, ...)."""
+    name = str(torch_dtype).removeprefix("torch.")
+    return {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(name, name)
+
 
 WIRE_ITEMSIZE: dict[str, Fraction] = {  # bytes per element of every dtype a collective carries
     **{k: Fraction(v) for k, v in ITEMSIZE.items()},
@@ -308,12 +319,12 @@ def logit_flops(m: ModelSpec, b: int) -> float:
     return 2 * b * m.s * m.h * m.V
 
 
-def step_flops(m: ModelSpec, *, micro_batch: int, micro_batches: int, tp: int, pp: int, checkpointing: bool) -> float:
+def step_flops(m: ModelSpec, par: Parallelism) -> float:
     """Training FLOPs per step on one rank of the busiest pipeline stage: forward x 3 (x 4 with activation
     checkpointing, which re-runs the forward), divided over the TP group."""
-    layers = -(-m.L // pp)  # the fullest stage
-    fwd = layers * layer_flops(m, micro_batch)
-    if pp == 1 or m.L % pp == 0:
-        fwd += logit_flops(m, micro_batch)  # the last stage computes the logits as well
-    passes = 4 if checkpointing else 3
-    return passes * fwd * micro_batches / tp
+    layers = -(-m.L // par.pp)  # the fullest stage
+    fwd = layers * layer_flops(m, par.micro_batch)
+    if par.pp == 1 or m.L % par.pp == 0:
+        fwd += logit_flops(m, par.micro_batch)  # the last stage computes the logits as well
+    passes = 4 if par.activation_checkpointing else 3
+    return passes * fwd * par.micro_batches / par.tp

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from commgate.core.errors import CommgateError
 from commgate.model.moduletrace import Hook, Module
-from commgate.model.transformer import WIRE_ITEMSIZE, ParamTensor, Shard
+from commgate.model.transformer import WIRE_ITEMSIZE, ParamTensor, Shard, dtype_name
 
 if TYPE_CHECKING:
     from commgate.model.scenario import Scenario
@@ -120,7 +120,7 @@ def _describe(scenario: Scenario) -> Described:
     )
     if all(p.frozen for p in params):
         raise CommgateError(f"model.module {spec!r}: every parameter is frozen (requires_grad off): nothing to train")
-    buffers = tuple(Buffer(n, _dtype_name(b.dtype), b.numel()) for n, b in model.named_buffers())
+    buffers = tuple(Buffer(n, dtype_name(b.dtype), b.numel()) for n, b in model.named_buffers())
     if odd := [b for b in buffers if b.dtype not in WIRE_ITEMSIZE]:
         raise CommgateError(f"model.module {spec!r}: buffer {odd[0].name} of dtype {odd[0].dtype} is not modelled")
     by_name = {p.name: p for p in params}
@@ -221,12 +221,6 @@ def _describe(scenario: Scenario) -> Described:
     events += [("leftover", name, True, False) for name in reversed(list(backward_open))]
     first, later = _hooks(events, modules, by_name, index)
     return Described(params=params, buffers=buffers, ready=tuple(ready), first=first, later=later)
-
-
-def _dtype_name(dtype: Any) -> str:
-    """The capture's name for a torch dtype (``commgate.run.interpose``): float32 is fp32, and so on."""
-    name = str(dtype).removeprefix("torch.")
-    return {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(name, name)
 
 
 def _hooks(

@@ -42,15 +42,7 @@ paper's PTP model: it gets its own term, counted as communication)."""
 
 def step_flops(prediction: Prediction) -> float:
     """Training FLOPs per step on one rank of the busiest pipeline stage (``transformer.step_flops``)."""
-    par = prediction.scenario.parallelism
-    return transformer.step_flops(
-        prediction.scenario.model,
-        micro_batch=par.micro_batch,
-        micro_batches=par.micro_batches,
-        tp=par.tp,
-        pp=par.pp,
-        checkpointing=par.activation_checkpointing,
-    )
+    return transformer.step_flops(prediction.scenario.model, prediction.scenario.parallelism)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

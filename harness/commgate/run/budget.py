@@ -82,14 +82,7 @@ def compute_s(scenario: Scenario) -> float | None:
     m, par = scenario.model, scenario.parallelism
     if m.module:
         return None
-    per_rank = step_flops(
-        m,
-        micro_batch=par.micro_batch,
-        micro_batches=par.micro_batches,
-        tp=par.tp,
-        pp=par.pp,
-        checkpointing=par.activation_checkpointing,
-    )
+    per_rank = step_flops(m, par)
     steps = scenario.warmup_steps + scenario.steps
     return steps * per_rank * scenario.world_size / ((os.cpu_count() or 1) * CORE_FLOPS)
 

@@ -29,10 +29,10 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from commgate.model.collectives import OPS, Op
+from commgate.model.transformer import dtype_name
 from commgate.run.capture import INIT_STEP, CapturedCall, StepWindow
 
 BACKEND_NAME = "commgate"
-DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
 class Recorder:
@@ -73,7 +73,7 @@ class Recorder:
     ) -> int:
         elements = sum(t.numel() for t in tensors)
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else "none"
+        dtype = dtype_name(tensors[0].dtype) if tensors else "none"
         phase = "backward" if torch._C._current_graph_task_id() != -1 else self.phase
         self.poll()
         seq = next(self._seq)
@@ -85,7 +85,7 @@ class Recorder:
             op=op,
             group=tuple(group),
             peer=peer,
-            dtype=DTYPES.get(dtype, dtype),
+            dtype=dtype,
             elements=elements,
             bytes=nbytes,
             tensors=len(tensors),

@@ -133,9 +133,10 @@ def _failure(scenario: Scenario, procs: list[BaseProcess], tmp: Path) -> str | N
     failed = [(rank, code) for rank, code in enumerate(p.exitcode for p in procs) if code is not None and code != 0]
     if not failed:
         return None
-    errors = {r: e for r in range(len(procs)) if (e := tmp / f"rank{r}.err").exists()}
+    paths = {r: e for r in range(len(procs)) if (e := tmp / f"rank{r}.err").exists()}
+    errors = {r: e.read_text(errors="replace").rstrip() for r, e in paths.items()}
     silent = [(rank, code) for rank, code in failed if rank not in errors]
-    last = {r: _exception_line(e.read_text(errors="replace")) for r, e in errors.items()}
+    last = {r: _exception_line(text) for r, text in errors.items()}
     cause: int | None = None
     if signalled := [(rank, code) for rank, code in silent if code < 0]:  # with what it printed last
         rank, code = signalled[0]
@@ -146,11 +147,10 @@ def _failure(scenario: Scenario, procs: list[BaseProcess], tmp: Path) -> str | N
         head = f"{scenario.id}: rank {rank} exited with status {code} without raising" + _log_tail(tmp, rank)
         cause = rank
     else:
-        first = sorted((e.stat().st_mtime_ns, r) for r, e in errors.items())
-        own = [r for _, r in first if not any(c in errors[r].read_text(errors="replace") for c in CONSEQUENCES)]
+        first = sorted((e.stat().st_mtime_ns, r) for r, e in paths.items())
+        own = [r for _, r in first if not any(c in errors[r] for c in CONSEQUENCES)]
         cause = own[0] if own else first[0][1]
-        tb = errors[cause].read_text(errors="replace").rstrip()
-        head = f"{scenario.id}: rank {cause} raised {last[cause]}\n{tb}"
+        head = f"{scenario.id}: rank {cause} raised {last[cause]}\n{errors[cause]}"
     after = [f"rank {r} then raised {last[r]}" for r in sorted(errors) if r != cause]
     return head + ("\n(consequences: " + "; ".join(after) + ")" if after else "")
 
@@ -238,8 +238,7 @@ def _stall_report(scenario: Scenario, tmp: Path, procs: list[BaseProcess], waite
     lines.append(f"  first divergence: {parted}" if parted else "  the ranks issued the same calls (a peer is slow?)")
     lines.append("  each rank:")
     for r in range(scenario.world_size):
-        status = tmp / f"rank{r}.status"
-        text = status.read_text(errors="replace").strip() if status.exists() else ""
+        text = _status(tmp, r)
         if r not in running:
             state = f"exited ({procs[r].exitcode})"
         elif dumps.get(r, {}).get("teardown"):
@@ -300,12 +299,17 @@ def divergence(calls: dict[int, list[dict[str, Any]]]) -> str | None:
     return None
 
 
+def _status(tmp: Path, rank: int) -> str:
+    """The call ``rank`` issued last, as its status file says ("" before its first)."""
+    status = tmp / f"rank{rank}.status"
+    return status.read_text(errors="replace").strip() if status.exists() else ""
+
+
 def _hang_report(scenario: Scenario, tmp: Path, waited: float) -> str:
     lines = [f"{scenario.id}: deadline of {waited:g} s passed; the last call each rank issued:"]
     idle = 0
     for r in range(scenario.world_size):
-        status = tmp / f"rank{r}.status"
-        text = status.read_text(errors="replace").strip() if status.exists() else ""
+        text = _status(tmp, r)
         lines.append(f"  rank {r}: {'in ' + text if text else 'no call issued yet'}")
         idle += not text
     if idle:
