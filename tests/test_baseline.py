@@ -4,14 +4,16 @@ and synthetic captures: no ranks started here."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 
 import pytest
 from commgate.judge import baseline as bl
-from commgate.judge.drift import cold_starts, mann_whitney_u, shifts
+from commgate.judge.drift import RunLatency, cold_starts, envelope, shifts, summarize
+from commgate.model.collectives import Op
 from commgate.model.scenario import ColdStartRule, LatencyRule, Tolerance
-from commgate.run.capture import Capture, CapturedCall
+from commgate.run.capture import Capture, CapturedCall, StepWindow
 
 DATA = Path(__file__).parent / "data" / "baselines"
 EXACT = Tolerance()
@@ -44,7 +46,7 @@ def test_compare_names_every_difference_with_obtained_expected_and_delta() -> No
         ),
         (
             "newer.json",
-            r"newer\.json: \$\.schema_version: 2 is newer than this commgate reads \(1\); upgrade commgate$",
+            r"newer\.json: \$\.schema_version: 3 is newer than this commgate reads \(2\); upgrade commgate$",
         ),
         ("negative-calls.json", r"negative-calls\.json: \$\.calls\[0\]\.calls: -1 is less than the minimum of 1$"),
     ],
@@ -56,12 +58,20 @@ def test_a_bad_baseline_is_a_one_line_error_naming_the_file(name: str, message: 
 
 
 def test_older_versions_are_migrated(monkeypatch: pytest.MonkeyPatch) -> None:
-    doc = json.loads((DATA / "ddp.json").read_text())
+    doc = json.loads((DATA / "ddp-v1.json").read_text())
     old = {k: v for k, v in doc.items() if k != "histogram"} | {"schema_version": 0}
-    with pytest.raises(bl.BaselineError, match=r"\$\.schema_version: 0 has no migration to 1"):
+    with pytest.raises(bl.BaselineError, match=r"\$\.schema_version: 0 has no migration to 2"):
         bl.migrate(dict(old))
     monkeypatch.setitem(bl.MIGRATIONS, 0, lambda d: d | {"schema_version": 1, "histogram": {}})
     assert bl.migrate(dict(old))["histogram"] == {}
+
+
+def test_version_1_keeps_its_volumes_and_starts_an_empty_latency_history() -> None:
+    """Version 1 pooled every call's duration: no run can be told from another, so no history."""
+    v1, v2 = bl.load(DATA / "ddp-v1.json"), bl.load(DATA / "ddp.json")
+    assert json.loads((DATA / "ddp-v1.json").read_text())["latency"]  # it had samples
+    assert v1.latency == {} and len(v2.latency[v2.provenance["hardware"]]) == 3
+    assert (v1.calls, v1.bytes_per_step, v1.histogram) == (v2.calls, v2.bytes_per_step, v2.histogram)
 
 
 def test_a_failed_write_leaves_the_old_baseline_intact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -84,21 +94,93 @@ def test_fractions_are_stored_exactly() -> None:
     assert bl.Baseline.from_json(json.loads(json.dumps(b.to_json()))) == b
 
 
-def test_mann_whitney_u() -> None:
-    a, b = list(range(1, 11)), list(range(11, 21))
-    assert mann_whitney_u(a, b) == pytest.approx(0.000183, abs=2e-5)  # U = 0, n = 10 + 10
-    assert mann_whitney_u(a, a) == pytest.approx(1.0)
-    assert mann_whitney_u([5] * 12, [5] * 12) == 1.0  # all tied: no evidence
+def _run(all_reduce: float, broadcast: float = 6.0, compute: float = 10.0, step: float = 100.0) -> RunLatency:
+    """One run: ms per step in two ops (three steps alike), the compute and step times per step."""
+    ms = 1_000_000
+    return RunLatency(
+        keys={
+            ("all_reduce", "group 0,1", 4096, "backward"): (int(all_reduce * ms),) * 3,
+            ("broadcast", "group 0,1", 8, "forward"): (int(broadcast * ms),) * 3,
+        },
+        compute=(int(compute * ms),) * 3,
+        step=(int(step * ms),) * 3,
+    )
 
 
-def test_latency_shifts_need_both_the_factor_and_significance() -> None:
-    key = ("recv", "peer 1", 4096, "pipeline")
-    base = {key: list(range(1000, 1012))}
-    rule = LatencyRule()
-    assert [s.verdict for s in shifts({key: [x * 2 for x in base[key]]}, base, rule)] == ["slower"]
-    assert [s.verdict for s in shifts({key: [x // 2 for x in base[key]]}, base, rule)] == ["faster"]
-    assert [s.verdict for s in shifts({key: [x + 100 for x in base[key]]}, base, rule)] == ["~"]  # significant, small
-    assert shifts({key: [x * 2 for x in base[key][:5]]}, base, rule) == []  # too few samples to judge
+def _verdicts(now: list[RunLatency], base: list[RunLatency], rule: LatencyRule | None = None) -> dict[str, str]:
+    return {s.op: s.verdict for s in shifts(now, base, rule or LatencyRule()).shifts}
+
+
+BASE = [_run(10.0), _run(11.0), _run(10.5)]
+
+
+def test_latency_is_judged_on_runs_only_with_enough_stored_runs() -> None:
+    a = shifts([_run(100.0)], BASE[:2], LatencyRule())
+    assert a.shifts == () and a.note == "latency not judged: 2 run(s) to compare with, 3 needed"
+    assert _verdicts([_run(100.0)], BASE[:2], LatencyRule(min_runs=2)) == {"all_reduce": "slower", "broadcast": "~"}
+
+
+def test_a_slowdown_counts_beyond_the_factor_or_the_stored_runs_own_spread() -> None:
+    assert envelope(BASE) == pytest.approx(1.1)
+    assert _verdicts([_run(12.0)], BASE) == {"all_reduce": "~", "broadcast": "~"}  # x1.14 < 1.25
+    assert _verdicts([_run(21.0)], BASE) == {"all_reduce": "slower", "broadcast": "~"}  # x2
+    assert _verdicts([_run(5.0)], BASE) == {"all_reduce": "faster", "broadcast": "~"}
+    noisy = [_run(10.0), _run(30.0), _run(15.0)]  # this machine itself varies x3
+    assert envelope(noisy) == pytest.approx(3.0)
+    assert _verdicts([_run(30.0)], noisy) == {"all_reduce": "~", "broadcast": "~"}  # x2: within what it does
+    assert _verdicts([_run(46.0)], noisy)["all_reduce"] == "slower"  # x3.07
+
+
+def test_an_op_under_min_share_of_the_step_is_not_judged() -> None:
+    """A broadcast of 1 ms in a 100 ms step is scheduling noise on a shared machine, whatever its ratio."""
+    base = [_run(10.0, broadcast=1.0), _run(11.0, broadcast=1.0), _run(10.5, broadcast=1.0)]
+    a = shifts([_run(10.0, broadcast=9.0)], base, LatencyRule())
+    assert {s.op: s.verdict for s in a.shifts} == {"all_reduce": "~"} and a.unjudged == 1
+    assert _verdicts([_run(10.0, broadcast=9.0)], base, LatencyRule(min_share=0))["broadcast"] == "slower"
+
+
+def test_every_run_must_be_slower_and_a_slower_machine_excuses_its_share() -> None:
+    assert _verdicts([_run(21.0), _run(10.4)], BASE)["all_reduce"] == "~"  # one run only: not confirmed
+    assert _verdicts([_run(21.0), _run(22.0)], BASE)["all_reduce"] == "slower"
+    # compute x2 as well: the whole machine ran slower, not the collective
+    assert _verdicts([_run(21.0, compute=20.0)], BASE)["all_reduce"] == "~"
+    assert _verdicts([_run(42.0, compute=20.0)], BASE)["all_reduce"] == "slower"
+    # a faster machine never creates a slowdown, nor a slower one a speed-up
+    assert _verdicts([_run(10.0, compute=5.0)], BASE)["all_reduce"] == "~"
+    (shift,) = [s for s in shifts([_run(21.0)], BASE, LatencyRule()).shifts if s.verdict != "~"]
+    assert shift.text() == (
+        "latency slower: all_reduce time per step x2.00 in each of 1 run(s) vs 3 reference run(s) (counts beyond "
+        "x1.25): all_reduce group 0,1 4096 B backward x2.00"
+    )
+
+
+def _capture(ms_per_call: float, compute_ms: float = 10.0) -> Capture:
+    """Two ranks, one warm-up and three measured steps, one all_reduce per step taking ``ms_per_call``."""
+    ms = 1_000_000
+    calls, windows = [], []
+    for rank in (0, 1):
+        t = 0
+        for step in range(4):
+            start = t
+            call = _call(rank, step, step, int(ms_per_call * ms))
+            calls.append(replace(call, op=Op.ALL_REDUCE, phase="backward", peer=None, start_ns=t))
+            t += int((ms_per_call + compute_ms) * ms)
+            windows.append(StepWindow(rank=rank, step=step, start_ns=start, end_ns=t))
+    return Capture(
+        scenario="s",
+        world_size=2,
+        warmup_steps=1,
+        steps=3,
+        backend="gloo",
+        calls=tuple(calls),
+        step_windows=tuple(windows),
+    )
+
+
+def test_a_run_is_summarised_per_measured_step_with_its_compute_time() -> None:
+    run = summarize(_capture(4.0, compute_ms=6.0))
+    assert run.keys == {("all_reduce", "group 0,1", 4096, "backward"): (4_000_000,) * 3}
+    assert run.compute == (6_000_000,) * 3 and run.op_time("all_reduce") == 4_000_000
 
 
 def _call(rank: int, step: int, seq: int, ns: int) -> CapturedCall:
@@ -141,24 +223,38 @@ def test_another_scenarios_baseline_is_a_one_line_error(tmp_path: Path) -> None:
     assert "\n" not in str(info.value)
 
 
-def test_a_speed_up_is_reported_never_a_failure() -> None:
-    """With ``latency.action: fail`` a slower collective fails the gate; one that got faster is reported
-    as a warning only."""
-    from dataclasses import replace
-
-    from commgate.judge.gate import against_baseline
+def test_a_speed_up_is_reported_never_a_failure_and_a_slowdown_is_confirmed_by_reruns() -> None:
+    """With ``latency.action: fail`` a slower op fails the gate only if the reruns are slower too; one
+    that got faster is reported as a warning only."""
+    from commgate.judge.gate import against_latency
     from commgate.model.scenario import load_text
 
     stored = bl.load(DATA / "ddp.json")
     hw = stored.provenance["hardware"]
-    key = next(iter(stored.latency[hw]))
-    base = {key: list(range(1000, 1030))}
-    stored = replace(stored, latency={hw: base})
+    stored = replace(stored, latency={hw: tuple(summarize(_capture(ms)) for ms in (4.0, 4.2, 4.1))})
     (s,) = load_text(
         "schema_version: 1\nname: ddp-19m-dp4\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: ddp, dp: 4}\n"
         "expectations: {baseline: {latency: {action: fail}}}\n"
     )
-    for scale, fails in ((3, True), (1 / 3, False)):
-        now = replace(stored, latency={hw: {key: [int(x * scale) for x in base[key]]}})
-        (finding,) = [f for f in against_baseline(s, now, stored) if f.kind == "latency"]
-        assert finding.fail is fails, (scale, finding)
+    reruns: list[float] = []
+
+    def rerun(ms: float) -> Capture:
+        reruns.append(ms)
+        return _capture(ms)
+
+    def judged(now_ms: float, rerun_ms: float) -> tuple[object, str]:
+        now = replace(stored, latency={hw: (summarize(_capture(now_ms)),)})
+        return against_latency(s, now, stored, lambda: rerun(rerun_ms))
+
+    finding, note = judged(12.0, 12.0)
+    assert finding is not None and finding.fail and reruns == [12.0, 12.0]  # type: ignore[attr-defined]
+    assert note == (
+        "latency judged against 3 stored run(s) (counts beyond x1.25, 2 confirming rerun(s)): latency ~ on 0 op(s)"
+    )
+    reruns.clear()
+    finding, _ = judged(12.0, 4.1)  # the first rerun is back to normal: a one-off, not a regression
+    assert finding is None and reruns == [4.1]
+    reruns.clear()
+    finding, _ = judged(1.0, 1.0)
+    assert finding is not None and not finding.fail and reruns == []  # type: ignore[attr-defined]
+    assert "latency faster: all_reduce" in finding.lines[0]  # type: ignore[attr-defined]

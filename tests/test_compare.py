@@ -24,7 +24,7 @@ def test_identical_baseline_sets_compare_equal(tmp_path: Path, capsys: pytest.Ca
     a, b = baseline_dir(tmp_path, "a", "ddp.json"), baseline_dir(tmp_path, "b", "ddp.json")
     assert main(["compare", str(a), str(b)]) == 0
     out = capsys.readouterr().out
-    assert "ddp-19m-dp4: unchanged (latency ~ on" in out and "0 of 1 scenario(s) changed" in out
+    assert "ddp-19m-dp4: unchanged (latency ~ on 2 op(s))" in out and "0 of 1 scenario(s) changed" in out
 
 
 def test_a_volume_change_fails_and_is_shown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -38,7 +38,8 @@ def test_a_volume_change_fails_and_is_shown(tmp_path: Path, capsys: pytest.Captu
     assert out[-1] == "1 of 1 scenario(s) changed"
 
 
-def test_reports_of_real_runs(tmp_path: Path) -> None:
+def _report_of_a_real_run(tmp_path: Path) -> Path:
+    """``commgate run`` of a 2-rank DDP scenario; its report.json."""
     scenario = tmp_path / "s.yaml"
     scenario.write_text(
         "schema_version: 1\nname: s\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: ddp, dp: 2}\nsteps: 2\n"
@@ -49,13 +50,52 @@ def test_reports_of_real_runs(tmp_path: Path) -> None:
         text=True,
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    before = tmp_path / "a" / "report.json"
+    return tmp_path / "a" / "report.json"
+
+
+def test_reports_of_real_runs(tmp_path: Path) -> None:
+    before = _report_of_a_real_run(tmp_path)
     assert main(["compare", str(before), str(before)]) == 0
     doc = json.loads(before.read_text())
     doc["scenarios"][0]["calls"][-1]["measured_calls"] += 1  # a planted extra call
     after = tmp_path / "after.json"
     after.write_text(json.dumps(doc))
     assert main(["compare", str(before), str(after)]) == 1
+
+
+def _slowed(doc: dict[str, object], op: str, factor: float) -> dict[str, object]:
+    out = json.loads(json.dumps(doc))
+    for c in out["scenarios"][0]["capture"]["calls"]:  # type: ignore[index]
+        if c["op"] == op and c["duration_ns"] is not None:
+            c["duration_ns"] = int(c["duration_ns"] * factor)
+    return out
+
+
+def test_runs_on_each_side_judge_latency(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Directories of run reports (ci/pre-upgrade.sh's before/1..3, after/1..3): latency is judged on
+    runs once each side has three; a slowdown in every after run is a change, a speed-up is not."""
+    doc = json.loads(_report_of_a_real_run(tmp_path).read_text())
+
+    def side(name: str, docs: list[dict[str, object]]) -> str:
+        for i, d in enumerate(docs, 1):
+            (tmp_path / name / str(i)).mkdir(parents=True)
+            (tmp_path / name / str(i) / "report.json").write_text(json.dumps(d))
+        return str(tmp_path / name)
+
+    before = side("before", [doc, doc, doc])
+    assert main(["compare", before, side("same", [doc, doc, doc])]) == 0
+    assert "s: unchanged (latency ~ on " in capsys.readouterr().out
+    assert main(["compare", before, side("one", [_slowed(doc, "all_reduce", 3)])]) == 0
+    assert "latency not judged: 3 before and 1 after run(s), 3 a side needed" in capsys.readouterr().out
+    assert main(["compare", before, side("slow", [_slowed(doc, "all_reduce", 3)] * 3)]) == 1
+    out = capsys.readouterr().out
+    assert "latency slower: all_reduce time per step x3.00 in each of 3 run(s) vs 3 reference run(s)" in out
+    assert main(["compare", before, side("fast", [_slowed(doc, "all_reduce", 0.25)] * 3)]) == 0
+    assert "latency faster: all_reduce" in capsys.readouterr().out
+    unsteady = json.loads(json.dumps(doc))
+    unsteady["scenarios"][0]["calls"][-1]["measured_calls"] += 1
+    assert main(["compare", side("mixed", [doc, unsteady, doc]), before]) == 1
+    assert "(differs between the before runs)" in capsys.readouterr().out
 
 
 def test_bad_inputs_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -41,7 +41,13 @@ def test_pre_upgrade_dry_run_prints_the_a_b_commands(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert ".venv-candidate/bin/pip install -q torch==2.13.0 deepspeed==0.18.9 -e . " in lines
-    assert f".venv/bin/commgate compare {tmp_path}/before/report.json {tmp_path}/after/report.json " in lines
+    runs = [line for line in lines if " run scenarios " in line]
+    assert runs == [  # interleaved, three a side: latency is judged on runs
+        f"{venv}/bin/commgate run scenarios --report-dir {tmp_path}/{side}/{i} "
+        for i in (1, 2, 3)
+        for venv, side in ((".venv", "before"), (".venv-candidate", "after"))
+    ]
+    assert f".venv/bin/commgate compare {tmp_path}/before {tmp_path}/after " in lines
     usage = subprocess.run([str(root / "ci" / "pre-upgrade.sh")], capture_output=True, text=True)
     assert usage.returncode == 2 and usage.stderr.startswith("usage: ci/pre-upgrade.sh")
 

@@ -74,7 +74,7 @@ def test_expectations_are_read() -> None:
     (s,) = load_text(text)
     e = s.expectations
     assert e.model_bytes.rtol == 0.01 and e.latency.factor == 1.5 and e.cold_start.action == "fail"
-    assert e.latency.p_value == 0.01 and e.cold_start.factor == 10.0
+    assert (e.latency.min_runs, e.latency.confirm) == (3, 2) and e.cold_start.factor == 10.0
 
 
 def test_duplicate_ids_across_files_are_an_error(tmp_path: Path) -> None:

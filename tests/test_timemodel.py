@@ -6,8 +6,8 @@ import pytest
 from commgate.model.predict import predict
 from commgate.model.scenario import load_text
 from commgate.report.bandwidth import Sample, fit
-from commgate.report.timemodel import busy_ns, measure, predict_time, step_flops
-from commgate.run.capture import Capture, CapturedCall, StepWindow
+from commgate.report.timemodel import measure, predict_time, step_flops
+from commgate.run.capture import Capture, CapturedCall, StepWindow, busy_ns
 
 
 def call(rank: int, step: int, start: int, dur: int | None, op: str = "all_reduce") -> CapturedCall:

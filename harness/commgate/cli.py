@@ -279,20 +279,28 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--refresh-latency",
         action="store_true",
-        help="with --update-baselines: rewrite unchanged baselines too, storing this run's latency samples",
+        help="with --update-baselines: rewrite unchanged baselines too, adding this run to the latency history",
     )
     r.add_argument("-k", "--select", action="append", help="run only scenarios whose id contains this (repeatable)")
     c = sub.add_parser(
         "compare",
         help="what changed in communication between two runs (reports or baseline directories)",
         description="Compare two runs, e.g. before and after an upgrade: per scenario and collective, calls, bytes "
-        "per step and message sizes exactly, latency with a Mann-Whitney U test. Exit status 1 on a change in "
-        "volume, a scenario on one side only, or a significant slowdown.",
+        "per step and message sizes exactly; latency per op on runs, not calls (each side needs --min-runs runs: "
+        "a directory of run reports, e.g. ci/pre-upgrade.sh's before/ and after/). Exit status 1 on a change in "
+        "volume, a scenario on one side only, or a slowdown seen in every run.",
     )
-    c.add_argument("before", type=Path, help="report.json or baseline directory")
-    c.add_argument("after", type=Path, help="report.json or baseline directory")
-    c.add_argument("--latency-factor", type=float, default=1.25, help="ratio of medians that counts (default 1.25)")
-    c.add_argument("--p-value", type=float, default=0.01, help="significance level, shared among keys (default 0.01)")
+    side = "report.json, a directory of runs (*/report.json) or a baseline directory"
+    c.add_argument("before", type=Path, help=side)
+    c.add_argument("after", type=Path, help=side)
+    c.add_argument(
+        "--latency-factor",
+        type=float,
+        default=1.25,
+        help="the least ratio of an op's time per step that counts; raised to the spread the before runs show "
+        "among themselves (default 1.25)",
+    )
+    c.add_argument("--min-runs", type=int, default=3, help="runs each side needs before latency is judged (default 3)")
     h = sub.add_parser(
         "html",
         help="render a report.json as index.html with plots and trace.json (what run --report-dir writes)",
@@ -333,9 +341,11 @@ def cmd_compare(a: argparse.Namespace) -> int:
     from commgate.judge.compare import compare, load_side
     from commgate.model.scenario import LatencyRule
 
-    if a.latency_factor <= 1 or not 0 < a.p_value < 1:
-        raise UsageError("--latency-factor must be > 1 and --p-value within (0, 1)")
-    changes = compare(load_side(a.before), load_side(a.after), LatencyRule(factor=a.latency_factor, p_value=a.p_value))
+    if not 1 < a.latency_factor <= 1e6 or not 1 <= a.min_runs <= 100:
+        raise UsageError("--latency-factor must be within (1, 1e6] and --min-runs within [1, 100]")
+    changes = compare(
+        load_side(a.before), load_side(a.after), LatencyRule(factor=a.latency_factor, min_runs=a.min_runs)
+    )
     for change in changes:
         print("\n".join(change.lines()))
     n = sum(c.changed for c in changes)

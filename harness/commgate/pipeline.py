@@ -18,6 +18,7 @@ from commgate.model.predict import predict
 from commgate.model.scenario import Backend, Scenario
 from commgate.report.report import ScenarioResult
 from commgate.report.timemodel import assess
+from commgate.run.capture import Capture
 from commgate.run.launcher import RunError
 from commgate.run.runners import Runner
 
@@ -58,7 +59,7 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
     if capture is None:
         return None
     rec = reconcile(prediction, capture)
-    baseline, written = None, None
+    baseline, written, latency_note = None, None, ""
     if options.gate:
         j = judge(
             scenario,
@@ -69,8 +70,9 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
             update=options.update_baselines,
             refresh_latency=options.refresh_latency,
             update_flag=options.update_flag,
+            rerun=lambda: _rerun(runner, scenario),
         )
-        findings, baseline, written = j.findings, j.baseline, j.written
+        findings, baseline, written, latency_note = j.findings, j.baseline, j.written, j.latency_note
     else:
         findings = model_findings(scenario, rec)
     findings = (*findings, *(Finding("config", False, w) for w in scenario.warnings))
@@ -81,7 +83,17 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
         findings=findings,
         baseline=baseline,
         baseline_written=written,
+        latency_note=latency_note,
         capture=capture,
         reconciliation=rec,
         time_model=assess(prediction, capture, options.baseline_dir),
     )
+
+
+def _rerun(runner: Runner, scenario: Scenario) -> Capture | None:
+    """The scenario run again to confirm a latency slowdown (None if that run failed: no confirmation)."""
+    print(f"    latency looks slower: rerunning {scenario.id} to confirm", flush=True)
+    try:
+        return runner.run(scenario)
+    except RunError:
+        return None

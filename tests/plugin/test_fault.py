@@ -68,3 +68,40 @@ def test_an_unknown_fault_is_a_usage_error(pytester: pytest.Pytester, scenario_f
     result = pytester.runpytest("--commgate-fault", "unplug-cable")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--commgate-fault 'unplug-cable': expected one of delay-first-recv*"])
+
+
+def test_a_planted_slowdown_is_flagged_once_reruns_confirm_it(
+    pytester: pytest.Pytester, scenario_file: Callable[..., Path]
+) -> None:
+    """Three stored runs, then every all_reduce made 20x as long: the op is slower in the run and in
+    both confirming reruns, so the gate fails (``latency.action: fail``) naming it."""
+    import shutil
+
+    scenario_file("g", tail="expectations: {baseline: {latency: {action: fail}}}\n")
+    pytester.runpytest("--commgate-update-baselines").assert_outcomes(passed=1)
+    shutil.rmtree(pytester.path / "baselines")  # that first run also started the forkserver: not a reference
+    pytester.runpytest("--commgate-update-baselines").assert_outcomes(passed=1)
+    for _ in range(2):
+        result = pytester.runpytest("--commgate-update-baselines", "--commgate-refresh-latency")
+        result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*this run added to the latency history*"])
+    pytester.runpytest().assert_outcomes(passed=1)  # unchanged: judged against 3 runs, nothing moved
+    result = pytester.runpytest("--commgate-fault", "slow=all_reduce:20")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*[[]latency[]] latency shifted against 3 stored run(s) on *",
+            "*latency slower: all_reduce time per step x* in each of 3 run(s) vs 3 reference run(s)*",
+        ]
+    )
+
+
+def test_a_slow_fault_names_an_op_and_a_factor() -> None:
+    from commgate.core.errors import UsageError
+    from commgate.run.inject import parse
+
+    assert parse(["slow=all_gather"]).slow == (("all_gather", 2.0),)
+    assert parse(["slow=all_reduce:3", "slow=send:1.5"]).describe() == "slow=all_reduce:3, slow=send:1.5"
+    for bad in ("slow", "slow=allreduce", "slow=all_reduce:0.5", "slow=all_reduce:nan", "slow=all_reduce:x"):
+        with pytest.raises(UsageError, match="--commgate-fault"):
+            parse([bad])

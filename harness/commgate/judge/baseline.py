@@ -2,8 +2,9 @@
 backend (``baselines/{backend}/{scenario id}.json``), validated by a published schema.
 
 Volumes and counts (calls per (window, op, group, dtype, size, phase), bytes per step per op, the
-message-size histogram) are hardware-independent and compared exactly; latency samples (raw, ns) are
-kept per hardware fingerprint and compared statistically (``commgate.judge.drift``). Provenance records the
+message-size histogram) are hardware-independent and compared exactly; latency is kept per hardware
+fingerprint as a history of up to ``HISTORY`` runs (``commgate.judge.drift.RunLatency``: the run, not the
+call, is what a latency verdict compares). Provenance records the
 stack the baseline was taken on. Files are written atomically (temporary file, fsync, ``os.replace``).
 A file with an older ``schema_version`` is migrated on load (``MIGRATIONS``); a malformed one is a
 one-line ``BaselineError`` naming the file.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -24,14 +25,24 @@ from commgate.core.errors import DocumentError, Problem
 from commgate.core.fsutil import atomic_write_json, read_json
 from commgate.core.provenance import commit as provenance_commit
 from commgate.core.provenance import cpu_fingerprint, environment
-from commgate.judge.drift import LatencyKey, key_text, samples
+from commgate.judge.drift import RunLatency, key_text, summarize
 from commgate.judge.reconcile import Reconciliation, call_label
 from commgate.model.scenario import Tolerance
 from commgate.run.capture import Capture
 
-BASELINE_VERSION = 1
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
-"""``MIGRATIONS[v]`` turns a version-v document into a version-(v+1) one (none yet: version 1 is the first)."""
+BASELINE_VERSION = 2
+HISTORY = 8
+"""Runs of latency kept per hardware (the oldest is dropped)."""
+
+
+def _v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
+    """Version 1 kept every call's duration pooled over ranks and steps: no run can be told from another
+    in it, so the latency history starts empty (volumes are kept as they are)."""
+    return doc | {"schema_version": 2, "latency": {}}
+
+
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _v1_to_v2}
+"""``MIGRATIONS[v]`` turns a version-v document into a version-(v+1) one."""
 
 CallKey = tuple[str, str, tuple[int, ...], str, int, str]
 """(window, op, group, dtype, bytes per call, phase), as in ``commgate.judge.reconcile``."""
@@ -50,8 +61,11 @@ class Baseline:
     bytes_per_step: dict[str, Fraction]
     histogram: dict[int, Fraction]
     """Message size (bytes) -> calls per measured step, all ranks."""
-    latency: dict[str, dict[LatencyKey, list[int]]] = field(default_factory=dict)
-    """Hardware fingerprint -> latency key -> raw durations (ns) of the measured steps."""
+    latency: dict[str, tuple[RunLatency, ...]] = field(default_factory=dict)
+    """Hardware fingerprint -> the latency of the stored runs, oldest first."""
+    unsteady: tuple[Difference, ...] = ()
+    """Where runs joined into this one differed in volume (``commgate compare`` on several runs; never
+    stored)."""
 
     @classmethod
     def of(
@@ -62,7 +76,7 @@ class Baseline:
         provenance: dict[str, Any],
     ) -> Baseline:
         """A run's measured counts and bytes, its message-size histogram derived from the counts, its
-        latency samples under ``provenance["hardware"]``."""
+        latency (one run) under ``provenance["hardware"]``."""
         steps = max(capture.steps, 1)
         hist: dict[int, Fraction] = {}
         for (window, _, _, _, nbytes, _), n in calls.items():
@@ -75,13 +89,23 @@ class Baseline:
             calls={k: n for k, n in calls.items() if n},
             bytes_per_step={op: b for op, b in bytes_per_step.items() if b},
             histogram={size: n for size, n in hist.items() if n},
-            latency={provenance["hardware"]: samples(capture)},
+            latency={provenance["hardware"]: (summarize(capture, date=provenance.get("date", "")),)},
         )
 
     @classmethod
     def from_run(cls, capture: Capture, rec: Reconciliation, provenance: dict[str, Any]) -> Baseline:
         calls = {(k.window, k.op, k.group, k.dtype, k.bytes_per_call, k.phase): k.measured_calls for k in rec.keys}
         return cls.of(capture, calls, {o.op: o.measured_bytes for o in rec.ops}, provenance)
+
+    def with_history(self, stored: Baseline | None) -> Baseline:
+        """This baseline with ``stored``'s latency runs before its own (other machines' kept as they are),
+        the newest ``HISTORY`` per machine."""
+        if stored is None:
+            return self
+        merged = dict(stored.latency)
+        for hw, runs in self.latency.items():
+            merged[hw] = (*stored.latency.get(hw, ()), *runs)[-HISTORY:]
+        return replace(self, latency=merged)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -97,10 +121,25 @@ class Baseline:
             "histogram": {str(size): exact(n) for size, n in sorted(self.histogram.items())},
             "latency": {
                 hw: [
-                    {"key": key_text(k), "op": k[0], "where": k[1], "bytes": k[2], "phase": k[3], "ns": v}
-                    for k, v in sorted(per.items())
+                    {
+                        "date": run.date,
+                        "compute_ns": list(run.compute),
+                        "step_ns": list(run.step),
+                        "keys": [
+                            {
+                                "key": key_text(k),
+                                "op": k[0],
+                                "where": k[1],
+                                "bytes": k[2],
+                                "phase": k[3],
+                                "step_ns": list(v),
+                            }
+                            for k, v in sorted(run.keys.items())
+                        ],
+                    }
+                    for run in runs
                 ]
-                for hw, per in sorted(self.latency.items())
+                for hw, runs in sorted(self.latency.items())
             },
         }
 
@@ -117,8 +156,16 @@ class Baseline:
             bytes_per_step={op: Fraction(b) for op, b in doc["bytes_per_step"].items()},
             histogram={int(size): Fraction(n) for size, n in doc["histogram"].items()},
             latency={
-                hw: {(s["op"], s["where"], s["bytes"], s["phase"]): list(s["ns"]) for s in per}
-                for hw, per in doc["latency"].items()
+                hw: tuple(
+                    RunLatency(
+                        keys={(k["op"], k["where"], k["bytes"], k["phase"]): tuple(k["step_ns"]) for k in run["keys"]},
+                        compute=tuple(run["compute_ns"]),
+                        step=tuple(run["step_ns"]),
+                        date=run["date"],
+                    )
+                    for run in runs
+                )
+                for hw, runs in doc["latency"].items()
             },
         )
 

@@ -1,16 +1,20 @@
 """Pre-upgrade A/B: what changed in communication between two runs (``commgate compare BEFORE AFTER``).
 
-Each side is a run report (``report.json`` from ``commgate run`` or ``--commgate-report-dir``) or a
-baseline directory (``baselines/``, one file per scenario and backend). Per scenario present on both
-sides: calls per (window, op, group, dtype, size, phase), bytes per step per op and the message-size
-histogram, exactly (``commgate.judge.baseline.compare``); latency by ``commgate.judge.drift.shifts`` on the raw
-samples. A change in volume, a scenario on one side only, or a significant slowdown is a change.
+Each side is a run report (``report.json`` from ``commgate run`` or ``--commgate-report-dir``), a
+directory of several runs' reports (``*/report.json``: ``ci/pre-upgrade.sh`` writes ``before/1..N`` and
+``after/1..N``, interleaved so that a drifting machine weighs on both sides alike), or a baseline
+directory (``baselines/``, one file per scenario and backend, with its stored runs). Per scenario present
+on both sides: calls per (window, op, group, dtype, size, phase), bytes per step per op and the
+message-size histogram, exactly (``commgate.judge.baseline.compare``; the first run of a side stands for
+it, and a side whose runs disagree in volume is itself a change); latency per op by
+``commgate.judge.drift.shifts``, the after runs against the before runs, once each side has
+``min_runs``. A change in volume, a scenario on one side only, or a slowdown in every run is a change.
 Torch-free.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -19,7 +23,7 @@ from commgate.core import schemas
 from commgate.core.errors import CommgateError
 from commgate.core.fsutil import read_json
 from commgate.judge import baseline as bl
-from commgate.judge.drift import Shift, shifts
+from commgate.judge.drift import Assessment, shifts
 from commgate.model.scenario import LatencyRule, Tolerance
 from commgate.run.capture import Capture
 
@@ -40,7 +44,18 @@ def _from_report_entry(sc: dict[str, Any]) -> bl.Baseline | None:
 
 
 def load_side(path: Path) -> dict[str, bl.Baseline]:
-    """Scenario id (with the backend when a baseline directory holds several) -> what it sent."""
+    """Scenario id (with the backend when a baseline directory holds several) -> what it sent, with the
+    latency of every run the side holds."""
+    reports = sorted(path.glob("*/report.json"), key=_run_order) if path.is_dir() else []
+    if reports:
+        runs = [_load_report(p) for p in reports]
+        out = dict(runs[0])
+        for run in runs[1:]:
+            for name, b in run.items():
+                first = out.setdefault(name, b)
+                if first is not b:
+                    out[name] = _join(first, b)
+        return out
     if path.is_dir():
         files = sorted(path.glob("*/*.json")) or sorted(path.glob("*.json"))
         if not files:
@@ -48,6 +63,23 @@ def load_side(path: Path) -> dict[str, bl.Baseline]:
         loaded = [bl.load(f) for f in files]
         backends = {b.backend for b in loaded}
         return {(b.scenario if len(backends) == 1 else f"{b.scenario} ({b.backend})"): b for b in loaded}
+    return _load_report(path)
+
+
+def _run_order(p: Path) -> tuple[int, str]:
+    name = p.parent.name
+    return (int(name), name) if name.isdigit() else (1 << 30, name)
+
+
+def _join(a: bl.Baseline, b: bl.Baseline) -> bl.Baseline:
+    """``a`` with ``b``'s latency runs added; a volume that differs between the two runs is kept as a
+    difference (``ScenarioChange.unsteady``)."""
+    latency = {hw: (*a.latency.get(hw, ()), *b.latency.get(hw, ())) for hw in set(a.latency) | set(b.latency)}
+    unsteady = bl.compare(b, a, bytes_tol=EXACT, calls_tol=EXACT)
+    return replace(a, latency=latency, unsteady=(*a.unsteady, *unsteady))
+
+
+def _load_report(path: Path) -> dict[str, bl.Baseline]:
     doc = read_json(path, lambda d: schemas.validate("report", d), hint=": expected a commgate report.json")
     out = {}
     for sc in doc["scenarios"]:
@@ -61,20 +93,20 @@ def load_side(path: Path) -> dict[str, bl.Baseline]:
 class ScenarioChange:
     scenario: str
     volume: list[bl.Difference] = field(default_factory=list)
-    latency: list[Shift] = field(default_factory=list)
+    latency: Assessment = field(default_factory=Assessment)
     only: str = ""
     """'before' or 'after' when the scenario ran on one side only."""
 
     @property
     def changed(self) -> bool:
-        return bool(self.volume or self.only or any(s.verdict == "slower" for s in self.latency))
+        return bool(self.volume or self.only or self.latency.slower)
 
     def lines(self) -> list[str]:
         if self.only:
             return [f"{self.scenario}: only in {self.only}"]
-        moved = [s for s in self.latency if s.verdict != "~"]
+        moved = self.latency.changed()
         if not self.volume and not moved:
-            return [f"{self.scenario}: unchanged (latency ~ on {len(self.latency)} keys)"]
+            return [f"{self.scenario}: unchanged ({self.latency.summary()})"]
         out = [f"{self.scenario}:"]
         out += [f"    {d.text(('after', 'before'))}" for d in self.volume]
         out += [f"    {s.text()}" for s in moved]
@@ -90,10 +122,18 @@ def compare(before: dict[str, bl.Baseline], after: dict[str, bl.Baseline], rule:
             out.append(ScenarioChange(name, only="after"))
         else:
             a, b = after[name], before[name]
-            change = ScenarioChange(name, volume=bl.compare(a, b, bytes_tol=EXACT, calls_tol=EXACT))
+            volume = bl.compare(a, b, bytes_tol=EXACT, calls_tol=EXACT)
+            volume += [replace(d, what=f"{d.what} (differs between the before runs)") for d in b.unsteady]
+            volume += [replace(d, what=f"{d.what} (differs between the after runs)") for d in a.unsteady]
+            change = ScenarioChange(name, volume=volume)
             common = sorted(set(a.latency) & set(b.latency))  # the same hardware if both have it
-            lat_a = a.latency[common[0]] if common else next(iter(a.latency.values()), {})
-            lat_b = b.latency[common[0]] if common else next(iter(b.latency.values()), {})
+            lat_a = a.latency[common[0]] if common else next(iter(a.latency.values()), ())
+            lat_b = b.latency[common[0]] if common else next(iter(b.latency.values()), ())
             change.latency = shifts(lat_a, lat_b, rule)
+            if min(len(lat_a), len(lat_b)) < rule.min_runs:
+                change.latency = Assessment(
+                    note=f"latency not judged: {len(lat_b)} before and {len(lat_a)} after run(s), "
+                    f"{rule.min_runs} a side needed"
+                )
             out.append(change)
     return out

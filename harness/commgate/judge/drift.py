@@ -10,10 +10,13 @@ includes waiting for its sender: exactly what the paper's cold-cache anomaly loo
   *and* the first call is at least ``min_excess_ms`` slower (a 20 us call taking 10x is noise, a recv
   taking seconds is not). The rank that arrived last is named: the member whose own instance of the
   call was the shortest (the others waited for it).
-* Shift: per (op, peer or group, size, phase), the measured steps' samples against the baseline's;
-  "slower"/"faster" only when the ratio of medians passes the factor *and* a two-sided Mann-Whitney U
-  test rejects equality at ``p_value`` (shared among the keys tested: Bonferroni) with at least
-  ``min_samples`` on each side (as asv does); "~" otherwise. Raw samples, never trimmed means.
+* Shift: per op, its time per measured step (median rank) in this run against the stored runs'. The
+  *run* is the unit of replication: the calls of one run are not independent samples (on a busy or
+  drifting machine they all move together; on the 2-core CI machine two unchanged runs differ by 2x and
+  more in a third of their ops). So the baseline keeps a history of runs, a verdict needs
+  ``min_runs`` of them, the threshold is the larger of ``factor`` and the widest spread the stored
+  runs show among themselves, a slower machine (its compute slower too) excuses that much, and the
+  gate reruns a scenario that looks slower ``confirm`` times: *slower* only when every run is beyond.
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ import math
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import Literal, TypeVar
 
 from commgate.model.scenario import ColdStartRule, LatencyRule
-from commgate.run.capture import Capture, CapturedCall
+from commgate.run.capture import Capture, CapturedCall, busy_ns
 
+_T = TypeVar("_T")
 LatencyKey = tuple[str, str, int, str]
 """(op, where: ``peer 3`` or ``group 0,1``, bytes per call, phase)."""
 
@@ -40,16 +44,6 @@ def latency_key(c: CapturedCall) -> LatencyKey:
 def key_text(key: LatencyKey) -> str:
     op, where, nbytes, phase = key
     return f"{op} {where} {nbytes} B {phase}"
-
-
-def samples(capture: Capture) -> dict[LatencyKey, list[int]]:
-    """Durations (ns) of the measured steps' completed calls, all ranks, per latency key."""
-    steps = range(capture.warmup_steps, capture.warmup_steps + capture.steps)
-    out: dict[LatencyKey, list[int]] = defaultdict(list)
-    for c in capture.calls:
-        if c.step in steps and c.duration_ns is not None:
-            out[latency_key(c)].append(c.duration_ns)
-    return dict(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,33 +151,72 @@ def cold_starts(capture: Capture, rule: ColdStartRule) -> list[ColdStart]:
     return sorted(out, key=lambda s: s.first_ms - s.steady_ms, reverse=True)
 
 
-def mann_whitney_u(a: Sequence[float], b: Sequence[float]) -> float:
-    """Two-sided p-value of the Mann-Whitney U test (normal approximation with tie correction and
-    continuity correction; adequate from ~8 samples a side)."""
-    n1, n2 = len(a), len(b)
-    if not n1 or not n2:
-        return 1.0
-    pooled = sorted([(x, 0) for x in a] + [(x, 1) for x in b])
-    ranks = [0.0] * len(pooled)
-    ties = 0.0
-    i = 0
-    while i < len(pooled):
-        j = i
-        while j + 1 < len(pooled) and pooled[j + 1][0] == pooled[i][0]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[k] = (i + j) / 2 + 1
-        t = j - i + 1
-        ties += t**3 - t
-        i = j + 1
-    r1 = sum(r for r, (_, side) in zip(ranks, pooled, strict=True) if side == 0)
-    u1 = r1 - n1 * (n1 + 1) / 2
-    n = n1 + n2
-    sigma2 = n1 * n2 / 12 * ((n + 1) - ties / (n * (n - 1)))
-    if sigma2 <= 0:
-        return 1.0
-    z = (abs(u1 - n1 * n2 / 2) - 0.5) / math.sqrt(sigma2)
-    return max(0.0, min(1.0, math.erfc(max(z, 0.0) / math.sqrt(2))))
+@dataclass(frozen=True, slots=True)
+class RunLatency:
+    """One run's latency, the unit the shift verdict compares (calls of one run are not independent
+    samples: a busy machine slows them all, so runs, not calls, are what is replicated).
+
+    Per latency key, the time per measured step that the median rank spent in that key's calls (issue to
+    observed completion, summed over the step's calls); the compute time per measured step (the step
+    less the time with a call in flight, median rank), the machine's own speed."""
+
+    keys: dict[LatencyKey, tuple[int, ...]]
+    compute: tuple[int, ...] = ()
+    step: tuple[int, ...] = ()
+    """Step time per measured step (median rank)."""
+    date: str = ""
+    """When the run was stored (UTC, ISO 8601); empty when not stored."""
+
+    def op_time(self, op: str) -> float:
+        """Median time per step in ``op`` (all its keys), over the measured steps that issue it (DDP
+        broadcasts its buffers in the first measured step only)."""
+        per_step: dict[int, int] = defaultdict(int)
+        for (o, _, _, _), times in self.keys.items():
+            if o == op:
+                for i, t in enumerate(times):
+                    per_step[i] += t
+        return _median_issued(per_step.values())
+
+    def ops(self) -> set[str]:
+        return {k[0] for k in self.keys}
+
+    def key_time(self, key: LatencyKey) -> float:
+        return _median_issued(self.keys.get(key, ()))
+
+
+def _median_issued(times: Iterable[int]) -> float:
+    issued = [t for t in times if t > 0]
+    return float(statistics.median(issued)) if issued else 0.0
+
+
+def summarize(capture: Capture, *, date: str = "") -> RunLatency:
+    """A run's ``RunLatency`` from its captured calls and step windows."""
+
+    steps = range(capture.warmup_steps, capture.warmup_steps + capture.steps)
+    per: dict[LatencyKey, dict[tuple[int, int], int]] = defaultdict(lambda: defaultdict(int))
+    by_rank_step: dict[tuple[int, int], list[CapturedCall]] = defaultdict(list)
+    for c in capture.calls:
+        if c.step in steps and c.duration_ns is not None:
+            per[latency_key(c)][(c.step, c.rank)] += c.duration_ns
+            by_rank_step[(c.rank, c.step)].append(c)
+    ranks = sorted({c.rank for c in capture.calls}) or [0]
+
+    def median_rank(times: dict[tuple[int, int], int], step: int) -> int:
+        return int(statistics.median(times.get((step, r), 0) for r in ranks))
+
+    keys = {k: tuple(median_rank(t, s) for s in steps) for k, t in sorted(per.items())}
+    compute: dict[int, list[int]] = defaultdict(list)
+    step: dict[int, list[int]] = defaultdict(list)
+    for w in capture.step_windows:
+        if w.step in steps:
+            busy = busy_ns(by_rank_step.get((w.rank, w.step), []), w.start_ns, w.end_ns)
+            compute[w.step].append(w.duration_ns - busy)
+            step[w.step].append(w.duration_ns)
+
+    def per_step(d: dict[int, list[int]]) -> tuple[int, ...]:
+        return tuple(int(statistics.median(d[s])) for s in sorted(d))
+
+    return RunLatency(keys=keys, compute=per_step(compute), step=per_step(step), date=date)
 
 
 Verdict = Literal["slower", "faster", "~"]
@@ -191,41 +224,151 @@ Verdict = Literal["slower", "faster", "~"]
 
 @dataclass(frozen=True, slots=True)
 class Shift:
-    key: LatencyKey
+    """One op's latency, this run (or these runs) against the stored runs."""
+
+    op: str
     verdict: Verdict
     ratio: float
-    """Median now / median in the baseline."""
-    p: float
-    n_now: int
-    n_base: int
+    """Median time per step in the op now / the stored runs' median."""
+    threshold: float
+    """The ratio that counts: the rule's factor, or the widest spread the stored runs themselves show."""
+    runs_now: int
+    runs_base: int
+    machine: float = 1.0
+    """Compute time now / stored (> 1: the whole machine was slower; that much of a slowdown is excused)."""
+    keys: tuple[tuple[str, float], ...] = ()
+    """The op's keys that moved most (key text, ratio), for the report."""
 
     def text(self) -> str:
+        machine = f", the machine's compute x{self.machine:.2f}" if abs(self.machine - 1) >= 0.05 else ""
+        detail = "; ".join(f"{k} x{r:.2f}" for k, r in self.keys)
         return (
-            f"latency {self.verdict}: {key_text(self.key)}: median x{self.ratio:.2f} "
-            f"(Mann-Whitney p={self.p:.2g}, n={self.n_now} vs {self.n_base})"
+            f"latency {self.verdict}: {self.op} time per step x{self.ratio:.2f} in each of {self.runs_now} run(s) "
+            f"vs {self.runs_base} reference run(s) (counts beyond x{self.threshold:.2f}{machine})"
+            + (f": {detail}" if detail else "")
         )
 
 
-def shifts(now: dict[LatencyKey, list[int]], base: dict[LatencyKey, list[int]], rule: LatencyRule) -> list[Shift]:
-    """Every key with enough samples on both sides, with its verdict. A scenario tests many keys at
-    once, so the significance level is shared among them (Bonferroni: ``p_value`` / keys tested);
-    otherwise some key of a noisy run would always look shifted."""
-    keys = [k for k in sorted(set(now) & set(base)) if min(len(now[k]), len(base[k])) >= rule.min_samples]
-    alpha = rule.p_value / max(len(keys), 1)
+@dataclass(frozen=True, slots=True)
+class Assessment:
+    """The latency verdict of one scenario: a shift per op, or why latency was not judged."""
+
+    shifts: tuple[Shift, ...] = ()
+    note: str = ""
+    threshold: float = 0.0
+    unjudged: int = 0
+    """Ops left out: under ``min_share`` of the step."""
+
+    def changed(self) -> list[Shift]:
+        return [s for s in self.shifts if s.verdict != "~"]
+
+    def summary(self) -> str:
+        """``latency ~ on 2 op(s)`` (and how many were too small a share of the step to judge), or the note."""
+        if self.note:
+            return self.note
+        small = f", {self.unjudged} under min_share of the step not judged" if self.unjudged else ""
+        return f"latency ~ on {len(self.shifts) - len(self.changed())} op(s){small}"
+
+    @property
+    def slower(self) -> bool:
+        return any(s.verdict == "slower" for s in self.shifts)
+
+
+def _common(sets: Iterable[set[_T]]) -> set[_T]:
+    """What every one of ``sets`` holds (nothing for no sets)."""
+    out: set[_T] | None = None
+    for s in sets:
+        out = set(s) if out is None else out & s
+    return out or set()
+
+
+def envelope(runs: Sequence[RunLatency]) -> float:
+    """The widest ratio between two of ``runs`` in any op's time per step: what this machine shows
+    with nothing changed (1.0 for fewer than two runs)."""
+    widest = 1.0
+    for op in _common(r.ops() for r in runs):
+        times = [r.op_time(op) for r in runs]
+        if min(times) > 0:
+            widest = max(widest, max(times) / min(times))
+    return widest
+
+
+def _machine(now: Sequence[RunLatency], base: Sequence[RunLatency]) -> float:
+    """Median compute time per step now / in ``base`` (1.0 when either is unknown)."""
+    a = [statistics.median(r.compute) for r in now if r.compute]
+    b = [statistics.median(r.compute) for r in base if r.compute]
+    if not a or not b or statistics.median(b) <= 0:
+        return 1.0
+    return float(statistics.median(a) / statistics.median(b))
+
+
+def shifts(now: Sequence[RunLatency], base: Sequence[RunLatency], rule: LatencyRule) -> Assessment:
+    """Each op's time per step in the ``now`` runs against the ``base`` runs (the baseline's history,
+    or the before side of ``commgate compare``).
+
+    The run is the unit: an op is *slower* only when its time in **every** run now is beyond the
+    threshold times the base runs' median, the threshold being the larger of ``rule.factor`` and the
+    widest spread the base runs show among themselves (``envelope``: what this machine does with
+    nothing changed); a machine whose compute was slower too (``_machine``) excuses that much. *faster*
+    mirrors it (reported, never a failure). Fewer than ``rule.min_runs`` base runs: not judged; an op
+    under ``rule.min_share`` of the step in the base runs is not judged either (a 20 us broadcast is
+    scheduling noise on a shared machine)."""
+    if len(base) < rule.min_runs or not now:
+        return Assessment(note=f"latency not judged: {len(base)} run(s) to compare with, {rule.min_runs} needed")
+    step = statistics.median(_median_issued(r.step) for r in base)
+    ops = _common(r.ops() for r in (*base, *now))
+    judged = {op for op in ops if _share(op, base, step) >= rule.min_share}
+    base = [_only(r, judged) for r in base]
+    now = [_only(r, judged) for r in now]
+    threshold = max(rule.factor, envelope(base))
+    machine = _machine(now, base)
+    slow_excuse, fast_excuse = max(machine, 1.0), min(machine, 1.0)
     out = []
-    for key in keys:
-        a, b = now[key], base[key]
-        ma, mb = statistics.median(a), statistics.median(b)
-        ratio = ma / mb if mb > 0 else math.inf
-        p = mann_whitney_u(a, b)
+    for op in sorted(_common(r.ops() for r in (*base, *now))):
+        ref = statistics.median(r.op_time(op) for r in base)
+        if ref <= 0:
+            continue
+        times = [r.op_time(op) / ref for r in now]
         verdict: Verdict = "~"
-        if p < alpha and ratio >= rule.factor:
+        if min(times) / slow_excuse >= threshold:
             verdict = "slower"
-        elif p < alpha and ratio <= 1 / rule.factor:
+        elif max(times) / fast_excuse <= 1 / threshold:
             verdict = "faster"
-        out.append(Shift(key=key, verdict=verdict, ratio=ratio, p=p, n_now=len(a), n_base=len(b)))
-    return out
+        out.append(
+            Shift(
+                op=op,
+                verdict=verdict,
+                ratio=float(statistics.median(times)),
+                threshold=threshold,
+                runs_now=len(now),
+                runs_base=len(base),
+                machine=machine,
+                keys=_moved_keys(op, now, base) if verdict != "~" else (),
+            )
+        )
+    return Assessment(shifts=tuple(out), threshold=threshold, unjudged=len(ops - judged))
 
 
-def changed(found: Iterable[Shift]) -> list[Shift]:
-    return [s for s in found if s.verdict != "~"]
+def _share(op: str, runs: Sequence[RunLatency], step: float) -> float:
+    """The op's median time per step as a share of the step (1.0 when the step time is unknown)."""
+    if step <= 0:
+        return 1.0
+    return float(statistics.median(r.op_time(op) for r in runs)) / step
+
+
+def _only(run: RunLatency, ops: set[str]) -> RunLatency:
+    return replace(run, keys={k: v for k, v in run.keys.items() if k[0] in ops})
+
+
+def _moved_keys(
+    op: str, now: Sequence[RunLatency], base: Sequence[RunLatency], top: int = 3
+) -> tuple[tuple[str, float], ...]:
+    """The ``top`` keys of ``op`` whose time per step moved most (key text, ratio of medians)."""
+    found = []
+    for key in _common(set(r.keys) for r in (*now, *base)):
+        if key[0] != op:
+            continue
+        ref = statistics.median(r.key_time(key) for r in base)
+        if ref > 0:
+            found.append((key_text(key), float(statistics.median(r.key_time(key) for r in now) / ref)))
+    return tuple(sorted(found, key=lambda kr: abs(math.log(kr[1])) if kr[1] > 0 else 0.0, reverse=True)[:top])

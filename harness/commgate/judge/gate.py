@@ -5,13 +5,15 @@
    against the per-collective model (exact unless the scenario declares tolerances), and the traffic
    matrix when both are exact.
 2. Paper: each equation against the model, after the named residual terms, within ``paper.rtol``.
-3. Baseline: counts, bytes and the message-size histogram exactly (``commgate.judge.baseline``); latency by
-   ``commgate.judge.drift`` (warn, or fail where the scenario says so).
+3. Baseline: counts, bytes and the message-size histogram exactly (``commgate.judge.baseline``); latency
+   against the stored runs by ``commgate.judge.drift.shifts``, a slowdown confirmed by rerunning the
+   scenario (warn, or fail where the scenario says so).
 Plus the cold-start check within the run. Torch-free.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
@@ -19,7 +21,7 @@ from typing import Literal
 
 from commgate.core.units import human_bytes, number
 from commgate.judge.baseline import Baseline, compare, write
-from commgate.judge.drift import changed, cold_starts, shifts
+from commgate.judge.drift import Assessment, RunLatency, cold_starts, shifts, summarize
 from commgate.judge.reconcile import Reconciliation
 from commgate.model.expectation import Prediction
 from commgate.model.scenario import Scenario
@@ -50,6 +52,8 @@ class Finding:
 @dataclass(kw_only=True)
 class Verdict:
     findings: list[Finding] = field(default_factory=list)
+    latency_note: str = ""
+    """How latency was judged (or why it was not), for the summary."""
 
 
 def against_model(s: Scenario, rec: Reconciliation) -> Finding | None:
@@ -127,21 +131,55 @@ def against_baseline(s: Scenario, now: Baseline, stored: Baseline, update_flag: 
                 f"if the change is intended, accept it with {update_flag}",
             )
         )
-    hw = now.provenance["hardware"]
-    if hw in stored.latency:
-        moved = changed(shifts(now.latency[hw], stored.latency[hw], e.latency))
-        if moved:
-            out.append(
-                Finding(
-                    "latency",
-                    # a speed-up is reported, never a failure
-                    e.latency.action == "fail" and any(m.verdict == "slower" for m in moved),
-                    f"latency shifted against the baseline on {hw}",
-                    tuple(m.text() for m in moved),
-                    f"accept with {update_flag}",
-                )
-            )
     return out
+
+
+Rerun = Callable[[], Capture | None]
+"""Runs the scenario again and returns its capture (None when it could not): the gate's confirmation."""
+
+
+def against_latency(
+    s: Scenario, now: Baseline, stored: Baseline, rerun: Rerun | None = None, update_flag: str = UPDATE_FLAG
+) -> tuple[Finding | None, str]:
+    """This run's latency against the stored runs on the same hardware (``commgate.judge.drift.shifts``).
+    An op that looks slower is confirmed by up to ``latency.confirm`` reruns (``rerun``): it stays
+    *slower* only if every run is. Returns the finding (a speed-up is reported, never a failure) and a
+    line saying how latency was judged."""
+    rule = s.expectations.latency
+    hw = now.provenance["hardware"]
+    history = stored.latency.get(hw, ())
+    runs: list[RunLatency] = list(now.latency.get(hw, ()))
+    a = shifts(runs, history, rule)
+    reruns, unconfirmed = 0, ""
+    while a.slower and reruns < rule.confirm and rerun is not None:
+        capture = rerun()
+        if capture is None:
+            unconfirmed = " (not confirmed: a rerun failed)"
+            break
+        reruns += 1
+        runs.append(summarize(capture))
+        a = shifts(runs, history, rule)
+    note = (
+        f"{a.note} (stored runs; --commgate-refresh-latency adds one)" if a.note else _judged(a, len(history), reruns)
+    )
+    moved = a.changed()
+    if not moved:
+        return None, note
+    return (
+        Finding(
+            "latency",
+            rule.action == "fail" and a.slower and not unconfirmed,
+            f"latency shifted against {len(history)} stored run(s) on {hw}{unconfirmed}",
+            tuple(m.text() for m in moved),
+            f"if this machine is now the reference, store this run with {update_flag} --commgate-refresh-latency",
+        ),
+        note,
+    )
+
+
+def _judged(a: Assessment, stored: int, reruns: int) -> str:
+    confirmed = f", {reruns} confirming rerun(s)" if reruns else ""
+    return f"latency judged against {stored} stored run(s) (counts beyond x{a.threshold:.2f}{confirmed}): {a.summary()}"
 
 
 def cold_start(s: Scenario, capture: Capture) -> Finding | None:
@@ -166,6 +204,7 @@ def evaluate(
     now: Baseline,
     stored: Baseline | None,
     update_flag: str = UPDATE_FLAG,
+    rerun: Rerun | None = None,
 ) -> Verdict:
     v = Verdict()
     checks = (against_model(s, rec), against_paper(s, prediction)) if s.expectations.model_check else (unchecked(),)
@@ -174,6 +213,9 @@ def evaluate(
             v.findings.append(f)
     if stored is not None:
         v.findings += against_baseline(s, now, stored, update_flag)
+        latency, v.latency_note = against_latency(s, now, stored, rerun, update_flag)
+        if latency is not None:
+            v.findings.append(latency)
     return v
 
 
@@ -181,11 +223,12 @@ def settle_baseline(
     v: Verdict, now: Baseline, stored: Baseline | None, path: Path, *, update: bool, refresh_latency: bool = False
 ) -> tuple[list[Finding], str | None]:
     """The baseline policy. A missing baseline is written and the test fails (nothing passes silently);
-    with ``update`` a baseline whose communication changed is rewritten (keeping other machines' latency
-    samples) and what changed is reported instead of failing, one whose communication did not is left
-    as it is, so that ``git diff`` shows only real changes, unless ``refresh_latency`` asks for this
-    machine's new latency samples; a run that fails the model or the paper is never stored. Returns the
-    findings that stand and, when a file was written or left alone, a line saying so."""
+    with ``update`` a baseline whose communication changed is rewritten (this machine's latency history
+    restarting with this run, other machines' kept) and what changed is reported instead of failing, one
+    whose communication did not is left as it is, so that ``git diff`` shows only real changes, unless
+    ``refresh_latency`` asks to add this run to this machine's latency history; a run that fails the
+    model or the paper is never stored. Returns the findings that stand and, when a file was written or
+    left alone, a line saying so."""
     if stored is not None and not update:
         return v.findings, None
     changed = [f for f in v.findings if f.kind in ("baseline", "latency")]
@@ -194,9 +237,11 @@ def settle_baseline(
         return findings, None
     communication = [f for f in changed if f.kind == "baseline"]
     if stored is not None and not communication and not refresh_latency:
-        kept = "; latency samples kept (--commgate-refresh-latency stores this run's)" if changed else ""
+        kept = "; latency history kept (--commgate-refresh-latency adds this run)" if changed else ""
         return findings, f"{path} left as it is: communication unchanged{kept}"
-    if stored is not None:
+    if stored is not None and not communication:  # refreshed: this run joins the history
+        now = now.with_history(stored)
+    elif stored is not None:  # other traffic: this machine's history restarts with this run
         now = replace(now, latency={**stored.latency, **now.latency})
     write(path, now)
     if stored is None:
@@ -207,7 +252,7 @@ def settle_baseline(
         return findings, f"{path} written"
     if changed:
         return findings, f"{path} updated: " + "; ".join(line for f in changed for line in f.lines[:3])
-    return findings, f"{path} rewritten: latency samples refreshed"
+    return findings, f"{path} rewritten: this run added to the latency history"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -217,6 +262,8 @@ class Judgement:
     """The baseline file this run was judged against (or wrote)."""
     written: str | None
     """A line saying what was written to the baseline, if anything."""
+    latency_note: str = ""
+    """How latency was judged, or why it was not."""
 
     @property
     def failed(self) -> bool:
@@ -233,21 +280,24 @@ def judge(
     update: bool = False,
     update_flag: str = UPDATE_FLAG,
     refresh_latency: bool = False,
+    rerun: Rerun | None = None,
 ) -> Judgement:
     """The whole gate for one run (the pytest plugin's and ``commgate run --gate``'s): its baseline from
     ``root/{backend}/{id}.json``, the verdict, and the baseline policy (``settle_baseline``). A failure
-    names ``update_flag`` as the way to accept a change."""
+    names ``update_flag`` as the way to accept a change; ``rerun`` runs the scenario again to confirm
+    a latency slowdown."""
     from commgate.judge import baseline as bl
 
     now = bl.Baseline.from_run(capture, rec, bl.provenance(capture, s.world_size))
     path = bl.path_for(root, capture.backend, s.id)
     stored = bl.load(path, scenario=s.id) if path.exists() else None
+    verdict = evaluate(s, prediction, capture, rec, now, stored, update_flag, rerun)
     findings, written = settle_baseline(
-        evaluate(s, prediction, capture, rec, now, stored, update_flag),
+        verdict,
         now,
         stored,
         path,
         update=update,
         refresh_latency=refresh_latency,
     )
-    return Judgement(findings=tuple(findings), baseline=path, written=written)
+    return Judgement(findings=tuple(findings), baseline=path, written=written, latency_note=verdict.latency_note)

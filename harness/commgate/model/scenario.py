@@ -99,9 +99,17 @@ class Tolerance:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LatencyRule:
+    """How latency is judged against stored runs (``commgate.judge.drift.shifts``)."""
+
     factor: float = 1.25
-    p_value: float = 0.01
-    min_samples: int = 10
+    """The least ratio of an op's time per step that counts (raised to the stored runs' own spread)."""
+    min_runs: int = 3
+    """Stored runs needed before latency is judged."""
+    confirm: int = 2
+    """Reruns a scenario that looks slower must look slower in too."""
+    min_share: float = 0.05
+    """Ops under this share of the step time (in the stored runs) are not judged: their time is
+    scheduling noise on a shared machine."""
     action: Literal["warn", "fail"] = "warn"
 
 

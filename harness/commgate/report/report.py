@@ -54,6 +54,8 @@ class ScenarioResult:
     """The baseline file it was judged against (or wrote)."""
     baseline_written: str | None = None
     """A line saying what was written to the baseline, if anything."""
+    latency_note: str = ""
+    """How latency was judged against the stored runs, or why it was not."""
     wall_s: float = 0.0
     capture: Capture | None = None
     reconciliation: Reconciliation | None = None
@@ -72,6 +74,7 @@ class ScenarioResult:
                 for f in self.findings
             ],
             "wall_s": round(self.wall_s, 3),
+            "latency_note": self.latency_note,
             "prediction": prediction_document(self.prediction),
         }
         r = self.reconciliation
@@ -125,9 +128,7 @@ class ScenarioResult:
                 f"{human_bytes(o.predicted_bytes):>11}{extra}  unexplained {number(o.unexplained_bytes)} B"
             )
         for k in r.mismatches[:10]:
-            lines.append(
-                f"    {k.label}: measured {k.measured_calls}, predicted {k.predicted_calls} ({k.source})"
-            )
+            lines.append(f"    {k.label}: measured {k.measured_calls}, predicted {k.predicted_calls} ({k.source})")
         if len(r.mismatches) > 10:
             lines.append(f"    ... and {len(r.mismatches) - 10} more mismatches (see report.json)")
         if r.traffic_measured != r.traffic_predicted:
@@ -135,6 +136,8 @@ class ScenarioResult:
         for f in self.findings:
             if not (f.kind == "model" and f.fail):  # the model's differences are the lines above
                 lines += [f"    {line}" for line in f.text().splitlines()]
+        if self.latency_note:
+            lines.append(f"    {self.latency_note}")
         if self.baseline_written:
             lines.append(f"    {self.baseline_written}")
         return "\n".join(lines)

@@ -24,7 +24,6 @@ waits out its bubble inside a recv, so the measurement is compared with the mode
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from commgate.model import transformer
 from commgate.model.expectation import Prediction
 from commgate.report import bandwidth
 from commgate.report.bandwidth import Curve
-from commgate.run.capture import Capture, CapturedCall
+from commgate.run.capture import Capture, busy_ns
 
 AXIS_TERM = {"tp": "T_TP", "mp": "T_TP", "pp": "T_PP", "dp": "T_DP", "hpz": "T_DP", "ep": "T_EP"}
 """Which of the paper's terms a collective's axis belongs to (MoE's expert all-to-all is not in the
@@ -101,26 +100,6 @@ def predict_time(prediction: Prediction, curve: Curve, *, note: str = "", utiliz
     p, m = par.pp, par.micro_batches
     bubble = (p - 1) / m * (t_comp + terms["T_PP"] + terms["T_TP"]) if p > 1 else 0.0
     return PredictedTime(t_comp=t_comp, terms=terms, t_bubble=bubble, utilization=utilization, curve_note=note)
-
-
-def busy_ns(calls: Iterable[CapturedCall], start: int, end: int) -> int:
-    """Length of the union of the calls' [start, start + duration) intervals within [start, end)."""
-    spans = sorted(
-        (max(c.start_ns, start), min(c.start_ns + c.duration_ns, end))
-        for c in calls
-        if c.duration_ns is not None and c.start_ns < end and c.start_ns + c.duration_ns > start
-    )
-    total, cur_a, cur_b = 0, None, None
-    for a, b in spans:
-        if cur_b is None or a > cur_b:
-            if cur_b is not None and cur_a is not None:
-                total += cur_b - cur_a
-            cur_a, cur_b = a, b
-        else:
-            cur_b = max(cur_b, b)
-    if cur_a is not None and cur_b is not None:
-        total += cur_b - cur_a
-    return total
 
 
 def measure(capture: Capture, rank: int = 0) -> MeasuredTime | None:

@@ -179,3 +179,23 @@ def merge(
         stack=stack or {},
         step_windows=tuple(windows),
     )
+
+
+def busy_ns(calls: Iterable[CapturedCall], start: int, end: int) -> int:
+    """Length of the union of the calls' [start, start + duration) intervals within [start, end)."""
+    spans = sorted(
+        (max(c.start_ns, start), min(c.start_ns + c.duration_ns, end))
+        for c in calls
+        if c.duration_ns is not None and c.start_ns < end and c.start_ns + c.duration_ns > start
+    )
+    total, cur_a, cur_b = 0, None, None
+    for a, b in spans:
+        if cur_b is None or a > cur_b:
+            if cur_b is not None and cur_a is not None:
+                total += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_a is not None and cur_b is not None:
+        total += cur_b - cur_a
+    return total

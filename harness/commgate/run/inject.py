@@ -5,6 +5,9 @@
 * ``late-rank[=MS]``: the last rank sleeps MS ms (default 400) before step 0, so that its peers wait for
   it in step 0's first collective (DDP's single initial bucket has no steady-state twin).
 * ``extra-collective``: one extra all-reduce (1 fp32, whole world) after every step.
+* ``slow=OP[:FACTOR]``: every call of OP (e.g. ``all_reduce``) takes FACTOR times as long (default 2): once
+  issued, before it is posted, it waits FACTOR - 1 times what the rank's earlier calls of the same op,
+  group and size took without the wait (a key's first call is not slowed).
 * ``ddp-bucket-mb=MB``: DDP runs with this ``bucket_cap_mb`` (the prediction keeps the scenario's).
 * ``zero-stage=N``: DeepSpeed runs ZeRO stage N (the prediction keeps the scenario's).
 
@@ -16,9 +19,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from commgate.core.errors import UsageError
+from commgate.model.collectives import Op
 from commgate.model.scenario import Scenario
 
-SPECS = ("delay-first-recv[=MS]", "late-rank[=MS]", "extra-collective", "ddp-bucket-mb=MB", "zero-stage=N")
+SPECS = (
+    "delay-first-recv[=MS]",
+    "late-rank[=MS]",
+    "extra-collective",
+    "slow=OP[:FACTOR]",
+    "ddp-bucket-mb=MB",
+    "zero-stage=N",
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -26,6 +37,8 @@ class Faults:
     delay_first_recv_ms: float = 0.0
     late_rank_ms: float = 0.0
     extra_collective: bool = False
+    slow: tuple[tuple[str, float], ...] = ()
+    """(op, factor): that op's calls take factor times as long."""
     ddp_bucket_mb: float | None = None
     zero_stage: int | None = None
 
@@ -40,6 +53,7 @@ class Faults:
             parts.append(f"late-rank={self.late_rank_ms:g}")
         if self.extra_collective:
             parts.append("extra-collective")
+        parts += [f"slow={op}:{f:g}" for op, f in self.slow]
         if self.ddp_bucket_mb is not None:
             parts.append(f"ddp-bucket-mb={self.ddp_bucket_mb:g}")
         if self.zero_stage is not None:
@@ -68,6 +82,11 @@ def parse(specs: list[str]) -> Faults:
                 faults = replace(faults, late_rank_ms=float(value) if value else 400.0)
             elif name == "extra-collective" and not value:
                 faults = replace(faults, extra_collective=True)
+            elif name == "slow" and value:
+                op, _, factor = value.partition(":")
+                if op not in {o.value for o in Op} or (factor and not 1 <= float(factor) <= 100):
+                    raise ValueError
+                faults = replace(faults, slow=(*faults.slow, (op, float(factor) if factor else 2.0)))
             elif name == "ddp-bucket-mb" and value:
                 faults = replace(faults, ddp_bucket_mb=float(value))
             elif name == "zero-stage" and value in ("1", "2", "3"):

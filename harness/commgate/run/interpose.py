@@ -55,6 +55,11 @@ class Recorder:
         """Called with a description of each call as it is issued (the launcher's hang report)."""
         self.delay_first_recv_s = 0.0
         """A planted fault (``commgate.run.inject``): the first recv of step 0 waits this long."""
+        self.slow: dict[str, float] = {}
+        """A planted fault: op -> factor; a call of that op waits, once issued and before it is posted,
+        factor - 1 times what this rank's earlier calls of the same op and size took without the wait."""
+        self._unslowed: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
+        self._injected: dict[int, tuple[tuple[str, tuple[int, ...], int], int]] = {}
 
     def now(self) -> int:
         t = time.perf_counter_ns()
@@ -97,7 +102,18 @@ class Recorder:
         if self.on_issue is not None:
             where = f"peer {peer}" if peer is not None else f"group {list(group)}"
             self.on_issue(f"{op} ({where}, {nbytes} B, step {self.step}, {phase})")
+        if self.slow and str(op) in self.slow:
+            self._slow_down(seq, (str(op), tuple(group), nbytes), self.slow[str(op)])
         return seq
+
+    def _slow_down(self, seq: int, key: tuple[str, tuple[int, ...], int], factor: float) -> None:
+        """The planted ``slow`` fault: wait (factor - 1) x the median of this key's earlier unslowed
+        times (nothing on its first call), counted in this call's latency."""
+        earlier = sorted(self._unslowed.get(key, ()))
+        wait = int((factor - 1) * earlier[len(earlier) // 2]) if earlier else 0
+        self._injected[seq] = (key, wait)
+        if wait:
+            time.sleep(wait / 1e9)
 
     def complete(self, seq: int) -> None:
         end = self.now()
@@ -107,6 +123,9 @@ class Recorder:
             if rec is not None:  # the record is made at drain: this runs on every call's critical path
                 rec["duration_ns"] = end - rec["start_ns"]
                 self._done.append(rec)
+                if self._injected and seq in self._injected:
+                    key, wait = self._injected.pop(seq)
+                    self._unslowed.setdefault(key, []).append(rec["duration_ns"] - wait)
 
     def watch(self, seq: int, work: Any) -> None:
         """Keep ``work`` to stamp its completion when it is next seen completed (see ``poll``)."""

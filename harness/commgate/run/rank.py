@@ -86,6 +86,7 @@ def run_rank(
     rec.on_issue = on_issue
     faults = faults or Faults()
     rec.delay_first_recv_s = faults.delay_first_recv_ms / 1000
+    rec.slow = dict(faults.slow)
     dist.init_process_group(
         interpose.BACKEND_NAME,
         init_method=init_method,
