@@ -91,8 +91,8 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
 
 
 def _rerun(runner: Runner, scenario: Scenario) -> Capture | None:
-    """The scenario run again to confirm a latency slowdown (None if that run failed: no confirmation)."""
-    print(f"    latency looks slower: rerunning {scenario.id} to confirm", flush=True)
+    """The scenario run again to confirm a latency shift (None if that run failed: no confirmation)."""
+    print(f"    latency looks shifted: rerunning {scenario.id} to confirm", flush=True)
     try:
         return runner.run(scenario)
     except RunError:

@@ -16,7 +16,7 @@ includes waiting for its sender: exactly what the paper's cold-cache anomaly loo
   more in a third of their ops). So the baseline keeps a history of runs, a verdict needs
   ``min_runs`` of them, the threshold is the larger of ``factor`` and the widest spread the stored
   runs show among themselves, a slower machine (its compute slower too) excuses that much, and the
-  gate reruns a scenario that looks slower ``confirm`` times: *slower* only when every run is beyond.
+  gate reruns a scenario that looks shifted ``confirm`` times: *slower* (*faster*) only when every run is beyond.
 """
 
 from __future__ import annotations
@@ -272,6 +272,10 @@ class Assessment:
     @property
     def slower(self) -> bool:
         return any(s.verdict == "slower" for s in self.shifts)
+
+    @property
+    def faster(self) -> bool:
+        return any(s.verdict == "faster" for s in self.shifts)
 
 
 def _common(sets: Iterable[set[_T]]) -> set[_T]:

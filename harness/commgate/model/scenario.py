@@ -106,7 +106,7 @@ class LatencyRule:
     min_runs: int = 3
     """Stored runs needed before latency is judged."""
     confirm: int = 2
-    """Reruns a scenario that looks slower must look slower in too."""
+    """Reruns a scenario whose latency looks shifted must show the same shift in too."""
     min_share: float = 0.05
     """Ops under this share of the step time (in the stored runs) are not judged: their time is
     scheduling noise on a shared machine."""
