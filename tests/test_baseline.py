@@ -260,3 +260,23 @@ def test_a_shift_is_confirmed_by_reruns_and_a_speed_up_is_never_a_failure() -> N
     assert "latency faster: all_reduce" in finding.lines[0]  # type: ignore[attr-defined]
     reruns.clear()
     assert judged(1.0, 4.0)[0] is None and reruns == [4.0]  # a one-off speed-up is not reported either
+
+
+def test_a_report_with_cold_starts_is_valid_and_compares(tmp_path: Path) -> None:
+    """A cold start names the late rank and whether its steady time is estimated: the report schema
+    holds both (a report with a spike once failed validation, so `commgate compare` refused it)."""
+    from commgate.cli import main
+    from commgate.model.predict import predict
+    from commgate.model.scenario import load_text
+    from commgate.report.report import Report, ScenarioResult, validate
+
+    calls = [_call(r, 0, 0, 900_000_000 if r == 0 else 1_000) for r in (0, 1)]
+    calls += [_call(r, k, k, 1_000_000) for r in (0, 1) for k in (1, 2, 3)]
+    cap = Capture(scenario="p", world_size=2, warmup_steps=1, steps=3, backend="gloo", calls=tuple(calls))
+    (s,) = load_text("schema_version: 1\nname: p\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: ddp, dp: 2}\n")
+    doc = ScenarioResult(prediction=predict(s), status="passed", capture=cap).document()
+    assert doc["cold_starts"] and {"expected", "late"} <= set(doc["cold_starts"][0])
+    report = Report(tmp_path / "report.json")
+    report.add(ScenarioResult(prediction=predict(s), status="passed", capture=cap))
+    validate(json.loads((tmp_path / "report.json").read_text()))
+    assert main(["compare", str(tmp_path / "report.json"), str(tmp_path / "report.json")]) == 0
