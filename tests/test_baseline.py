@@ -249,7 +249,7 @@ def test_a_shift_is_confirmed_by_reruns_and_a_speed_up_is_never_a_failure() -> N
     finding, note = judged(12.0, 12.0)
     assert finding is not None and finding.fail and reruns == [12.0, 12.0]  # type: ignore[attr-defined]
     assert note == (
-        "latency judged against 3 stored run(s) (counts beyond x1.25, 2 confirming rerun(s)): latency ~ on 0 op(s)"
+        "latency judged against 3 stored run(s) and 2 confirming rerun(s): no latency shift beyond x1.25 in 0 op(s)"
     )
     reruns.clear()
     finding, _ = judged(12.0, 4.1)  # the first rerun is back to normal: a one-off, not a regression

@@ -39,7 +39,11 @@ def _from_report_entry(sc: dict[str, Any]) -> bl.Baseline | None:
         (k["window"], k["op"], tuple(k["group"]), k["dtype"], k["bytes_per_call"], k["phase"]): k["measured_calls"]
         for k in sc["calls"]
     }
-    bytes_per_step = {c["op"]: Fraction(c["measured_bytes"]) for c in sc["collectives"]}
+    # exactly, from the integer counts (the report's measured_bytes are floats: 1280/3 is not 426.667)
+    bytes_per_step: dict[str, Fraction] = {}
+    for (window, op, _, _, nbytes, _), n in calls.items():
+        if window == "steps":
+            bytes_per_step[op] = bytes_per_step.get(op, Fraction(0)) + Fraction(n * nbytes, max(capture.steps, 1))
     return bl.Baseline.of(capture, calls, bytes_per_step, {"hardware": capture.stack.get("hardware") or ""})
 
 

@@ -263,11 +263,13 @@ class Assessment:
         return [s for s in self.shifts if s.verdict != "~"]
 
     def summary(self) -> str:
-        """``latency ~ on 2 op(s)`` (and how many were too small a share of the step to judge), or the note."""
+        """``no latency shift beyond x1.25 in 2 op(s)`` (and how many were too small a share of the step
+        to judge), or the note."""
         if self.note:
             return self.note
-        small = f", {self.unjudged} under min_share of the step not judged" if self.unjudged else ""
-        return f"latency ~ on {len(self.shifts) - len(self.changed())} op(s){small}"
+        small = f"; {self.unjudged} under min_share of the step not judged" if self.unjudged else ""
+        steady = len(self.shifts) - len(self.changed())
+        return f"no latency shift beyond x{self.threshold:.2f} in {steady} op(s){small}"
 
     @property
     def slower(self) -> bool:

@@ -178,8 +178,8 @@ def against_latency(
 
 
 def _judged(a: Assessment, stored: int, reruns: int) -> str:
-    confirmed = f", {reruns} confirming rerun(s)" if reruns else ""
-    return f"latency judged against {stored} stored run(s) (counts beyond x{a.threshold:.2f}{confirmed}): {a.summary()}"
+    confirmed = f" and {reruns} confirming rerun(s)" if reruns else ""
+    return f"latency judged against {stored} stored run(s){confirmed}: {a.summary()}"
 
 
 def cold_start(s: Scenario, capture: Capture) -> Finding | None:
