@@ -98,3 +98,32 @@ def test_commgate_html_re_renders_a_saved_report(out: Path, tmp_path: Path, caps
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"{bad}: $: ") and "required property" in err and "\n" not in err
     assert main(["html", str(tmp_path / "missing.json")]) == 2
+
+
+def test_a_failing_scenario_shows_why_and_no_success_badge(out: Path) -> None:
+    """The page never claims success when a scenario failed; each failure, error and skip shows its
+    findings or reason, linked from the table."""
+    from commgate.report.htmlreport import page
+
+    doc = json.loads((out / "report.json").read_text())
+    failed, skipped = doc["scenarios"][0], doc["scenarios"][1]
+    failed["status"] = "failed"
+    failed["findings"] = [
+        {
+            "kind": "baseline",
+            "fail": True,
+            "title": "communication differs from the baseline",
+            "lines": ["calls [steps] all_reduce fp32 4 B forward group [0, 1]: obtained 4, expected 0 (+4)"],
+            "hint": "if the change is intended, accept it with --commgate-update-baselines",
+        }
+    ]
+    skipped.update(status="skipped", reason="needs a GPU (NCCL/RCCL); skipped where none is present")
+    doc["summary"] = {"passed": 1, "failed": 1, "error": 0, "skipped": 1}
+    html = page(doc, {}, {})
+    assert "every byte explained" not in html and "1 scenario(s) did not pass: see Findings" in html
+    anchor = "s-" + "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in failed["name"])
+    assert f'<a href="#{anchor}">' in html and f'<h3 id="{anchor}" class="bad">' in html
+    assert "FAIL [baseline] communication differs from the baseline" in html
+    assert "obtained 4, expected 0 (+4)" in html and "accept it with --commgate-update-baselines" in html
+    assert "needs a GPU (NCCL/RCCL)" in html
+    assert html.index(f'id="{anchor}"') < html.index("needs a GPU")  # failures first

@@ -147,9 +147,7 @@ def plot_predicted_measured(scenarios: list[dict[str, Any]], path: Path) -> str:
     _legend_above(a1, ncol=3)
     pf = [_frac(s, "predicted") for s in scenarios]
     mf = [_frac(s, "measured") for s in scenarios]
-    a2.barh(
-        [v - h / 2 for v in y], [100 * (v or 0) for v in pf], h, label="APNet model (in flight)", color="#4c72b0"
-    )
+    a2.barh([v - h / 2 for v in y], [100 * (v or 0) for v in pf], h, label="APNet model (in flight)", color="#4c72b0")
     a2.barh([v + h / 2 for v in y], [100 * (v or 0) for v in mf], h, label="measured", color="#dd8452")
     for v, p in zip(y, pf, strict=True):
         if p is None:
@@ -376,9 +374,7 @@ def plot_timeline(s: dict[str, Any], path: Path) -> str:
     ax.set_yticks(range(n), [f"rank {r}" for r in range(n)])
     ax.invert_yaxis()
     ax.set_xlabel("milliseconds since the rank's first call (each rank's own clock; dashed: step starts)")
-    ax.set_title(
-        f"{s['name']}: calls per rank (red circles: cold-start spikes by the scenario's rule)", pad=22
-    )
+    ax.set_title(f"{s['name']}: calls per rank (red circles: cold-start spikes by the scenario's rule)", pad=22)
     handles, labels = ax.get_legend_handles_labels()
     uniq = dict(zip(labels, handles, strict=True))
     ax.legend(
@@ -454,12 +450,53 @@ def _ms(v: float | None) -> str:
     return f"{1e3 * v:.1f} ms" if v is not None else "-"
 
 
+def _anchor(s: dict[str, Any]) -> str:
+    return "s-" + _slug(s["name"])
+
+
+def _has_findings(s: dict[str, Any]) -> bool:
+    return bool(s.get("reason") or s.get("findings"))
+
+
+def _name_cell(s: dict[str, Any]) -> str:
+    """The scenario's name, linked to its findings when it has any (HTML-escaped)."""
+    name = html.escape(s["name"])
+    return f'<a href="#{_anchor(s)}">{name}</a>' if _has_findings(s) else name
+
+
+def _findings(doc: dict[str, Any]) -> str:
+    """Why each scenario failed, errored or was skipped, and its warnings: the lines pytest shows, one
+    block per scenario (failed and errored first), each with an anchor the table links to."""
+    rank = {"failed": 0, "error": 1, "passed": 2, "skipped": 3}
+    shown = sorted((s for s in doc["scenarios"] if _has_findings(s)), key=lambda s: rank.get(s["status"], 4))
+    if not shown:
+        return ""
+    parts = ["<h2>Findings</h2>"]
+    for s in shown:
+        lines = []
+        if s["status"] in ("error", "skipped") and s.get("reason"):
+            lines.append(s["reason"])
+        for f in s.get("findings", []):
+            verdict = "FAIL" if f["fail"] else "warn"
+            lines.append(f"{verdict} [{f['kind']}] {f['title']}")
+            lines += [f"    {line}" for line in f["lines"]]
+            if f.get("hint"):
+                lines.append(f"    {f['hint']}")
+        cls = "bad" if s["status"] in ("failed", "error") else ""
+        parts.append(
+            f'<h3 id="{_anchor(s)}" class="{cls}">{html.escape(s["name"])}: {html.escape(s["status"])}</h3>'
+            f"<pre>{html.escape(chr(10).join(lines))}</pre>"
+        )
+    return "\n".join(parts)
+
+
 def _table(doc: dict[str, Any]) -> str:
     head = ["scenario", "scheme", "ranks", "status", "bytes measured / step", "model", "unexplained"]
     head += ["in flight measured", "model", "error", "step measured", "model"]
     rows = []
     for s in doc["scenarios"]:
         cells = [s["name"], s["scheme"], str(s["world_size"]), s["status"]]
+        cells[0] = _name_cell(s)
         if "collectives" in s:
             meas = sum(o["measured_bytes"] for o in s["collectives"])
             pred = sum(_modelled(o) for o in s["collectives"])
@@ -474,7 +511,8 @@ def _table(doc: dict[str, Any]) -> str:
         cells.append(f"{100 * err:+.0f} pp" if err is not None else "-")
         cells += [_ms(m.get("t_iter_s")), _ms(p.get("t_iter_s"))]
         cls = f' class="{html.escape(s["status"])}"'
-        rows.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+        name, rest = cells[0], cells[1:]
+        rows.append(f"<tr{cls}><td>{name}</td>" + "".join(f"<td>{html.escape(c)}</td>" for c in rest) + "</tr>")
     ths = "".join(f"<th>{html.escape(h)}</th>" for h in head)
     return f"<table><thead><tr>{ths}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
@@ -490,6 +528,7 @@ img{max-width:100%;border:1px solid #eee;margin:6px 0 18px} details{margin:4px 0
 summary{cursor:pointer;font-weight:600}
 .counts span{display:inline-block;margin-right:14px;font-weight:600} .passed{color:#1a7f37} .bad{color:#c62828}
 p.note{color:#555;font-size:13px;max-width:900px}
+pre{background:#f7f7f7;padding:8px;font-size:12px;overflow-x:auto} h3.bad{color:#c62828}
 """
 ORDER = ("passed", "failed", "error", "skipped")
 FIGURES = (
@@ -514,7 +553,10 @@ def _counts(doc: dict[str, Any]) -> str:
         cls = "bad" if k in ("failed", "error") and v else "passed" if k == "passed" else ""
         spans.append(f'<span class="{cls}">{v} {k}</span>')
     ran = _ran(doc)
-    if ran and all(o.get("unexplained_bytes", 0) == 0 for s in ran for o in s["collectives"]):
+    broken = counts.get("failed", 0) + counts.get("error", 0)
+    if broken:
+        spans.append(f'<span class="bad">{broken} scenario(s) did not pass: see Findings</span>')
+    elif ran and all(o.get("unexplained_bytes", 0) == 0 for s in ran for o in s["collectives"]):
         spans.append('<span class="passed">every byte explained</span>')
     return '<div class="counts">' + "".join(spans) + "</div>"
 
@@ -536,10 +578,18 @@ def page(doc: dict[str, Any], figures: dict[str, str | None], details: dict[str,
         _counts(doc),
         "<h2>Scenarios</h2>",
         _table(doc),
+        _findings(doc),
     ]
     for key, title, note in FIGURES:
         if src := figures.get(key):
             parts.append(f'<h2>{html.escape(title)}</h2><p class="note">{html.escape(note)}</p>{_img(src, title)}')
+    ran = _ran(doc)
+    if len(ran) > len(details):
+        left = ", ".join(s["name"] for s in ran if s["name"] not in details)
+        parts.append(
+            f'<p class="note">Traffic matrices and timelines are drawn for {len(details)} of {len(ran)} scenarios '
+            f"(failing ones first); left out: {html.escape(left)}. report.json and trace.json hold them all.</p>"
+        )
     for title, key in (("Traffic matrices", "matrix"), ("Timelines", "timeline")):
         items = [(name, d[key]) for name, d in details.items() if key in d]
         if items:
@@ -565,7 +615,8 @@ def write(out: Path, doc: dict[str, Any], *, progress: Callable[[str], None] | N
         figures["time"] = plot_time_model(ran, plots / "time_model.png")
         figures["histograms"] = plot_histograms(ran[: MAX_DETAIL * 2], plots / "message_sizes.png")
         figures["sweeps"] = plot_sweeps(ran, plots / "sweeps.png")
-        for i, s in enumerate(ran[:MAX_DETAIL]):
+        failing_first = sorted(ran, key=lambda s: s["status"] == "passed")
+        for i, s in enumerate(failing_first[:MAX_DETAIL]):
             if progress:
                 progress(f"report: plots for {s['name']} ({i + 1}/{min(len(ran), MAX_DETAIL)})")
             slug = _slug(s["name"])
