@@ -11,6 +11,12 @@ def number(x: int | Fraction) -> int | float:
     return f.numerator if f.denominator == 1 else float(f)
 
 
+def shown(x: int | Fraction) -> str:
+    """A count for people: an exact integer as one, a fraction rounded (6 significant digits)."""
+    f = Fraction(x)
+    return str(f.numerator) if f.denominator == 1 else f"{float(f):.6g}"
+
+
 def human_bytes(x: float | Fraction) -> str:
     v = float(x)
     sign = "-" if v < 0 else ""

@@ -25,6 +25,7 @@ from commgate.core.errors import DocumentError, Problem
 from commgate.core.fsutil import atomic_write_json, read_json
 from commgate.core.provenance import commit as provenance_commit
 from commgate.core.provenance import cpu_fingerprint, environment
+from commgate.core.units import shown
 from commgate.judge.drift import RunLatency, key_text, summarize
 from commgate.judge.reconcile import Reconciliation, call_label
 from commgate.model.scenario import Tolerance
@@ -255,12 +256,7 @@ class Difference:
         delta = Fraction(self.obtained) - Fraction(self.expected)
         sign = "+" if delta > 0 else ""
         now, then = labels
-        return f"{self.what}: {now} {_shown(self.obtained)}, {then} {_shown(self.expected)} ({sign}{_shown(delta)})"
-
-
-def _shown(x: Fraction | int) -> str:
-    f = Fraction(x)
-    return str(f.numerator) if f.denominator == 1 else f"{float(f):.6g}"
+        return f"{self.what}: {now} {shown(self.obtained)}, {then} {shown(self.expected)} ({sign}{shown(delta)})"
 
 
 def compare(now: Baseline, stored: Baseline, *, bytes_tol: Tolerance, calls_tol: Tolerance) -> list[Difference]:

@@ -19,7 +19,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Literal
 
-from commgate.core.units import human_bytes, number
+from commgate.core.units import human_bytes, shown
 from commgate.judge.baseline import Baseline, compare, write
 from commgate.judge.drift import Assessment, RunLatency, cold_starts, shifts, summarize
 from commgate.judge.reconcile import Reconciliation
@@ -67,8 +67,8 @@ def against_model(s: Scenario, rec: Reconciliation) -> Finding | None:
         expected = o.predicted_bytes + sum((b for _, b in o.residuals), Fraction(0))
         if not e.model_bytes.allows(o.measured_bytes, expected):
             lines.append(
-                f"bytes per step, {o.op}: obtained {number(o.measured_bytes)}, expected {number(expected)} "
-                f"({'+' if o.unexplained_bytes > 0 else ''}{number(o.unexplained_bytes)} unexplained)"
+                f"bytes per step, {o.op}: obtained {shown(o.measured_bytes)}, expected {shown(expected)} "
+                f"({'+' if o.unexplained_bytes > 0 else ''}{shown(o.unexplained_bytes)} unexplained)"
             )
     exact = e.model_calls.rtol == e.model_calls.atol == e.model_bytes.rtol == e.model_bytes.atol == 0
     if exact and rec.traffic_measured != rec.traffic_predicted:
@@ -76,7 +76,7 @@ def against_model(s: Scenario, rec: Reconciliation) -> Finding | None:
         for src, dst in pairs:
             a, b = rec.traffic_measured.get((src, dst), Fraction(0)), rec.traffic_predicted.get((src, dst), Fraction(0))
             if a != b:
-                lines.append(f"traffic {src} -> {dst}: obtained {number(a)} B/step, expected {number(b)} B/step")
+                lines.append(f"traffic {src} -> {dst}: obtained {shown(a)} B/step, expected {shown(b)} B/step")
     if not lines:
         return None
     return Finding("model", True, "measured communication differs from the per-collective model", tuple(lines))
@@ -107,7 +107,7 @@ def against_paper(s: Scenario, prediction: Prediction) -> Finding | None:
             named = ", ".join(f"{r.name} {human_bytes(r.bytes)}" for r in c.residuals) or "none"
             lines.append(
                 f"{c.term.equation}: model {human_bytes(c.model_bytes)}, paper {human_bytes(paper)}, "
-                f"named terms: {named}; unexplained {number(c.unexplained_bytes)} B "
+                f"named terms: {named}; unexplained {shown(c.unexplained_bytes)} B "
                 f"(> rtol {s.expectations.paper_rtol:g})"
             )
     if not lines:

@@ -6,7 +6,7 @@ from dataclasses import asdict
 from typing import Any
 
 from commgate import __version__
-from commgate.core.units import human_bytes, number
+from commgate.core.units import human_bytes, number, shown
 from commgate.model.expectation import Context, Prediction
 
 DOCUMENT_VERSION = 1
@@ -163,7 +163,7 @@ def prediction_text(p: Prediction, *, matrix: bool = False) -> str:
         )
         for r in c.residuals:
             lines.append(f"      {'+' if r.bytes >= 0 else '-'} {human_bytes(abs(r.bytes)):>11}  {r.name}: {r.detail}")
-        lines.append(f"      = unexplained {number(c.unexplained_bytes)} B")
+        lines.append(f"      = unexplained {shown(c.unexplained_bytes)} B")
     for src, b in p.not_in_paper():
         lines.append(f"  not in the paper (rank 0): {human_bytes(b)} per step from {src}")
     if matrix:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from commgate.core import schemas
 from commgate.core.fsutil import atomic_write_json
 from commgate.core.provenance import environment
-from commgate.core.units import human_bytes, number
+from commgate.core.units import human_bytes, number, shown
 from commgate.judge.drift import cold_starts
 from commgate.judge.gate import Finding
 from commgate.judge.reconcile import Reconciliation
@@ -125,7 +125,7 @@ class ScenarioResult:
             extra = f" + {human_bytes(sum((b for _, b in o.residuals), Fraction(0)))} named" if o.residuals else ""
             lines.append(
                 f"    {o.op:<15} measured {human_bytes(o.measured_bytes):>11}/step  predicted "
-                f"{human_bytes(o.predicted_bytes):>11}{extra}  unexplained {number(o.unexplained_bytes)} B"
+                f"{human_bytes(o.predicted_bytes):>11}{extra}  unexplained {shown(o.unexplained_bytes)} B"
             )
         for k in r.mismatches[:10]:
             lines.append(f"    {k.label}: measured {k.measured_calls}, predicted {k.predicted_calls} ({k.source})")
