@@ -101,3 +101,16 @@ def test_assess_names_a_missing_or_bad_curve_instead_of_failing(tmp_path) -> Non
     t = assess(pred, cap, tmp_path)
     assert t.predicted is None and t.note.startswith("no time model:") and "not valid JSON" in t.note
     assert t.document()["comm_fraction_error"] is None
+
+
+def test_a_missing_bandwidth_curve_says_how_to_make_one_in_the_summary() -> None:
+    from commgate.report.report import ScenarioResult
+    from commgate.report.timemodel import MeasuredTime, TimeAssessment
+
+    (s,) = load_text("schema_version: 1\nname: d\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: ddp, dp: 2}\n")
+    note = "no bandwidth curve in baselines/bandwidth-gloo.json: run `pytest benchmarks/ --commgate-bench-save`"
+    tm = TimeAssessment(
+        predicted=None, measured=MeasuredTime(t_iter=0.1, t_comm=0.03, comm_fraction=0.3, steps=2), note=note
+    )
+    head = ScenarioResult(prediction=predict(s), status="passed", time_model=tm).summary().splitlines()[0]
+    assert head.endswith(f"comm fraction 30% (model -: {note})")

@@ -111,7 +111,7 @@ class ScenarioResult:
             head += f" [build {t['build']:.1f} s, steps {t['steps']:.1f} s]"
         tm = self.time_model
         if tm is not None and tm.measured is not None:
-            pred = f"{tm.predicted.in_flight_fraction:.0%}" if tm.predicted else "-"
+            pred = f"{tm.predicted.in_flight_fraction:.0%}" if tm.predicted else f"-: {tm.note}"
             head += f" comm fraction {tm.measured.comm_fraction:.0%} (model {pred})"
         r = self.reconciliation
         if r is None:
