@@ -15,6 +15,30 @@ def commgate(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "commgate", *args], capture_output=True, text=True, cwd=cwd)
 
 
+def test_the_docs_predict_examples_are_the_real_output() -> None:
+    """Every ``$ commgate predict ...`` block in the docs is what that command prints now."""
+    import re
+    import shlex
+
+    found = 0
+    for doc in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
+        for command, shown in re.findall(r"```text\n\$ (commgate predict [^\n]*)\n(.*?)```", doc.read_text(), re.S):
+            proc = commgate(*shlex.split(command)[1:])
+            assert proc.returncode == 0, proc.stderr
+            assert proc.stdout == shown, f"{doc.name}: `{command}` prints something else now"
+            found += 1
+    assert found
+
+
+def test_predict_summarises_13b_zero3_on_16_ranks_in_about_30_lines() -> None:
+    summary = commgate("predict", "--model", "13B", "--scheme", "zero3", "--dp", "16")
+    detail = commgate("predict", "--model", "13B", "--scheme", "zero3", "--dp", "16", "--detail")
+    assert summary.returncode == detail.returncode == 0
+    assert len(summary.stdout.splitlines()) <= 32 < 1000 < len(detail.stdout.splitlines())
+    assert "1029 rows of the model summed; --detail lists them with their source" in summary.stdout
+    assert "per step, rank 0 (from step 1 on): " in summary.stdout and "Eq. 3 (per rank)" in summary.stdout
+
+
 def test_predict_13b_ddp_json_reproduces_eqs_1_and_2() -> None:
     proc = commgate("predict", "--model", "13B", "--scheme", "ddp", "--dp", "16", "--json")
     assert proc.returncode == 0, proc.stderr

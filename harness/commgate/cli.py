@@ -51,6 +51,7 @@ def _add_predict(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     o.add_argument("--matrix", action="store_true", help="include the rank x rank traffic matrix")
+    o.add_argument("--detail", action="store_true", help="every row of the model (per bucket, layer) with its source")
     o.add_argument("--report-dir", type=Path, help="also write predictions.json there (atomically)")
 
 
@@ -111,7 +112,7 @@ def cmd_predict(a: argparse.Namespace) -> int:
         )
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:
-        print("\n\n".join(prediction_text(p, matrix=a.matrix) for p in preds))
+        print("\n\n".join(prediction_text(p, matrix=a.matrix, detail=a.detail) for p in preds))
         print(f"\n{len(preds)} scenario(s) predicted.")
     return 0
 

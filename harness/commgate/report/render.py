@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+from fractions import Fraction
 from typing import Any
 
 from commgate import __version__
@@ -102,7 +103,27 @@ def _table(headers: list[str], rows: list[list[str]], right: set[int]) -> list[s
     return [fmt(headers), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)]
 
 
-def prediction_text(p: Prediction, *, matrix: bool = False) -> str:
+def _summary_rows(p: Prediction) -> list[list[str]]:
+    """One row per (when, phase, op, axis, group size): calls, bytes and wire bytes per participating
+    rank summed over the model's rows, and how many rows (buckets, layers) it stands for."""
+    groups: dict[tuple[str, str, str, str, int], list[Any]] = {}
+    for c in p.collectives:
+        key = (c.when, str(c.phase), str(c.op), str(c.axis), c.group_size)
+        g = groups.setdefault(key, [0, 0, Fraction(0), set(), 0])
+        g[0] += c.calls
+        g[1] += c.bytes_per_step
+        g[2] += c.wire_bytes_per_step
+        g[3].add(c.paper_term or "-")
+        g[4] += 1
+    return [
+        [when, phase, op, axis, str(n), str(calls), human_bytes(b), human_bytes(w), ",".join(sorted(eqs)), str(rows)]
+        for (when, phase, op, axis, n), (calls, b, w, eqs, rows) in groups.items()
+    ]
+
+
+def prediction_text(p: Prediction, *, matrix: bool = False, detail: bool = False) -> str:
+    """The prediction for people: by default one row per phase, op and axis (``detail``: every row of
+    the model, per bucket and layer), the job's totals, then the paper's equations against the model."""
     s, m, par = p.scenario, p.scenario.model, p.scenario.parallelism
     axes = ", ".join(f"{k}={v}" for k, v in (("dp", par.dp), ("tp", par.tp), ("pp", par.pp), ("ep", par.ep)) if v > 1)
     ctx = Context(scenario=s)
@@ -150,7 +171,19 @@ def prediction_text(p: Prediction, *, matrix: bool = False) -> str:
         ]
         for c in p.collectives
     ]
-    lines += ["  " + line for line in _table(headers, rows, right={4, 5, 6, 7, 8, 9})]
+    if detail:
+        lines += ["  " + line for line in _table(headers, rows, right={4, 5, 6, 7, 8, 9})]
+    else:
+        summary = ["when", "phase", "op", "axis", "n", "calls", "bytes", "wire", "eq", "rows"]
+        lines += ["  " + line for line in _table(summary, _summary_rows(p), right={4, 5, 6, 7, 9})]
+        if len(p.collectives) > len(_summary_rows(p)):
+            lines.append(f"  ({len(p.collectives)} rows of the model summed; --detail lists them with their source)")
+    steady = [c for c in p.collectives if not c.once and c.issued_by(0)]
+    lines.append(
+        f"  per step, rank 0 (from step {max((c.from_step for c in steady), default=0)} on): "
+        f"{human_bytes(sum(c.bytes_per_step for c in steady))} in messages, "
+        f"{human_bytes(sum((c.wire_bytes_per_step for c in steady), Fraction(0)))} on the wire"
+    )
     lines.append(
         f"  per step, whole job: {human_bytes(p.job_bytes_per_step())} in messages, "
         f"{human_bytes(p.job_wire_bytes_per_step())} on the wire (rows: per participating rank, per step or once)"
