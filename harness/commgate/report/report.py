@@ -118,13 +118,13 @@ class ScenarioResult:
             return f"{head}: {self.reason}" if self.reason else head
         lines = [head]
         if not s.expectations.model_check:
-            lines += [f"    {o.op:<15} measured {human_bytes(o.measured_bytes):>11}/step" for o in r.ops]
+            lines += [f"    {o.op:<15} measured {human_bytes(o.measured_bytes):>11}/step (all ranks)" for o in r.ops]
             lines += [f"    {line}" for f in self.findings for line in f.text().splitlines()]
             return "\n".join(lines)
         for o in r.ops:
             extra = f" + {human_bytes(sum((b for _, b in o.residuals), Fraction(0)))} named" if o.residuals else ""
             lines.append(
-                f"    {o.op:<15} measured {human_bytes(o.measured_bytes):>11}/step  predicted "
+                f"    {o.op:<15} measured {human_bytes(o.measured_bytes):>11}/step (all ranks)  predicted "
                 f"{human_bytes(o.predicted_bytes):>11}{extra}  unexplained {shown(o.unexplained_bytes)} B"
             )
         for k in r.mismatches[:10]:
