@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# Pull-request gate: the CPU-gloo default suite through pytest, against the committed baselines.
+# Pull-request gate: scenario files through pytest and commgate's plugin, against the committed baselines.
 # Usage: ci/pr-gate.sh [PYTEST_ARG ...]      e.g. ci/pr-gate.sh -n 2    (with pytest-xdist)
+# Runs in the current directory, so it works from your own repository too (path/to/commgate/ci/pr-gate.sh):
+# SUITE (default scenarios) names the scenario files or folders, baselines are <rootdir>/baselines.
 # Writes $OUT/junit.xml, $OUT/report.json and the HTML report ($OUT/index.html, plots/, trace.json;
-# default OUT=out/pr-gate); exits with pytest's status.
-# Any CI can call it after the README's set-up (python3 -m venv .venv && .venv/bin/pip install
-# torch==2.13.0 -e '.[dev]').
+# default OUT=out/pr-gate); exits with pytest's status. PYTHON is the interpreter with commgate installed
+# (default ./.venv/bin/python, the README's set-up, else python3).
 set -euo pipefail
-cd "$(dirname "$0")/.."
 OUT=${OUT:-out/pr-gate}
-PYTHON=${PYTHON:-.venv/bin/python}
+SUITE=${SUITE:-scenarios}
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
 mkdir -p "$OUT"
-exec "$PYTHON" -m pytest scenarios --junitxml "$OUT/junit.xml" --commgate-report-dir "$OUT" -p no:cacheprovider "$@"
+# shellcheck disable=SC2086  # SUITE may name several paths
+exec "$PYTHON" -m pytest $SUITE --junitxml "$OUT/junit.xml" --commgate-report-dir "$OUT" -p no:cacheprovider "$@"

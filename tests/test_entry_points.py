@@ -30,26 +30,39 @@ def test_pyproject_declares_a_torch_range_not_a_pin() -> None:
 
 
 def test_pre_upgrade_dry_run_prints_the_a_b_commands(tmp_path: Path) -> None:
+    """Run from a user's repository (not the checkout): the candidate from requirements, or an existing
+    prefix (a ROCm/CUDA stack), the suite three times a side, interleaved, then compare."""
     import os
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path)}
-    proc = subprocess.run(
-        [str(root / "ci" / "pre-upgrade.sh"), "deepspeed==0.18.9"], capture_output=True, text=True, env=env
-    )
+    script = str(root / "ci" / "pre-upgrade.sh")
+    env = {**os.environ, "DRY_RUN": "1", "OUT": "out", "SUITE": "comm"}
+    proc = subprocess.run([script, "deepspeed==0.18.9"], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert ".venv-candidate/bin/pip install -q torch==2.13.0 deepspeed==0.18.9 -e . " in lines
-    runs = [line for line in lines if " run scenarios " in line]
+    assert f".venv-candidate/bin/pip install -q torch==2.13.0 deepspeed==0.18.9 -e {root} " in lines
+    runs = [line for line in lines if " run comm " in line]
     assert runs == [  # interleaved, three a side: latency is judged on runs
-        f"{venv}/bin/commgate run scenarios --report-dir {tmp_path}/{side}/{i} "
+        f"{venv}/bin/commgate run comm --report-dir out/{side}/{i} "
         for i in (1, 2, 3)
         for venv, side in ((".venv", "before"), (".venv-candidate", "after"))
     ]
-    assert f".venv/bin/commgate compare {tmp_path}/before {tmp_path}/after " in lines
-    usage = subprocess.run([str(root / "ci" / "pre-upgrade.sh")], capture_output=True, text=True)
+    assert ".venv/bin/commgate compare out/before out/after " in lines
+    rocm = subprocess.run(
+        [script], capture_output=True, text=True, env=env | {"CANDIDATE": "/opt/conda/envs/rocm"}, cwd=tmp_path
+    )
+    assert rocm.returncode == 0, rocm.stderr
+    assert (
+        "pip" not in rocm.stdout
+        and "/opt/conda/envs/rocm/bin/commgate run comm --report-dir out/after/1 " in rocm.stdout
+    )
+    gpu = subprocess.run([script, "torch==2.9.1"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert ".venv-candidate/bin/pip install -q torch==2.9.1 -e " in gpu.stdout  # no CPU pin beside a torch
+    usage = subprocess.run([script], capture_output=True, text=True)
     assert usage.returncode == 2 and usage.stderr.startswith("usage: ci/pre-upgrade.sh")
+    missing = subprocess.run([script], capture_output=True, text=True, env={**os.environ, "CANDIDATE": str(tmp_path)})
+    assert missing.returncode == 2 and "no " in missing.stderr and "bin/commgate" in missing.stderr
 
 
 def test_nightly_dry_run_prints_the_srun_torchrun_line() -> None:
