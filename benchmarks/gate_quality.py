@@ -1,13 +1,18 @@
 """The gate's quality, measured: planted faults caught, and false alarms over back-to-back A/A runs.
 
-    .venv/bin/python benchmarks/gate_quality.py [--aa 20] [--faults-only | --aa-only]
+    .venv/bin/python benchmarks/gate_quality.py [--aa 20] [--faults-only | --aa-only | --slow-only] [--slow 2]
 
 * Faults: each planted fault (``--commgate-fault``) on the default-suite scenario it targets must fail
   the gate, with the fault named and the expected kind of finding in the failure.
 * A/A: the unchanged default gate (``pytest scenarios``, committed baselines) run ``--aa`` times back to
   back; every run must pass. Latency shifts only warn by default, so they are counted apart.
 
-Prints one line per run and the two figures; exits 1 unless every fault is caught and no A/A run fails.
+* Slowdowns: every call of one op made ``--slow`` times as long (``--commgate-fault slow=OP:F``) in the
+  scenario where that op weighs most; counted as flagged when the gate reports ``latency slower: OP``
+  (a warning by default) after its confirming reruns. What is not flagged is within the spread the
+  stored runs show on this machine (the threshold is printed).
+
+Prints one line per run and the figures; exits 1 unless every fault is caught and no A/A run fails.
 """
 
 from __future__ import annotations
@@ -24,6 +29,14 @@ FAULTS = [
     ("extra-collective", "scenarios/ddp.yaml", "[model]"),
     ("ddp-bucket-mb=0.5", "scenarios/ddp.yaml", "[baseline]"),
     ("zero-stage=3", "scenarios/zero1.yaml", "[model]"),
+]
+SLOWDOWNS = [  # (scenario file, -k, op)
+    ("scenarios/zeropp.yaml", "zeropp", "all_gather"),
+    ("scenarios/zero3.yaml", "zero3-19m-dp4", "all_gather"),
+    ("scenarios/tp.yaml", "512", "all_reduce"),
+    ("scenarios/moe.yaml", "moe", "all_to_all"),
+    ("scenarios/ddp.yaml", "ddp", "all_reduce"),
+    ("scenarios/pp.yaml", "512", "recv"),
 ]
 
 
@@ -44,7 +57,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--aa", type=int, default=20, help="back-to-back runs of the unchanged gate")
     ap.add_argument("--faults-only", action="store_true")
     ap.add_argument("--aa-only", action="store_true")
+    ap.add_argument("--slow-only", action="store_true")
+    ap.add_argument("--slow", type=float, default=2.0, help="the planted slowdown factor (default 2)")
     a = ap.parse_args(argv)
+    if a.slow_only:
+        flagged = 0
+        for target, k, op in SLOWDOWNS:
+            rc, out, wall = pytest(target, "-k", k, "--commgate-fault", f"slow={op}:{a.slow:g}")
+            hit = f"latency slower: {op}" in out
+            flagged += hit
+            judged = [line.strip() for line in out.splitlines() if "latency judged against" in line or op in line]
+            print(f"slow={op}:{a.slow:g} on {target} -k {k}: {'flagged' if hit else 'not flagged'} ({wall:.0f} s)")
+            for line in judged[:3]:
+                print(f"    {line[:200]}")
+        print(f"planted {a.slow:g}x slowdowns flagged: {flagged} of {len(SLOWDOWNS)}")
+        return 0
     caught = 0
     if not a.aa_only:
         for fault, target, kind in FAULTS:

@@ -1,0 +1,73 @@
+"""The README's quick start for your own repository, step by step, in a directory outside the checkout
+with a model module of its own: scenario folder named in the pytest configuration, the first run writes
+the baselines and says so, the next passes against them, and the CI line (``ci/pr-gate.sh``) runs there."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MODULE = """
+import torch
+from torch import nn
+
+
+class TwoLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 4)
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.b(torch.relu(self.a(x))), y)
+
+
+def build(scenario):
+    b = scenario.parallelism.micro_batch
+
+    def inputs(seed):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(b, 32, generator=g), torch.randint(0, 4, (b,), generator=g)
+
+    return TwoLayer(), inputs
+"""
+
+SCENARIO = """schema_version: 1
+name: my-ddp
+description: our model under DDP on 2 ranks
+model: {module: "mynet:build"}
+parallelism: {scheme: ddp, dp: 2}
+steps: 2
+"""
+
+
+def test_the_quick_start_in_a_repository_of_your_own(tmp_path: Path) -> None:
+    repo = tmp_path / "myrepo"
+    (repo / "comm").mkdir(parents=True)
+    (repo / "mynet.py").write_text(MODULE)
+    (repo / "comm" / "ddp.yaml").write_text(SCENARIO)
+    (repo / "pytest.ini").write_text("[pytest]\ncommgate_scenario_dirs = comm\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+
+    def pytest(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args]
+        return subprocess.run(argv, cwd=repo, capture_output=True, text=True, env=env)
+
+    first = pytest()
+    assert first.returncode == 1, first.stdout + first.stderr  # nothing passes without a baseline
+    assert "no baseline yet: wrote" in first.stdout and (repo / "baselines" / "gloo" / "my-ddp.json").is_file()
+    second = pytest()
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "1 passed" in second.stdout
+    ci = subprocess.run(
+        [str(ROOT / "ci" / "pr-gate.sh")],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        env=env | {"SUITE": "comm", "PYTHON": sys.executable},
+    )
+    assert ci.returncode == 0, ci.stdout + ci.stderr
+    assert (repo / "out" / "pr-gate" / "junit.xml").is_file() and (repo / "out" / "pr-gate" / "index.html").is_file()
