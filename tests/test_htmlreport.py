@@ -127,3 +127,5 @@ def test_a_failing_scenario_shows_why_and_no_success_badge(out: Path) -> None:
     assert "obtained 4, expected 0 (+4)" in html and "accept it with --commgate-update-baselines" in html
     assert "needs a GPU (NCCL/RCCL)" in html
     assert html.index(f'id="{anchor}"') < html.index("needs a GPU")  # failures first
+    row = "<td>calls [steps] all_reduce fp32 4 B forward group [0, 1]</td><td>4</td><td>0</td><td>+4</td>"
+    assert row in html  # the before/after/difference table

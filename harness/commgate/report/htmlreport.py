@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -487,7 +488,28 @@ def _findings(doc: dict[str, Any]) -> str:
             f'<h3 id="{_anchor(s)}" class="{cls}">{html.escape(s["name"])}: {html.escape(s["status"])}</h3>'
             f"<pre>{html.escape(chr(10).join(lines))}</pre>"
         )
+        parts.append(_diff_table(s))
     return "\n".join(parts)
+
+
+_DIFF = re.compile(r"^(?P<what>.+): obtained (?P<now>\S+), expected (?P<then>\S+?)(?: B/step)? \((?P<delta>[^)]*)\)$")
+
+
+def _diff_table(s: dict[str, Any]) -> str:
+    """The failing findings' obtained / expected / difference lines (against the baseline or the model)
+    as a table: what, now, expected, difference."""
+    rows = []
+    for f in s.get("findings", []):
+        if not f["fail"]:
+            continue
+        for line in f["lines"]:
+            if m := _DIFF.match(line):
+                cells = [f["kind"], m["what"], m["now"], m["then"], m["delta"]]
+                rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    if not rows:
+        return ""
+    head = "".join(f"<th>{h}</th>" for h in ("against", "what", "now", "expected", "difference"))
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
 def _table(doc: dict[str, Any]) -> str:
