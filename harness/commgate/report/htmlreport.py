@@ -311,29 +311,38 @@ def _grid(entries: list[dict[str, Any]], n: int) -> list[list[float]]:
 
 
 def plot_matrix(s: dict[str, Any], path: Path) -> str:
-    """Predicted and measured rank x rank bytes per step, one shared log colour scale."""
+    """Predicted and measured rank x rank bytes per step on one shared log colour scale, and their
+    difference (measured - predicted; white where they agree)."""
     plt = _plt()
-    from matplotlib.colors import LogNorm
+    from matplotlib.colors import LogNorm, TwoSlopeNorm
 
     n = s["world_size"]
     tm = s["traffic_matrix"]
     grids = [_grid(tm["predicted"], n), _grid(tm["measured"], n)]
     positive = [v for g in grids for row in g for v in row if v > 0]
-    fig, axes = plt.subplots(1, 2, figsize=(8.6, 3.9))
+    fig, axes = plt.subplots(1, 3, figsize=(12.6, 3.9))
     norm = LogNorm(vmin=min(positive), vmax=max(positive)) if positive else None
     im = None
-    for ax, g, title in zip(axes, grids, ("predicted (model)", "measured"), strict=True):
+    diff = [[m - p for p, m in zip(pr, mr, strict=True)] for pr, mr in zip(grids[0], grids[1], strict=True)]
+    worst = max((abs(v) for row in diff for v in row), default=0.0)
+    for ax, g, title in zip(axes[:2], grids, ("predicted (model)", "measured"), strict=True):
         masked = [[v if v > 0 else float("nan") for v in row] for row in g]
         im = ax.imshow(masked, cmap="viridis", norm=norm)
         ax.set_title(title)
+    dn = TwoSlopeNorm(vcenter=0.0, vmin=-worst, vmax=worst) if worst else None
+    dim = axes[2].imshow(diff, cmap="RdBu_r", norm=dn) if worst else axes[2].imshow(diff, cmap="Greys", vmin=0, vmax=1)
+    axes[2].set_title("measured - predicted" if worst else "measured - predicted: 0 everywhere")
+    for ax in axes:
         ax.set_xlabel("destination rank")
         ax.set_ylabel("source rank")
         ax.set_xticks(range(n))
         ax.set_yticks(range(n))
         ax.grid(False)
     if im is not None and positive:
-        cb = fig.colorbar(im, ax=list(axes), shrink=0.85)
+        cb = fig.colorbar(im, ax=list(axes[:2]), shrink=0.85)
         cb.set_label("bytes per step")
+    if worst:
+        fig.colorbar(dim, ax=axes[2], shrink=0.85).set_label("bytes per step")
     fig.suptitle(f"{s['name']}: traffic matrix")
     return _save(fig, path)
 
