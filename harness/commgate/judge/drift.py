@@ -15,7 +15,7 @@ includes waiting for its sender: exactly what the paper's cold-cache anomaly loo
   drifting machine they all move together; on the 2-core CI machine two unchanged runs differ by 2x and
   more in a third of their ops). So the baseline keeps a history of runs, a verdict needs
   ``min_runs`` of them, the threshold is the larger of ``factor`` and the widest spread the stored
-  runs show among themselves (the machine's compute ratio is shown beside it, never subtracted), and the
+  runs show among themselves, a whole-machine drift (compute and the other collectives) excuses its share, and the
   gate reruns a scenario that looks shifted ``confirm`` times: *slower* (*faster*) only when every run is beyond.
 """
 
@@ -235,9 +235,9 @@ class Shift:
     runs_now: int
     runs_base: int
     machine: float = 1.0
-    """Compute time now / stored, shown beside a shift for the reader: it is not subtracted, because on a
-    machine where calls overlap compute a slower collective lengthens the measured compute too (a
-    planted 2x all-gather under ZeRO++ moved it x1.5)."""
+    """Compute time now / stored (shown beside a shift). Alone it excuses nothing: where calls overlap
+    compute a slower collective lengthens the measured compute too (a planted 2x all-gather under ZeRO++
+    moved it x1.5-2.1); only as far as the scenario's other collectives moved the same way (``_drift``)."""
     keys: tuple[tuple[str, float], ...] = ()
     """The op's keys that moved most (key text, ratio), for the report."""
 
@@ -317,7 +317,8 @@ def shifts(now: Sequence[RunLatency], base: Sequence[RunLatency], rule: LatencyR
     The run is the unit: an op is *slower* only when its time in **every** run now is beyond the
     threshold times the base runs' median, the threshold being the larger of ``rule.factor`` and the
     widest spread the base runs show among themselves (``envelope``: what this machine does with
-    nothing changed); the compute ratio (``_machine``) is reported with it, not subtracted. *faster*
+    nothing changed); a drift of the whole machine — its compute *and* the scenario's other collectives
+    slower (``_drift``) — excuses that much. *faster*
     mirrors it (reported, never a failure). Fewer than ``rule.min_runs`` base runs: not judged; an op
     under ``rule.min_share`` of the step in the base runs is not judged either (a 20 us broadcast is
     scheduling noise on a shared machine)."""
@@ -326,20 +327,22 @@ def shifts(now: Sequence[RunLatency], base: Sequence[RunLatency], rule: LatencyR
     step = statistics.median(_median_issued(r.step) for r in base)
     ops = _common(r.ops() for r in (*base, *now))
     judged = {op for op in ops if _share(op, base, step) >= rule.min_share}
+    all_now, all_base = now, base
     base = [_only(r, judged) for r in base]
     now = [_only(r, judged) for r in now]
     threshold = max(rule.factor, envelope(base))
     machine = _machine(now, base)
     out = []
-    for op in sorted(_common(r.ops() for r in (*base, *now))):
+    for op in sorted(judged):
         ref = statistics.median(r.op_time(op) for r in base)
         if ref <= 0:
             continue
         times = [r.op_time(op) / ref for r in now]
+        drift = _drift(op, machine, all_now, all_base)
         verdict: Verdict = "~"
-        if min(times) >= threshold:
+        if min(times) / max(drift, 1.0) >= threshold:
             verdict = "slower"
-        elif max(times) <= 1 / threshold:
+        elif max(times) / min(drift, 1.0) <= 1 / threshold:
             verdict = "faster"
         out.append(
             Shift(
@@ -354,6 +357,24 @@ def shifts(now: Sequence[RunLatency], base: Sequence[RunLatency], rule: LatencyR
             )
         )
     return Assessment(shifts=tuple(out), threshold=threshold, unjudged=len(ops - judged))
+
+
+def _drift(op: str, machine: float, now: Sequence[RunLatency], base: Sequence[RunLatency]) -> float:
+    """How much slower (> 1) or faster the whole machine ran: the run's compute ratio, but only as far
+    as the scenario's *other* collectives moved the same way (the nearer of the two to 1; 1 when there
+    are none). A machine-wide slowdown moves both; a slower collective alone moves neither enough: its
+    calls overlap compute, so it lengthens the measured compute, but it leaves the other collectives be."""
+    others = []
+    for other in _common(r.ops() for r in (*now, *base)) - {op}:
+        ref = statistics.median(r.op_time(other) for r in base)
+        if ref > 0:
+            others.append(statistics.median(r.op_time(other) for r in now) / ref)
+    if not others:
+        return 1.0
+    common = float(statistics.median(others))
+    if (machine - 1) * (common - 1) <= 0:  # they disagree: no drift shown
+        return 1.0
+    return min(machine, common) if machine > 1 else max(machine, common)
 
 
 def _share(op: str, runs: Sequence[RunLatency], step: float) -> float:
