@@ -361,16 +361,16 @@ def shifts(now: Sequence[RunLatency], base: Sequence[RunLatency], rule: LatencyR
 
 def _drift(op: str, machine: float, now: Sequence[RunLatency], base: Sequence[RunLatency]) -> float:
     """How much slower (> 1) or faster the whole machine ran: the run's compute ratio, but only as far
-    as the scenario's *other* collectives moved the same way (the nearer of the two to 1; 1 when there
-    are none). A machine-wide slowdown moves both; a slower collective alone moves neither enough: its
-    calls overlap compute, so it lengthens the measured compute, but it leaves the other collectives be."""
+    as the scenario's *other* collectives moved the same way (the nearer of the two to 1); the compute
+    ratio alone where the op is the scenario's only collective. A machine-wide slowdown moves both; a
+    slower collective alone moves only the compute (its calls overlap it), not the other collectives."""
     others = []
     for other in _common(r.ops() for r in (*now, *base)) - {op}:
         ref = statistics.median(r.op_time(other) for r in base)
         if ref > 0:
             others.append(statistics.median(r.op_time(other) for r in now) / ref)
-    if not others:
-        return 1.0
+    if not others:  # nothing to corroborate it with: the compute ratio stands alone
+        return machine
     common = float(statistics.median(others))
     if (machine - 1) * (common - 1) <= 0:  # they disagree: no drift shown
         return 1.0
