@@ -73,16 +73,18 @@ class Baseline:
         cls,
         capture: Capture,
         calls: dict[CallKey, int],
-        bytes_per_step: dict[str, Fraction],
         provenance: dict[str, Any],
     ) -> Baseline:
-        """A run's measured counts and bytes, its message-size histogram derived from the counts, its
-        latency (one run) under ``provenance["hardware"]``."""
+        """A run's measured counts, its bytes per step per op and message-size histogram derived from
+        them exactly (as the reconciliation's measured bytes), its latency (one run) under
+        ``provenance["hardware"]``."""
         steps = max(capture.steps, 1)
         hist: dict[int, Fraction] = {}
-        for (window, _, _, _, nbytes, _), n in calls.items():
+        bytes_per_step: dict[str, Fraction] = {}
+        for (window, op, _, _, nbytes, _), n in calls.items():
             if window == "steps":
                 hist[nbytes] = hist.get(nbytes, Fraction(0)) + Fraction(n, steps)
+                bytes_per_step[op] = bytes_per_step.get(op, Fraction(0)) + Fraction(n * nbytes, steps)
         return cls(
             scenario=capture.scenario,
             backend=capture.backend,
@@ -96,7 +98,7 @@ class Baseline:
     @classmethod
     def from_run(cls, capture: Capture, rec: Reconciliation, provenance: dict[str, Any]) -> Baseline:
         calls = {(k.window, k.op, k.group, k.dtype, k.bytes_per_call, k.phase): k.measured_calls for k in rec.keys}
-        return cls.of(capture, calls, {o.op: o.measured_bytes for o in rec.ops}, provenance)
+        return cls.of(capture, calls, provenance)
 
     def with_history(self, stored: Baseline | None) -> Baseline:
         """This baseline with ``stored``'s latency runs before its own (other machines' kept as they are),
