@@ -42,16 +42,20 @@ def is_png(path: Path) -> bool:
     return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
 
 
-def test_the_page_shows_every_plot_it_wrote(out: Path) -> None:
+def test_the_page_shows_every_plot_it_wrote_and_every_scenario_in_detail(out: Path) -> None:
     page = (out / "index.html").read_text()
     pngs = sorted(p.name for p in (out / "plots").glob("*.png"))
-    for name in ("volume.png", "predicted_vs_measured.png", "time_model.png", "message_sizes.png", "sweeps.png"):
-        assert name in pngs
-    assert {f"matrix-{s}.png" for s in ("d", "p_s_32_", "p_s_64_")} <= set(pngs)
-    assert {f"timeline-{s}.png" for s in ("d", "p_s_32_", "p_s_64_")} <= set(pngs)
+    assert sorted(pngs) == sorted(["volume.png", "predicted_vs_measured.png", "time_model.png", "sweeps.png"])
     for name in pngs:
         assert f'src="plots/{name}"' in page
         assert is_png(out / "plots" / name), name
+    for slug, name in (("d", "d"), ("p_s_32_", "p[s=32]"), ("p_s_64_", "p[s=64]")):
+        block = page[page.index(f'<details id="d-{slug}">') :]
+        block = block[: block.index("</details>")]
+        assert f'<a href="#d-{slug}">{name}</a>' in page  # the table links every scenario to its figures
+        assert f'aria-label="timeline of {name}"' in block and f'aria-label="message sizes of {name}"' in block
+        assert block.count('<table class="tm">') == 3  # predicted, measured, difference
+        assert "difference: 0 everywhere" in block
     assert "3 passed" in page and "every byte explained" in page
     assert not list(out.rglob(".*.tmp"))  # nothing half-written
 
@@ -119,13 +123,31 @@ def test_a_failing_scenario_shows_why_and_no_success_badge(out: Path) -> None:
     ]
     skipped.update(status="skipped", reason="needs a GPU (NCCL/RCCL); skipped where none is present")
     doc["summary"] = {"passed": 1, "failed": 1, "error": 0, "skipped": 1}
-    html = page(doc, {}, {})
+    html = page(doc, {})
     assert "every byte explained" not in html and "1 scenario(s) did not pass: see Findings" in html
     anchor = "s-" + "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in failed["name"])
-    assert f'<a href="#{anchor}">' in html and f'<h3 id="{anchor}" class="bad">' in html
+    assert f'<a href="#{anchor}">failed</a>' in html and f'<h3 id="{anchor}" class="bad">' in html
+    assert f'<details id="d{anchor[1:]}" open>' in html  # its figures are open; the passing ones closed
     assert "FAIL [baseline] communication differs from the baseline" in html
     assert "obtained 4, expected 0 (+4)" in html and "accept it with --commgate-update-baselines" in html
     assert "needs a GPU (NCCL/RCCL)" in html
     assert html.index(f'id="{anchor}"') < html.index("needs a GPU")  # failures first
     row = "<td>calls [steps] all_reduce fp32 4 B forward group [0, 1]</td><td>4</td><td>0</td><td>+4</td>"
     assert row in html  # the before/after/difference table
+
+
+def test_report_json_is_its_document_with_each_scenario_encoded_once_on_a_line(out: Path, tmp_path: Path) -> None:
+    from commgate.report.report import Report
+
+    scenarios = json.loads((out / "report.json").read_text())["scenarios"]
+    report = Report(tmp_path / "report.json")
+    for i, s in enumerate(scenarios):
+        report.scenarios.append(s)
+        report.write()  # as a run does, after each scenario
+        text = (tmp_path / "report.json").read_text()
+        assert json.loads(text) == report.document()
+        assert sum(1 for line in text.splitlines() if line.startswith('{"')) == i + 1
+    first = report.scenarios[0]["name"]
+    report.scenarios[0]["name"] = "changed after it was written"  # scenarios are encoded once: never re-read
+    assert json.loads(report.text())["scenarios"][0]["name"] == first
+    assert json.loads(Report(None).text())["scenarios"] == []

@@ -12,9 +12,12 @@ def number(x: int | Fraction) -> int | float:
 
 
 def shown(x: int | Fraction) -> str:
-    """A count for people: an exact integer as one, a fraction rounded (6 significant digits)."""
+    """A count for people: an exact integer as one, a fraction rounded to two decimals (three significant
+    digits below 0.01), never in exponent form above that: 2635789.33, not 2.63589e+06."""
     f = Fraction(x)
-    return str(f.numerator) if f.denominator == 1 else f"{float(f):.6g}"
+    if f.denominator == 1:
+        return str(f.numerator)
+    return f"{float(f):.2f}" if abs(f) >= Fraction(1, 100) else f"{float(f):.3g}"
 
 
 def human_bytes(x: float | Fraction) -> str:

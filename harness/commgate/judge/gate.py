@@ -76,7 +76,8 @@ def against_model(s: Scenario, rec: Reconciliation) -> Finding | None:
         for src, dst in pairs:
             a, b = rec.traffic_measured.get((src, dst), Fraction(0)), rec.traffic_predicted.get((src, dst), Fraction(0))
             if a != b:
-                lines.append(f"traffic {src} -> {dst}: obtained {shown(a)} B/step, expected {shown(b)} B/step")
+                delta = ("+" if a > b else "") + shown(a - b)
+                lines.append(f"traffic {src} -> {dst}: obtained {shown(a)}, expected {shown(b)} B/step ({delta})")
     if not lines:
         return None
     return Finding("model", True, "measured communication differs from the per-collective model", tuple(lines))

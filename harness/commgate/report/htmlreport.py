@@ -2,19 +2,17 @@
 written next to ``report.json`` from the report document alone (so any saved report can be re-rendered:
 ``commgate html out/report.json``).
 
-Plots (the papers' figures they follow in brackets): volume per collective per scenario [Anthony et al.
-Figs. 7-8]; paper vs model vs measured volume and the communication fraction, predicted vs measured
-[Anthony et al. Figs. 10, 13; Qi et al. table; APNet]; message-size histograms [Anthony et al. Fig. 9];
-sweeps over sequence length [Anthony et al. Figs. 14-15] and scale [Qi et al.]; traffic matrices,
-predicted next to measured [APNet]; per-rank call timelines with cold-start spikes marked [Anthony et
-al. Section V]; and the APNet model's iteration-time breakdown. matplotlib only,
-Agg backend (no display).
+Plots across scenarios (the papers' figures they follow in brackets), PNG by matplotlib's Agg backend:
+volume per collective per scenario [Anthony et al. Figs. 7-8]; paper vs model vs measured volume and the
+communication fraction, predicted vs measured [Anthony et al. Figs. 10, 13; Qi et al. table; APNet];
+sweeps over sequence length [Anthony et al. Figs. 14-15] and scale [Qi et al.]; and the APNet model's
+iteration-time breakdown. Every scenario's own figures (traffic matrices, timeline, message sizes) are
+drawn inline by ``commgate.report.detail``.
 """
 
 from __future__ import annotations
 
 import html
-import math
 import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -23,24 +21,8 @@ from typing import Any
 
 from commgate.core.fsutil import atomic_write_bytes, atomic_write_json, atomic_write_text
 from commgate.core.units import human_bytes
-from commgate.judge.drift import ColdStart
-from commgate.run.capture import Capture, CapturedCall
-
-OP_COLORS = {
-    "all_reduce": "#1f77b4",
-    "all_gather": "#2ca02c",
-    "reduce_scatter": "#ff7f0e",
-    "all_to_all": "#9467bd",
-    "broadcast": "#8c564b",
-    "reduce": "#17becf",
-    "send": "#d62728",
-    "recv": "#e377c2",
-    "gather": "#bcbd22",
-    "scatter": "#7f7f7f",
-    "barrier": "#444444",
-}
-MAX_DETAIL = 16
-"""Per-scenario figures (matrices, timelines, histograms) are drawn for at most this many scenarios."""
+from commgate.report import detail
+from commgate.report.detail import OP_COLORS
 
 
 def _plt() -> Any:
@@ -195,46 +177,6 @@ def plot_time_model(scenarios: list[dict[str, Any]], path: Path) -> str | None:
     return _save(fig, path)
 
 
-def _measured_calls(s: dict[str, Any]) -> list[dict[str, Any]]:
-    cap = s.get("capture") or {}
-    first = cap.get("warmup_steps", 0)
-    return [c for c in cap.get("calls", []) if c["step"] >= first]
-
-
-def plot_histograms(scenarios: list[dict[str, Any]], path: Path) -> str:
-    """Calls per message size (log2 buckets) in the measured steps, stacked by collective, per scenario."""
-    plt = _plt()
-    n = len(scenarios)
-    cols = min(3, n)
-    rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.7 * rows), squeeze=False)
-    for ax, s in zip(axes.flat, scenarios, strict=False):
-        by_op: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
-        for c in _measured_calls(s):
-            by_op[c["op"]][max(0, math.floor(math.log2(max(1, c["bytes"]))))] += 1
-        buckets = sorted({b for d in by_op.values() for b in d})
-        if not buckets:
-            ax.set_axis_off()
-            continue
-        xs = list(range(buckets[0], buckets[-1] + 1))
-        bottom = [0] * len(xs)
-        for op in sorted(by_op):
-            vals = [by_op[op].get(x, 0) for x in xs]
-            ax.bar(xs, vals, bottom=bottom, color=OP_COLORS.get(op, "#999999"), label=op, width=0.85)
-            bottom = [a + b for a, b in zip(bottom, vals, strict=True)]
-        step = max(1, len(xs) // 5)
-        ax.set_xticks(xs[::step], [human_bytes(2**x).replace(".00", "") for x in xs[::step]], fontsize=7)
-        ax.set_title(s["name"], fontsize=9)
-        ax.set_ylabel("calls (all ranks)")
-        ax.margins(y=0.12)
-        ax.legend(fontsize=6, loc="upper left")
-    for ax in list(axes.flat)[n:]:
-        ax.set_axis_off()
-    fig.suptitle("Message-size histograms, measured steps (x: message size, log2 buckets)", y=1.0)
-    fig.tight_layout()
-    return _save(fig, path)
-
-
 SWEEP_AXES: tuple[tuple[str, str, str], ...] = (
     ("model", "s", "sequence length s (tokens)"),
     ("parallelism", "dp", "data-parallel ranks d"),
@@ -299,97 +241,6 @@ def plot_sweeps(scenarios: list[dict[str, Any]], path: Path) -> str | None:
         a2.set_ylabel("% of rank 0's step with a call in flight")
         a2.set_title(f"{name}: communication fraction")
         a2.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    return _save(fig, path)
-
-
-def _grid(entries: list[dict[str, Any]], n: int) -> list[list[float]]:
-    g = [[0.0] * n for _ in range(n)]
-    for e in entries:
-        g[e["src"]][e["dst"]] = float(e["bytes_per_step"])
-    return g
-
-
-def plot_matrix(s: dict[str, Any], path: Path) -> str:
-    """Predicted and measured rank x rank bytes per step on one shared log colour scale, and their
-    difference (measured - predicted; white where they agree)."""
-    plt = _plt()
-    from matplotlib.colors import LogNorm, TwoSlopeNorm
-
-    n = s["world_size"]
-    tm = s["traffic_matrix"]
-    grids = [_grid(tm["predicted"], n), _grid(tm["measured"], n)]
-    positive = [v for g in grids for row in g for v in row if v > 0]
-    fig, axes = plt.subplots(1, 3, figsize=(12.6, 3.9))
-    norm = LogNorm(vmin=min(positive), vmax=max(positive)) if positive else None
-    im = None
-    diff = [[m - p for p, m in zip(pr, mr, strict=True)] for pr, mr in zip(grids[0], grids[1], strict=True)]
-    worst = max((abs(v) for row in diff for v in row), default=0.0)
-    for ax, g, title in zip(axes[:2], grids, ("predicted (model)", "measured"), strict=True):
-        masked = [[v if v > 0 else float("nan") for v in row] for row in g]
-        im = ax.imshow(masked, cmap="viridis", norm=norm)
-        ax.set_title(title)
-    dn = TwoSlopeNorm(vcenter=0.0, vmin=-worst, vmax=worst) if worst else None
-    dim = axes[2].imshow(diff, cmap="RdBu_r", norm=dn) if worst else axes[2].imshow(diff, cmap="Greys", vmin=0, vmax=1)
-    axes[2].set_title("measured - predicted" if worst else "measured - predicted: 0 everywhere")
-    for ax in axes:
-        ax.set_xlabel("destination rank")
-        ax.set_ylabel("source rank")
-        ax.set_xticks(range(n))
-        ax.set_yticks(range(n))
-        ax.grid(False)
-    if im is not None and positive:
-        cb = fig.colorbar(im, ax=list(axes[:2]), shrink=0.85)
-        cb.set_label("bytes per step")
-    if worst:
-        fig.colorbar(dim, ax=axes[2], shrink=0.85).set_label("bytes per step")
-    fig.suptitle(f"{s['name']}: traffic matrix")
-    return _save(fig, path)
-
-
-def plot_timeline(s: dict[str, Any], path: Path) -> str:
-    """Every rank's calls over its clock, coloured by collective; step boundaries dashed; cold-start
-    spikes (first call of a kind in step 0 far above its steady median) circled and labelled."""
-    plt = _plt()
-    cap = Capture.from_json(s["capture"])
-    n = cap.world_size
-    fig, ax = plt.subplots(figsize=(12, 0.45 * n + 1.6))
-    by_op: dict[str, dict[int, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
-    for c in cap.calls:
-        if c.duration_ns is not None and c.step >= 0:
-            by_op[c.op][c.rank].append((c.start_ns / 1e6, max(c.duration_ns / 1e6, 0.02)))
-    for op, ranks in sorted(by_op.items()):
-        for r, spans in ranks.items():
-            ax.broken_barh(
-                spans, (r - 0.38, 0.76), color=OP_COLORS.get(op, "#999999"), label=op if r == min(ranks) else None
-            )
-    for w in cap.step_windows:
-        ax.plot([w.start_ns / 1e6] * 2, [w.rank - 0.45, w.rank + 0.45], "--", color="#333333", lw=0.7)
-    spikes = [ColdStart(**c) for c in s.get("cold_starts", [])]  # by the scenario's rule, as the gate flags them
-    firsts: dict[tuple[int, str, int], CapturedCall] = {}
-    for c in cap.calls:
-        if c.step == 0 and c.duration_ns is not None:
-            firsts.setdefault((c.rank, c.op, c.bytes), c)
-    for k in spikes[:6]:
-        first = firsts.get((k.rank, k.op, k.bytes))
-        if first is None or first.duration_ns is None:
-            continue
-        x = (first.start_ns + first.duration_ns) / 1e6
-        ax.plot([x], [first.rank], "o", ms=12, mfc="none", mec="red", mew=1.6)
-        label = f"cold {k.op}: {k.first_ms:.0f} ms ({k.ratio:.0f}x)"
-        box = {"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.85}
-        ax.annotate(
-            label, (x, first.rank), xytext=(8, -3), textcoords="offset points", color="red", fontsize=7, bbox=box
-        )
-    ax.set_yticks(range(n), [f"rank {r}" for r in range(n)])
-    ax.invert_yaxis()
-    ax.set_xlabel("milliseconds since the rank's first call (each rank's own clock; dashed: step starts)")
-    ax.set_title(f"{s['name']}: calls per rank (red circles: cold-start spikes by the scenario's rule)", pad=22)
-    handles, labels = ax.get_legend_handles_labels()
-    uniq = dict(zip(labels, handles, strict=True))
-    ax.legend(
-        uniq.values(), uniq.keys(), loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=8, fontsize=7, frameon=False
-    )
     fig.tight_layout()
     return _save(fig, path)
 
@@ -461,7 +312,13 @@ def _ms(v: float | None) -> str:
 
 
 def _anchor(s: dict[str, Any]) -> str:
+    """Where the scenario's findings are."""
     return "s-" + _slug(s["name"])
+
+
+def _detail_anchor(s: dict[str, Any]) -> str:
+    """Where the scenario's own figures are."""
+    return "d-" + _slug(s["name"])
 
 
 def _has_findings(s: dict[str, Any]) -> bool:
@@ -469,9 +326,14 @@ def _has_findings(s: dict[str, Any]) -> bool:
 
 
 def _name_cell(s: dict[str, Any]) -> str:
-    """The scenario's name, linked to its findings when it has any (HTML-escaped)."""
-    name = html.escape(s["name"])
-    return f'<a href="#{_anchor(s)}">{name}</a>' if _has_findings(s) else name
+    """The scenario's name, linked to its figures (HTML-escaped)."""
+    return f'<a href="#{_detail_anchor(s)}">{html.escape(s["name"])}</a>'
+
+
+def _status_cell(s: dict[str, Any]) -> str:
+    """The scenario's status, linked to its findings when it has any (HTML-escaped)."""
+    status = html.escape(s["status"])
+    return f'<a href="#{_anchor(s)}">{status}</a>' if _has_findings(s) else status
 
 
 def _findings(doc: dict[str, Any]) -> str:
@@ -493,8 +355,9 @@ def _findings(doc: dict[str, Any]) -> str:
             if f.get("hint"):
                 lines.append(f"    {f['hint']}")
         cls = "bad" if s["status"] in ("failed", "error") else ""
+        figures = f' <a href="#{_detail_anchor(s)}">(its figures)</a>' if "capture" in s else ""
         parts.append(
-            f'<h3 id="{_anchor(s)}" class="{cls}">{html.escape(s["name"])}: {html.escape(s["status"])}</h3>'
+            f'<h3 id="{_anchor(s)}" class="{cls}">{html.escape(s["name"])}: {html.escape(s["status"])}{figures}</h3>'
             f"<pre>{html.escape(chr(10).join(lines))}</pre>"
         )
         parts.append(_diff_table(s))
@@ -542,8 +405,9 @@ def _table(doc: dict[str, Any]) -> str:
         cells.append(f"{100 * err:+.0f} pp" if err is not None else "-")
         cells += [_ms(m.get("t_iter_s")), _ms(p.get("t_iter_s"))]
         cls = f' class="{html.escape(s["status"])}"'
-        name, rest = cells[0], cells[1:]
-        rows.append(f"<tr{cls}><td>{name}</td>" + "".join(f"<td>{html.escape(c)}</td>" for c in rest) + "</tr>")
+        rest = "".join(f"<td>{html.escape(c)}</td>" for c in cells[4:])
+        linked = f"<td>{cells[0]}</td>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells[1:3])
+        rows.append(f"<tr{cls}>{linked}<td>{_status_cell(s)}</td>{rest}</tr>")
     ths = "".join(f"<th>{html.escape(h)}</th>" for h in head)
     return f"<table><thead><tr>{ths}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
@@ -570,7 +434,6 @@ FIGURES = (
     ("time", "Iteration-time model", "APNet: T_iter = T_comp + T_TP + T_PP + T_DP + T_bubble for rank 0, from "
      "the bandwidth curve C and the measured GEMM rate; lower bar: the measured step and the time a call was in "
      "flight."),
-    ("histograms", "Message sizes", "Calls per message-size bucket in the measured steps (Anthony et al., Fig. 9)."),
     ("sweeps", "Sweeps", "Sequence-length sweeps (Anthony et al., Figs. 14-15) and strong/weak scaling (Qi et al.): "
      "volume per collective (model lines, measured circles) and the communication fraction, model and measured."),
 )  # fmt: skip
@@ -596,14 +459,39 @@ def _img(src: str, alt: str) -> str:
     return f'<img src="{html.escape(src)}" alt="{html.escape(alt)}">'
 
 
-def page(doc: dict[str, Any], figures: dict[str, str | None], details: dict[str, dict[str, str]]) -> str:
+def _details(doc: dict[str, Any]) -> str:
+    """Every scenario that ran, failing ones first and open: its traffic matrices, timeline and message sizes."""
+    ran = sorted(_ran(doc), key=lambda s: s["status"] == "passed")
+    if not ran:
+        return ""
+    parts = [
+        "<h2>Scenarios in detail</h2>",
+        '<p class="note">Per scenario: the traffic matrix predicted and measured [APNet], every rank\'s calls over '
+        "its own clock with the cold-start spikes the gate flags circled (Anthony et al., Section V), and the "
+        "measured steps' message sizes (Anthony et al., Fig. 9).</p>",
+    ]
+    for s in ran:
+        opened = " open" if s["status"] != "passed" else ""
+        body = []
+        if s.get("capture"):
+            ops = sorted({c["op"] for c in s["capture"]["calls"] if c["step"] >= 0})  # what the figures draw
+            body += [detail.legend(ops), detail.timeline(s, s.get("cold_starts", [])), detail.histogram(s)]
+        body.append(detail.matrices(s))
+        parts.append(
+            f'<details id="{_detail_anchor(s)}"{opened}><summary>{html.escape(s["name"])} '
+            f"({html.escape(s['status'])})</summary>{''.join(body)}</details>"
+        )
+    return "\n".join(parts)
+
+
+def page(doc: dict[str, Any], figures: dict[str, str | None]) -> str:
     env = doc.get("environment", {})
     meta = ", ".join(f"{k} {env[k]}" for k in ("commgate", "torch", "deepspeed", "python", "platform") if env.get(k))
     links = '<a href="report.json">report.json</a> &middot; <a href="trace.json">trace.json</a> (ui.perfetto.dev)'
     parts = [
         "<!doctype html><html lang=en><head><meta charset=utf-8>",
         "<title>commgate report</title>",
-        f"<style>{CSS}</style></head><body>",
+        f"<style>{CSS}{detail.CSS}</style></head><body>",
         "<h1>commgate report</h1>",
         f'<div class="meta">{html.escape(doc.get("created", ""))} &middot; {html.escape(meta)} &middot; {links}</div>',
         _counts(doc),
@@ -614,22 +502,7 @@ def page(doc: dict[str, Any], figures: dict[str, str | None], details: dict[str,
     for key, title, note in FIGURES:
         if src := figures.get(key):
             parts.append(f'<h2>{html.escape(title)}</h2><p class="note">{html.escape(note)}</p>{_img(src, title)}')
-    ran = _ran(doc)
-    if len(ran) > len(details):
-        left = ", ".join(s["name"] for s in ran if s["name"] not in details)
-        parts.append(
-            f'<p class="note">Traffic matrices and timelines are drawn for {len(details)} of {len(ran)} scenarios '
-            f"(failing ones first); left out: {html.escape(left)}. report.json and trace.json hold them all.</p>"
-        )
-    for title, key in (("Traffic matrices", "matrix"), ("Timelines", "timeline")):
-        items = [(name, d[key]) for name, d in details.items() if key in d]
-        if items:
-            parts.append(f"<h2>{title}</h2>")
-            for i, (name, src) in enumerate(items):
-                opened = " open" if i == 0 else ""
-                body = _img(src, f"{title}: {name}")
-                parts.append(f"<details{opened}><summary>{html.escape(name)}</summary>{body}</details>")
-    parts.append("</body></html>")
+    parts += [_details(doc), "</body></html>"]
     return "\n".join(parts)
 
 
@@ -639,24 +512,19 @@ def write(out: Path, doc: dict[str, Any], *, progress: Callable[[str], None] | N
     plots.mkdir(parents=True, exist_ok=True)
     ran = _ran(doc)
     figures: dict[str, str | None] = {}
-    details: dict[str, dict[str, str]] = {}
     if ran:
-        figures["volume"] = plot_volume(ran, plots / "volume.png")
-        figures["predicted"] = plot_predicted_measured(ran, plots / "predicted_vs_measured.png")
-        figures["time"] = plot_time_model(ran, plots / "time_model.png")
-        figures["histograms"] = plot_histograms(ran[: MAX_DETAIL * 2], plots / "message_sizes.png")
-        figures["sweeps"] = plot_sweeps(ran, plots / "sweeps.png")
-        failing_first = sorted(ran, key=lambda s: s["status"] == "passed")
-        for i, s in enumerate(failing_first[:MAX_DETAIL]):
+        drawn = (
+            ("volume", plot_volume, "volume.png"),
+            ("predicted", plot_predicted_measured, "predicted_vs_measured.png"),
+            ("time", plot_time_model, "time_model.png"),
+            ("sweeps", plot_sweeps, "sweeps.png"),
+        )
+        for i, (key, plot, name) in enumerate(drawn):
             if progress:
-                progress(f"report: plots for {s['name']} ({i + 1}/{min(len(ran), MAX_DETAIL)})")
-            slug = _slug(s["name"])
-            d = details.setdefault(s["name"], {})
-            d["matrix"] = plot_matrix(s, plots / f"matrix-{slug}.png")
-            if s.get("capture"):
-                d["timeline"] = plot_timeline(s, plots / f"timeline-{slug}.png")
+                progress(f"report: {name} ({i + 1}/{len(drawn)})")
+            figures[key] = plot(ran, plots / name)
     atomic_write_json(out / "trace.json", trace(doc))
-    return atomic_write_text(out / "index.html", page(doc, figures, details))
+    return atomic_write_text(out / "index.html", page(doc, figures))
 
 
 __all__: Sequence[str] = ("trace", "write")

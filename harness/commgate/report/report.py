@@ -1,9 +1,11 @@
 """The run report: ``report.json`` with, per scenario, its status, the reconciliation per collective
 type, the traffic matrices, the prediction and the raw per-call capture. Rewritten atomically after
-every scenario, so an interrupted suite leaves a complete report of what ran."""
+every scenario, so an interrupted suite leaves a complete report of what ran. Each scenario is encoded
+once, on a line of its own, so a rewrite costs the file's I/O, not its encoding again."""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
@@ -11,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from commgate.core import schemas
-from commgate.core.fsutil import atomic_write_json
+from commgate.core.fsutil import atomic_write_text, dumps
 from commgate.core.provenance import environment
 from commgate.core.units import human_bytes, number, shown
 from commgate.judge.drift import cold_starts
@@ -154,6 +156,8 @@ class Report:
     scenarios: list[dict[str, Any]] = field(default_factory=list)
     """Scenario documents (``ScenarioResult.document()``); from other processes too (pytest-xdist workers)."""
     started: float = field(default_factory=time.time)
+    _encoded: list[str] = field(default_factory=list, init=False, repr=False)
+    """``scenarios[i]`` as compact JSON, encoded once (``scenarios`` is only ever appended to)."""
 
     def add(self, result: ScenarioResult) -> None:
         self.scenarios.append(result.document())
@@ -168,6 +172,21 @@ class Report:
             "scenarios": self.scenarios,
         }
 
+    def text(self) -> str:
+        """The JSON text of ``document()``: its head indented, each scenario compact on a line of its own.
+        A scenario is encoded the first time it is written: rewriting the report after every scenario would
+        otherwise encode the whole growing document each time (100 scenarios of raw capture: 87 s)."""
+        self._encoded += [json.dumps(s, sort_keys=True) for s in self.scenarios[len(self._encoded) :]]
+        head = self.document()
+        head["scenarios"] = _SLOT
+        items = ",\n".join(self._encoded)
+        return dumps(head).replace(json.dumps(_SLOT), f"[\n{items}\n  ]" if items else "[]", 1)
+
     def write(self) -> None:
         if self.path is not None:
-            atomic_write_json(self.path, self.document())
+            atomic_write_text(self.path, self.text())
+
+
+_SLOT = "\x00scenarios\x00"
+"""Where the encoded scenarios go in the head's text (encoded as ``"\\u0000scenarios\\u0000"``, which no
+other value of the head can spell)."""

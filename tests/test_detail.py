@@ -1,0 +1,80 @@
+"""Every scenario's own figures, drawn inline (commgate.report.detail): bounded in size however many calls
+or ranks a run has, and faithful to the numbers they draw."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from commgate.report import detail
+
+
+def call(rank: int, op: str, start_ms: float, dur_ms: float, nbytes: int = 1024, step: int = 1) -> dict[str, Any]:
+    return {
+        "rank": rank,
+        "op": op,
+        "start_ns": int(start_ms * 1e6),
+        "duration_ns": int(dur_ms * 1e6),
+        "bytes": nbytes,
+        "step": step,
+    }
+
+
+def scenario(calls: list[dict[str, Any]], world: int = 2, traffic: Any = None) -> dict[str, Any]:
+    return {
+        "name": "s",
+        "world_size": world,
+        "capture": {"world_size": world, "warmup_steps": 1, "calls": calls, "step_windows": []},
+        "traffic_matrix": traffic or {"predicted": [], "measured": []},
+    }
+
+
+def rects(svg: str) -> list[tuple[float, float]]:
+    return [(float(x), float(w)) for x, w in re.findall(r'<rect x="([\d.]+)" y="[\d.]+" width="([\d.]+)"', svg)]
+
+
+def test_a_timeline_merges_calls_within_a_pixel_and_keeps_gaps() -> None:
+    calls = [call(0, "all_reduce", 0, 1), call(0, "all_reduce", 500, 1), call(0, "all_reduce", 500.2, 1)]
+    calls.append(call(1, "broadcast", 999, 1))
+    svg = detail.timeline(scenario(calls), [])
+    assert len(rects(svg)) == 3  # the two calls 0.2 ms apart (0.19 px at 1000 ms) are one bar
+    assert "rank 0" in svg and "rank 1" in svg
+
+
+def test_a_timeline_of_a_hundred_thousand_calls_stays_small() -> None:
+    calls = [call(r, op, i * 0.01, 0.004) for r in range(4) for i in range(25_000) for op in ("all_reduce",)]
+    svg = detail.timeline(scenario(calls, world=4), [])
+    assert len(svg) < 60_000  # one bar per rank and op where calls are denser than pixels
+    assert len(rects(svg)) == 4
+
+
+def test_the_gates_cold_starts_are_circled_with_their_ratio() -> None:
+    calls = [call(0, "recv", 0, 400, step=0), call(0, "recv", 450, 2), call(1, "send", 0, 1, step=0)]
+    spike = {"rank": 0, "op": "recv", "bytes": 1024, "first_ms": 400.0, "steady_ms": 2.0}
+    svg = detail.timeline(scenario(calls), [spike])
+    assert svg.count("<circle") == 1 and "cold recv: 400 ms (200x)" in svg
+    assert "<circle" not in detail.timeline(scenario(calls), [])
+
+
+def test_a_histogram_counts_the_measured_steps_calls_per_size_bucket() -> None:
+    calls = [call(0, "all_reduce", i, 1, nbytes=1000) for i in range(3)] + [call(1, "all_gather", 0, 1, 5000)]
+    calls.append(call(0, "all_reduce", 0, 1, nbytes=1000, step=0))  # a warm-up step: not counted
+    svg = detail.histogram(scenario(calls))
+    assert "all_reduce: 3 calls of 512 B to 1.00 KiB" in svg and "all_gather: 1 calls of 4.00 KiB to 8.00 KiB" in svg
+
+
+def test_a_large_world_is_drawn_in_blocks_of_ranks_with_their_bytes_summed() -> None:
+    n = 1024
+    ring = [{"src": r, "dst": (r + 1) % n, "bytes_per_step": 10} for r in range(n)]
+    html = detail.matrices(scenario([], world=n, traffic={"predicted": ring, "measured": ring}))
+    assert html.count("<td") == 3 * 32 * 32 and "blocks of 32 ranks" in html
+    assert 'title="0-31 &#8594; 0-31: 310 B"' in html  # 31 of the ring's hops stay inside the first block
+    assert 'title="0-31 &#8594; 32-63: 10 B"' in html
+    assert "difference: 0 everywhere" in html
+
+
+def test_a_difference_names_its_largest_cell() -> None:
+    pred = [{"src": 0, "dst": 1, "bytes_per_step": 100}]
+    meas = [{"src": 0, "dst": 1, "bytes_per_step": 116}, {"src": 1, "dst": 0, "bytes_per_step": 4}]
+    html = detail.matrices(scenario([], traffic={"predicted": pred, "measured": meas}))
+    assert "difference: largest 16 B" in html and 'title="1 &#8594; 0: 4 B"' in html
