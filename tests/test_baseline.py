@@ -286,3 +286,30 @@ def test_a_report_with_cold_starts_is_valid_and_compares(tmp_path: Path) -> None
     report.add(ScenarioResult(prediction=predict(s), status="passed", capture=cap))
     validate(json.loads((tmp_path / "report.json").read_text()))
     assert main(["compare", str(tmp_path / "report.json"), str(tmp_path / "report.json")]) == 0
+
+
+def test_latency_is_not_judged_where_a_host_has_more_ranks_than_cores() -> None:
+    """Oversubscribed, the calls' times are the scheduler's: a slowdown that fails the gate on a run with a
+    core per rank is not judged at all on a run with more ranks than cores, and the note says why."""
+    from commgate.judge.gate import evaluate
+    from commgate.judge.reconcile import reconcile
+    from commgate.model.predict import predict
+    from commgate.model.scenario import load_text
+
+    stored = bl.load(DATA / "ddp.json")
+    hw = stored.provenance["hardware"]
+    stored = replace(stored, latency={hw: tuple(summarize(_capture(ms)) for ms in (4.0, 4.2, 4.1))})
+    (s,) = load_text(
+        "schema_version: 1\nname: ddp-19m-dp4\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: ddp, dp: 4}\n"
+        "expectations: {baseline: {latency: {action: fail}}}\n"
+    )
+    for crowded in (None, "4 ranks on 2 cores"):
+        cap = replace(_capture(12.0), stack={"hardware": hw, "oversubscribed": crowded})
+        now = replace(stored, latency={hw: (summarize(cap),)})
+        v = evaluate(s, predict(s), cap, reconcile(predict(s), cap), now, stored, rerun=lambda cap=cap: cap)
+        latency = [f for f in v.findings if f.kind == "latency"]
+        if crowded is None:
+            assert latency and latency[0].fail and "latency slower: all_reduce" in latency[0].lines[0]
+        else:
+            assert not latency
+            assert v.latency_note.startswith("latency not judged: 4 ranks on 2 cores, so the collectives' times")

@@ -35,14 +35,16 @@ def resolve_backend(scenario: Scenario) -> str:
     return scenario.backend
 
 
-def stack(backend: str) -> dict[str, str | None]:
-    """``Capture.stack`` as this rank sees it."""
+def stack(backend: str, local_ranks: int) -> dict[str, str | None]:
+    """``Capture.stack`` as this rank sees it, ``local_ranks`` the job's ranks on this host."""
     import torch
 
     from commgate.core.provenance import cpu_fingerprint
 
     gpus = backend != "gloo" and torch.cuda.is_available()
+    slots, unit = (torch.cuda.device_count(), "GPUs") if gpus else (len(os.sched_getaffinity(0)), "cores")
     return {
+        "oversubscribed": f"{local_ranks} ranks on {slots} {unit}" if local_ranks > slots else None,
         "hardware": f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}" if gpus else cpu_fingerprint(),
         "cuda": torch.version.cuda,
         "rocm": getattr(torch.version, "hip", None),
@@ -272,7 +274,7 @@ def child(
             faults=faults,
         )
         backend = resolve_backend(scenario)
-        meta = {"backend": backend, "marks": marks, "stack": stack(backend) if rank == 0 else {}}
+        meta = {"backend": backend, "marks": marks, "stack": stack(backend, world) if rank == 0 else {}}
         atomic_write_json(out / f"rank{rank}.meta.json", meta)
     except BaseException:
         (out / f"rank{rank}.err").write_text(traceback.format_exc())

@@ -91,7 +91,7 @@ class TorchrunRank:
             backend=backend,
             calls=tuple(sorted(calls, key=lambda c: (c.rank, c.seq))),
             timeline=timeline(marks),
-            stack=stack(backend),
+            stack=stack(backend, int(os.environ.get("LOCAL_WORLD_SIZE", self.world))),
             step_windows=tuple(sorted(windows, key=lambda w: (w.rank, w.step))),
         )
 
