@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         flagged = judged = 0
         for target, op in SLOWDOWNS:
             with tempfile.TemporaryDirectory() as tmp:
-                rc, out, wall = pytest(target, "--commgate-fault", f"slow={op}:{a.slow:g}", "--commgate-report-dir", tmp)
+                fault = f"slow={op}:{a.slow:g}"
+                rc, out, wall = pytest(target, "--commgate-fault", fault, "--commgate-report-dir", tmp)
                 notes = [s["latency_note"] for s in json.loads((Path(tmp) / "report.json").read_text())["scenarios"]]
             hit = f"latency slower: {op}" in out
             crowded = any(n.startswith("latency not judged:") and " ranks on " in n for n in notes)
