@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from commgate.core.units import human_bytes
 from commgate.model.schemes import SCHEMES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,7 @@ def test_predict_summarises_13b_zero3_on_16_ranks_in_about_30_lines() -> None:
 
 
 def test_predict_13b_ddp_json_reproduces_eqs_1_and_2() -> None:
-    proc = commgate("predict", "--model", "13B", "--scheme", "ddp", "--dp", "16", "--json")
+    proc = commgate("predict", "--model", "13B", "--scheme", "ddp", "--dp", "16", "--json", "--detail")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["param_count_eq1"] == 13_110_159_360
@@ -50,6 +51,22 @@ def test_predict_13b_ddp_json_reproduces_eqs_1_and_2() -> None:
     buckets = [c for c in doc["collectives"] if c["when"] == "steps >= 1"]
     assert {(c["op"], c["group_size"]) for c in buckets} == {("all_reduce", 16)}
     assert sum(c["bytes_per_call"] for c in buckets) == 26_222_366_720
+
+
+def test_predict_json_is_the_summary_unless_detail_is_asked_for() -> None:
+    """`--json` makes the same choice as the tables: one row per phase, op and axis (13B ZeRO-3 on 16
+    ranks: 12 rows, 7 KB, where the per-bucket rows are 1,029 and 0.7 MB); the rows sum to the detail."""
+    argv = ["predict", "--model", "13B", "--scheme", "zero3", "--dp", "16", "--json"]
+    short, full = commgate(*argv).stdout, commgate(*argv, "--detail").stdout
+    doc, detail = json.loads(short), json.loads(full)
+    assert "collectives" not in doc and len(detail["collectives"]) > 1000 and len(short) < 20_000 < len(full) // 10
+    assert doc["summary"] == detail["summary"] and doc["totals"] == detail["totals"]
+    for key in ("calls_per_step", "bytes_per_step", "wire_bytes_per_step"):
+        assert sum(r[key] for r in doc["summary"]) == pytest.approx(sum(c[key] for c in detail["collectives"]))
+    assert sum(r["rows"] for r in doc["summary"]) == len(detail["collectives"])
+    text = commgate(*argv[:-1]).stdout  # the table's rank-0 line is the JSON's rank-0 total
+    rank0 = human_bytes(doc["totals"]["rank0_bytes_per_step"])
+    assert f"per step, rank 0 (from step 1 on): {rank0} in messages" in text
 
 
 def test_predict_13b_zero3_json_reproduces_eq_3() -> None:

@@ -102,13 +102,14 @@ def cmd_predict(a: argparse.Namespace) -> int:
         scenarios = load_paths(paths)
     preds = [predict(s) for s in scenarios]
     if a.report_dir:
-        out = atomic_write_json(a.report_dir / "predictions.json", predictions_document(preds, matrix=a.matrix))
+        doc = predictions_document(preds, matrix=a.matrix, detail=a.detail)
+        out = atomic_write_json(a.report_dir / "predictions.json", doc)
         print(f"wrote {out}", file=sys.stderr)
     if a.json:
         doc = (
-            prediction_document(preds[0], matrix=a.matrix)
+            prediction_document(preds[0], matrix=a.matrix, detail=a.detail)
             if len(preds) == 1
-            else predictions_document(preds, matrix=a.matrix)
+            else predictions_document(preds, matrix=a.matrix, detail=a.detail)
         )
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:

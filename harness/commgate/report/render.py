@@ -13,9 +13,13 @@ from commgate.model.expectation import Context, Prediction
 DOCUMENT_VERSION = 1
 
 
-def prediction_document(p: Prediction, *, matrix: bool = False) -> dict[str, Any]:
+def prediction_document(p: Prediction, *, matrix: bool = False, detail: bool = True) -> dict[str, Any]:
+    """The prediction as JSON: the scenario, the paper's terms and comparison, the ``summary`` (one row
+    per phase, op and axis) and totals; with ``detail`` (the default: report.json keeps the full record)
+    also ``collectives``, every row of the model per bucket and layer with its source."""
     s = p.scenario
     par = s.parallelism
+    steady = _steady_rank0(p)
     doc: dict[str, Any] = {
         "name": s.id,
         "scenario": s.name,
@@ -70,12 +74,17 @@ def prediction_document(p: Prediction, *, matrix: bool = False) -> dict[str, Any
             }
             for c in p.collectives
         ],
+        "summary": summary(p),
         "totals": {
+            "rank0_bytes_per_step": sum(c.bytes_per_step for c in steady),
+            "rank0_wire_bytes_per_step": number(sum((c.wire_bytes_per_step for c in steady), Fraction(0))),
             "job_bytes_per_step": p.job_bytes_per_step(),
             "job_wire_bytes_per_step": number(p.job_wire_bytes_per_step()),
         },
         "message_sizes": [{"bytes": b, "calls_per_step": n} for b, n in p.message_sizes().items()],
     }
+    if not detail:
+        del doc["collectives"]
     if matrix:
         doc["traffic_matrix"] = [
             {"src": src, "dst": dst, "bytes_per_step": number(b)}
@@ -84,12 +93,17 @@ def prediction_document(p: Prediction, *, matrix: bool = False) -> dict[str, Any
     return doc
 
 
-def predictions_document(preds: list[Prediction], *, matrix: bool = False) -> dict[str, Any]:
+def predictions_document(preds: list[Prediction], *, matrix: bool = False, detail: bool = True) -> dict[str, Any]:
     return {
         "schema_version": DOCUMENT_VERSION,
         "commgate_version": __version__,
-        "predictions": [prediction_document(p, matrix=matrix) for p in preds],
+        "predictions": [prediction_document(p, matrix=matrix, detail=detail) for p in preds],
     }
+
+
+def _steady_rank0(p: Prediction) -> list[Any]:
+    """The model's rows rank 0 issues every step (not once per run)."""
+    return [c for c in p.collectives if not c.once and c.issued_by(0)]
 
 
 def _table(headers: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
@@ -103,21 +117,51 @@ def _table(headers: list[str], rows: list[list[str]], right: set[int]) -> list[s
     return [fmt(headers), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)]
 
 
-def _summary_rows(p: Prediction) -> list[list[str]]:
-    """One row per (when, phase, op, axis, group size): calls, bytes and wire bytes per participating
-    rank summed over the model's rows, and how many rows (buckets, layers) it stands for."""
-    groups: dict[tuple[str, str, str, str, int], list[Any]] = {}
+def summary(p: Prediction) -> list[dict[str, Any]]:
+    """One row per (when, phase, op, axis, group size): calls, bytes and wire bytes per step per
+    participating rank summed over the model's rows, the paper equations they count toward, and how many
+    rows (buckets, layers) it stands for."""
+    groups: dict[tuple[str, str, str, str, int], dict[str, Any]] = {}
     for c in p.collectives:
         key = (c.when, str(c.phase), str(c.op), str(c.axis), c.group_size)
-        g = groups.setdefault(key, [0, 0, Fraction(0), set(), 0])
-        g[0] += c.calls
-        g[1] += c.bytes_per_step
-        g[2] += c.wire_bytes_per_step
-        g[3].add(c.paper_term or "-")
-        g[4] += 1
+        g = groups.setdefault(key, {"calls": 0, "bytes": 0, "wire": Fraction(0), "eqs": set(), "rows": 0})
+        g["calls"] += c.calls
+        g["bytes"] += c.bytes_per_step
+        g["wire"] += c.wire_bytes_per_step
+        g["eqs"].add(c.paper_term or "-")
+        g["rows"] += 1
     return [
-        [when, phase, op, axis, str(n), str(calls), human_bytes(b), human_bytes(w), ",".join(sorted(eqs)), str(rows)]
-        for (when, phase, op, axis, n), (calls, b, w, eqs, rows) in groups.items()
+        {
+            "when": when,
+            "phase": phase,
+            "op": op,
+            "axis": axis,
+            "group_size": n,
+            "calls_per_step": g["calls"],
+            "bytes_per_step": g["bytes"],
+            "wire_bytes_per_step": number(g["wire"]),
+            "paper_terms": sorted(g["eqs"]),
+            "rows": g["rows"],
+        }
+        for (when, phase, op, axis, n), g in groups.items()
+    ]
+
+
+def _summary_rows(p: Prediction) -> list[list[str]]:
+    return [
+        [
+            r["when"],
+            r["phase"],
+            r["op"],
+            r["axis"],
+            str(r["group_size"]),
+            str(r["calls_per_step"]),
+            human_bytes(r["bytes_per_step"]),
+            human_bytes(r["wire_bytes_per_step"]),
+            ",".join(r["paper_terms"]),
+            str(r["rows"]),
+        ]
+        for r in summary(p)
     ]
 
 
@@ -178,7 +222,7 @@ def prediction_text(p: Prediction, *, matrix: bool = False, detail: bool = False
         lines += ["  " + line for line in _table(summary, _summary_rows(p), right={4, 5, 6, 7, 9})]
         if len(p.collectives) > len(_summary_rows(p)):
             lines.append(f"  ({len(p.collectives)} rows of the model summed; --detail lists them with their source)")
-    steady = [c for c in p.collectives if not c.once and c.issued_by(0)]
+    steady = _steady_rank0(p)
     lines.append(
         f"  per step, rank 0 (from step {max((c.from_step for c in steady), default=0)} on): "
         f"{human_bytes(sum(c.bytes_per_step for c in steady))} in messages, "
