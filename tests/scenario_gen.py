@@ -1,8 +1,9 @@
 """A seeded generator of random valid scenarios over the whole configuration space commgate runs on CPU
 gloo: scheme, model dimensions and switches, dp/tp/pp, micro-batch size and count, activation
 checkpointing, parameter dtype, architecture (GPT-NeoX or Llama-style, or a user's own module), bucket
-sizes, ZeRO stages, hpZ, MoE, DeepSpeed knobs. Used by ``tests/test_generated.py``; the same seed
-always gives the same scenarios, so a failure is replayed with its seed.
+sizes, ZeRO stages, hpZ, MoE, DeepSpeed knobs, FSDP2's resharding and mixed precision. Used by
+``tests/test_generated.py``; the same seed always gives the same scenarios, so a failure is replayed with
+its seed.
 
     python tests/scenario_gen.py SEED [COUNT]    # print the scenario documents as YAML
 """
@@ -77,6 +78,19 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
         par["ddp_bucket_mb"] = rng.choice([0.01, 0.05, 25])
     if scheme == "ddp" and model.get("dtype") == "fp32" and rng.random() < 0.3:  # mixed precision by autocast
         model["autocast"] = "bf16"
+    if rule.fsdp:  # torch FSDP2: its options, each left to torch's default or drawn
+        par["activation_checkpointing"] = False
+        fsdp: dict[str, Any] = {}
+        if rng.random() < 0.6:
+            fsdp["reshard_after_forward"] = rng.choice([True, False, None])
+        if rng.random() < 0.4:
+            fsdp["reshard_after_backward"] = rng.random() < 0.5
+        if rng.random() < 0.5:
+            fsdp["param_dtype"] = rng.choice(["fp32", "bf16"])
+        if rng.random() < 0.5:
+            fsdp["reduce_dtype"] = rng.choice(["fp32", "bf16"])
+        if fsdp:
+            par["fsdp"] = fsdp
     if zero:
         par["zero"] = zero
     doc: dict[str, Any] = {}

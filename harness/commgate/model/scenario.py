@@ -50,6 +50,22 @@ class ZeroConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class FSDPConfig:
+    """torch FSDP2 (``fully_shard``) options: one parameter group per transformer block, the root's
+    parameters (embeddings, final norm, head) in one more."""
+
+    reshard_after_forward: bool | None = None
+    """For every group; None leaves torch's choice: the blocks reshard after the forward, the root not."""
+    reshard_after_backward: bool = True
+    """Between gradient-accumulation micro-batches (False: ``set_reshard_after_backward(False)`` keeps
+    the parameters gathered until the last micro-batch)."""
+    param_dtype: Literal["fp32", "bf16"] | None = None
+    """``MixedPrecisionPolicy.param_dtype``: what is all-gathered; None: the model's dtype."""
+    reduce_dtype: Literal["fp32", "bf16"] | None = None
+    """``MixedPrecisionPolicy.reduce_dtype``: what is reduce-scattered; None: ``param_dtype``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class MoEConfig:
     experts: int
     ep: int = 1
@@ -69,6 +85,7 @@ class Parallelism:
     pp: int = 1
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     moe: MoEConfig | None = None
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     micro_batch: int = 1
     """Micro-batch size b."""
     micro_batches: int = 1
@@ -763,8 +780,8 @@ def _build_parallelism(p: dict[str, Any], bad: Bad) -> Parallelism:
             )
         zero_doc["stage"] = implied
     moe = MoEConfig(**p["moe"]) if "moe" in p else None
-    rest = {k: v for k, v in p.items() if k not in ("zero", "moe")}
-    return Parallelism(**rest, zero=ZeroConfig(**zero_doc), moe=moe)
+    rest = {k: v for k, v in p.items() if k not in ("zero", "moe", "fsdp")}
+    return Parallelism(**rest, zero=ZeroConfig(**zero_doc), moe=moe, fsdp=FSDPConfig(**p.get("fsdp", {})))
 
 
 def _check_optimizer(
@@ -863,6 +880,11 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
         bad([P, "zero"], f"ZeRO++ options (hpz, qwz, qgz) need scheme {zpp_schemes}, not {s!r}")
     if par.zero.hpz > 1 and par.dp % par.zero.hpz:
         bad([P, "zero", "hpz"], f"{par.zero.hpz}: dp={par.dp} is not divisible by the hpZ partition size")
+    if "fsdp" in doc.get(P, {}) and not rule.fsdp:
+        fsdp_schemes = " or ".join(repr(n) for n, r in SCHEMES.items() if r.fsdp)
+        bad([P, "fsdp"], f"FSDP2 options need scheme {fsdp_schemes}, not {s!r}")
+    if rule.fsdp and par.activation_checkpointing:
+        bad([P, "activation_checkpointing"], "true: not modelled under FSDP2 yet (its recomputation re-gathers)")
     if rule.moe:
         if par.moe is None:
             bad([P], f"scheme {s!r} needs a 'moe' block with 'experts'")

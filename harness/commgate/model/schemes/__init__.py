@@ -15,6 +15,7 @@ from typing import Protocol
 from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Residual
 from commgate.model.schemes.ddp import DistributedDataParallel
 from commgate.model.schemes.deepspeed_zero import DeepSpeedZero3, DeepSpeedZero12
+from commgate.model.schemes.fsdp import FullyShard
 from commgate.model.schemes.moe import ExpertParallel, MoEDataParallel
 from commgate.model.schemes.pipeline import PipelineDataParallel, PipelineParallel
 from commgate.model.schemes.tensor import TensorParallel
@@ -52,6 +53,8 @@ class Scheme:
     """Needs (and alone allows) ZeRO++ options: hpz, qwz, qgz."""
     moe: bool = False
     """Needs (and alone allows) a ``moe`` block."""
+    fsdp: bool = False
+    """Alone allows an ``fsdp`` block (torch FSDP2 options)."""
 
 
 _DDP, _Z12, _Z3, _TP = DistributedDataParallel(), DeepSpeedZero12(), DeepSpeedZero3(), TensorParallel()
@@ -80,6 +83,15 @@ SCHEMES: dict[str, Scheme] = {
             workload=_ZERO_WL,
             zero_stage=3,
             zero_plus_plus=True,
+        ),
+        Scheme(
+            name="fsdp",
+            summary="torch FSDP2 (fully_shard), one parameter group per transformer block",
+            components=(FullyShard(),),
+            workload=f"{_WL}.fsdp:FSDPWorkload",
+            deepspeed=False,
+            zero=False,
+            fsdp=True,
         ),
         Scheme(
             name="tp",

@@ -20,6 +20,17 @@ from commgate.model.schemes._common import beyond_eq1, init_broadcast, rank0_ter
 TERM = "Eq. 3"
 
 
+def eq3_term(ctx: Context) -> PaperTerm:
+    """Eq. 3 on rank 0: 3N(d-1)/d, ZeRO-3's volume, and FSDP's counterpart."""
+    d = ctx.scenario.parallelism.dp
+    return rank0_term(
+        ctx,
+        equation=TERM,
+        formula=f"3*N*(d-1)/d, N={ctx.eq1:,} ({ctx.eq1_name}), d={d}",
+        elements=eq3_zero3(ctx.eq1, d),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Zero3:
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
@@ -51,15 +62,7 @@ class Zero3:
         return [init_broadcast(ctx, elements=n, groups=dp, axis="dp", what=""), forward, backward, grads]
 
     def paper_terms(self, ctx: Context) -> list[PaperTerm]:
-        d = ctx.scenario.parallelism.dp
-        return [
-            rank0_term(
-                ctx,
-                equation=TERM,
-                formula=f"3*N*(d-1)/d, N={ctx.eq1:,} ({ctx.eq1_name}), d={d}",
-                elements=eq3_zero3(ctx.eq1, d),
-            )
-        ]
+        return [eq3_term(ctx)]
 
     def residuals(self, ctx: Context) -> list[Residual]:
         par, z = ctx.scenario.parallelism, ctx.scenario.parallelism.zero

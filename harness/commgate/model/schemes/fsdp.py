@@ -1,0 +1,183 @@
+"""torch FSDP2 (``torch.distributed.fsdp.fully_shard``) as it runs on torch 2.13 (read from
+``torch/distributed/fsdp/_fully_shard/`` and measured): Eq. 3, as for ZeRO-3, group by group.
+
+* Wrapping as torchtitan does it: ``fully_shard`` on every transformer block, then on the root, whose
+  group holds what is left (embeddings, final norm, head). Each group's parameters are one flat
+  all-gather and its gradients one flat reduce-scatter over the data-parallel group
+  (``foreach_all_gather``, ``foreach_reduce``), every parameter padded on dim 0 to a multiple of d
+  (``_get_dim0_padded_size``): message m = d * sum(ceil(dim0 / d) * rest) elements.
+* Construction communicates nothing: every rank keeps its own dim-0 shard of the same initial weights.
+* Forward: each group is all-gathered before its forward. After it, a group with
+  ``reshard_after_forward`` frees the gathered parameters and all-gathers them again for its backward.
+  Left unset, torch reshards the blocks but not the root (``FSDPState._lazy_init``: "the parameters
+  would be freed and all-gathered immediately"); set, the root follows it too.
+* Backward: after each group's backward its gradients are reduce-scattered, in ``reduce_dtype``
+  (``MixedPrecisionPolicy``; default ``param_dtype``, default the parameters' dtype). ReduceOp.AVG,
+  no all-reduce without a replicate dimension.
+* Gradient accumulation (m micro-batches): ``set_requires_gradient_sync(False)`` for all but the last, so
+  one reduce-scatter per step; with ``set_reshard_after_backward(False)`` (``reshard_after_backward:
+  false``) the parameters stay gathered between micro-batches, so only the first forward gathers.
+* The optimizer steps on the local shards: no communication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from fractions import Fraction
+
+from commgate.model.collectives import Op
+from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
+from commgate.model.schemes._common import beyond_eq1
+from commgate.model.schemes.zero3 import TERM, eq3_term
+from commgate.model.transformer import WIRE_ITEMSIZE, ParamTensor
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """One ``fully_shard`` parameter group: its name, its padded elements and its all-gathers per step."""
+
+    name: str
+    padded: int
+    """Elements of the flat all-gather output / reduce-scatter input: each parameter padded on dim 0."""
+    unpadded: int
+    forward: int
+    backward: int
+
+
+def groups(ctx: Context) -> list[Group]:
+    """The blocks' groups in order, then the root's, with their all-gathers per step."""
+    par = ctx.scenario.parallelism
+    f, d, m = par.fsdp, par.dp, par.micro_batches
+    by_layer: dict[int | None, list[ParamTensor]] = {}
+    for p in ctx.params:
+        by_layer.setdefault(p.layer, []).append(p)
+    forward = 1 + (m - 1) * f.reshard_after_backward  # kept gathered between micro-batches: one forward gathers
+    out = []
+    for layer in [*sorted(k for k in by_layer if k is not None), None]:
+        params = by_layer.get(layer, [])
+        if not params:
+            continue
+        root = layer is None
+        reshard = f.reshard_after_forward if f.reshard_after_forward is not None else not root
+        padded = sum(-(-p.shape[0] // d) * d * (p.numel // p.shape[0]) for p in params)
+        out.append(
+            Group(
+                name="root (embeddings, final norm, head)" if root else f"block {layer}",
+                padded=padded,
+                unpadded=sum(p.numel for p in params),
+                forward=forward,
+                backward=m if reshard else 0,
+            )
+        )
+    return out
+
+
+def _dtypes(ctx: Context) -> tuple[str, str]:
+    """(all-gather dtype, reduce-scatter dtype) by the mixed-precision policy."""
+    f, dtype = ctx.scenario.parallelism.fsdp, ctx.scenario.model.dtype
+    gather = f.param_dtype or dtype
+    return gather, f.reduce_dtype or gather
+
+
+@dataclass(frozen=True, slots=True)
+class FullyShard:
+    def collectives(self, ctx: Context) -> list[ExpectedCollective]:
+        dp = ctx.layout.dp_groups()
+        gather, reduce = _dtypes(ctx)
+        rows = []
+        for g in groups(ctx):
+            base = ExpectedCollective(
+                op=Op.ALL_GATHER,
+                axis="dp",
+                groups=dp,
+                dtype=gather,
+                elements=g.padded,
+                calls=g.forward,
+                phase=Phase.FORWARD,
+                source=f"FSDP2 parameter all-gather, {g.name} (forward)",
+                paper_term=TERM,
+            )
+            rows.append(base)
+            if g.backward:
+                rows.append(
+                    replace(
+                        base,
+                        calls=g.backward,
+                        phase=Phase.BACKWARD,
+                        source=f"FSDP2 parameter all-gather, {g.name} (backward: resharded after forward)",
+                    )
+                )
+            rows.append(
+                replace(
+                    base,
+                    op=Op.REDUCE_SCATTER,
+                    dtype=reduce,
+                    calls=1,
+                    phase=Phase.BACKWARD,
+                    source=f"FSDP2 gradient reduce-scatter, {g.name}",
+                )
+            )
+        return rows
+
+    def paper_terms(self, ctx: Context) -> list[PaperTerm]:
+        return [eq3_term(ctx)]
+
+    def residuals(self, ctx: Context) -> list[Residual]:
+        """Eq. 3 (one forward and one backward all-gather and one reduce-scatter of N parameters in the
+        model's dtype) to what FSDP2 sends, term by term; their sum is exact."""
+        par, model = ctx.scenario.parallelism, ctx.scenario.model
+        d, m, isz = par.dp, par.micro_batches, model.itemsize
+        share = Fraction(d - 1, d)
+        gs = groups(ctx)
+        gather, reduce = _dtypes(ctx)
+        g_isz, r_isz = WIRE_ITEMSIZE[gather], WIRE_ITEMSIZE[reduce]
+        unpadded, padded = sum(g.unpadded for g in gs), sum(g.padded for g in gs)
+        out = [beyond_eq1(ctx, term=TERM, factor=3 * share, counted=unpadded)]
+        if padded != unpadded:
+            out.append(
+                Residual(
+                    term=TERM,
+                    name="dim-0 padding",
+                    bytes=3 * share * (padded - unpadded) * isz,
+                    detail=f"every parameter is padded on dim 0 to a multiple of d={d}: {padded - unpadded:,} elements",
+                )
+            )
+        extra_fwd = sum((g.forward - 1) * g.padded for g in gs)
+        if extra_fwd:
+            out.append(
+                Residual(
+                    term=TERM,
+                    name="forward all-gathers per micro-batch",
+                    bytes=share * extra_fwd * isz,
+                    detail=f"resharded after each backward, every one of the m={m} micro-batches gathers again",
+                )
+            )
+        extra_bwd = sum((g.backward - 1) * g.padded for g in gs)
+        if extra_bwd:
+            why = {
+                None: "torch does not reshard the root after the forward, so its backward gathers nothing",
+                False: "reshard_after_forward false: nothing is gathered again for the backward",
+                True: "reshard_after_forward true: the root is resharded and gathered again too",
+            }[par.fsdp.reshard_after_forward]
+            out.append(
+                Residual(
+                    term=TERM,
+                    name="backward all-gathers",
+                    bytes=share * extra_bwd * isz,
+                    detail=why + (f"; each of m={m} micro-batches' backwards gathers" if m > 1 else ""),
+                )
+            )
+        precision = share * sum(
+            (g.forward + g.backward) * g.padded * (g_isz - isz) + g.padded * (r_isz - isz) for g in gs
+        )
+        if precision:
+            out.append(
+                Residual(
+                    term=TERM,
+                    name="mixed precision",
+                    bytes=precision,
+                    detail=f"parameters gathered in {gather}, gradients reduced in {reduce}; "
+                    f"Eq. 3 counts {model.dtype}",
+                )
+            )
+        return out

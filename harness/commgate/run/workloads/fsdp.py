@@ -1,0 +1,48 @@
+"""torch FSDP2 (``fully_shard``) around the GPT decoder, wrapped as torchtitan wraps it: every transformer
+block, then the root. Gradient accumulation syncs (reduce-scatters) on the last micro-batch only, and with
+``reshard_after_backward: false`` keeps the parameters gathered between micro-batches."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from commgate.model.scenario import Scenario
+from commgate.run.interpose import optimizer_phase
+from commgate.run.workloads.gpt import DTYPES, GPT, build
+
+
+class FSDPWorkload:
+    def __init__(self, scenario: Scenario, *, rank: int, device: torch.device) -> None:
+        self.s, self.rank = scenario, rank
+        f = scenario.parallelism.fsdp
+        torch.manual_seed(0)  # the same initial weights everywhere: fully_shard keeps each rank's own shard
+        model, self.inputs = build(scenario, device)
+        assert isinstance(model, GPT)  # a user's module is not run under FSDP2 (the scenario rules say so)
+        mesh = init_device_mesh(device.type, (scenario.parallelism.dp,))
+        policy = MixedPrecisionPolicy(
+            param_dtype=DTYPES[f.param_dtype] if f.param_dtype else None,
+            reduce_dtype=DTYPES[f.reduce_dtype] if f.reduce_dtype else None,
+        )
+        reshard = f.reshard_after_forward
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        self.sharded = fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+
+    def step(self, k: int) -> float:
+        par = self.s.parallelism
+        loss = torch.zeros(())
+        for i in range(par.micro_batches):
+            last = i == par.micro_batches - 1
+            self.sharded.set_requires_gradient_sync(last)
+            if not par.fsdp.reshard_after_backward:
+                self.sharded.set_reshard_after_backward(last)
+            loss = self.model(*self.inputs(1000 * k + 10 * i + self.rank))
+            loss.float().backward()
+        with optimizer_phase():
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return float(loss)

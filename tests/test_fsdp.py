@@ -1,0 +1,87 @@
+"""torch FSDP2 (``scheme: fsdp``): the per-collective model by hand, the paper comparison exact at full
+size, and what the scenario rules refuse. The real runs are the default suite's two FSDP scenarios and the
+random draws of ``tests/test_generated.py``."""
+
+from __future__ import annotations
+
+import pytest
+from commgate.core.errors import ScenarioError
+from commgate.model.collectives import Op
+from commgate.model.expectation import Phase
+from commgate.model.predict import predict
+from commgate.model.scenario import load_text
+
+HEAD = "schema_version: 1\nname: f\nmodel: {preset: 19M-cpu}\n"
+
+
+def fsdp(extra: str = "", dp: int = 2, head: str = HEAD) -> str:
+    return head + f"parallelism: {{scheme: fsdp, dp: {dp}{extra}}}\n"
+
+
+def test_each_group_is_gathered_padded_on_dim_0_and_reduce_scattered_once() -> None:
+    """19M-cpu (h=64, ffn=256, V=1024, s=128) on d=3: a block's parameters padded row by row to a
+    multiple of 3, gathered in its forward and again in its backward; the root's not again."""
+    (s,) = load_text(fsdp(dp=3))
+    p = predict(s)
+    h, ffn, V, s_ = 64, 256, 1024, 128
+    pad = lambda rows: -(-rows // 3) * 3  # noqa: E731
+    block = (
+        pad(3 * h) * h + pad(3 * h)  # fused QKV weight and bias
+        + pad(h) * h + pad(h)  # attention output
+        + pad(ffn) * h + pad(ffn) + pad(h) * ffn + pad(h)  # MLP
+        + 4 * pad(h)  # two LayerNorms
+    )  # fmt: skip
+    root = pad(V) * h + pad(s_) * h + 2 * pad(h) + pad(V) * h  # embeddings, final norm, head
+    rows = {(c.op, c.phase, c.elements): c.calls for c in p.collectives}
+    assert rows[(Op.ALL_GATHER, Phase.FORWARD, block)] == 1 and rows[(Op.ALL_GATHER, Phase.BACKWARD, block)] == 1
+    assert rows[(Op.ALL_GATHER, Phase.FORWARD, root)] == 1 and (Op.ALL_GATHER, Phase.BACKWARD, root) not in rows
+    assert rows[(Op.REDUCE_SCATTER, Phase.BACKWARD, root)] == 1
+    assert sum(c.calls for c in p.collectives if c.op is Op.REDUCE_SCATTER) == 6 + 1  # L blocks and the root
+    assert all(c.bytes_per_call == 4 * c.elements and c.group_size == 3 for c in p.collectives)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "",
+        ", fsdp: {reshard_after_forward: true}",
+        ", fsdp: {reshard_after_forward: false}",
+        ", micro_batches: 3",
+        ", micro_batches: 3, fsdp: {reshard_after_backward: false, reshard_after_forward: true}",
+        ", fsdp: {param_dtype: bf16, reduce_dtype: fp32}",
+        ", micro_batches: 2, fsdp: {param_dtype: bf16}",
+    ],
+)
+def test_13b_on_16_ranks_matches_eq_3_after_named_terms(extra: str) -> None:
+    (s,) = load_text(fsdp(extra, dp=16, head="schema_version: 1\nname: f\nmodel: {preset: 13B, dtype: fp32}\n"))
+    (c,) = predict(s).comparison()
+    assert c.term.equation == "Eq. 3" and c.unexplained_bytes == 0
+    names = {r.name for r in c.residuals}
+    assert ("mixed precision" in names) == ("dtype" in extra)
+    assert ("forward all-gathers per micro-batch" in names) == ("micro_batches" in extra and "backward" not in extra)
+
+
+def test_reshard_after_forward_sets_the_backward_gathers() -> None:
+    def gathers(extra: str) -> int:
+        (s,) = load_text(fsdp(extra))
+        return sum(c.calls for c in predict(s).collectives if c.op is Op.ALL_GATHER and c.phase is Phase.BACKWARD)
+
+    assert (gathers(""), gathers(", fsdp: {reshard_after_forward: true}")) == (6, 7)  # the root too, once set
+    assert gathers(", fsdp: {reshard_after_forward: false}") == 0
+    assert gathers(", micro_batches: 2") == 12
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (HEAD + "parallelism: {scheme: ddp, dp: 2, fsdp: {param_dtype: bf16}}\n", "FSDP2 options need scheme 'fsdp'"),
+        (fsdp(", activation_checkpointing: true"), "not modelled under FSDP2 yet"),
+        (fsdp(", fsdp: {param_dtype: fp16}"), "parallelism.fsdp.param_dtype"),
+        (fsdp(", fsdp: {reshard_after_forward: 2}"), "parallelism.fsdp.reshard_after_forward"),
+        (fsdp(dp=1), "needs dp >= 2"),
+    ],
+)
+def test_what_fsdp_refuses_is_one_line(text: str, message: str) -> None:
+    with pytest.raises(ScenarioError, match=message) as info:
+        load_text(text)
+    assert "\n" not in str(info.value)
