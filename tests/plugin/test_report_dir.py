@@ -18,6 +18,7 @@ def test_report_dir_gets_a_valid_report(pytester: pytest.Pytester, scenario_file
     doc = json.loads((out / "report.json").read_text())
     validate(doc)
     assert [s["name"] for s in doc["scenarios"]] == ["g"] and doc["summary"]["passed"] == 1
-    assert (out / "trace.json").exists() and (out / "plots" / "matrix-g.png").exists()
-    assert 'src="plots/timeline-g.png"' in (out / "index.html").read_text()
+    assert (out / "trace.json").exists() and (out / "plots" / "volume.png").exists()
+    page = (out / "index.html").read_text()
+    assert '<details id="d-g">' in page and 'aria-label="timeline of g"' in page  # its own figures, inline
     result.stdout.fnmatch_lines([f"commgate report: {out / 'index.html'}"])

@@ -170,7 +170,7 @@ class Context:
     @cached_property
     def layout(self) -> Layout:
         par = self.scenario.parallelism
-        return Layout(dp=par.dp, tp=par.tp, pp=par.pp, ep=par.ep, hpz=par.zero.hpz)
+        return Layout(dp=par.dp, tp=par.tp, pp=par.pp, ep=par.ep, hpz=par.zero.hpz, replicate=par.dp_replicate)
 
     @cached_property
     def params(self) -> tuple[ParamTensor, ...]:

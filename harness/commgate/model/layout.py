@@ -7,7 +7,11 @@ The order is DeepSpeed's ``PipeModelDataParallelTopology`` (axes pipe, data, mod
 consecutive chunks of ``ep`` ranks and expert-data-parallel groups take one rank of each chunk.
 ZeRO++ hpZ groups are consecutive chunks of ``hpz`` ranks of a data-parallel group.
 
-Naming: an *axis* is one of ``dp, tp, pp, ep, edp, hpz, world``; a *group* is a tuple of global ranks.
+HSDP (``replicate`` > 1, torch's ``init_device_mesh(..., (replicate, dp))``, data parallelism alone):
+``rank = replica * dp + data``; the sharding (dp) groups are consecutive ranks, the replicate groups
+take one rank of each replica.
+
+Naming: an *axis* is one of ``dp, tp, pp, ep, edp, hpz, rep, world``; a *group* is a tuple of global ranks.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import functools
 from dataclasses import dataclass
 from typing import Literal
 
-Axis = Literal["dp", "tp", "pp", "mp", "ep", "edp", "hpz", "world"]
+Axis = Literal["dp", "tp", "pp", "mp", "ep", "edp", "hpz", "rep", "world"]
 Group = tuple[int, ...]
 
 
@@ -27,16 +31,24 @@ class Layout:
     pp: int = 1
     ep: int = 1
     hpz: int = 1
+    replicate: int = 1
+    """HSDP replicas (with tp = pp = 1)."""
+
+    def __post_init__(self) -> None:
+        if self.replicate > 1 and self.tp * self.pp > 1:
+            raise ValueError("HSDP replicas are laid out for data parallelism alone (tp = pp = 1)")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.replicate * self.dp * self.tp * self.pp
 
     def rank(self, *, pipe: int, data: int, model: int) -> int:
         return pipe * self.dp * self.tp + data * self.tp + model
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(pipe, data, model) of a global rank."""
+        """(pipe, data, model) of a global rank (HSDP: its index in its replica's sharding group)."""
+        if self.replicate > 1:
+            return 0, rank % self.dp, 0
         pipe, rest = divmod(rank, self.dp * self.tp)
         data, model = divmod(rest, self.tp)
         return pipe, data, model
@@ -44,9 +56,16 @@ class Layout:
     @functools.cache  # noqa: B019 - Layout is a small frozen value; its groups are reused by every row
     def dp_groups(self, pipe: int | None = None) -> tuple[Group, ...]:
         """Data-parallel groups, of one pipeline stage or of all."""
+        if self.replicate > 1:  # one sharding group per replica
+            return tuple(tuple(range(r * self.dp, (r + 1) * self.dp)) for r in range(self.replicate))
         stages = range(self.pp) if pipe is None else (pipe,)
         block = self.dp * self.tp
         return tuple(tuple(range(p * block + m, (p + 1) * block, self.tp)) for p in stages for m in range(self.tp))
+
+    @functools.cache  # noqa: B019
+    def replicate_groups(self) -> tuple[Group, ...]:
+        """HSDP: the ranks holding the same shard, one in each replica."""
+        return tuple(tuple(range(d, self.world_size, self.dp)) for d in range(self.dp))
 
     @functools.cache  # noqa: B019
     def tp_groups(self, pipe: int | None = None) -> tuple[Group, ...]:

@@ -83,6 +83,8 @@ class Parallelism:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    dp_replicate: int = 1
+    """HSDP replicas (scheme fsdp): the model is sharded over ``dp`` ranks and replicated this many times."""
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     moe: MoEConfig | None = None
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
@@ -96,7 +98,13 @@ class Parallelism:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp_replicate * self.dp * self.tp * self.pp
+
+    @property
+    def axes(self) -> str:
+        """How the world size is made, for messages: ``dp*tp*pp = 2*2*1``."""
+        rep = (f"{self.dp_replicate}*", "dp_replicate*") if self.dp_replicate > 1 else ("", "")
+        return f"{rep[1]}dp*tp*pp = {rep[0]}{self.dp}*{self.tp}*{self.pp}"
 
     @property
     def ep(self) -> int:
@@ -824,9 +832,9 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
     s = par.scheme
     rule = SCHEMES[s]
     if par.world_size > MAX_WORLD:
-        bad([P], f"dp*tp*pp = {par.dp}*{par.tp}*{par.pp} = {par.world_size:,} ranks, more than {MAX_WORLD:,}")
+        bad([P], f"{par.axes} = {par.world_size:,} ranks, more than {MAX_WORLD:,}")
     if "world_size" in doc and doc["world_size"] != par.world_size:
-        bad(["world_size"], f"{doc['world_size']} != dp*tp*pp = {par.dp}*{par.tp}*{par.pp} = {par.world_size}")
+        bad(["world_size"], f"{doc['world_size']} != {par.axes} = {par.world_size}")
     if isinstance(doc.get("workload"), str):
         _check_workload(doc["workload"], bad)
     if m.module is None and m.h % m.a:
@@ -883,6 +891,8 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
     if "fsdp" in doc.get(P, {}) and not rule.fsdp:
         fsdp_schemes = " or ".join(repr(n) for n, r in SCHEMES.items() if r.fsdp)
         bad([P, "fsdp"], f"FSDP2 options need scheme {fsdp_schemes}, not {s!r}")
+    if par.dp_replicate > 1 and not rule.fsdp:
+        bad([P, "dp_replicate"], f"{par.dp_replicate}: replicas of a sharded model are HSDP, scheme 'fsdp', not {s!r}")
     if rule.fsdp and par.activation_checkpointing:
         bad([P, "activation_checkpointing"], "true: not modelled under FSDP2 yet (its recomputation re-gathers)")
     if rule.moe:

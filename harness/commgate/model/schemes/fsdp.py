@@ -17,6 +17,9 @@
 * Gradient accumulation (m micro-batches): ``set_requires_gradient_sync(False)`` for all but the last, so
   one reduce-scatter per step; with ``set_reshard_after_backward(False)`` (``reshard_after_backward:
   false``) the parameters stay gathered between micro-batches, so only the first forward gathers.
+* HSDP (``dp_replicate`` > 1, a (replicate, shard) mesh): gathers and reduce-scatters run within each
+  replica's ``dp`` ranks; each reduce-scattered shard (padded / d elements) is then all-reduced across the
+  replicas, in ``reduce_dtype``.
 * The optimizer steps on the local shards: no communication.
 """
 
@@ -82,7 +85,7 @@ def _dtypes(ctx: Context) -> tuple[str, str]:
 @dataclass(frozen=True, slots=True)
 class FullyShard:
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
-        dp = ctx.layout.dp_groups()
+        dp, lay = ctx.layout.dp_groups(), ctx.layout
         gather, reduce = _dtypes(ctx)
         rows = []
         for g in groups(ctx):
@@ -117,6 +120,20 @@ class FullyShard:
                     source=f"FSDP2 gradient reduce-scatter, {g.name}",
                 )
             )
+            if lay.replicate > 1:  # HSDP: the reduce-scattered shard is all-reduced across the replicas
+                rows.append(
+                    replace(
+                        base,
+                        op=Op.ALL_REDUCE,
+                        axis="rep",
+                        groups=lay.replicate_groups(),
+                        dtype=reduce,
+                        elements=g.padded // lay.dp,
+                        calls=1,
+                        phase=Phase.BACKWARD,
+                        source=f"HSDP gradient all-reduce across replicas, {g.name}",
+                    )
+                )
         return rows
 
     def paper_terms(self, ctx: Context) -> list[PaperTerm]:
@@ -165,6 +182,17 @@ class FullyShard:
                     name="backward all-gathers",
                     bytes=share * extra_bwd * isz,
                     detail=why + (f"; each of m={m} micro-batches' backwards gathers" if m > 1 else ""),
+                )
+            )
+        replicas = par.dp_replicate
+        if replicas > 1:
+            out.append(
+                Residual(
+                    term=TERM,
+                    name="HSDP replica all-reduce",
+                    bytes=2 * Fraction(replicas - 1, replicas) * sum(g.padded // d for g in gs) * r_isz,
+                    detail=f"each rank's reduced gradient shard is all-reduced over the {replicas} replicas; "
+                    f"Eq. 3 counts d={d}, the sharding group",
                 )
             )
         precision = share * sum(

@@ -20,7 +20,11 @@ class FSDPWorkload:
         torch.manual_seed(0)  # the same initial weights everywhere: fully_shard keeps each rank's own shard
         model, self.inputs = build(scenario, device)
         assert isinstance(model, GPT)  # a user's module is not run under FSDP2 (the scenario rules say so)
-        mesh = init_device_mesh(device.type, (scenario.parallelism.dp,))
+        par = scenario.parallelism
+        if par.dp_replicate > 1:  # HSDP: replicate over the first dimension, shard over the second
+            mesh = init_device_mesh(device.type, (par.dp_replicate, par.dp), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(device.type, (par.dp,))
         policy = MixedPrecisionPolicy(
             param_dtype=DTYPES[f.param_dtype] if f.param_dtype else None,
             reduce_dtype=DTYPES[f.reduce_dtype] if f.reduce_dtype else None,
