@@ -1,7 +1,7 @@
 """A seeded generator of random valid scenarios over the whole configuration space commgate runs on CPU
 gloo: scheme, model dimensions and switches, dp/tp/pp, micro-batch size and count, activation
 checkpointing, parameter dtype, architecture (GPT-NeoX or Llama-style, or a user's own module), bucket
-sizes, ZeRO stages, hpZ, MoE, DeepSpeed knobs, FSDP2's resharding and mixed precision. Used by
+sizes, ZeRO stages, hpZ, MoE, DeepSpeed knobs, FSDP2's resharding and mixed precision, HSDP. Used by
 ``tests/test_generated.py``; the same seed always gives the same scenarios, so a failure is replayed with
 its seed.
 
@@ -91,6 +91,8 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
             fsdp["reduce_dtype"] = rng.choice(["fp32", "bf16"])
         if fsdp:
             par["fsdp"] = fsdp
+        if rng.random() < 0.3:  # HSDP
+            par["dp_replicate"] = 2
     if zero:
         par["zero"] = zero
     doc: dict[str, Any] = {}

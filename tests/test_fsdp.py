@@ -85,3 +85,26 @@ def test_what_fsdp_refuses_is_one_line(text: str, message: str) -> None:
     with pytest.raises(ScenarioError, match=message) as info:
         load_text(text)
     assert "\n" not in str(info.value)
+
+
+def test_hsdp_gathers_within_a_replica_and_all_reduces_the_shard_across_replicas() -> None:
+    """dp_replicate=3 x dp=2 on the (replicate, shard) mesh: ranks 2r, 2r+1 shard one replica; each rank's
+    reduce-scattered shard is all-reduced with the same shard of the other replicas."""
+    (s,) = load_text(fsdp(", dp_replicate: 3"))
+    p = predict(s)
+    assert s.world_size == 6
+    shard = {c.groups for c in p.collectives if c.op in (Op.ALL_GATHER, Op.REDUCE_SCATTER)}
+    assert shard == {((0, 1), (2, 3), (4, 5))}
+    reduce = [c for c in p.collectives if c.op is Op.ALL_REDUCE]
+    assert {c.groups for c in reduce} == {((0, 2, 4), (1, 3, 5))} and len(reduce) == 7  # every group's shard
+    scatters = {c.source.split(", ", 1)[1]: c.elements for c in p.collectives if c.op is Op.REDUCE_SCATTER}
+    assert all(c.elements * 2 == scatters[c.source.split(", ", 1)[1]] for c in reduce)
+    (c,) = p.comparison()
+    assert c.unexplained_bytes == 0 and "HSDP replica all-reduce" in {r.name for r in c.residuals}
+
+
+def test_replicas_are_fsdp_only() -> None:
+    with pytest.raises(ScenarioError, match=r"parallelism\.dp_replicate: 2: replicas of a sharded model are HSDP"):
+        load_text(HEAD + "parallelism: {scheme: zero3, dp: 2, dp_replicate: 2}\n")
+    with pytest.raises(ScenarioError, match=r"world_size: 4 != dp_replicate\*dp\*tp\*pp = 3\*2\*1\*1 = 6"):
+        load_text(fsdp(", dp_replicate: 3") + "world_size: 4\n")

@@ -48,6 +48,14 @@ def _add_predict(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     g.add_argument("--hpz", type=int, help="ZeRO++ hpZ partition size")
     g.add_argument("--qwz", action="store_true", help="ZeRO++ quantized weights")
     g.add_argument("--qgz", action="store_true", help="ZeRO++ quantized gradients")
+    g.add_argument("--dp-replicate", type=int, help="HSDP replicas of the model sharded over --dp (scheme fsdp)")
+    g.add_argument("--param-dtype", choices=["fp32", "bf16"], help="FSDP2 mixed precision: the gathers' dtype")
+    g.add_argument("--reduce-dtype", choices=["fp32", "bf16"], help="FSDP2 mixed precision: the reductions' dtype")
+    g.add_argument(
+        "--reshard-after-forward",
+        choices=["true", "false"],
+        help="FSDP2, every group (default: torch's choice, the blocks but not the root)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     o.add_argument("--matrix", action="store_true", help="include the rank x rank traffic matrix")
@@ -79,6 +87,13 @@ def _flags_document(a: argparse.Namespace) -> dict[str, Any]:
         par["zero"] = zero
     if a.experts is not None:
         par["moe"] = {"experts": a.experts, "ep": a.ep}
+    if a.dp_replicate is not None:
+        par["dp_replicate"] = a.dp_replicate
+    fsdp: dict[str, Any] = {"param_dtype": a.param_dtype, "reduce_dtype": a.reduce_dtype}
+    if a.reshard_after_forward is not None:
+        fsdp["reshard_after_forward"] = a.reshard_after_forward == "true"
+    if fsdp := {k: v for k, v in fsdp.items() if v is not None}:
+        par["fsdp"] = fsdp
     name = f"{a.model}-{a.scheme}-dp{a.dp}-tp{a.tp}-pp{a.pp}".replace("+", "p")
     return {"schema_version": 1, "name": name, "model": model, "parallelism": par}
 
