@@ -1,9 +1,9 @@
 """A seeded generator of random valid scenarios over the whole configuration space commgate runs on CPU
 gloo: scheme, model dimensions and switches, dp/tp/pp, micro-batch size and count, activation
 checkpointing, parameter dtype, architecture (GPT-NeoX or Llama-style, or a user's own module), bucket
-sizes, ZeRO stages, hpZ, MoE, DeepSpeed knobs, FSDP2's resharding and mixed precision, HSDP. Used by
-``tests/test_generated.py``; the same seed always gives the same scenarios, so a failure is replayed with
-its seed.
+sizes, ZeRO stages, hpZ, MoE, DeepSpeed knobs, FSDP2's resharding and mixed precision, HSDP, sequence
+parallelism. Used by ``tests/test_generated.py``; the same seed always gives the same scenarios, so a
+failure is replayed with its seed.
 
     python tests/scenario_gen.py SEED [COUNT]    # print the scenario documents as YAML
 """
@@ -56,6 +56,8 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
     }
     if rule.tensor:
         par["tp"] = 2
+        if not rule.pipeline and rng.random() < 0.4:
+            par["sequence_parallel"] = True
     if rule.pipeline:
         par["pp"] = 2
         model["L"] = rng.choice([2, 4])

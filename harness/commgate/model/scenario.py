@@ -83,6 +83,8 @@ class Parallelism:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    sequence_parallel: bool = False
+    """Megatron-style sequence parallelism inside the tensor-parallel groups (DTensor ``SequenceParallel``)."""
     dp_replicate: int = 1
     """HSDP replicas (scheme fsdp): the model is sharded over ``dp`` ranks and replicated this many times."""
     zero: ZeroConfig = field(default_factory=ZeroConfig)
@@ -891,6 +893,10 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
     if "fsdp" in doc.get(P, {}) and not rule.fsdp:
         fsdp_schemes = " or ".join(repr(n) for n, r in SCHEMES.items() if r.fsdp)
         bad([P, "fsdp"], f"FSDP2 options need scheme {fsdp_schemes}, not {s!r}")
+    if par.sequence_parallel and not rule.tensor:
+        bad([P, "sequence_parallel"], f"true: sequence parallelism runs inside tensor parallelism, not scheme {s!r}")
+    elif par.sequence_parallel and par.pp > 1:
+        bad([P, "sequence_parallel"], "true: not modelled under DeepSpeed's pipeline engine yet (scheme 3d); use tp")
     if par.dp_replicate > 1 and not rule.fsdp:
         bad([P, "dp_replicate"], f"{par.dp_replicate}: replicas of a sharded model are HSDP, scheme 'fsdp', not {s!r}")
     if rule.fsdp and par.activation_checkpointing:

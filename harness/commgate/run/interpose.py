@@ -297,7 +297,13 @@ class CapturingProcessGroup(ProcessGroup):
             return real(*args)
         outputs, inputs, opts = args
         works = [getattr(self._real, _PER_TENSOR[method])(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        future = torch.futures.collect_all([w.get_future() for w in works])
+        try:
+            future = torch.futures.collect_all([w.get_future() for w in works])
+        except RuntimeError:  # gloo's reduce-scatter works have no future (DTensor's sequence-parallel path)
+            for w in works:
+                w.wait()
+            future = torch.futures.Future()
+            future.set_result(outputs)
         return torch._C._distributed_c10d._create_work_from_future(future)  # type: ignore[attr-defined]
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:

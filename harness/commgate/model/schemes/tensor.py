@@ -2,6 +2,8 @@
 all-reduced in the forward and the column-parallel inputs' gradients in the backward; activation
 checkpointing repeats the forward ones; the vocab-parallel embedding all-reduces once in the forward
 and the vocab-parallel output layer its input gradient once in the backward. Paper: Eq. 5 (L -> L/p in 3D).
+With sequence parallelism each all-reduce becomes an all-gather and a reduce-scatter of the same message
+(``_sequence_parallel``): Eq. 5's volume, in twice the calls.
 """
 
 from __future__ import annotations
@@ -69,12 +71,17 @@ class TensorParallel:
 
             if stage == 0:
                 row(1, forward, "TP vocab-parallel embedding all-reduce")
-            row(2 * per_stage, forward, "TP forward all-reduce (row-parallel attention and MLP outputs)")
-            if par.activation_checkpointing:
-                row(per_stage * _recomputed(ctx), Phase.BACKWARD, "TP recompute all-reduce " + _RECOMPUTE[par.pp > 1])
-            row(2 * per_stage, Phase.BACKWARD, "TP backward all-reduce (column-parallel input gradients)")
+            if par.sequence_parallel:
+                rows += _sequence_parallel(ctx, base, per_stage)
+            else:
+                row(2 * per_stage, forward, "TP forward all-reduce (row-parallel attention and MLP outputs)")
+                if par.activation_checkpointing:
+                    recompute = "TP recompute all-reduce " + _RECOMPUTE[par.pp > 1]
+                    row(per_stage * _recomputed(ctx), Phase.BACKWARD, recompute)
+                row(2 * per_stage, Phase.BACKWARD, "TP backward all-reduce (column-parallel input gradients)")
+                if stage == par.pp - 1:
+                    row(1, Phase.BACKWARD, "TP output-layer input-gradient all-reduce", None)
             if stage == par.pp - 1:
-                row(1, Phase.BACKWARD, "TP output-layer input-gradient all-reduce", None)
                 row(
                     3,
                     forward,
@@ -102,11 +109,12 @@ class TensorParallel:
         ]
 
     def _per_micro_batch(self, ctx: Context) -> Fraction:
-        """Rank 0's TP volume for one micro-batch, in elements: (8L/p + 2) all-reduce units, plus the
-        recomputed ones with checkpointing (``_recomputed`` per layer)."""
+        """Rank 0's TP volume for one micro-batch, in elements: (8L/p + 2) all-reduce units (an
+        all-gather and a reduce-scatter of the same message under sequence parallelism), plus the
+        recomputed ones with checkpointing (``_recompute_units`` per layer)."""
         m, par = ctx.scenario.model, ctx.scenario.parallelism
-        unit = 2 * Fraction(ctx.bsh * (par.tp - 1), par.tp)
-        recomputed = _recomputed(ctx) * (m.L // par.pp) if par.activation_checkpointing else 0
+        unit = Fraction(ctx.bsh * (par.tp - 1), par.tp)  # an all-gather's or reduce-scatter's; half an all-reduce's
+        recomputed = _recompute_units(ctx) * (m.L // par.pp) if par.activation_checkpointing else 0
         return self._eq5(ctx, recompute=False) + unit * recomputed
 
     def residuals(self, ctx: Context) -> list[Residual]:
@@ -117,6 +125,12 @@ class TensorParallel:
             name, detail = (
                 "no activation checkpointing",
                 "4 all-reduces per layer without recomputation; Eq. 5 assumes 6",
+            )
+        elif par.sequence_parallel:
+            name = "recomputation stops early"
+            detail = (
+                "torch.utils.checkpoint re-runs each layer only up to its attention output: 2 all-gathers and 1 "
+                "reduce-scatter per layer, Eq. 5 assumes 2 all-reduces (as 4 of them)"
             )
         elif _recomputed(ctx) == 1:
             name = "recomputation stops early"
@@ -144,6 +158,66 @@ def _recomputed(ctx: Context) -> int:
     (non-reentrant) stops once the saved tensors are rebuilt, before the MLP's all-reduce (1); DeepSpeed's
     pipeline engine checkpoints with its own reentrant function, which re-runs the layer whole (2)."""
     return 2 if ctx.scenario.parallelism.pp > 1 else 1
+
+
+def _recompute_units(ctx: Context) -> int:
+    """All-gather-sized units (half an all-reduce) each checkpointed layer re-sends in the backward."""
+    return 3 if ctx.scenario.parallelism.sequence_parallel else 2 * _recomputed(ctx)
+
+
+def _sequence_parallel(ctx: Context, base: ExpectedCollective, per_stage: int) -> list[ExpectedCollective]:
+    """Megatron-style sequence parallelism on DTensor (scheme tp, one stage): every layer all-gathers
+    its sequence shards before the attention and the MLP and reduce-scatters their row-parallel outputs,
+    and the backward mirrors both: the volume of TP's all-reduces, in twice the calls. Besides: the first
+    layer's split of the embedding output gathers its gradient in the backward; the output layer gathers
+    its input and reduce-scatters that gradient; each norm parameter, replicated while its gradient comes
+    out of sequence shards as a DTensor Partial, is all-reduced: by DDP's local-shard hand-over in the
+    backward with dp > 1, or, alone, whenever AdamW reads the gradient (3 times a step on torch 2.13:
+    ``lerp_`` and ``addcmul_``'s two operands)."""
+    par, mb = ctx.scenario.parallelism, ctx.scenario.parallelism.micro_batches
+    fwd, bwd = Phase.FORWARD, Phase.BACKWARD
+    ag, rs = Op.ALL_GATHER, Op.REDUCE_SCATTER
+
+    def r(op: Op, calls: int, phase: Phase, source: str, term: str | None = TERM) -> ExpectedCollective:
+        return replace(base, op=op, calls=calls * mb, phase=phase, source=source, paper_term=term)
+
+    rows = [
+        r(ag, 2 * per_stage, fwd, "SP all-gather of the sequence shards (attention and MLP inputs)"),
+        r(rs, 2 * per_stage, fwd, "SP reduce-scatter of the row-parallel attention and MLP outputs"),
+        r(ag, 2 * per_stage, bwd, "SP backward all-gather (gradients of the outputs' reduce-scatter)"),
+        r(rs, 2 * per_stage, bwd, "SP backward reduce-scatter (gradients of the inputs' all-gather)"),
+        r(ag, 1, bwd, "SP: the first layer's sequence split, its gradient gathered", None),
+        r(ag, 1, fwd, "SP all-gather of the sequence shards before the output layer", None),
+        r(rs, 1, bwd, "SP output-layer input-gradient reduce-scatter", None),
+    ]
+    if par.activation_checkpointing:
+        rows += [
+            r(ag, 2 * per_stage, bwd, "SP recompute all-gathers (torch.utils.checkpoint)"),
+            r(rs, per_stage, bwd, "SP recompute reduce-scatter (attention output; recomputing stops early)"),
+        ]
+    norms = [p for p in ctx.stage_params(0) if p.shard is Shard.REPLICATED and "norm" in p.name]
+    for numel in sorted({p.numel for p in norms}):
+        n = sum(1 for p in norms if p.numel == numel)
+        resolve = replace(base, elements=numel, paper_term=None)
+        if par.dp > 1:
+            rows.append(
+                replace(
+                    resolve,
+                    calls=n * mb,
+                    phase=bwd,
+                    source="SP norm-parameter gradient all-reduce (Partial -> Replicate, handed to DDP)",
+                )
+            )
+        else:
+            rows.append(
+                replace(
+                    resolve,
+                    calls=3 * n,
+                    phase=Phase.OPTIMIZER,
+                    source="SP norm-parameter gradient all-reduce (Partial, resolved at each of AdamW's 3 reads)",
+                )
+            )
+    return rows
 
 
 def _distribute(ctx: Context, base: ExpectedCollective, stage: int) -> list[ExpectedCollective]:

@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (
     ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
+    SequenceParallel,
     loss_parallel,
     parallelize_module,
 )
@@ -69,10 +70,38 @@ def head_plan(prefix: str = "") -> dict[str, ParallelStyle]:
     return {f"{prefix}head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
 
 
-def plan(model: GPT) -> dict[str, ParallelStyle]:
+def sequence_parallel_plan(m: ModelSpec, prefix: str = "") -> dict[str, ParallelStyle]:
+    """One layer with Megatron-style sequence parallelism (torchtitan's plan): the norms run on sequence
+    shards (``SequenceParallel``); the attention's and the MLP's input is all-gathered from them
+    (``PrepareModuleInput`` Shard(1) -> Replicate) and their row-parallel output reduce-scattered back."""
+    gather = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
+    out: dict[str, ParallelStyle] = {
+        f"{prefix}input_norm": SequenceParallel(),
+        f"{prefix}attention": PrepareModuleInput(**gather),  # type: ignore[arg-type]
+        f"{prefix}post_attention_norm": SequenceParallel(),
+        f"{prefix}mlp": PrepareModuleInput(**gather),  # type: ignore[arg-type]
+    }
+    for name, style in layer_plan(m, prefix).items():
+        if isinstance(style, RowwiseParallel):
+            out[name] = RowwiseParallel(output_layouts=Shard(1))
+        elif isinstance(style, ColwiseParallel):
+            out[name] = style
+    return out
+
+
+def plan(model: GPT, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
     out = embedding_plan("embed.") | head_plan()
+    if sequence_parallel:
+        # the embedding's output (word all-reduced, learned positions added to the whole sequence) is cut
+        # into sequence shards where the first layer reads it: a local split, no communication
+        out["layers.0"] = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+        )
+        out["final_norm"] = SequenceParallel()
+        out["head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     for i in range(len(model.layers)):
-        out |= layer_plan(model.spec, f"layers.{i}.")
+        layer = sequence_parallel_plan if sequence_parallel else layer_plan
+        out |= layer(model.spec, f"layers.{i}.")
     return out
 
 
@@ -94,13 +123,14 @@ class TPWorkload:
             layer.checkpointed = par.activation_checkpointing  # type: ignore[assignment]
         if par.dp > 1:
             mesh = init_device_mesh(device.type, (par.dp, par.tp), mesh_dim_names=("dp", "tp"))
-            parallelize_module(model, mesh["tp"], plan(model))  # in place
+            parallelize_module(model, mesh["tp"], plan(model, sequence_parallel=par.sequence_parallel))
             localize(model)
             self.engine: nn.Module = DistributedDataParallel(
                 model, process_group=mesh["dp"].get_group(), bucket_cap_mb=par.ddp_bucket_mb
             )
         else:
-            parallelize_module(model, init_device_mesh(device.type, (par.tp,)), plan(model))
+            mesh_tp = init_device_mesh(device.type, (par.tp,))
+            parallelize_module(model, mesh_tp, plan(model, sequence_parallel=par.sequence_parallel))
             self.engine = model
         self.optimizer = torch.optim.AdamW(self.engine.parameters(), lr=1e-4, foreach=False)
 
