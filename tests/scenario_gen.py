@@ -2,8 +2,8 @@
 gloo: scheme, model dimensions and switches, dp/tp/pp, micro-batch size and count, activation
 checkpointing, parameter dtype, architecture (GPT-NeoX or Llama-style, or a user's own module), bucket
 sizes, ZeRO stages, hpZ, MoE, DeepSpeed knobs, FSDP2's resharding and mixed precision, HSDP, sequence
-parallelism. Used by ``tests/test_generated.py``; the same seed always gives the same scenarios, so a
-failure is replayed with its seed.
+parallelism, torch.distributed.pipelining's schedules. Used by ``tests/test_generated.py``; the same seed
+always gives the same scenarios, so a failure is replayed with its seed.
 
     python tests/scenario_gen.py SEED [COUNT]    # print the scenario documents as YAML
 """
@@ -58,9 +58,25 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
         par["tp"] = 2
         if not rule.pipeline and rng.random() < 0.4:
             par["sequence_parallel"] = True
+    torch_pp = False
     if rule.pipeline:
         par["pp"] = 2
         model["L"] = rng.choice([2, 4])
+        if scheme == "pp" and "module" not in model and rng.random() < 0.4:  # torch.distributed.pipelining
+            torch_pp = True
+            schedule = rng.choice(["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"])
+            v = (
+                rng.choice([2, 3])
+                if schedule == "interleaved-1f1b"
+                else rng.choice([1, 2])
+                if schedule == "zero-bubble"
+                else 1
+            )
+            par["pp"] = rng.choice([2, 3]) if v == 1 else 2
+            model["L"] = par["pp"] * v * rng.choice([1, 2])
+            par["pipeline"] = {"engine": "torch", "schedule": schedule, "virtual_stages": v}
+            par["dp"], par["activation_checkpointing"] = 1, False
+            par["micro_batches"] = rng.choice([1, 2, 3, 4, 6])  # the scenario rules keep what torch accepts
     if "module" in model:
         par["activation_checkpointing"] = False
     zero: dict[str, Any] = {}
@@ -68,6 +84,8 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
         zero["bucket_elements"] = rng.choice([2_000, 20_000, 200_000, 500_000_000])
     if scheme == "pp" and rng.random() < 0.5:
         zero["stage"] = 1
+    if torch_pp:
+        zero.clear()
     if rule.zero_plus_plus:
         par["dp"] = 4
         zero["hpz"] = 2
@@ -98,7 +116,9 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
     if zero:
         par["zero"] = zero
     doc: dict[str, Any] = {}
-    if rule.deepspeed and rng.random() < (0.8 if rule.zero_stage == 3 else 0.5):  # the user's own DeepSpeed keys
+    if (
+        rule.deepspeed and not torch_pp and rng.random() < (0.8 if rule.zero_stage == 3 else 0.5)
+    ):  # the user's own DeepSpeed keys
         zo: dict[str, Any] = {}
         stage = zero.get("stage", rule.zero_stage or 0)
         if stage >= 2 or rng.random() < 0.3:

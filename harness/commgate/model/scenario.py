@@ -66,6 +66,16 @@ class FSDPConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineConfig:
+    """The pipeline engine: DeepSpeed's (its own 1F1B) or ``torch.distributed.pipelining`` with a schedule."""
+
+    engine: Literal["deepspeed", "torch"] = "deepspeed"
+    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
+    virtual_stages: int = 1
+    """Stages per rank (interleaved schedules: stage k on rank k mod pp)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class MoEConfig:
     experts: int
     ep: int = 1
@@ -90,6 +100,7 @@ class Parallelism:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     moe: MoEConfig | None = None
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     micro_batch: int = 1
     """Micro-batch size b."""
     micro_batches: int = 1
@@ -790,8 +801,14 @@ def _build_parallelism(p: dict[str, Any], bad: Bad) -> Parallelism:
             )
         zero_doc["stage"] = implied
     moe = MoEConfig(**p["moe"]) if "moe" in p else None
-    rest = {k: v for k, v in p.items() if k not in ("zero", "moe", "fsdp")}
-    return Parallelism(**rest, zero=ZeroConfig(**zero_doc), moe=moe, fsdp=FSDPConfig(**p.get("fsdp", {})))
+    rest = {k: v for k, v in p.items() if k not in ("zero", "moe", "fsdp", "pipeline")}
+    return Parallelism(
+        **rest,
+        zero=ZeroConfig(**zero_doc),
+        moe=moe,
+        fsdp=FSDPConfig(**p.get("fsdp", {})),
+        pipeline=PipelineConfig(**p.get("pipeline", {})),
+    )
 
 
 def _check_optimizer(
@@ -827,6 +844,56 @@ def _check_optimizer(
 
 MAX_WORLD = 1 << 20
 """The most ranks a scenario may have (a million: beyond any cluster, and what a prediction enumerates)."""
+
+
+TORCH_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "zero-bubble": "ScheduleInterleavedZeroBubble",
+}
+"""The ``torch.distributed.pipelining`` schedule class of each ``pipeline.schedule``."""
+
+
+def _check_pipeline(doc_par: Any, m: ModelSpec, par: Parallelism, bad: Bad) -> None:
+    P, pl, s = ("parallelism", "pipeline"), par.pipeline, par.scheme
+    if "pipeline" in doc_par and not SCHEMES[s].pipeline:
+        bad([*P], f"a pipeline engine needs a pipeline scheme (pp or 3d), not {s!r}")
+        return
+    interleaved = pl.schedule in ("interleaved-1f1b", "zero-bubble")
+    if pl.engine == "deepspeed":
+        if pl.schedule != "1f1b" or pl.virtual_stages != 1:
+            bad([*P, "schedule"], f"{pl.schedule}: DeepSpeed's engine runs its own 1F1B; engine: torch for others")
+        return
+    if s != "pp":
+        bad([*P, "engine"], f"torch: torch.distributed.pipelining is modelled under scheme 'pp', not {s!r}")
+    if "zero" in doc_par:
+        bad(
+            ["parallelism", "zero"],
+            "DeepSpeed's ZeRO options do not apply to torch.distributed.pipelining (engine: torch)",
+        )
+    if par.dp > 1:
+        bad(["parallelism", "dp"], f"{par.dp}: torch.distributed.pipelining is modelled with dp = 1 yet")
+    if par.activation_checkpointing:
+        bad(["parallelism", "activation_checkpointing"], "true: not modelled with torch.distributed.pipelining yet")
+    if not interleaved and pl.virtual_stages != 1:
+        bad([*P, "virtual_stages"], f"{pl.virtual_stages}: schedule {pl.schedule!r} runs one stage per rank")
+    if interleaved and pl.schedule == "interleaved-1f1b" and pl.virtual_stages < 2:
+        bad([*P, "virtual_stages"], f"{pl.virtual_stages}: an interleaved schedule needs virtual_stages >= 2")
+    rounds = max(1, par.micro_batches // par.pp)  # torch's interleaved schedules run m in rounds of p
+    if interleaved and par.micro_batches % rounds:
+        bad(
+            ["parallelism", "micro_batches"],
+            f"{par.micro_batches}: torch's {TORCH_SCHEDULES[pl.schedule]} needs a multiple of its {rounds} rounds",
+        )
+    if pl.schedule == "1f1b" and par.micro_batches < par.pp:
+        bad(["parallelism", "micro_batches"], f"{par.micro_batches}: torch's Schedule1F1B needs at least pp={par.pp}")
+    stages = par.pp * pl.virtual_stages
+    if m.module is None and m.L % stages:
+        bad(
+            [*P, "virtual_stages"],
+            f"{pl.virtual_stages}: layers L={m.L} are not divisible by pp*virtual_stages={stages}",
+        )
 
 
 def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad: Bad) -> None:
@@ -897,6 +964,12 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
         bad([P, "sequence_parallel"], f"true: sequence parallelism runs inside tensor parallelism, not scheme {s!r}")
     elif par.sequence_parallel and par.pp > 1:
         bad([P, "sequence_parallel"], "true: not modelled under DeepSpeed's pipeline engine yet (scheme 3d); use tp")
+    _check_pipeline(doc.get(P, {}), m, par, bad)
+    if par.pipeline.engine == "torch" and "deepspeed" in doc:
+        bad(
+            ["deepspeed"],
+            "DeepSpeed keys do not apply to torch.distributed.pipelining (parallelism.pipeline.engine: torch)",
+        )
     if par.dp_replicate > 1 and not rule.fsdp:
         bad([P, "dp_replicate"], f"{par.dp_replicate}: replicas of a sharded model are HSDP, scheme 'fsdp', not {s!r}")
     if rule.fsdp and par.activation_checkpointing:

@@ -6,6 +6,7 @@ Predicted, for rank 0 (the paper's "any GPU at stage 1"):
     T_comp = FLOPs per step of the busiest stage / (u x F)        F: measured GEMM rate at this world size
     T_X    = sum over rank 0's collectives on axis X of calls x C(op, bytes, group size)
     T_bubble = (p - 1)/m x (T_comp + T_PP + T_TP)               R_bubble = T_bubble / T_iter ~ (p-1)/(p-1+m)
+               (p - 1)/(v m) interleaved over v virtual stages; a third of that zero-bubble (``bubble_factor``)
     comm_fraction = (T_TP + T_PP + T_DP + T_EP) / T_iter
 
 C is the effective-bandwidth curve (``commgate.report.bandwidth``), F its compute rate, u the utilisation the
@@ -30,6 +31,7 @@ from pathlib import Path
 from commgate.core.errors import CommgateError
 from commgate.model import transformer
 from commgate.model.expectation import Prediction
+from commgate.model.scenario import Parallelism
 from commgate.report import bandwidth
 from commgate.report.bandwidth import Curve
 from commgate.run.capture import Capture, busy_ns
@@ -87,6 +89,19 @@ class MeasuredTime:
     steps: int
 
 
+def bubble_factor(par: Parallelism) -> float:
+    """T_bubble / (the stage's work per step), by the pipeline schedule: (p-1)/m for GPipe, 1F1B and
+    DeepSpeed's engine; (p-1)/(v*m) interleaved over v virtual stages (Narayanan et al. 2021); a third of
+    that for the zero-bubble schedule, whose split backward fills two thirds of 1F1B's bubble (ZB-H1,
+    Penghui Qi et al., *Zero Bubble Pipeline Parallelism*, ICLR 2024). So R_bubble ~ (p-1)/(p-1+m), (p-1)/(p-1+v*m)."""
+    p, m, pl = par.pp, par.micro_batches, par.pipeline
+    if p == 1:
+        return 0.0
+    if pl.schedule == "zero-bubble":
+        return (p - 1) / (3 * pl.virtual_stages * m)
+    return (p - 1) / (pl.virtual_stages * m)
+
+
 def predict_time(prediction: Prediction, curve: Curve, *, note: str = "", utilization: float = 1.0) -> PredictedTime:
     s = prediction.scenario
     world, par = s.world_size, s.parallelism
@@ -97,8 +112,7 @@ def predict_time(prediction: Prediction, curve: Curve, *, note: str = "", utiliz
         per_call = curve.seconds(str(c.op), group_size=c.group_size, world=world, nbytes=c.bytes_per_call)
         terms[AXIS_TERM.get(str(c.axis), "T_DP")] += c.calls * per_call
     t_comp = step_flops(prediction) / (utilization * curve.flops(world))
-    p, m = par.pp, par.micro_batches
-    bubble = (p - 1) / m * (t_comp + terms["T_PP"] + terms["T_TP"]) if p > 1 else 0.0
+    bubble = bubble_factor(par) * (t_comp + terms["T_PP"] + terms["T_TP"])
     return PredictedTime(t_comp=t_comp, terms=terms, t_bubble=bubble, utilization=utilization, curve_note=note)
 
 

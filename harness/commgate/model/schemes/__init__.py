@@ -104,9 +104,9 @@ SCHEMES: dict[str, Scheme] = {
         ),
         Scheme(
             name="pp",
-            summary="DeepSpeed's pipeline engine",
+            summary="pipeline parallelism: DeepSpeed's engine, or torch.distributed.pipelining's schedules",
             components=(_PP, _PDP),
-            workload=f"{_WL}.pp:PipelineWorkload",
+            workload=f"{_WL}.pp:pipeline_workload",
             pipeline=True,
             min_dp=1,
         ),

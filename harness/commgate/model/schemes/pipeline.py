@@ -35,6 +35,8 @@ META_ELEMENTS = 256  # the engine's int32 tensor-metadata buffer
 class PipelineParallel:
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         m, par, lay = ctx.scenario.model, ctx.scenario.parallelism, ctx.layout
+        if par.pipeline.engine == "torch":
+            return _torch_pipelining(ctx)
         pipes = lay.pp_groups()
         base = ExpectedCollective(
             op=Op.ALL_REDUCE,
@@ -144,8 +146,51 @@ class PipelineParallel:
         ]
 
     def residuals(self, ctx: Context) -> list[Residual]:
-        mb = ctx.scenario.parallelism.micro_batches
-        return [micro_batches(TERM, self._eq4(ctx) * ctx.scenario.model.itemsize, mb)] if mb > 1 else []
+        par, isz = ctx.scenario.parallelism, ctx.scenario.model.itemsize
+        mb, v = par.micro_batches, par.pipeline.virtual_stages
+        out = [micro_batches(TERM, self._eq4(ctx) * isz, mb)] if mb > 1 else []
+        if v > 1:
+            extra = 2 * ctx.bsh * par.pp * (v - 1) * mb * isz
+            out.append(
+                Residual(
+                    term=TERM,
+                    name="interleaved virtual stages",
+                    bytes=Fraction(extra),
+                    detail=f"{par.pp}x{v} stages have {par.pp * v - 1} boundaries, Eq. 4 counts p-1 = {par.pp - 1}",
+                )
+            )
+        return out
+
+
+def _torch_pipelining(ctx: Context) -> list[ExpectedCollective]:
+    """``torch.distributed.pipelining`` (torch 2.13, ``stage.py`` and ``schedules.py``), every stage given
+    its shapes (no shape inference): per micro-batch, each boundary between consecutive stages k, k+1
+    (on ranks k mod p and k+1 mod p; p x v stages with v virtual stages per rank) carries the activation
+    forward and its gradient back, b*s*h elements each, as a send and a recv. Every schedule (GPipe,
+    1F1B, interleaved 1F1B, zero-bubble) moves the same; they differ in order and bubble, not in bytes.
+    Nothing at construction, no loss broadcast, no norm: the schedule returns the losses to the last
+    stage's caller only."""
+    m, par = ctx.scenario.model, ctx.scenario.parallelism
+    p, n = par.pp, par.pp * par.pipeline.virtual_stages
+    base = ExpectedCollective(
+        op=Op.SEND,
+        axis="pp",
+        groups=(),
+        dtype=m.dtype,
+        elements=ctx.bsh,
+        calls=par.micro_batches,
+        phase=Phase.PIPELINE,
+        source="",
+        paper_term=TERM,
+    )
+    rows = []
+    for k in range(n - 1):
+        a, b = k % p, (k + 1) % p
+        for src, dst, what in ((a, b, "activation"), (b, a, "gradient")):
+            for op, pair in ((Op.SEND, (src, dst)), (Op.RECV, (dst, src))):
+                stages = f"stage {k} -> {k + 1}" if what == "activation" else f"stage {k + 1} -> {k}"
+                rows.append(replace(base, op=op, groups=(pair,), source=f"torch PP {what} {op} ({stages})"))
+    return rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +206,8 @@ class PipelineDataParallel(DataParallel):
         from commgate.model.schemes.deepspeed_zero import _init_broadcasts, grad_dtype, reduction_buckets, sliced
 
         par, m = ctx.scenario.parallelism, ctx.scenario.model
+        if par.pipeline.engine == "torch":  # dp = 1: no data-parallel side
+            return []
         rows: list[ExpectedCollective] = []
         term = "Eq. 2" if par.dp > 1 else None
         bf16 = ctx.optimizer == "BF16_Optimizer"

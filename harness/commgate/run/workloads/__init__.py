@@ -35,13 +35,27 @@ def skip_reason(scenario: Scenario, *, gpus: bool) -> str | None:
     if scenario.workload is not None:
         return None
     if scenario.model.tied_embeddings and (par.pp > 1 or par.tp > 1):
-        return (
-            "the tensor- and pipeline-parallel workloads do not tie embeddings yet (`commgate predict` models it)"
-        )
+        return "the tensor- and pipeline-parallel workloads do not tie embeddings yet (`commgate predict` models it)"
     if SCHEMES[par.scheme].deepspeed and scenario.model.dtype == "fp16" and (not gpus or scenario.backend == "gloo"):
         return "DeepSpeed's fp16 runs on GPUs only (its CPU accelerator supports bf16 and fp32)"
+    if par.pipeline.engine == "torch" and (missing := _missing_schedule(par.pipeline.schedule)):
+        return missing
     if par.scheme == "zero++" and (par.zero.qwz or par.zero.qgz) and (not gpus or scenario.backend == "gloo"):
         return "ZeRO++ qwZ/qgZ run on GPUs only: DeepSpeed's quantizer has no CPU kernel (hpZ alone runs on CPU)"
+    return None
+
+
+def _missing_schedule(schedule: str) -> str | None:
+    """Why the installed torch cannot run ``schedule`` (torch.distributed.pipelining lacks its class)."""
+    from commgate.model.scenario import TORCH_SCHEDULES
+
+    try:
+        from torch.distributed import pipelining
+    except ImportError as exc:
+        return f"this torch has no torch.distributed.pipelining ({exc})"
+    name = TORCH_SCHEDULES[schedule]
+    if not hasattr(pipelining, name):
+        return f"pipeline.schedule {schedule}: this torch's torch.distributed.pipelining has no {name}"
     return None
 
 

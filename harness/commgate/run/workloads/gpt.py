@@ -194,9 +194,7 @@ def build(
         torch.manual_seed(0)
         model, inputs = user_build(scenario, device)
         model = model.to(device=device, dtype=DTYPES[m.dtype])
-        return model, lambda seed: tuple(
-            t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs(seed)
-        )
+        return model, lambda seed: tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs(seed))
     b = scenario.parallelism.micro_batch
     model = GPT(m, checkpointing=checkpointing).to(device=device, dtype=DTYPES[m.dtype])
     return model, lambda seed: (batch(m, b, seed=seed, device=device),)

@@ -108,3 +108,13 @@ def _shard_stage(module: Any, m: ModelSpec, device: torch.device) -> None:  # a 
         elif isinstance(layer, _Head):
             parallelize_module(layer, mesh, head_plan())
     localize(module)
+
+
+def pipeline_workload(scenario: Scenario, *, rank: int, device: torch.device) -> Any:
+    """The scenario's pipeline engine: DeepSpeed's (``PipelineWorkload``) or ``torch.distributed.pipelining``
+    (``commgate.run.workloads.torchpp``)."""
+    if scenario.parallelism.pipeline.engine == "torch":
+        from commgate.run.workloads.torchpp import TorchPipelineWorkload
+
+        return TorchPipelineWorkload(scenario, rank=rank, device=device)
+    return PipelineWorkload(scenario, rank=rank, device=device)
