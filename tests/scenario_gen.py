@@ -113,6 +113,8 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
             par["fsdp"] = fsdp
         if rng.random() < 0.3:  # HSDP
             par["dp_replicate"] = 2
+        elif rng.random() < 0.3:  # 2-D: DTensor tensor parallelism inside FSDP2
+            par["tp"] = 2
     if zero:
         par["zero"] = zero
     doc: dict[str, Any] = {}

@@ -108,3 +108,23 @@ def test_replicas_are_fsdp_only() -> None:
         load_text(HEAD + "parallelism: {scheme: zero3, dp: 2, dp_replicate: 2}\n")
     with pytest.raises(ScenarioError, match=r"world_size: 4 != dp_replicate\*dp\*tp\*pp = 3\*2\*1\*1 = 6"):
         load_text(fsdp(", dp_replicate: 3") + "world_size: 4\n")
+
+
+def test_2d_gathers_each_ranks_tensor_parallel_shard_over_data_parallel_ranks() -> None:
+    """FSDP2 over dp with DTensor TP inside: TP's all-reduces run over the tensor-parallel pairs, FSDP2's
+    gathers over the data-parallel pairs, of each rank's shard (row-parallel weights split on dim 1, so
+    their dim 0 is padded whole; column-parallel ones on dim 0)."""
+    (s,) = load_text(fsdp(", tp: 2"))
+    p = predict(s)
+    tp = {c.groups for c in p.collectives if c.axis == "tp"}
+    dp = {c.groups for c in p.collectives if c.axis == "dp"}
+    assert tp == {((0, 1), (2, 3))} and dp == {((0, 2), (1, 3))}
+    h, ffn = 64, 256
+    block = (3 * h // 2) * h + 3 * h // 2 + h * (h // 2) + h + (ffn // 2) * h + ffn // 2 + h * (ffn // 2) + h + 4 * h
+    assert any(c.op is Op.ALL_GATHER and c.elements == block for c in p.collectives)
+    assert all(c.unexplained_bytes == 0 for c in p.comparison())
+    assert "tensor/pipeline sharding" in {r.name for c in p.comparison() for r in c.residuals}
+    (bf16,) = load_text(fsdp(", tp: 2, fsdp: {param_dtype: bf16}"))
+    assert {c.dtype for c in predict(bf16).collectives if c.axis == "tp" and c.elements == 128 * 64} == {"bf16"}
+    with pytest.raises(ScenarioError, match="HSDP with tensor parallelism is not modelled yet"):
+        load_text(fsdp(", tp: 2, dp_replicate: 2"))

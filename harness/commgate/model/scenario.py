@@ -912,8 +912,10 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
     need_tp, need_pp = rule.tensor, rule.pipeline
     if need_tp and par.tp < 2:
         bad([P, "tp"], f"{par.tp}: scheme {s!r} needs tp >= 2")
-    if not need_tp and par.tp != 1:
-        bad([P, "tp"], f"{par.tp}: scheme {s!r} has no tensor parallelism; use scheme 'tp' or '3d'")
+    if not need_tp and not rule.optional_tensor and par.tp != 1:
+        bad([P, "tp"], f"{par.tp}: scheme {s!r} has no tensor parallelism; use scheme 'tp', '3d' or 'fsdp'")
+    if rule.optional_tensor and par.tp > 1 and par.dp_replicate > 1:
+        bad([P, "dp_replicate"], f"{par.dp_replicate}: HSDP with tensor parallelism is not modelled yet (tp={par.tp})")
     if need_pp and par.pp < 2:
         bad([P, "pp"], f"{par.pp}: scheme {s!r} needs pp >= 2")
     if not need_pp and par.pp != 1:

@@ -44,7 +44,9 @@ class Scheme:
     zero: bool = True
     """Whether ZeRO stages are allowed at all (torch DDP has none)."""
     tensor: bool = False
-    """Needs tp >= 2 (else tp must be 1)."""
+    """Needs tp >= 2 (else tp must be 1, unless ``optional_tensor``)."""
+    optional_tensor: bool = False
+    """Allows tp >= 2 without needing it (FSDP2 over data parallelism, DTensor tensor parallelism inside)."""
     pipeline: bool = False
     """Needs pp >= 2 (else pp must be 1)."""
     min_dp: int = 2
@@ -86,12 +88,13 @@ SCHEMES: dict[str, Scheme] = {
         ),
         Scheme(
             name="fsdp",
-            summary="torch FSDP2 (fully_shard), one parameter group per transformer block",
-            components=(FullyShard(),),
+            summary="torch FSDP2 (fully_shard), one parameter group per transformer block; with tp, 2-D over DTensor",
+            components=(_TP, FullyShard()),
             workload=f"{_WL}.fsdp:FSDPWorkload",
             deepspeed=False,
             zero=False,
             fsdp=True,
+            optional_tensor=True,
         ),
         Scheme(
             name="tp",

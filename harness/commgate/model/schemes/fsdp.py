@@ -30,9 +30,9 @@ from fractions import Fraction
 
 from commgate.model.collectives import Op
 from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
-from commgate.model.schemes._common import beyond_eq1
+from commgate.model.schemes._common import beyond_eq1, sharding
 from commgate.model.schemes.zero3 import TERM, eq3_term
-from commgate.model.transformer import WIRE_ITEMSIZE, ParamTensor
+from commgate.model.transformer import WIRE_ITEMSIZE, ParamTensor, Shard
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,17 +62,26 @@ def groups(ctx: Context) -> list[Group]:
             continue
         root = layer is None
         reshard = f.reshard_after_forward if f.reshard_after_forward is not None else not root
-        padded = sum(-(-p.shape[0] // d) * d * (p.numel // p.shape[0]) for p in params)
+        padded = sum(_padded(p, d, par.tp) for p in params)
         out.append(
             Group(
                 name="root (embeddings, final norm, head)" if root else f"block {layer}",
                 padded=padded,
-                unpadded=sum(p.numel for p in params),
+                unpadded=sum(p.numel_per_tp_rank(par.tp) for p in params),
                 forward=forward,
                 backward=m if reshard else 0,
             )
         )
     return out
+
+
+def _padded(p: ParamTensor, d: int, t: int) -> int:
+    """Elements of ``p`` in its group's flat all-gather: the rank's tensor-parallel shard (its dim 0 split
+    for column- and vocabulary-parallel weights, its dim 1 for row-parallel ones), padded on dim 0 to a
+    multiple of d."""
+    local = p.numel_per_tp_rank(t)
+    dim0 = p.shape[0] // t if t > 1 and p.shard in (Shard.COLUMN, Shard.VOCAB) else p.shape[0]
+    return -(-dim0 // d) * d * (local // dim0)
 
 
 def _dtypes(ctx: Context) -> tuple[str, str]:
@@ -149,7 +158,10 @@ class FullyShard:
         gather, reduce = _dtypes(ctx)
         g_isz, r_isz = WIRE_ITEMSIZE[gather], WIRE_ITEMSIZE[reduce]
         unpadded, padded = sum(g.unpadded for g in gs), sum(g.padded for g in gs)
-        out = [beyond_eq1(ctx, term=TERM, factor=3 * share, counted=unpadded)]
+        full = sum(p.numel for p in ctx.params)
+        out = [beyond_eq1(ctx, term=TERM, factor=3 * share, counted=full)]
+        if unpadded != full:  # 2-D: FSDP2 shards each rank's tensor-parallel shard
+            out.append(sharding(ctx, term=TERM, factor=3 * share, full=full, rank0=unpadded))
         if padded != unpadded:
             out.append(
                 Residual(

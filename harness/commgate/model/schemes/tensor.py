@@ -15,7 +15,7 @@ from commgate.model.collectives import Op
 from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
 from commgate.model.paper import eq5_tensor
 from commgate.model.schemes._common import micro_batches, rank0_term
-from commgate.model.transformer import Shard
+from commgate.model.transformer import WIRE_ITEMSIZE, Shard
 
 TERM = "Eq. 5"
 
@@ -24,6 +24,8 @@ TERM = "Eq. 5"
 class TensorParallel:
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         m, par = ctx.scenario.model, ctx.scenario.parallelism
+        if par.tp == 1:  # where tensor parallelism is optional (FSDP2)
+            return []
         per_stage = m.L // par.pp
         mb = par.micro_batches
         # inside DeepSpeed's pipeline engine (3D) everything outside autograd is the engine's phase
@@ -43,7 +45,9 @@ class TensorParallel:
                 source="",
                 paper_term=TERM,
             )
-            rows += _distribute(ctx, base, stage)
+            rows += _distribute(ctx, base, stage)  # the parameters, in their dtype
+            act = activation_dtype(ctx)
+            base = replace(base, dtype=act)
 
             def row(
                 calls: int,
@@ -51,7 +55,7 @@ class TensorParallel:
                 source: str,
                 term: str | None = TERM,
                 elements: int = ctx.bsh,
-                dtype: str = m.dtype,
+                dtype: str = act,
                 *,
                 _b: ExpectedCollective = base,
                 _w: str = where,
@@ -98,6 +102,8 @@ class TensorParallel:
 
     def paper_terms(self, ctx: Context) -> list[PaperTerm]:
         m, par = ctx.scenario.model, ctx.scenario.parallelism
+        if par.tp == 1:
+            return []
         L = f"L/p={m.L}/{par.pp}" if par.pp > 1 else f"L={m.L}"
         return [
             rank0_term(
@@ -119,6 +125,8 @@ class TensorParallel:
 
     def residuals(self, ctx: Context) -> list[Residual]:
         par, isz = ctx.scenario.parallelism, ctx.scenario.model.itemsize
+        if par.tp == 1:
+            return []
         model = self._per_micro_batch(ctx)
         out = []
         if not par.activation_checkpointing:
@@ -144,6 +152,17 @@ class TensorParallel:
             out.append(Residual(term=TERM, name=name, bytes=(model - self._eq5(ctx)) * isz, detail=detail))
         if par.micro_batches > 1:
             out.append(micro_batches(TERM, model * isz, par.micro_batches))
+        act = activation_dtype(ctx)
+        if (act_isz := WIRE_ITEMSIZE[act]) != isz:
+            out.append(
+                Residual(
+                    term=TERM,
+                    name="activations in a lower precision",
+                    bytes=model * par.micro_batches * (act_isz - isz),
+                    detail=f"FSDP2's param_dtype {act}: the layers compute, and TP moves, {act} activations; "
+                    f"Eq. 5 counts {ctx.scenario.model.dtype}",
+                )
+            )
         return out
 
 
@@ -158,6 +177,13 @@ def _recomputed(ctx: Context) -> int:
     (non-reentrant) stops once the saved tensors are rebuilt, before the MLP's all-reduce (1); DeepSpeed's
     pipeline engine checkpoints with its own reentrant function, which re-runs the layer whole (2)."""
     return 2 if ctx.scenario.parallelism.pp > 1 else 1
+
+
+def activation_dtype(ctx: Context) -> str:
+    """The dtype the layers compute in, so the activations TP moves: the parameters', or under FSDP2 its
+    mixed-precision policy's ``param_dtype`` (the gathered parameters are cast to it)."""
+    par = ctx.scenario.parallelism
+    return (par.fsdp.param_dtype if par.scheme == "fsdp" else None) or ctx.scenario.model.dtype
 
 
 def _recompute_units(ctx: Context) -> int:

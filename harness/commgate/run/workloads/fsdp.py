@@ -4,13 +4,17 @@ block, then the root. Gradient accumulation syncs (reduce-scatters) on the last 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from commgate.model.scenario import Scenario
 from commgate.run.interpose import optimizer_phase
 from commgate.run.workloads.gpt import DTYPES, GPT, build
+from commgate.run.workloads.tp import plan
 
 
 class FSDPWorkload:
@@ -21,8 +25,13 @@ class FSDPWorkload:
         model, self.inputs = build(scenario, device)
         assert isinstance(model, GPT)  # a user's module is not run under FSDP2 (the scenario rules say so)
         par = scenario.parallelism
+        self.dp_rank = rank // par.tp  # tensor-parallel ranks read the same data
         if par.dp_replicate > 1:  # HSDP: replicate over the first dimension, shard over the second
             mesh = init_device_mesh(device.type, (par.dp_replicate, par.dp), mesh_dim_names=("replicate", "shard"))
+        elif par.tp > 1:  # 2-D, as torchtitan: DTensor tensor parallelism inside, FSDP2 over the data-parallel ranks
+            mesh_2d = init_device_mesh(device.type, (par.dp, par.tp), mesh_dim_names=("dp", "tp"))
+            parallelize_module(model, mesh_2d["tp"], plan(model))
+            mesh = mesh_2d["dp"]
         else:
             mesh = init_device_mesh(device.type, (par.dp,))
         policy = MixedPrecisionPolicy(
@@ -44,9 +53,10 @@ class FSDPWorkload:
             self.sharded.set_requires_gradient_sync(last)
             if not par.fsdp.reshard_after_backward:
                 self.sharded.set_reshard_after_backward(last)
-            loss = self.model(*self.inputs(1000 * k + 10 * i + self.rank))
-            loss.float().backward()
+            with loss_parallel() if par.tp > 1 else contextlib.nullcontext():
+                loss = self.model(*self.inputs(1000 * k + 10 * i + self.dp_rank))
+                loss.float().backward()
         with optimizer_phase():
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
