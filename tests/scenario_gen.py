@@ -99,7 +99,6 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
     if scheme == "ddp" and model.get("dtype") == "fp32" and rng.random() < 0.3:  # mixed precision by autocast
         model["autocast"] = "bf16"
     if rule.fsdp:  # torch FSDP2: its options, each left to torch's default or drawn
-        par["activation_checkpointing"] = False
         fsdp: dict[str, Any] = {}
         if rng.random() < 0.6:
             fsdp["reshard_after_forward"] = rng.choice([True, False, None])
@@ -113,8 +112,9 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
             par["fsdp"] = fsdp
         if rng.random() < 0.3:  # HSDP
             par["dp_replicate"] = 2
-        elif rng.random() < 0.3:  # 2-D: DTensor tensor parallelism inside FSDP2
+        elif rng.random() < 0.3:  # 2-D: DTensor tensor parallelism inside FSDP2, sequence-parallel or not
             par["tp"] = 2
+            par["sequence_parallel"] = rng.random() < 0.5
     if zero:
         par["zero"] = zero
     doc: dict[str, Any] = {}

@@ -75,7 +75,6 @@ def test_reshard_after_forward_sets_the_backward_gathers() -> None:
     ("text", "message"),
     [
         (HEAD + "parallelism: {scheme: ddp, dp: 2, fsdp: {param_dtype: bf16}}\n", "FSDP2 options need scheme 'fsdp'"),
-        (fsdp(", activation_checkpointing: true"), "not modelled under FSDP2 yet"),
         (fsdp(", fsdp: {param_dtype: fp16}"), "parallelism.fsdp.param_dtype"),
         (fsdp(", fsdp: {reshard_after_forward: 2}"), "parallelism.fsdp.reshard_after_forward"),
         (fsdp(dp=1), "needs dp >= 2"),
@@ -128,3 +127,35 @@ def test_2d_gathers_each_ranks_tensor_parallel_shard_over_data_parallel_ranks() 
     assert {c.dtype for c in predict(bf16).collectives if c.axis == "tp" and c.elements == 128 * 64} == {"bf16"}
     with pytest.raises(ScenarioError, match="HSDP with tensor parallelism is not modelled yet"):
         load_text(fsdp(", tp: 2, dp_replicate: 2"))
+
+
+@pytest.mark.parametrize(
+    ("fsdp_opts", "micro_batches", "dtype"),
+    [
+        ("{}", 1, "fp32"),
+        ("{param_dtype: bf16}", 2, "bf16"),
+        ("{param_dtype: bf16, reduce_dtype: fp32}", 1, "bf16"),  # resolved as computed, then cast to reduce
+        ("{param_dtype: bf16, reduce_dtype: fp32}", 2, "fp32"),  # accumulated in reduce_dtype, then resolved
+        ("{reduce_dtype: bf16}", 2, "bf16"),
+    ],
+)
+def test_2d_sequence_parallel_norm_gradients_are_resolved_once_a_step_in_their_dtype(
+    fsdp_opts: str, micro_batches: int, dtype: str
+) -> None:
+    """Under FSDP2 a sequence-parallel norm's Partial gradient is all-reduced once a step, when FSDP2
+    takes it to reduce: in the compute dtype, or in reduce_dtype where micro-batches accumulated it so
+    (``FSDPParam.to_accumulated_grad_if_needed``)."""
+    extra = f", tp: 2, sequence_parallel: true, micro_batches: {micro_batches}, fsdp: {fsdp_opts}"
+    (s,) = load_text(fsdp(extra))
+    rows = [c for c in predict(s).collectives if "norm-parameter" in c.source]
+    assert {(c.dtype, c.phase) for c in rows} == {(dtype, Phase.BACKWARD)}
+    assert sum(c.calls for c in rows) == 6 * 4 + 2  # once a step, whatever the micro-batches
+
+
+def test_activation_checkpointing_under_fsdp2_adds_no_collective() -> None:
+    (plain,) = load_text(fsdp(", tp: 2"))
+    (ac,) = load_text(fsdp(", tp: 2, activation_checkpointing: true"))
+    fsdp_rows = lambda s: [(c.op, c.elements, c.calls) for c in predict(s).collectives if c.axis == "dp"]  # noqa: E731
+    assert fsdp_rows(plain) == fsdp_rows(ac)
+    recompute = [c for c in predict(ac).collectives if "recompute" in c.source]
+    assert recompute and all(c.axis == "tp" for c in recompute)  # only TP's recomputed all-reduce

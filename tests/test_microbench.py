@@ -46,7 +46,8 @@ def test_sweep_save_compare_and_curve(tmp_path: Path) -> None:
     assert {(s.op, s.nbytes) for s in curve.samples} == {(op, n) for op in ("all_reduce", "send_recv") for n in (4, 64)}
     assert set(curve.compute_flops) == {2}
 
-    same = bench(tmp_path, "--benchmark-compare=0001", "--benchmark-compare-fail=median:1000%", "-k", "collective")
+    # the plumbing, not this machine's noise: a busy 2-core machine moved a median x12 between two runs
+    same = bench(tmp_path, "--benchmark-compare=0001", "--benchmark-compare-fail=median:100000%", "-k", "collective")
     assert same.returncode == 0, same.stdout[-3000:]
 
     for b in doc["benchmarks"]:  # a planted baseline 1000x faster than this machine

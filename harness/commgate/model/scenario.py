@@ -962,7 +962,7 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
     if "fsdp" in doc.get(P, {}) and not rule.fsdp:
         fsdp_schemes = " or ".join(repr(n) for n, r in SCHEMES.items() if r.fsdp)
         bad([P, "fsdp"], f"FSDP2 options need scheme {fsdp_schemes}, not {s!r}")
-    if par.sequence_parallel and not rule.tensor:
+    if par.sequence_parallel and not (rule.tensor or (rule.optional_tensor and par.tp > 1)):
         bad([P, "sequence_parallel"], f"true: sequence parallelism runs inside tensor parallelism, not scheme {s!r}")
     elif par.sequence_parallel and par.pp > 1:
         bad([P, "sequence_parallel"], "true: not modelled under DeepSpeed's pipeline engine yet (scheme 3d); use tp")
@@ -974,8 +974,6 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
         )
     if par.dp_replicate > 1 and not rule.fsdp:
         bad([P, "dp_replicate"], f"{par.dp_replicate}: replicas of a sharded model are HSDP, scheme 'fsdp', not {s!r}")
-    if rule.fsdp and par.activation_checkpointing:
-        bad([P, "activation_checkpointing"], "true: not modelled under FSDP2 yet (its recomputation re-gathers)")
     if rule.moe:
         if par.moe is None:
             bad([P], f"scheme {s!r} needs a 'moe' block with 'experts'")

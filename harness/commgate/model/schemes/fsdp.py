@@ -20,6 +20,9 @@
 * HSDP (``dp_replicate`` > 1, a (replicate, shard) mesh): gathers and reduce-scatters run within each
   replica's ``dp`` ranks; each reduce-scattered shard (padded / d elements) is then all-reduced across the
   replicas, in ``reduce_dtype``.
+* Activation checkpointing (per block, torch's non-reentrant checkpoint) adds nothing: a block's
+  recompute runs inside its backward, after the backward all-gather (or with the parameters still
+  gathered), so it gathers nothing more.
 * The optimizer steps on the local shards: no communication.
 """
 

@@ -192,14 +192,15 @@ def _recompute_units(ctx: Context) -> int:
 
 
 def _sequence_parallel(ctx: Context, base: ExpectedCollective, per_stage: int) -> list[ExpectedCollective]:
-    """Megatron-style sequence parallelism on DTensor (scheme tp, one stage): every layer all-gathers
+    """Megatron-style sequence parallelism on DTensor (schemes tp and fsdp, one stage): every layer all-gathers
     its sequence shards before the attention and the MLP and reduce-scatters their row-parallel outputs,
     and the backward mirrors both: the volume of TP's all-reduces, in twice the calls. Besides: the first
     layer's split of the embedding output gathers its gradient in the backward; the output layer gathers
     its input and reduce-scatters that gradient; each norm parameter, replicated while its gradient comes
     out of sequence shards as a DTensor Partial, is all-reduced: by DDP's local-shard hand-over in the
-    backward with dp > 1, or, alone, whenever AdamW reads the gradient (3 times a step on torch 2.13:
-    ``lerp_`` and ``addcmul_``'s two operands)."""
+    backward of every micro-batch with dp > 1, by FSDP2 once a step before its reduce-scatter (in the
+    compute dtype, or in reduce_dtype where micro-batches accumulated it so), or, alone, whenever AdamW
+    reads the gradient (3 times a step on torch 2.13: ``lerp_`` and ``addcmul_``'s two operands)."""
     par, mb = ctx.scenario.parallelism, ctx.scenario.parallelism.micro_batches
     fwd, bwd = Phase.FORWARD, Phase.BACKWARD
     ag, rs = Op.ALL_GATHER, Op.REDUCE_SCATTER
@@ -225,13 +226,27 @@ def _sequence_parallel(ctx: Context, base: ExpectedCollective, per_stage: int) -
     for numel in sorted({p.numel for p in norms}):
         n = sum(1 for p in norms if p.numel == numel)
         resolve = replace(base, elements=numel, paper_term=None)
-        if par.dp > 1:
+        if par.scheme == "fsdp":  # FSDP2 resolves the gradient once a step, when it reduces
+            f = par.fsdp
+            computed = f.param_dtype or ctx.scenario.model.dtype
+            # micro-batches without sync accumulate it cast to reduce_dtype (``to_accumulated_grad_if_needed``)
+            accumulated = f.reduce_dtype if mb > 1 and f.reduce_dtype not in (None, computed) else None
+            rows.append(
+                replace(
+                    resolve,
+                    calls=n,
+                    phase=bwd,
+                    dtype=accumulated or computed,
+                    source="SP norm-parameter gradient all-reduce (Partial -> Replicate, before FSDP2 reduces)",
+                )
+            )
+        elif par.dp > 1:
             rows.append(
                 replace(
                     resolve,
                     calls=n * mb,
                     phase=bwd,
-                    source="SP norm-parameter gradient all-reduce (Partial -> Replicate, handed to DDP)",
+                    source="SP norm-parameter gradient all-reduce (Partial -> Replicate, for the data-parallel engine)",
                 )
             )
         else:

@@ -22,7 +22,7 @@ class FSDPWorkload:
         self.s, self.rank = scenario, rank
         f = scenario.parallelism.fsdp
         torch.manual_seed(0)  # the same initial weights everywhere: fully_shard keeps each rank's own shard
-        model, self.inputs = build(scenario, device)
+        model, self.inputs = build(scenario, device, checkpointing=scenario.parallelism.activation_checkpointing)
         assert isinstance(model, GPT)  # a user's module is not run under FSDP2 (the scenario rules say so)
         par = scenario.parallelism
         self.dp_rank = rank // par.tp  # tensor-parallel ranks read the same data
@@ -30,7 +30,7 @@ class FSDPWorkload:
             mesh = init_device_mesh(device.type, (par.dp_replicate, par.dp), mesh_dim_names=("replicate", "shard"))
         elif par.tp > 1:  # 2-D, as torchtitan: DTensor tensor parallelism inside, FSDP2 over the data-parallel ranks
             mesh_2d = init_device_mesh(device.type, (par.dp, par.tp), mesh_dim_names=("dp", "tp"))
-            parallelize_module(model, mesh_2d["tp"], plan(model))
+            parallelize_module(model, mesh_2d["tp"], plan(model, sequence_parallel=par.sequence_parallel))
             mesh = mesh_2d["dp"]
         else:
             mesh = init_device_mesh(device.type, (par.dp,))
