@@ -101,7 +101,7 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
     if rule.fsdp:  # torch FSDP2: its options, each left to torch's default or drawn
         fsdp: dict[str, Any] = {}
         if rng.random() < 0.6:
-            fsdp["reshard_after_forward"] = rng.choice([True, False, None])
+            fsdp["reshard_after_forward"] = rng.choice([True, False, None, 2])  # 2: to pairs (dp even)
         if rng.random() < 0.4:
             fsdp["reshard_after_backward"] = rng.random() < 0.5
         if rng.random() < 0.5:
@@ -112,7 +112,7 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
             par["fsdp"] = fsdp
         if rng.random() < 0.3:  # HSDP
             par["dp_replicate"] = 2
-        elif rng.random() < 0.3:  # 2-D: DTensor tensor parallelism inside FSDP2, sequence-parallel or not
+        elif rng.random() < 0.3 and fsdp.get("reshard_after_forward") != 2:  # 2-D (int resharding hangs it), SP or not
             par["tp"] = 2
             par["sequence_parallel"] = rng.random() < 0.5
     if zero:

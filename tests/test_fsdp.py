@@ -76,7 +76,7 @@ def test_reshard_after_forward_sets_the_backward_gathers() -> None:
     [
         (HEAD + "parallelism: {scheme: ddp, dp: 2, fsdp: {param_dtype: bf16}}\n", "FSDP2 options need scheme 'fsdp'"),
         (fsdp(", fsdp: {param_dtype: fp16}"), "parallelism.fsdp.param_dtype"),
-        (fsdp(", fsdp: {reshard_after_forward: 2}"), "parallelism.fsdp.reshard_after_forward"),
+        (fsdp(", fsdp: {reshard_after_forward: 1.5}"), "parallelism.fsdp.reshard_after_forward"),
         (fsdp(dp=1), "needs dp >= 2"),
     ],
 )
@@ -159,3 +159,19 @@ def test_activation_checkpointing_under_fsdp2_adds_no_collective() -> None:
     assert fsdp_rows(plain) == fsdp_rows(ac)
     recompute = [c for c in predict(ac).collectives if "recompute" in c.source]
     assert recompute and all(c.axis == "tp" for c in recompute)  # only TP's recomputed all-reduce
+
+
+def test_an_int_reshard_after_forward_gathers_the_backward_within_that_many_ranks() -> None:
+    """reshard_after_forward: 2 on d=4: the forward gathers over the 4 ranks, the backward within pairs
+    (torch's post-forward mesh, ``mesh.view(-1, 2)``); the difference to Eq. 3 is a named term."""
+    (s,) = load_text(fsdp(", fsdp: {reshard_after_forward: 2}", dp=4))
+    p = predict(s)
+    backward = {c.groups for c in p.collectives if c.op is Op.ALL_GATHER and c.phase is Phase.BACKWARD}
+    assert backward == {((0, 1), (2, 3))}
+    assert {c.groups for c in p.collectives if c.phase is Phase.FORWARD} == {((0, 1, 2, 3),)}
+    (c,) = p.comparison()
+    assert c.unexplained_bytes == 0 and "post-forward reshard to fewer ranks" in {r.name for r in c.residuals}
+    with pytest.raises(ScenarioError, match=r"reshard_after_forward: 3: an int must divide dp=4"):
+        load_text(fsdp(", fsdp: {reshard_after_forward: 3}", dp=4))
+    with pytest.raises(ScenarioError, match=r"reshard_after_forward: 2: an int with tensor parallelism hangs"):
+        load_text(fsdp(", tp: 2, fsdp: {reshard_after_forward: 2}", dp=4))

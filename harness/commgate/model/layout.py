@@ -107,5 +107,10 @@ class Layout:
     def hpz_groups(self, pipe: int | None = None) -> tuple[Group, ...]:
         return self._chunks(self.hpz, pipe)
 
+    def dp_chunks(self, size: int) -> tuple[Group, ...]:
+        """Consecutive chunks of ``size`` ranks of every data-parallel group (FSDP2's post-forward groups
+        with an int ``reshard_after_forward``: ``mesh.view(-1, size)``)."""
+        return self._chunks(size, None)
+
     def world(self) -> tuple[Group, ...]:
         return (tuple(range(self.world_size)),)

@@ -54,8 +54,9 @@ class FSDPConfig:
     """torch FSDP2 (``fully_shard``) options: one parameter group per transformer block, the root's
     parameters (embeddings, final norm, head) in one more."""
 
-    reshard_after_forward: bool | None = None
-    """For every group; None leaves torch's choice: the blocks reshard after the forward, the root not."""
+    reshard_after_forward: bool | int | None = None
+    """For every group; None leaves torch's choice: the blocks reshard after the forward, the root not; an
+    int k (dividing dp) reshards to groups of k ranks, so the backward gathers within them."""
     reshard_after_backward: bool = True
     """Between gradient-accumulation micro-batches (False: ``set_reshard_after_backward(False)`` keeps
     the parameters gathered until the last micro-batch)."""
@@ -971,6 +972,15 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
         bad(
             ["deepspeed"],
             "DeepSpeed keys do not apply to torch.distributed.pipelining (parallelism.pipeline.engine: torch)",
+        )
+    k = par.fsdp.reshard_after_forward
+    if rule.fsdp and not isinstance(k, bool) and isinstance(k, int) and par.dp % k:
+        bad([P, "fsdp", "reshard_after_forward"], f"{k}: an int must divide dp={par.dp} (reshards to groups of it)")
+    elif rule.fsdp and not isinstance(k, bool) and isinstance(k, int) and k not in (1, par.dp) and par.tp > 1:
+        bad(
+            [P, "fsdp", "reshard_after_forward"],
+            f"{k}: an int with tensor parallelism hangs torch 2.13's first forward (seen here: ranks wait in "
+            "different collectives while the post-forward mesh is built); use true or false with tp",
         )
     if par.dp_replicate > 1 and not rule.fsdp:
         bad([P, "dp_replicate"], f"{par.dp_replicate}: replicas of a sharded model are HSDP, scheme 'fsdp', not {s!r}")

@@ -64,7 +64,7 @@ def groups(ctx: Context) -> list[Group]:
         if not params:
             continue
         root = layer is None
-        reshard = f.reshard_after_forward if f.reshard_after_forward is not None else not root
+        reshard = _resharded(f.reshard_after_forward, d) if f.reshard_after_forward is not None else not root
         padded = sum(_padded(p, d, par.tp) for p in params)
         out.append(
             Group(
@@ -76,6 +76,19 @@ def groups(ctx: Context) -> list[Group]:
             )
         )
     return out
+
+
+def _resharded(value: bool | int, d: int) -> bool:
+    """Whether a group is resharded after the forward: ``reshard_after_forward`` true or an int k > 1 (to
+    groups of k; k = d is true, k = 1 false, as ``_get_post_forward_mesh_info`` maps them)."""
+    return value if isinstance(value, bool) else value > 1
+
+
+def post_forward_size(ctx: Context) -> int:
+    """The ranks a resharded group's backward all-gather runs over: d, or the int given (torch's
+    post-forward mesh)."""
+    value, d = ctx.scenario.parallelism.fsdp.reshard_after_forward, ctx.scenario.parallelism.dp
+    return value if not isinstance(value, bool) and isinstance(value, int) and value > 1 else d
 
 
 def _padded(p: ParamTensor, d: int, t: int) -> int:
@@ -114,9 +127,12 @@ class FullyShard:
             )
             rows.append(base)
             if g.backward:
+                k = post_forward_size(ctx)
                 rows.append(
                     replace(
                         base,
+                        axis="dp" if k == lay.dp else "hpz",
+                        groups=dp if k == lay.dp else lay.dp_chunks(k),
                         calls=g.backward,
                         phase=Phase.BACKWARD,
                         source=f"FSDP2 parameter all-gather, {g.name} (backward: resharded after forward)",
@@ -186,17 +202,28 @@ class FullyShard:
             )
         extra_bwd = sum((g.backward - 1) * g.padded for g in gs)
         if extra_bwd:
+            value = par.fsdp.reshard_after_forward
             why = {
                 None: "torch does not reshard the root after the forward, so its backward gathers nothing",
                 False: "reshard_after_forward false: nothing is gathered again for the backward",
                 True: "reshard_after_forward true: the root is resharded and gathered again too",
-            }[par.fsdp.reshard_after_forward]
+            }[value if value is None or isinstance(value, bool) else _resharded(value, d)]
             out.append(
                 Residual(
                     term=TERM,
                     name="backward all-gathers",
                     bytes=share * extra_bwd * isz,
                     detail=why + (f"; each of m={m} micro-batches' backwards gathers" if m > 1 else ""),
+                )
+            )
+        k = post_forward_size(ctx)
+        if k != d:
+            out.append(
+                Residual(
+                    term=TERM,
+                    name="post-forward reshard to fewer ranks",
+                    bytes=(Fraction(k - 1, k) - share) * sum(g.backward * g.padded for g in gs) * g_isz,
+                    detail=f"reshard_after_forward={k}: the backward gathers within {k} ranks, Eq. 3 within d={d}",
                 )
             )
         replicas = par.dp_replicate
