@@ -143,6 +143,21 @@ def test_a_stall_fails_early_naming_the_first_divergence(tmp_path: Path) -> None
     assert rank_processes(tmp_path) == []
 
 
+def test_a_rank_stuck_outside_any_call_is_a_stall_too(tmp_path: Path) -> None:
+    """Rank 1 blocks outside any collective (as in a rendezvous, or building a process group its peers never
+    build) while rank 0 waits in the all-reduce: not every rank is in a call, but nothing moves for 3 x
+    stall_s, so the run fails long before the deadline and names the rank outside."""
+    s = scenario(extra="workload: commgate.run.workloads.faults:wedge\ndeadline_s: 300\nstall_s: 2\n")
+    with pytest.raises(RunError) as info:
+        launch_local(s, workdir=tmp_path)
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith("t: stalled: no rank issued or completed a call for ")  # not the deadline's
+    assert "rank(s) 1 outside any call (a rendezvous" in lines[0]
+    assert any(line.startswith("    rank 0: in all_reduce (group [0, 1], 16 B, step 1") for line in lines)
+    assert any(line.startswith("    rank 1: outside any call; its last, completed: all_reduce") for line in lines)
+    assert rank_processes(tmp_path) == []
+
+
 def test_the_divergence_of_call_sequences() -> None:
     from commgate.run.launcher import divergence
 

@@ -175,6 +175,8 @@ def _log_tail(tmp: Path, rank: int, lines: int = 20) -> str:
 
 STALL_MIN_S = 10.0
 """The stall watchdog's least patience (a scenario's ``stall_s`` overrides it)."""
+PARTIAL_STALL = 3
+"""With some rank outside any call, no progress for this many times the watchdog's limit is a stall too."""
 
 
 class Watchdog:
@@ -182,7 +184,9 @@ class Watchdog:
     every running rank is blocked — in a call it issued, or in the teardown after its steps — and no rank
     has issued or completed a call for ``stall_s`` (a rank still starting, compiling or computing is not
     blocked, so the ranks' start-up never counts), by default
-    max(STALL_MIN_S, 2 x the slowest step seen + 5 s). The deadline stays the backstop."""
+    max(STALL_MIN_S, 2 x the slowest step seen + 5 s); or some rank waits in a call and nothing has moved
+    for ``PARTIAL_STALL`` times that (another rank is stuck outside any call: a rendezvous, a process group
+    only some ranks build). The deadline stays the backstop."""
 
     def __init__(self, tmp: Path, world: int, stall_s: float | None) -> None:
         self.tmp, self.world, self.stall_s = tmp, world, stall_s
@@ -218,7 +222,12 @@ class Watchdog:
             not alive or b.get("steps_ns") or b.get("open", 0) > 0 for alive, b in zip(running, beats, strict=True)
         )
         waited = now - self.since
-        return waited if blocked and started and waited > self.limit(beats) else None
+        if blocked and started and waited > self.limit(beats):
+            return waited
+        # a rank waits in a call while another is stuck outside any (a rendezvous, a group only some ranks
+        # build): nothing moves anywhere for PARTIAL_STALL x the limit, which no start-up or compute explains
+        waiting = any(alive and b.get("open", 0) > 0 for alive, b in zip(running, beats, strict=True))
+        return waited if waiting and started and waited > PARTIAL_STALL * self.limit(beats) else None
 
 
 def _stall_report(scenario: Scenario, tmp: Path, procs: list[BaseProcess], waited: float) -> str:
@@ -233,7 +242,14 @@ def _stall_report(scenario: Scenario, tmp: Path, procs: list[BaseProcess], waite
     for r in running:
         with contextlib.suppress(OSError, ValueError):
             dumps[r] = json.loads((tmp / f"rank{r}.calls.json").read_text())
-    lines = [f"{scenario.id}: stalled: no rank issued or completed a call for {waited:.0f} s, every rank blocked"]
+    outside = [r for r in running if not _in_call(tmp, r)]
+    who = (
+        f"rank(s) {', '.join(map(str, outside))} outside any call (a rendezvous, a process group its peers do "
+        "not build, or a very long computation; raise stall_s if it is the latter)"
+        if outside
+        else "every rank blocked"
+    )
+    lines = [f"{scenario.id}: stalled: no rank issued or completed a call for {waited:.0f} s, {who}"]
     parted = divergence({r: d["calls"] for r, d in dumps.items()})
     lines.append(f"  first divergence: {parted}" if parted else "  the ranks issued the same calls (a peer is slow?)")
     lines.append("  each rank:")
@@ -245,8 +261,19 @@ def _stall_report(scenario: Scenario, tmp: Path, procs: list[BaseProcess], waite
             state = f"finished its steps, in teardown (waiting for its peers); last call {text or 'none'}"
         else:
             state = f"in {text}" if text else "no call issued yet"
+            if r in outside and text:
+                state = f"outside any call; its last, completed: {text}"
         lines.append(f"    rank {r}: {state}")
     return "\n".join(lines)
+
+
+def _in_call(tmp: Path, rank: int) -> bool:
+    """Whether the rank's last heartbeat has a call open, or its steps are over (waiting in the teardown)."""
+    try:
+        beat = json.loads((tmp / f"rank{rank}.beat").read_bytes().strip() or b"null") or {}
+    except (OSError, ValueError):
+        return False
+    return bool(beat.get("open", 0) > 0 or beat.get("teardown"))
 
 
 def _call_key(rank: int, call: dict[str, Any]) -> tuple[tuple[Any, ...], tuple[int, ...], Any]:

@@ -9,13 +9,16 @@ Each all-reduces a small tensor every step; at step 1, rank 1 misbehaves:
 * ``hang``: skips the step's all-reduce and waits for a message nobody sends, so that rank 0 is stuck
   in the all-reduce and rank 1 in the receive until the deadline;
 * ``skip``: skips the step's all-reduce and goes on, so that its later all-reduces meet rank 0's earlier
-  ones and rank 0 is left waiting in its last while rank 1 has finished (the stall watchdog's case).
+  ones and rank 0 is left waiting in its last while rank 1 has finished (the stall watchdog's case);
+* ``wedge``: blocks outside any collective (as a rank stuck in a rendezvous, or building a process
+  group its peers never build), so that rank 0 waits in the all-reduce alone.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import torch
 import torch.distributed as dist
@@ -60,6 +63,11 @@ class _Skip(_Faulty):
         pass
 
 
+class _Wedge(_Faulty):
+    def misbehave(self) -> None:
+        threading.Event().wait()  # forever, in no call
+
+
 class _Hang(_Faulty):
     def misbehave(self) -> None:
         dist.recv(torch.empty(1, device=self.device), src=0)
@@ -83,3 +91,7 @@ def skip(scenario: Scenario, *, rank: int, device: torch.device) -> _Faulty:
 
 def hang(scenario: Scenario, *, rank: int, device: torch.device) -> _Faulty:
     return _Hang(scenario, rank=rank, device=device)
+
+
+def wedge(scenario: Scenario, *, rank: int, device: torch.device) -> _Faulty:
+    return _Wedge(scenario, rank=rank, device=device)
