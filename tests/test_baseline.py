@@ -12,7 +12,7 @@ import pytest
 from commgate.judge import baseline as bl
 from commgate.judge.drift import RunLatency, cold_starts, envelope, shifts, summarize
 from commgate.model.collectives import Op
-from commgate.model.scenario import ColdStartRule, LatencyRule, Tolerance
+from commgate.model.scenario import ColdStartRule, LatencyRule, Scenario, Tolerance
 from commgate.run.capture import Capture, CapturedCall, StepWindow
 
 DATA = Path(__file__).parent / "data" / "baselines"
@@ -229,10 +229,9 @@ def test_another_scenarios_baseline_is_a_one_line_error(tmp_path: Path) -> None:
     assert "\n" not in str(info.value)
 
 
-def test_a_shift_is_confirmed_by_reruns_and_a_speed_up_is_never_a_failure() -> None:
-    """With ``latency.action: fail`` a slower op fails the gate only if the reruns are slower too; one
-    that got faster (in the reruns too) is reported as a warning only."""
-    from commgate.judge.gate import against_latency
+def _three_stored_runs_and_a_failing_rule() -> tuple[bl.Baseline, str, Scenario]:
+    """The DDP baseline with 3 stored runs of 4 ms all-reduces, its hardware, and the scenario with
+    ``latency.action: fail``."""
     from commgate.model.scenario import load_text
 
     stored = bl.load(DATA / "ddp.json")
@@ -242,6 +241,15 @@ def test_a_shift_is_confirmed_by_reruns_and_a_speed_up_is_never_a_failure() -> N
         "schema_version: 1\nname: ddp-19m-dp4\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: ddp, dp: 4}\n"
         "expectations: {baseline: {latency: {action: fail}}}\n"
     )
+    return stored, hw, s
+
+
+def test_a_shift_is_confirmed_by_reruns_and_a_speed_up_is_never_a_failure() -> None:
+    """With ``latency.action: fail`` a slower op fails the gate only if the reruns are slower too; one
+    that got faster (in the reruns too) is reported as a warning only."""
+    from commgate.judge.gate import against_latency
+
+    stored, hw, s = _three_stored_runs_and_a_failing_rule()
     reruns: list[float] = []
 
     def rerun(ms: float) -> Capture:
@@ -294,15 +302,8 @@ def test_latency_is_not_judged_where_a_host_has_more_ranks_than_cores() -> None:
     from commgate.judge.gate import evaluate
     from commgate.judge.reconcile import reconcile
     from commgate.model.predict import predict
-    from commgate.model.scenario import load_text
 
-    stored = bl.load(DATA / "ddp.json")
-    hw = stored.provenance["hardware"]
-    stored = replace(stored, latency={hw: tuple(summarize(_capture(ms)) for ms in (4.0, 4.2, 4.1))})
-    (s,) = load_text(
-        "schema_version: 1\nname: ddp-19m-dp4\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: ddp, dp: 4}\n"
-        "expectations: {baseline: {latency: {action: fail}}}\n"
-    )
+    stored, hw, s = _three_stored_runs_and_a_failing_rule()
     for crowded in (None, "4 ranks on 2 cores"):
         cap = replace(_capture(12.0), stack={"hardware": hw, "oversubscribed": crowded})
         now = replace(stored, latency={hw: (summarize(cap),)})

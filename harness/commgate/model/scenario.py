@@ -65,6 +65,23 @@ class FSDPConfig:
     reduce_dtype: Literal["fp32", "bf16"] | None = None
     """``MixedPrecisionPolicy.reduce_dtype``: what is reduce-scattered; None: ``param_dtype``."""
 
+    @property
+    def reshard_group(self) -> int | None:
+        """The int ``reshard_after_forward`` (the post-forward group size), None when it is a bool or unset."""
+        k = self.reshard_after_forward
+        return None if k is None or isinstance(k, bool) else k
+
+    @property
+    def reshards(self) -> bool | None:
+        """Whether groups reshard after the forward, as torch reads the setting (an int k > 1 does, to groups
+        of k; 1 does not); None when unset (torch's choice: the blocks do, the root does not)."""
+        k = self.reshard_after_forward
+        return k if k is None or isinstance(k, bool) else k > 1
+
+    def compute_dtype(self, model_dtype: str) -> str:
+        """The dtype the layers compute in (and the gathers move): ``param_dtype``, else the parameters'."""
+        return self.param_dtype or model_dtype
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PipelineConfig:
@@ -74,6 +91,11 @@ class PipelineConfig:
     schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
     virtual_stages: int = 1
     """Stages per rank (interleaved schedules: stage k on rank k mod pp)."""
+
+    @property
+    def looped(self) -> bool:
+        """The schedule runs several stages per rank (torch's ``_PipelineScheduleRuntime``)."""
+        return self.schedule in ("interleaved-1f1b", "zero-bubble")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -861,7 +883,7 @@ def _check_pipeline(doc_par: Any, m: ModelSpec, par: Parallelism, bad: Bad) -> N
     if "pipeline" in doc_par and not SCHEMES[s].pipeline:
         bad([*P], f"a pipeline engine needs a pipeline scheme (pp or 3d), not {s!r}")
         return
-    interleaved = pl.schedule in ("interleaved-1f1b", "zero-bubble")
+    interleaved = pl.looped
     if pl.engine == "deepspeed":
         if pl.schedule != "1f1b" or pl.virtual_stages != 1:
             bad([*P, "schedule"], f"{pl.schedule}: DeepSpeed's engine runs its own 1F1B; engine: torch for others")
@@ -973,10 +995,10 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
             ["deepspeed"],
             "DeepSpeed keys do not apply to torch.distributed.pipelining (parallelism.pipeline.engine: torch)",
         )
-    k = par.fsdp.reshard_after_forward
-    if rule.fsdp and not isinstance(k, bool) and isinstance(k, int) and par.dp % k:
+    k = par.fsdp.reshard_group
+    if rule.fsdp and k is not None and par.dp % k:
         bad([P, "fsdp", "reshard_after_forward"], f"{k}: an int must divide dp={par.dp} (reshards to groups of it)")
-    elif rule.fsdp and not isinstance(k, bool) and isinstance(k, int) and k not in (1, par.dp) and par.tp > 1:
+    elif rule.fsdp and k is not None and k not in (1, par.dp) and par.tp > 1:
         bad(
             [P, "fsdp", "reshard_after_forward"],
             f"{k}: an int with tensor parallelism hangs torch 2.13's first forward (seen here: ranks wait in "

@@ -204,19 +204,13 @@ class Watchdog:
         if now < self.next_look:
             return None
         self.next_look = now + 0.25
-        beats: list[dict[str, Any]] = []
-        for r in range(self.world):
-            try:
-                beats.append(json.loads((self.tmp / f"rank{r}.beat").read_bytes().strip() or b"null") or {})
-            except (OSError, ValueError):
-                beats.append({})
+        beats = [_beat(self.tmp, r) for r in range(self.world)]
         progress = tuple((b.get("issued"), b.get("done"), b.get("teardown")) for b in beats)
         if progress != self.seen:
             self.seen, self.since = progress, now
             return None
         blocked = all(
-            not alive or (b.get("issued") is not None and (b.get("open", 0) > 0 or b.get("teardown")))
-            for alive, b in zip(running, beats, strict=True)
+            not alive or (b.get("issued") is not None and _in_call(b)) for alive, b in zip(running, beats, strict=True)
         )
         started = all(
             not alive or b.get("steps_ns") or b.get("open", 0) > 0 for alive, b in zip(running, beats, strict=True)
@@ -242,7 +236,7 @@ def _stall_report(scenario: Scenario, tmp: Path, procs: list[BaseProcess], waite
     for r in running:
         with contextlib.suppress(OSError, ValueError):
             dumps[r] = json.loads((tmp / f"rank{r}.calls.json").read_text())
-    outside = [r for r in running if not _in_call(tmp, r)]
+    outside = [r for r in running if not _in_call(_beat(tmp, r))]
     who = (
         f"rank(s) {', '.join(map(str, outside))} outside any call (a rendezvous, a process group its peers do "
         "not build, or a very long computation; raise stall_s if it is the latter)"
@@ -267,12 +261,17 @@ def _stall_report(scenario: Scenario, tmp: Path, procs: list[BaseProcess], waite
     return "\n".join(lines)
 
 
-def _in_call(tmp: Path, rank: int) -> bool:
-    """Whether the rank's last heartbeat has a call open, or its steps are over (waiting in the teardown)."""
+def _beat(tmp: Path, rank: int) -> dict[str, Any]:
+    """The rank's last heartbeat (``commgate.run.rank._heartbeat``); empty before its first."""
     try:
-        beat = json.loads((tmp / f"rank{rank}.beat").read_bytes().strip() or b"null") or {}
+        beat: dict[str, Any] = json.loads((tmp / f"rank{rank}.beat").read_bytes().strip() or b"null") or {}
     except (OSError, ValueError):
-        return False
+        return {}
+    return beat
+
+
+def _in_call(beat: dict[str, Any]) -> bool:
+    """Whether a heartbeat shows a call open, or the steps over (the rank waiting in the teardown)."""
     return bool(beat.get("open", 0) > 0 or beat.get("teardown"))
 
 

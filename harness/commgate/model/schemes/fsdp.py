@@ -64,7 +64,7 @@ def groups(ctx: Context) -> list[Group]:
         if not params:
             continue
         root = layer is None
-        reshard = _resharded(f.reshard_after_forward, d) if f.reshard_after_forward is not None else not root
+        reshard = (not root) if f.reshards is None else f.reshards
         padded = sum(_padded(p, d, par.tp) for p in params)
         out.append(
             Group(
@@ -78,17 +78,11 @@ def groups(ctx: Context) -> list[Group]:
     return out
 
 
-def _resharded(value: bool | int, d: int) -> bool:
-    """Whether a group is resharded after the forward: ``reshard_after_forward`` true or an int k > 1 (to
-    groups of k; k = d is true, k = 1 false, as ``_get_post_forward_mesh_info`` maps them)."""
-    return value if isinstance(value, bool) else value > 1
-
-
 def post_forward_size(ctx: Context) -> int:
-    """The ranks a resharded group's backward all-gather runs over: d, or the int given (torch's
-    post-forward mesh)."""
-    value, d = ctx.scenario.parallelism.fsdp.reshard_after_forward, ctx.scenario.parallelism.dp
-    return value if not isinstance(value, bool) and isinstance(value, int) and value > 1 else d
+    """The ranks a resharded group's backward all-gather runs over: d, or the int ``reshard_after_forward``
+    (torch's post-forward mesh; k = d is true, k = 1 false, as ``_get_post_forward_mesh_info`` maps them)."""
+    k, d = ctx.scenario.parallelism.fsdp.reshard_group, ctx.scenario.parallelism.dp
+    return k if k is not None and k > 1 else d
 
 
 def _padded(p: ParamTensor, d: int, t: int) -> int:
@@ -103,7 +97,7 @@ def _padded(p: ParamTensor, d: int, t: int) -> int:
 def _dtypes(ctx: Context) -> tuple[str, str]:
     """(all-gather dtype, reduce-scatter dtype) by the mixed-precision policy."""
     f, dtype = ctx.scenario.parallelism.fsdp, ctx.scenario.model.dtype
-    gather = f.param_dtype or dtype
+    gather = f.compute_dtype(dtype)
     return gather, f.reduce_dtype or gather
 
 
@@ -202,12 +196,11 @@ class FullyShard:
             )
         extra_bwd = sum((g.backward - 1) * g.padded for g in gs)
         if extra_bwd:
-            value = par.fsdp.reshard_after_forward
             why = {
                 None: "torch does not reshard the root after the forward, so its backward gathers nothing",
                 False: "reshard_after_forward false: nothing is gathered again for the backward",
                 True: "reshard_after_forward true: the root is resharded and gathered again too",
-            }[value if value is None or isinstance(value, bool) else _resharded(value, d)]
+            }[par.fsdp.reshards]
             out.append(
                 Residual(
                     term=TERM,

@@ -182,8 +182,8 @@ def _recomputed(ctx: Context) -> int:
 def activation_dtype(ctx: Context) -> str:
     """The dtype the layers compute in, so the activations TP moves: the parameters', or under FSDP2 its
     mixed-precision policy's ``param_dtype`` (the gathered parameters are cast to it)."""
-    par = ctx.scenario.parallelism
-    return (par.fsdp.param_dtype if par.scheme == "fsdp" else None) or ctx.scenario.model.dtype
+    par, dtype = ctx.scenario.parallelism, ctx.scenario.model.dtype
+    return par.fsdp.compute_dtype(dtype) if par.scheme == "fsdp" else dtype
 
 
 def _recompute_units(ctx: Context) -> int:
@@ -228,7 +228,7 @@ def _sequence_parallel(ctx: Context, base: ExpectedCollective, per_stage: int) -
         resolve = replace(base, elements=numel, paper_term=None)
         if par.scheme == "fsdp":  # FSDP2 resolves the gradient once a step, when it reduces
             f = par.fsdp
-            computed = f.param_dtype or ctx.scenario.model.dtype
+            computed = f.compute_dtype(ctx.scenario.model.dtype)
             # micro-batches without sync accumulate it cast to reduce_dtype (``to_accumulated_grad_if_needed``)
             accumulated = f.reduce_dtype if mb > 1 and f.reduce_dtype not in (None, computed) else None
             rows.append(

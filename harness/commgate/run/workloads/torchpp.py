@@ -65,10 +65,11 @@ class TorchPipelineWorkload:
                 input_grads=(None,) if first else hidden,
             )
             self.stages.append(stage)
-        self.first, self.last = 0 in {s.stage_index for s in self.stages}, n - 1 in {s.stage_index for s in self.stages}
+        indices = {stage.stage_index for stage in self.stages}
+        self.first, self.last = 0 in indices, n - 1 in indices
         cls = getattr(pipelining, TORCH_SCHEDULES[par.pipeline.schedule])
-        looped = par.pipeline.schedule in ("interleaved-1f1b", "zero-bubble")
-        self.schedule = cls(self.stages if looped else self.stages[0], n_microbatches=par.micro_batches, loss_fn=_loss)
+        own = self.stages if par.pipeline.looped else self.stages[0]
+        self.schedule = cls(own, n_microbatches=par.micro_batches, loss_fn=_loss)
         params = [p for s in self.stages for p in s.submod.parameters()]
         self.optimizer = torch.optim.AdamW(params, lr=1e-4)
 
