@@ -2,8 +2,9 @@
 gloo: scheme, model dimensions and switches, dp/tp/pp, micro-batch size and count, activation
 checkpointing, parameter dtype, architecture (GPT-NeoX or Llama-style, or a user's own module), bucket
 sizes, ZeRO stages, hpZ, MoE, DeepSpeed knobs, FSDP2's resharding and mixed precision, HSDP, sequence
-parallelism, torch.distributed.pipelining's schedules. Used by ``tests/test_generated.py``; the same seed
-always gives the same scenarios, so a failure is replayed with its seed.
+parallelism, torch.distributed.pipelining's schedules, context parallelism (its rotation, with TP or
+not). Used by ``tests/test_generated.py``; the same seed always gives the same scenarios, so a failure
+is replayed with its seed.
 
     python tests/scenario_gen.py SEED [COUNT]    # print the scenario documents as YAML
 """
@@ -115,6 +116,16 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
         elif rng.random() < 0.3 and fsdp.get("reshard_after_forward") != 2:  # 2-D (int resharding hangs it), SP or not
             par["tp"] = 2
             par["sequence_parallel"] = rng.random() < 0.5
+    if rule.context:  # ring attention: cp ranks (an odd ring too), the rotation, TP inside or not
+        par["cp"] = rng.choice([2, 2, 3, 4])
+        if rng.random() < 0.5:
+            par["cp_rotate"] = rng.choice(["allgather", "alltoall"])
+        if "module" not in model:  # the sequence splits evenly; torch load-balances when 2*cp divides it
+            model["s"] = par["cp"] * rng.choice([4, 5, 8, 16])
+        if rng.random() < 0.35:
+            par["tp"] = 2
+        ranks = par["cp"] * par.get("tp", 1)
+        par["dp"] = rng.choice([d for d in (1, 2, 3, 4) if d * ranks <= MAX_WORLD])
     if zero:
         par["zero"] = zero
     doc: dict[str, Any] = {}

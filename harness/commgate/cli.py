@@ -49,6 +49,7 @@ def _add_predict(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     g.add_argument("--qwz", action="store_true", help="ZeRO++ quantized weights")
     g.add_argument("--qgz", action="store_true", help="ZeRO++ quantized gradients")
     g.add_argument("--dp-replicate", type=int, help="HSDP replicas of the model sharded over --dp (scheme fsdp)")
+    g.add_argument("--cp", type=int, help="context-parallel degree (scheme cp)")
     g.add_argument("--param-dtype", choices=["fp32", "bf16"], help="FSDP2 mixed precision: the gathers' dtype")
     g.add_argument("--reduce-dtype", choices=["fp32", "bf16"], help="FSDP2 mixed precision: the reductions' dtype")
     g.add_argument(
@@ -89,6 +90,8 @@ def _flags_document(a: argparse.Namespace) -> dict[str, Any]:
         par["moe"] = {"experts": a.experts, "ep": a.ep}
     if a.dp_replicate is not None:
         par["dp_replicate"] = a.dp_replicate
+    if a.cp is not None:
+        par["cp"] = a.cp
     fsdp: dict[str, Any] = {"param_dtype": a.param_dtype, "reduce_dtype": a.reduce_dtype}
     if a.reshard_after_forward is not None:
         fsdp["reshard_after_forward"] = a.reshard_after_forward == "true"

@@ -170,7 +170,9 @@ class Context:
     @cached_property
     def layout(self) -> Layout:
         par = self.scenario.parallelism
-        return Layout(dp=par.dp, tp=par.tp, pp=par.pp, ep=par.ep, hpz=par.zero.hpz, replicate=par.dp_replicate)
+        return Layout(
+            dp=par.data_ranks, tp=par.tp, pp=par.pp, ep=par.ep, hpz=par.zero.hpz, replicate=par.dp_replicate, cp=par.cp
+        )
 
     @cached_property
     def params(self) -> tuple[ParamTensor, ...]:
@@ -268,9 +270,14 @@ class Context:
         return "the module's parameter count" if m.module else "Llama counterpart of Eq. 1" if m.llama else "Eq. 1"
 
     @property
+    def seq(self) -> int:
+        """The sequence length a rank computes: s, or its context-parallel part s/cp."""
+        return self.scenario.model.s // self.scenario.parallelism.cp
+
+    @property
     def bsh(self) -> int:
         m, par = self.scenario.model, self.scenario.parallelism
-        return par.micro_batch * m.s * m.h
+        return par.micro_batch * self.seq * m.h
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -7,6 +7,10 @@ The order is DeepSpeed's ``PipeModelDataParallelTopology`` (axes pipe, data, mod
 consecutive chunks of ``ep`` ranks and expert-data-parallel groups take one rank of each chunk.
 ZeRO++ hpZ groups are consecutive chunks of ``hpz`` ranks of a data-parallel group.
 
+Context parallelism (torchtitan's mesh ``(dp, cp, tp)``): ``dp`` here counts every rank of a gradient
+reduction, the scenario's dp times cp (``Parallelism.data_ranks``); the context-parallel groups are
+consecutive chunks of ``cp`` ranks of each data-parallel group, like hpZ's.
+
 HSDP (``replicate`` > 1, torch's ``init_device_mesh(..., (replicate, dp))``, data parallelism alone):
 ``rank = replica * dp + data``; the sharding (dp) groups are consecutive ranks, the replicate groups
 take one rank of each replica.
@@ -20,7 +24,7 @@ import functools
 from dataclasses import dataclass
 from typing import Literal
 
-Axis = Literal["dp", "tp", "pp", "mp", "ep", "edp", "hpz", "rep", "world"]
+Axis = Literal["dp", "tp", "pp", "mp", "ep", "edp", "hpz", "rep", "cp", "world"]
 Group = tuple[int, ...]
 
 
@@ -33,6 +37,8 @@ class Layout:
     hpz: int = 1
     replicate: int = 1
     """HSDP replicas (with tp = pp = 1)."""
+    cp: int = 1
+    """Context-parallel ranks, consecutive within each data-parallel group (``dp`` counts them too)."""
 
     def __post_init__(self) -> None:
         if self.replicate > 1 and self.tp * self.pp > 1:
@@ -106,6 +112,10 @@ class Layout:
 
     def hpz_groups(self, pipe: int | None = None) -> tuple[Group, ...]:
         return self._chunks(self.hpz, pipe)
+
+    def cp_groups(self) -> tuple[Group, ...]:
+        """The ranks that split one sequence (the same data-parallel replica and tensor-parallel rank)."""
+        return self._chunks(self.cp, None)
 
     def dp_chunks(self, size: int) -> tuple[Group, ...]:
         """Consecutive chunks of ``size`` ranks of every data-parallel group (FSDP2's post-forward groups

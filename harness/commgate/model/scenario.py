@@ -120,6 +120,11 @@ class Parallelism:
     """Megatron-style sequence parallelism inside the tensor-parallel groups (DTensor ``SequenceParallel``)."""
     dp_replicate: int = 1
     """HSDP replicas (scheme fsdp): the model is sharded over ``dp`` ranks and replicated this many times."""
+    cp: int = 1
+    """Context-parallel degree (scheme cp): each sequence split over cp ranks, attention by torch's ring."""
+    cp_rotate: Literal["allgather", "alltoall"] = "allgather"
+    """How torch's ring attention passes K/V (``set_rotate_method``): one all-gather per attention, or
+    cp-1 all-to-all rotations."""
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     moe: MoEConfig | None = None
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
@@ -134,13 +139,20 @@ class Parallelism:
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp * self.tp * self.pp
+        return self.dp_replicate * self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks of one gradient reduction (DDP) or parameter sharding (FSDP2): dp, times cp, since each
+        context-parallel rank computes gradients from its own part of the sequences."""
+        return self.dp * self.cp
 
     @property
     def axes(self) -> str:
         """How the world size is made, for messages: ``dp*tp*pp = 2*2*1``."""
         rep = (f"{self.dp_replicate}*", "dp_replicate*") if self.dp_replicate > 1 else ("", "")
-        return f"{rep[1]}dp*tp*pp = {rep[0]}{self.dp}*{self.tp}*{self.pp}"
+        cp = (f"{self.cp}*", "cp*") if self.cp > 1 else ("", "")
+        return f"{rep[1]}dp*{cp[1]}tp*pp = {rep[0]}{self.dp}*{cp[0]}{self.tp}*{self.pp}"
 
     @property
     def ep(self) -> int:
@@ -1004,6 +1016,7 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
             f"{k}: an int with tensor parallelism hangs torch 2.13's first forward (seen here: ranks wait in "
             "different collectives while the post-forward mesh is built); use true or false with tp",
         )
+    _check_context(doc.get(P, {}), m, par, bad)
     if par.dp_replicate > 1 and not rule.fsdp:
         bad([P, "dp_replicate"], f"{par.dp_replicate}: replicas of a sharded model are HSDP, scheme 'fsdp', not {s!r}")
     if rule.moe:
@@ -1022,6 +1035,23 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
     elif par.moe is not None:
         moe_schemes = " or ".join(repr(n) for n, r in SCHEMES.items() if r.moe)
         bad([P, "moe"], f"MoE settings need scheme {moe_schemes}, not {s!r}")
+
+
+def _check_context(doc_par: Any, m: ModelSpec, par: Parallelism, bad: Bad) -> None:
+    """Context parallelism: scheme cp alone, whose sequences split evenly over the cp ranks."""
+    P, s = "parallelism", par.scheme
+    cp_schemes = " or ".join(repr(n) for n, r in SCHEMES.items() if r.context)
+    if SCHEMES[s].context and par.cp < 2:
+        bad([P, "cp"], f"{par.cp}: scheme {s!r} needs cp >= 2")
+    elif not SCHEMES[s].context and par.cp != 1:
+        bad([P, "cp"], f"{par.cp}: scheme {s!r} has no context parallelism; use scheme {cp_schemes}")
+    elif par.cp > 1:
+        if m.module is None and m.s % par.cp:  # (a user's module is refused under scheme cp with the others)
+            bad([P, "cp"], f"{par.cp}: sequence length s={m.s} is not divisible by cp")
+        if par.sequence_parallel:
+            bad([P, "sequence_parallel"], "true: sequence parallelism with context parallelism is not modelled yet")
+    if isinstance(doc_par, dict) and "cp_rotate" in doc_par and par.cp < 2:
+        bad([P, "cp_rotate"], f"{par.cp_rotate}: rotates K/V between context-parallel ranks; needs scheme {cp_schemes}")
 
 
 def _build_expectations(e: dict[str, Any]) -> Expectations:

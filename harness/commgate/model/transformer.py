@@ -321,10 +321,11 @@ def logit_flops(m: ModelSpec, b: int) -> float:
 
 def step_flops(m: ModelSpec, par: Parallelism) -> float:
     """Training FLOPs per step on one rank of the busiest pipeline stage: forward x 3 (x 4 with activation
-    checkpointing, which re-runs the forward), divided over the TP group."""
+    checkpointing, which re-runs the forward), divided over the TP group and the context-parallel group (each
+    rank computes s/cp of the tokens; torch's load balancing evens out the causal attention)."""
     layers = -(-m.L // par.pp)  # the fullest stage
     fwd = layers * layer_flops(m, par.micro_batch)
     if par.pp == 1 or m.L % par.pp == 0:
         fwd += logit_flops(m, par.micro_batch)  # the last stage computes the logits as well
     passes = 4 if par.activation_checkpointing else 3
-    return passes * fwd * par.micro_batches / par.tp
+    return passes * fwd * par.micro_batches / (par.tp * par.cp)

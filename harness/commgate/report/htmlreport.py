@@ -207,6 +207,35 @@ def sweeps(scenarios: list[dict[str, Any]]) -> dict[str, tuple[str, str, list[di
     return out
 
 
+def plot_sequence_length(scenarios: list[dict[str, Any]], path: Path) -> str | None:
+    """Every family swept over the sequence length on one log-log plot: bytes per step over all ranks,
+    the model's line and the measured circles, labelled with the family's scheme."""
+    fams = {name: members for name, (key, _, members) in sweeps(scenarios).items() if key == "s"}
+    if not fams:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8.5, 4.2))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (name, members) in enumerate(sorted(fams.items())):
+        color = colors[i % len(colors)]
+        xs = [_x(m, "model", "s") for m in members]
+        pred = [sum(_modelled(o) for o in m["collectives"]) for m in members]
+        meas = [sum(o["measured_bytes"] for o in m["collectives"]) for m in members]
+        scheme = members[0]["prediction"]["parallelism"]["scheme"]
+        ax.plot(xs, pred, "-", color=color, label=f"{name} ({scheme})")
+        ax.plot(xs, meas, "o", color=color, mfc="none", ms=7)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    xs = sorted({_x(m, "model", "s") for members in fams.values() for m in members})
+    ax.set_xticks(xs, [str(v) for v in xs])
+    ax.set_xlabel("sequence length s (tokens)")
+    _bytes_axis(ax, "y")
+    ax.set_ylabel("bytes per step, all ranks (log)")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
 def plot_sweeps(scenarios: list[dict[str, Any]], path: Path) -> str | None:
     """Per family: bytes per step per collective against the swept field (model lines, measured circles),
     and the share of rank 0's step with a call in flight (the APNet model and the run)."""
@@ -434,6 +463,10 @@ FIGURES = (
     ("time", "Iteration-time model", "APNet: T_iter = T_comp + T_TP + T_PP + T_DP + T_bubble for rank 0, from "
      "the bandwidth curve C and the measured GEMM rate; lower bar: the measured step and the time a call was in "
      "flight."),
+    ("seqlen", "Volume against sequence length, per scheme", "Anthony et al., Figs. 14-15, with context "
+     "parallelism, which they do not study: every family swept over s, its bytes per step over all ranks (model "
+     "lines, measured circles). Tensor, pipeline and context parallelism move activations and grow linearly in s; "
+     "data parallelism moves parameters and stays flat (but for a learned position table of s rows)."),
     ("sweeps", "Sweeps", "Sequence-length sweeps (Anthony et al., Figs. 14-15) and strong/weak scaling (Qi et al.): "
      "volume per collective (model lines, measured circles) and the communication fraction, model and measured."),
 )  # fmt: skip
@@ -517,6 +550,7 @@ def write(out: Path, doc: dict[str, Any], *, progress: Callable[[str], None] | N
             ("volume", plot_volume, "volume.png"),
             ("predicted", plot_predicted_measured, "predicted_vs_measured.png"),
             ("time", plot_time_model, "time_model.png"),
+            ("seqlen", plot_sequence_length, "sequence_length.png"),
             ("sweeps", plot_sweeps, "sweeps.png"),
         )
         for i, (key, plot, name) in enumerate(drawn):

@@ -169,7 +169,14 @@ def prediction_text(p: Prediction, *, matrix: bool = False, detail: bool = False
     """The prediction for people: by default one row per phase, op and axis (``detail``: every row of
     the model, per bucket and layer), the job's totals, then the paper's equations against the model."""
     s, m, par = p.scenario, p.scenario.model, p.scenario.parallelism
-    pairs = (("dp_replicate", par.dp_replicate), ("dp", par.dp), ("tp", par.tp), ("pp", par.pp), ("ep", par.ep))
+    pairs = (
+        ("dp_replicate", par.dp_replicate),
+        ("dp", par.dp),
+        ("cp", par.cp),
+        ("tp", par.tp),
+        ("pp", par.pp),
+        ("ep", par.ep),
+    )
     axes = ", ".join(f"{k}={v}" for k, v in pairs if v > 1)
     ctx = Context(scenario=s)
     eq1 = f"{ctx.eq1_name}: {ctx.eq1:,}" if m.llama else f"Eq. 1: {p.param_count_eq1:,}"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Residual
+from commgate.model.schemes.context import ContextParallel
 from commgate.model.schemes.ddp import DistributedDataParallel
 from commgate.model.schemes.deepspeed_zero import DeepSpeedZero3, DeepSpeedZero12
 from commgate.model.schemes.fsdp import FullyShard
@@ -57,6 +58,8 @@ class Scheme:
     """Needs (and alone allows) a ``moe`` block."""
     fsdp: bool = False
     """Alone allows an ``fsdp`` block (torch FSDP2 options)."""
+    context: bool = False
+    """Needs (and alone allows) cp >= 2: context parallelism by torch's ring attention."""
 
 
 _DDP, _Z12, _Z3, _TP = DistributedDataParallel(), DeepSpeedZero12(), DeepSpeedZero3(), TensorParallel()
@@ -104,6 +107,17 @@ SCHEMES: dict[str, Scheme] = {
             deepspeed=False,
             min_dp=1,
             tensor=True,
+        ),
+        Scheme(
+            name="cp",
+            summary="context parallelism: torch's ring attention over cp ranks, DTensor TP inside, DDP over dp x cp",
+            components=(_TP, ContextParallel(), _DDP),
+            workload=f"{_WL}.cp:CPWorkload",
+            deepspeed=False,
+            zero=False,
+            min_dp=1,
+            optional_tensor=True,
+            context=True,
         ),
         Scheme(
             name="pp",

@@ -31,7 +31,7 @@ def _groups(ctx: Context, stage: int) -> list[tuple[bool | None, Axis, tuple[Gro
 class DataParallel:
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         par = ctx.scenario.parallelism
-        if par.dp == 1:
+        if par.data_ranks == 1:
             return []
         zs = par.zero.stage
         dtype = ctx.scenario.model.dtype
@@ -71,7 +71,7 @@ class DataParallel:
         return rows
 
     def paper_terms(self, ctx: Context) -> list[PaperTerm]:
-        d = ctx.scenario.parallelism.dp
+        d = ctx.scenario.parallelism.data_ranks
         if d == 1:
             return []
         return [
@@ -85,7 +85,7 @@ class DataParallel:
 
     def residuals(self, ctx: Context) -> list[Residual]:
         par = ctx.scenario.parallelism
-        d = par.dp
+        d = par.data_ranks
         if d == 1:
             return []
         factor = Fraction(2 * (d - 1), d)

@@ -78,7 +78,7 @@ class DistributedDataParallel(DataParallel):
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         s, m = ctx.scenario, ctx.scenario.model
         par, params, isz = s.parallelism, ctx.trainable, m.itemsize
-        if par.dp == 1:  # tensor parallelism alone: no DDP
+        if par.data_ranks == 1:  # tensor parallelism alone: no DDP
             return []
         groups = ctx.layout.dp_groups()  # one per tensor-parallel rank with tp > 1
         # with tp > 1 the rank's shards; a user's module: its trainable parameters
@@ -95,7 +95,9 @@ class DistributedDataParallel(DataParallel):
             once=True,
         )
         rows = [
-            replace(init, op=Op.ALL_GATHER, elements=par.dp, source="DDP parameter check: count (all_gather, int64)"),
+            replace(
+                init, op=Op.ALL_GATHER, elements=par.data_ranks, source="DDP parameter check: count (all_gather, int64)"
+            ),
             replace(
                 init,
                 elements=2 * sum(len(p.shape) for p in params),

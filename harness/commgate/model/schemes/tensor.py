@@ -91,25 +91,26 @@ class TensorParallel:
                     forward,
                     "TP vocab-parallel cross-entropy all-reduce (max, sum of exp, target logit; in fp32)",
                     None,
-                    par.micro_batch * m.s,
+                    par.micro_batch * ctx.seq,
                     "fp32",  # the loss upcasts the logits
                 )
         return rows
 
     def _eq5(self, ctx: Context, recompute: bool = True) -> Fraction:
         m, par = ctx.scenario.model, ctx.scenario.parallelism
-        return eq5_tensor(L=Fraction(m.L, par.pp), b=par.micro_batch, s=m.s, h=m.h, t=par.tp, recompute=recompute)
+        return eq5_tensor(L=Fraction(m.L, par.pp), b=par.micro_batch, s=ctx.seq, h=m.h, t=par.tp, recompute=recompute)
 
     def paper_terms(self, ctx: Context) -> list[PaperTerm]:
         m, par = ctx.scenario.model, ctx.scenario.parallelism
         if par.tp == 1:
             return []
         L = f"L/p={m.L}/{par.pp}" if par.pp > 1 else f"L={m.L}"
+        seq = f"s/c={m.s}/{par.cp}" if par.cp > 1 else f"s={m.s}"
         return [
             rank0_term(
                 ctx,
                 equation=TERM,
-                formula=f"(12L+2)*b*s*h*(t-1)/t, {L}, b={par.micro_batch}, s={m.s}, h={m.h}, t={par.tp}",
+                formula=f"(12L+2)*b*s*h*(t-1)/t, {L}, b={par.micro_batch}, {seq}, h={m.h}, t={par.tp}",
                 elements=self._eq5(ctx),
             )
         ]

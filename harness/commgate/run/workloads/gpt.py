@@ -27,11 +27,13 @@ from commgate.model.transformer import ModelSpec
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def rotary(x: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding over the last dimension of (batch, heads, seq, head_dim)."""
+def rotary(x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary position embedding over the last dimension of (batch, heads, seq, head_dim); ``positions``
+    (seq,) are the tokens' places in the sequence (default 0 .. seq-1; a context-parallel rank's part)."""
     s, d = x.shape[-2], x.shape[-1]
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    angles = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv)
+    where = torch.arange(s, device=x.device) if positions is None else positions
+    angles = torch.outer(where.to(torch.float32), inv)
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
@@ -46,7 +48,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(m.h, 3 * m.h)
         self.dense = nn.Linear(m.h, m.h)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         # QKV outputs are laid out per head, [heads, 3, head_dim], as in GPT-NeoX: a column shard of
         # the fused projection then holds whole heads (tensor parallelism splits the heads).
         b, s, _ = x.shape
@@ -54,7 +56,7 @@ class Attention(nn.Module):
         heads = qkv.shape[-1] // (3 * self.head_dim)  # a, or a/t on a tensor-parallel shard
         q, k, v = qkv.view(b, s, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         if self.rotary:
-            q, k = rotary(q), rotary(k)
+            q, k = rotary(q, positions), rotary(k, positions)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.dense(out.transpose(1, 2).reshape(b, s, heads * self.head_dim))
 
@@ -71,13 +73,13 @@ class GroupedQueryAttention(nn.Module):
         self.v = nn.Linear(m.h, m.kv * self.head_dim, bias=False)
         self.dense = nn.Linear(m.h, m.h, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         # on a tensor-parallel shard each projection holds whole heads: a/t query and kv/t key/value heads
         b, s = x.shape[0], x.shape[1]
         q = self.q(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.k(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.v(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        q, k = rotary(q), rotary(k)
+        q, k = rotary(q, positions), rotary(k, positions)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         return self.dense(out.transpose(1, 2).reshape(b, s, q.shape[1] * self.head_dim))
 
@@ -126,8 +128,10 @@ class Layer(nn.Module):
         self.post_attention_norm = norm(m)
         self.mlp = mlp_ if mlp_ is not None else mlp(m)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.input_norm(x))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.input_norm(x)
+        # positions by keyword, and only when given: a tensor-parallel plan's PrepareModuleInput sees one input
+        x = x + (self.attention(h) if positions is None else self.attention(h, positions=positions))
         return x + self.mlp(self.post_attention_norm(x))
 
 
@@ -137,10 +141,11 @@ class Embedding(nn.Module):
         self.word = nn.Embedding(m.V, m.h)
         self.position = nn.Embedding(m.s, m.h) if m.position == "learned" else None
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         x = self.word(tokens)
         if self.position is not None:
-            x = x + self.position(torch.arange(tokens.shape[1], device=tokens.device))
+            where = torch.arange(tokens.shape[1], device=tokens.device) if positions is None else positions
+            x = x + self.position(where)
         return x
 
 
@@ -160,19 +165,26 @@ class GPT(nn.Module):
         self.final_norm = norm(m)
         self.head = None if m.tied_embeddings else nn.Linear(m.h, m.V, bias=False)
 
-    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(tokens) if positions is None else self.embed(tokens, positions)
         for layer in self.layers:
+            args = (x,) if positions is None else (x, positions)
             if layer.checkpointed and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
             else:
-                x = layer(x)
+                x = layer(*args)
         x = self.final_norm(x)
         return self.head(x) if self.head is not None else x @ self.embed.word.weight.t()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits = self.logits(tokens[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+    def forward(
+        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The mean next-token loss: of ``tokens`` (b, s + 1), or, given ``labels``, of inputs ``tokens`` and
+        their ``labels`` at ``positions`` (a context-parallel rank's part of each sequence)."""
+        if labels is None:
+            tokens, labels = tokens[:, :-1], tokens[:, 1:]
+        logits = self.logits(tokens, positions)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
 
 
 def batch(m: ModelSpec, b: int, *, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
