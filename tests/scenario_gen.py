@@ -116,16 +116,13 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
         elif rng.random() < 0.3 and fsdp.get("reshard_after_forward") != 2:  # 2-D (int resharding hangs it), SP or not
             par["tp"] = 2
             par["sequence_parallel"] = rng.random() < 0.5
-    if rule.context:  # ring attention: cp ranks (an odd ring too), the rotation, TP inside or not
-        par["cp"] = rng.choice([2, 2, 3, 4])
-        if rng.random() < 0.5:
-            par["cp_rotate"] = rng.choice(["allgather", "alltoall"])
-        if "module" not in model:  # the sequence splits evenly; torch load-balances when 2*cp divides it
-            model["s"] = par["cp"] * rng.choice([4, 5, 8, 16])
+        plain = "module" not in model and "dp_replicate" not in par and not par.get("sequence_parallel")
+        if plain and rng.random() < 0.3 and fsdp.get("reshard_after_forward") != 2:  # torchtitan's FSDP2 x CP (x TP)
+            _context(rng, par, model)
+    if rule.context:  # ring attention, TP inside or not
         if rng.random() < 0.35:
             par["tp"] = 2
-        ranks = par["cp"] * par.get("tp", 1)
-        par["dp"] = rng.choice([d for d in (1, 2, 3, 4) if d * ranks <= MAX_WORLD])
+        _context(rng, par, model)
     if zero:
         par["zero"] = zero
     doc: dict[str, Any] = {}
@@ -172,6 +169,17 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
     if doc:
         out["deepspeed"] = doc
     return out
+
+
+def _context(rng: random.Random, par: dict[str, Any], model: dict[str, Any]) -> None:
+    """Context parallelism: cp ranks (an odd ring too), the rotation, and a dp that keeps the world small."""
+    par["cp"] = rng.choice([2, 2, 3, 4])
+    if rng.random() < 0.5:
+        par["cp_rotate"] = rng.choice(["allgather", "alltoall"])
+    if "module" not in model:  # the sequence splits evenly; torch load-balances when 2*cp divides it
+        model["s"] = par["cp"] * rng.choice([4, 5, 8, 16])
+    ranks = par["cp"] * par.get("tp", 1)
+    par["dp"] = rng.choice([d for d in (1, 2, 3, 4) if d * ranks <= MAX_WORLD])
 
 
 def scenarios(seed: int, count: int) -> list[Scenario]:

@@ -160,3 +160,46 @@ def test_ring_attention_on_cpu_computes_what_plain_attention_does(model: str, pa
     ops = {c.op for c in capture.calls if c.step >= 0}
     # the check's own all-reduce, the dK/dV rotations, and K/V by all-gather unless rotated
     assert ops == {"all_reduce", "all_to_all"} | (set() if "alltoall" in par else {"all_gather"})
+
+
+def test_fsdp2_shards_over_dp_times_cp() -> None:
+    """torchtitan's composition: FSDP2 gathers and reduce-scatters over the dp x cp ranks (dp=1, cp=2: the
+    2 of them), the ring runs within cp, in FSDP2's param_dtype (bf16: a named term), dK/dV in fp32."""
+    (s,) = load_text(
+        "schema_version: 1\nname: f\nmodel: {preset: 19M-cpu}\n"
+        "parallelism: {scheme: fsdp, dp: 2, cp: 2, fsdp: {param_dtype: bf16}}\n"
+    )
+    p = predict(s)
+    by_axis = {c.axis: {g for g in c.groups} for c in p.steady}
+    assert by_axis["dp"] == {(0, 1, 2, 3)} and by_axis["cp"] == {(0, 1), (2, 3)}
+    assert {c.dtype for c in p.steady if c.axis == "cp"} == {"bf16", "fp32"}
+    comparison = {c.term.equation: c for c in p.comparison()}
+    assert set(comparison) == {"Eq. 3", "CP ring"} and all(c.unexplained_bytes == 0 for c in comparison.values())
+    names = {r.name for r in comparison["CP ring"].residuals}
+    assert names == {"activations in a lower precision"}  # fp32 model: dK/dV's fp32 is no term
+
+
+@pytest.mark.parametrize(
+    ("par", "message"),
+    [
+        (", dp_replicate: 2", r"parallelism\.dp_replicate: 2: HSDP with context parallelism"),
+        (", dp: 2, fsdp: {reshard_after_forward: 2}", r"reshard_after_forward: 2: an int with context parallelism"),
+    ],
+)
+def test_what_fsdp2_with_context_parallelism_refuses_is_one_line(par: str, message: str) -> None:
+    with pytest.raises(ScenarioError, match=message) as info:
+        load_text(scenario(par).replace("scheme: cp", "scheme: fsdp"))
+    assert "\n" not in str(info.value)
+
+
+def test_a_real_fsdp2_context_tensor_run_reconciles_to_zero(tmp_path: Path) -> None:
+    """FSDP2 x CP x TP on 4 ranks (dp=1): bf16 gathers, fp32 reduce-scatters, K/V rotated in bf16."""
+    (s,) = load_text(
+        "schema_version: 1\nname: f\nmodel: {preset: 19M-cpu, s: 64, architecture: llama, kv_heads: 2}\n"
+        "parallelism: {scheme: fsdp, cp: 2, tp: 2, cp_rotate: alltoall, micro_batches: 2, "
+        "fsdp: {param_dtype: bf16, reduce_dtype: fp32}}\nsteps: 2\n"
+    )
+    rec = reconcile(predict(s), launch_local(s, workdir=tmp_path))
+    assert not rec.mismatches, rec.mismatches
+    assert all(o.unexplained_bytes == 0 for o in rec.ops) and rec.traffic_measured == rec.traffic_predicted
+    assert {o.op for o in rec.ops} >= {"all_gather", "reduce_scatter", "all_to_all", "all_reduce"}

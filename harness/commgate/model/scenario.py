@@ -121,7 +121,7 @@ class Parallelism:
     dp_replicate: int = 1
     """HSDP replicas (scheme fsdp): the model is sharded over ``dp`` ranks and replicated this many times."""
     cp: int = 1
-    """Context-parallel degree (scheme cp): each sequence split over cp ranks, attention by torch's ring."""
+    """Context-parallel degree (scheme cp, or fsdp): each sequence split over cp ranks, attention by torch's ring."""
     cp_rotate: Literal["allgather", "alltoall"] = "allgather"
     """How torch's ring attention passes K/V (``set_rotate_method``): one all-gather per attention, or
     cp-1 all-to-all rotations."""
@@ -955,7 +955,7 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
         bad([P, "pp"], f"{par.pp}: scheme {s!r} needs pp >= 2")
     if not need_pp and par.pp != 1:
         bad([P, "pp"], f"{par.pp}: scheme {s!r} has no pipeline parallelism; use scheme 'pp' or '3d'")
-    if par.dp < rule.min_dp:
+    if par.data_ranks < rule.min_dp:  # FSDP2 shards over dp x cp: dp = 1 with cp = 2 shards over 2 ranks
         bad([P, "dp"], f"{par.dp}: scheme {s!r} needs dp >= {rule.min_dp}")
     if m.autocast is not None and (s != "ddp" or m.dtype != "fp32"):
         bad(
@@ -1038,18 +1038,25 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
 
 
 def _check_context(doc_par: Any, m: ModelSpec, par: Parallelism, bad: Bad) -> None:
-    """Context parallelism: scheme cp alone, whose sequences split evenly over the cp ranks."""
-    P, s = "parallelism", par.scheme
-    cp_schemes = " or ".join(repr(n) for n, r in SCHEMES.items() if r.context)
-    if SCHEMES[s].context and par.cp < 2:
+    """Context parallelism: schemes cp and fsdp, whose sequences split evenly over the cp ranks."""
+    P, s, rule = "parallelism", par.scheme, SCHEMES[par.scheme]
+    cp_schemes = " or ".join(repr(n) for n, r in SCHEMES.items() if r.context or r.optional_context)
+    if rule.context and par.cp < 2:
         bad([P, "cp"], f"{par.cp}: scheme {s!r} needs cp >= 2")
-    elif not SCHEMES[s].context and par.cp != 1:
+    elif not (rule.context or rule.optional_context) and par.cp != 1:
         bad([P, "cp"], f"{par.cp}: scheme {s!r} has no context parallelism; use scheme {cp_schemes}")
     elif par.cp > 1:
         if m.module is None and m.s % par.cp:  # (a user's module is refused under scheme cp with the others)
             bad([P, "cp"], f"{par.cp}: sequence length s={m.s} is not divisible by cp")
         if par.sequence_parallel:
             bad([P, "sequence_parallel"], "true: sequence parallelism with context parallelism is not modelled yet")
+        if par.dp_replicate > 1 and rule.fsdp:
+            bad([P, "dp_replicate"], f"{par.dp_replicate}: HSDP with context parallelism is not modelled yet")
+        if par.fsdp.reshard_group not in (None, 1, par.data_ranks):
+            bad(
+                [P, "fsdp", "reshard_after_forward"],
+                f"{par.fsdp.reshard_group}: an int with context parallelism is not modelled yet; use true or false",
+            )
     if isinstance(doc_par, dict) and "cp_rotate" in doc_par and par.cp < 2:
         bad([P, "cp_rotate"], f"{par.cp_rotate}: rotates K/V between context-parallel ranks; needs scheme {cp_schemes}")
 

@@ -59,11 +59,13 @@ class Scheme:
     fsdp: bool = False
     """Alone allows an ``fsdp`` block (torch FSDP2 options)."""
     context: bool = False
-    """Needs (and alone allows) cp >= 2: context parallelism by torch's ring attention."""
+    """Needs cp >= 2: context parallelism by torch's ring attention."""
+    optional_context: bool = False
+    """Allows cp >= 2 without needing it (FSDP2 sharding over dp x cp, as torchtitan composes them)."""
 
 
 _DDP, _Z12, _Z3, _TP = DistributedDataParallel(), DeepSpeedZero12(), DeepSpeedZero3(), TensorParallel()
-_PP, _PDP = PipelineParallel(), PipelineDataParallel()
+_PP, _PDP, _CP = PipelineParallel(), PipelineDataParallel(), ContextParallel()
 _WL = "commgate.run.workloads"
 _ZERO_WL = f"{_WL}.zero:ZeroWorkload"
 
@@ -91,13 +93,15 @@ SCHEMES: dict[str, Scheme] = {
         ),
         Scheme(
             name="fsdp",
-            summary="torch FSDP2 (fully_shard), one parameter group per transformer block; with tp, 2-D over DTensor",
-            components=(_TP, FullyShard()),
+            summary="torch FSDP2 (fully_shard), one parameter group per transformer block; with tp, 2-D over DTensor; "
+            "with cp, ring attention and sharding over dp x cp",
+            components=(_TP, _CP, FullyShard()),
             workload=f"{_WL}.fsdp:FSDPWorkload",
             deepspeed=False,
             zero=False,
             fsdp=True,
             optional_tensor=True,
+            optional_context=True,
         ),
         Scheme(
             name="tp",
@@ -111,7 +115,7 @@ SCHEMES: dict[str, Scheme] = {
         Scheme(
             name="cp",
             summary="context parallelism: torch's ring attention over cp ranks, DTensor TP inside, DDP over dp x cp",
-            components=(_TP, ContextParallel(), _DDP),
+            components=(_TP, _CP, _DDP),
             workload=f"{_WL}.cp:CPWorkload",
             deepspeed=False,
             zero=False,

@@ -26,6 +26,12 @@ def init_broadcast(
     )
 
 
+def data_ranks(ctx: Context) -> str:
+    """How a formula's d is made with context parallelism, whose ranks reduce (or shard) gradients too."""
+    par = ctx.scenario.parallelism
+    return f" (dp*cp = {par.dp}*{par.cp})" if par.cp > 1 else ""
+
+
 def beyond_eq1(ctx: Context, *, term: str, factor: Fraction, counted: int) -> Residual:
     """Parameters of the model as built (``counted`` of them are reduced in ``term``) vs Eq. 1 (or its
     Llama counterpart, exact for a dense model)."""

@@ -16,7 +16,8 @@ split over the cp ranks of a context-parallel group, and every attention is torc
   recomputation stops only after the MLP's input is saved again): one more forward ring per layer.
 * The inputs, labels and positions are split by torch's head-tail load balancer (no communication);
   the loss is each rank's mean over its tokens; the gradients are all-reduced by DDP over dp x cp ranks
-  (``commgate.model.schemes.ddp``), since every context-parallel rank holds a partial gradient.
+  (``commgate.model.schemes.ddp``), or reduce-scattered by FSDP2 sharding over them
+  (``commgate.model.schemes.fsdp``, scheme fsdp), since every context-parallel rank holds a partial gradient.
 
 Counterpart of the paper's equations (commgate's derivation; Anthony et al. stop before context
 parallelism): per layer and micro-batch each rank receives the other c-1 ranks' K and V in the forward

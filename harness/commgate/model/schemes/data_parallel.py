@@ -15,7 +15,7 @@ from commgate.model.collectives import Op
 from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
 from commgate.model.layout import Axis, Group
 from commgate.model.paper import eq2_data_parallel
-from commgate.model.schemes._common import beyond_eq1, frozen, init_broadcast, rank0_term, sharding
+from commgate.model.schemes._common import beyond_eq1, data_ranks, frozen, init_broadcast, rank0_term, sharding
 
 TERM = "Eq. 2"
 
@@ -78,7 +78,7 @@ class DataParallel:
             rank0_term(
                 ctx,
                 equation=TERM,
-                formula=f"2*N*(d-1)/d, N={ctx.eq1:,} ({ctx.eq1_name}), d={d}",
+                formula=f"2*N*(d-1)/d, N={ctx.eq1:,} ({ctx.eq1_name}), d={d}{data_ranks(ctx)}",
                 elements=eq2_data_parallel(ctx.eq1, d),
             )
         ]

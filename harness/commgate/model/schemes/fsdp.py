@@ -53,7 +53,7 @@ class Group:
 def groups(ctx: Context) -> list[Group]:
     """The blocks' groups in order, then the root's, with their all-gathers per step."""
     par = ctx.scenario.parallelism
-    f, d, m = par.fsdp, par.dp, par.micro_batches
+    f, d, m = par.fsdp, par.data_ranks, par.micro_batches
     by_layer: dict[int | None, list[ParamTensor]] = {}
     for p in ctx.params:
         by_layer.setdefault(p.layer, []).append(p)
@@ -81,7 +81,7 @@ def groups(ctx: Context) -> list[Group]:
 def post_forward_size(ctx: Context) -> int:
     """The ranks a resharded group's backward all-gather runs over: d, or the int ``reshard_after_forward``
     (torch's post-forward mesh; k = d is true, k = 1 false, as ``_get_post_forward_mesh_info`` maps them)."""
-    k, d = ctx.scenario.parallelism.fsdp.reshard_group, ctx.scenario.parallelism.dp
+    k, d = ctx.scenario.parallelism.fsdp.reshard_group, ctx.scenario.parallelism.data_ranks
     return k if k is not None and k > 1 else d
 
 
@@ -165,7 +165,7 @@ class FullyShard:
         """Eq. 3 (one forward and one backward all-gather and one reduce-scatter of N parameters in the
         model's dtype) to what FSDP2 sends, term by term; their sum is exact."""
         par, model = ctx.scenario.parallelism, ctx.scenario.model
-        d, m, isz = par.dp, par.micro_batches, model.itemsize
+        d, m, isz = par.data_ranks, par.micro_batches, model.itemsize
         share = Fraction(d - 1, d)
         gs = groups(ctx)
         gather, reduce = _dtypes(ctx)

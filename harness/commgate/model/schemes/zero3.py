@@ -15,18 +15,18 @@ from fractions import Fraction
 from commgate.model.collectives import Op
 from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
 from commgate.model.paper import eq3_zero3
-from commgate.model.schemes._common import beyond_eq1, init_broadcast, rank0_term
+from commgate.model.schemes._common import beyond_eq1, data_ranks, init_broadcast, rank0_term
 
 TERM = "Eq. 3"
 
 
 def eq3_term(ctx: Context) -> PaperTerm:
     """Eq. 3 on rank 0: 3N(d-1)/d, ZeRO-3's volume, and FSDP's counterpart."""
-    d = ctx.scenario.parallelism.dp
+    d = ctx.scenario.parallelism.data_ranks
     return rank0_term(
         ctx,
         equation=TERM,
-        formula=f"3*N*(d-1)/d, N={ctx.eq1:,} ({ctx.eq1_name}), d={d}",
+        formula=f"3*N*(d-1)/d, N={ctx.eq1:,} ({ctx.eq1_name}), d={d}{data_ranks(ctx)}",
         elements=eq3_zero3(ctx.eq1, d),
     )
 

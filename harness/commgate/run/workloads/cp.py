@@ -16,6 +16,7 @@ The results equal plain attention to within 1e-6 (tests/test_context_parallel.py
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -98,6 +99,26 @@ def cpu_ring_attention() -> None:
     ops[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = _cpu_backward
 
 
+def use_ring(device: torch.device, rotate: str) -> None:
+    """Torch's ring attention on ``device`` (on CPU with ``cpu_ring_attention``), passing K/V as ``rotate``
+    (``cp_rotate``) says: ``allgather`` or ``alltoall``."""
+    if device.type == "cpu":
+        cpu_ring_attention()
+    _ring().set_rotate_method(rotate)
+
+
+@contextlib.contextmanager
+def sequence_split(mesh: DeviceMesh, tokens: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Inside: the inputs, labels and positions of ``tokens`` (b, s + 1) split over the context-parallel
+    ``mesh`` (torch's head-tail load balancer when 2 * cp divides s), and every attention torch's ring."""
+    # own storage for each: context_parallel splits them in place (views of one tensor would overlap)
+    inputs, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    positions = torch.arange(inputs.shape[1], device=tokens.device)
+    split = [inputs, labels, positions]
+    with context_parallel(mesh, buffers=split, buffer_seq_dims=[1, 1, 0], no_restore_buffers=set(split)):
+        yield inputs, labels, positions
+
+
 class CPWorkload:
     def __init__(self, scenario: Scenario, *, rank: int, device: torch.device) -> None:
         par, m = scenario.parallelism, scenario.model
@@ -105,9 +126,7 @@ class CPWorkload:
             raise CommgateError("tensor parallelism with tied embeddings is not supported by this workload")
         self.s, self.device = scenario, device
         self.dp_rank = rank // (par.cp * par.tp)  # the ranks of a context-parallel group read the same sequences
-        if device.type == "cpu":
-            cpu_ring_attention()
-        _ring().set_rotate_method(par.cp_rotate)
+        use_ring(device, par.cp_rotate)
         mesh = init_device_mesh(device.type, (par.dp, par.cp, par.tp), mesh_dim_names=("dp", "cp", "tp"))
         self.cp_mesh = mesh["cp"]
         torch.manual_seed(0)
@@ -124,16 +143,13 @@ class CPWorkload:
         loss = torch.zeros(())
         for i in range(par.micro_batches):
             tokens = batch(m, par.micro_batch, seed=1000 * k + 10 * i + self.dp_rank, device=self.device)
-            inputs, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()  # own storage: split in place
-            positions = torch.arange(m.s, device=self.device)
-            split = [inputs, labels, positions]
             sync = i == par.micro_batches - 1
             with (
                 contextlib.nullcontext() if sync else self.engine.no_sync(),
-                context_parallel(self.cp_mesh, buffers=split, buffer_seq_dims=[1, 1, 0], no_restore_buffers=set(split)),
+                sequence_split(self.cp_mesh, tokens) as split,
                 loss_parallel() if par.tp > 1 else contextlib.nullcontext(),
             ):
-                loss = self.engine(inputs, labels, positions)
+                loss = self.engine(*split)
                 loss.backward()
         with optimizer_phase():
             self.optimizer.step()
@@ -150,8 +166,7 @@ class _RingCheck:
     def __init__(self, scenario: Scenario, *, rank: int, device: torch.device) -> None:
         par = scenario.parallelism
         self.s, self.device = scenario, device
-        cpu_ring_attention()
-        _ring().set_rotate_method(par.cp_rotate)
+        use_ring(device, par.cp_rotate)
         self.mesh = init_device_mesh(device.type, (par.cp,))
         torch.manual_seed(0)
         self.model = GPT(scenario.model).to(device=device, dtype=DTYPES[scenario.model.dtype])
@@ -160,11 +175,8 @@ class _RingCheck:
         m, b = self.s.model, self.s.parallelism.micro_batch
         tokens = batch(m, b, seed=k, device=self.device)
         whole = self._loss_and_grads(tokens)
-        inputs, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()  # own storage: split in place
-        positions = torch.arange(m.s, device=self.device)
-        split = [inputs, labels, positions]
-        with context_parallel(self.mesh, buffers=split, buffer_seq_dims=[1, 1, 0], no_restore_buffers=set(split)):
-            part = self._loss_and_grads(inputs, labels, positions)
+        with sequence_split(self.mesh, tokens) as split:
+            part = self._loss_and_grads(*split)
         # each rank's loss is the mean over its part of the tokens: the parts' mean is the whole's
         torch.distributed.all_reduce(part, group=self.mesh.get_group())
         part /= self.mesh.size()

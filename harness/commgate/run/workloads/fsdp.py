@@ -1,6 +1,8 @@
 """torch FSDP2 (``fully_shard``) around the GPT decoder, wrapped as torchtitan wraps it: every transformer
-block, then the root. Gradient accumulation syncs (reduce-scatters) on the last micro-batch only, and with
-``reshard_after_backward: false`` keeps the parameters gathered between micro-batches."""
+block, then the root; with context parallelism on torchtitan's (dp, cp, tp) mesh, sharded over dp x cp and
+every micro-batch's sequences split over cp (``commgate.run.workloads.cp``). Gradient accumulation syncs
+(reduce-scatters) on the last micro-batch only, and with ``reshard_after_backward: false`` keeps the
+parameters gathered between micro-batches."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from commgate.model.scenario import Scenario
 from commgate.run.interpose import optimizer_phase
+from commgate.run.workloads.cp import sequence_split, use_ring
 from commgate.run.workloads.gpt import DTYPES, GPT, build
 from commgate.run.workloads.tp import plan
 
@@ -25,8 +28,16 @@ class FSDPWorkload:
         model, self.inputs = build(scenario, device, checkpointing=scenario.parallelism.activation_checkpointing)
         assert isinstance(model, GPT)  # a user's module is not run under FSDP2 (the scenario rules say so)
         par = scenario.parallelism
-        self.dp_rank = rank // par.tp  # tensor-parallel ranks read the same data
-        if par.dp_replicate > 1:  # HSDP: replicate over the first dimension, shard over the second
+        self.dp_rank = rank // (par.cp * par.tp)  # the ranks of a tensor- or context-parallel group read the same data
+        self.cp_mesh = None
+        if par.cp > 1:  # torchtitan's (dp, cp, tp) mesh: ring attention over cp, sharding over dp x cp
+            mesh_3d = init_device_mesh(device.type, (par.dp, par.cp, par.tp), mesh_dim_names=("dp", "cp", "tp"))
+            use_ring(device, par.cp_rotate)
+            if par.tp > 1:
+                parallelize_module(model, mesh_3d["tp"], plan(model))
+            self.cp_mesh = mesh_3d["cp"]
+            mesh = mesh_3d["dp", "cp"]._flatten("dp_cp")
+        elif par.dp_replicate > 1:  # HSDP: replicate over the first dimension, shard over the second
             mesh = init_device_mesh(device.type, (par.dp_replicate, par.dp), mesh_dim_names=("replicate", "shard"))
         elif par.tp > 1:  # 2-D, as torchtitan: DTensor tensor parallelism inside, FSDP2 over the data-parallel ranks
             mesh_2d = init_device_mesh(device.type, (par.dp, par.tp), mesh_dim_names=("dp", "tp"))
@@ -53,8 +64,12 @@ class FSDPWorkload:
             self.sharded.set_requires_gradient_sync(last)
             if not par.fsdp.reshard_after_backward:
                 self.sharded.set_reshard_after_backward(last)
-            with loss_parallel() if par.tp > 1 else contextlib.nullcontext():
-                loss = self.model(*self.inputs(1000 * k + 10 * i + self.dp_rank))
+            inputs = self.inputs(1000 * k + 10 * i + self.dp_rank)
+            with (
+                loss_parallel() if par.tp > 1 else contextlib.nullcontext(),
+                sequence_split(self.cp_mesh, *inputs) if self.cp_mesh else contextlib.nullcontext(inputs) as split,
+            ):
+                loss = self.model(*split)
                 loss.float().backward()
         with optimizer_phase():
             self.optimizer.step()
