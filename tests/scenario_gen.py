@@ -2,9 +2,9 @@
 gloo: scheme, model dimensions and switches, dp/tp/pp, micro-batch size and count, activation
 checkpointing, parameter dtype, architecture (GPT-NeoX or Llama-style, or a user's own module), bucket
 sizes, ZeRO stages, hpZ, MoE, DeepSpeed knobs, FSDP2's resharding and mixed precision, HSDP, sequence
-parallelism, torch.distributed.pipelining's schedules, context parallelism (its rotation, with TP or
-not). Used by ``tests/test_generated.py``; the same seed always gives the same scenarios, so a failure
-is replayed with its seed.
+parallelism, torch.distributed.pipelining's schedules (FSDP2 in their stages too: 2-D and 3-D), context
+parallelism (its rotation, with TP, DDP or FSDP2). Used by ``tests/test_generated.py``; the same seed always
+gives the same scenarios, so a failure is replayed with its seed.
 
     python tests/scenario_gen.py SEED [COUNT]    # print the scenario documents as YAML
 """
@@ -117,8 +117,20 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
             par["tp"] = 2
             par["sequence_parallel"] = rng.random() < 0.5
         plain = "module" not in model and "dp_replicate" not in par and not par.get("sequence_parallel")
-        if plain and rng.random() < 0.3 and fsdp.get("reshard_after_forward") != 2:  # torchtitan's FSDP2 x CP (x TP)
-            _context(rng, par, model)
+        if plain and fsdp.get("reshard_after_forward") != 2:
+            if rng.random() < 0.3:  # torchtitan's FSDP2 x CP (x TP)
+                _context(rng, par, model)
+            elif rng.random() < 0.4:  # FSDP2 (x TP) in torch.distributed.pipelining's stages: 2-D or 3-D
+                par["pp"] = rng.choice([2, 2, 3])
+                model["L"] = par["pp"] * rng.choice([1, 2])
+                schedule = rng.choice(["gpipe", "1f1b"])
+                par["pipeline"] = {"engine": "torch", "schedule": schedule}
+                par["micro_batches"] = rng.choice([1, 2, 3, 4, 5]) if schedule == "gpipe" else rng.choice([3, 4, 6])
+                par["activation_checkpointing"] = False
+                if rng.random() < 0.4:  # 3-D
+                    par["tp"] = 2
+                ranks = par["pp"] * par.get("tp", 1)
+                par["dp"] = rng.choice([d for d in (1, 2, 3, 4) if 2 <= d * ranks <= MAX_WORLD and d > 1] or [2])
     if rule.context:  # ring attention, TP inside or not
         if rng.random() < 0.35:
             par["tp"] = 2

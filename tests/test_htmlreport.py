@@ -45,7 +45,9 @@ def is_png(path: Path) -> bool:
 def test_the_page_shows_every_plot_it_wrote_and_every_scenario_in_detail(out: Path) -> None:
     page = (out / "index.html").read_text()
     pngs = sorted(p.name for p in (out / "plots").glob("*.png"))
-    assert sorted(pngs) == sorted(["volume.png", "predicted_vs_measured.png", "time_model.png", "sweeps.png"])
+    drawn = ["volume.png", "predicted_vs_measured.png", "time_model.png", "sequence_length.png", "sweeps.png"]
+    assert sorted(pngs) == sorted(drawn)  # p's s-sweep: the sequence-length figure (Anthony et al., Figs. 14-15)
+    assert "Volume against sequence length, per scheme" in page
     for name in pngs:
         assert f'src="plots/{name}"' in page
         assert is_png(out / "plots" / name), name

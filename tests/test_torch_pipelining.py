@@ -60,7 +60,7 @@ def test_the_bubble_follows_the_schedule() -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        (scenario("schedule: gpipe", ", dp: 2"), "modelled with dp = 1 yet"),
+        (scenario("schedule: gpipe", ", dp: 2"), "data parallelism inside torch.s stages is FSDP2.s"),
         (scenario("schedule: interleaved-1f1b"), "an interleaved schedule needs virtual_stages >= 2"),
         (scenario("schedule: 1f1b, virtual_stages: 2"), "runs one stage per rank"),
         (scenario("schedule: interleaved-1f1b, virtual_stages: 3"), "L=8 are not divisible by pp\\*virtual_stages=6"),

@@ -892,23 +892,26 @@ TORCH_SCHEDULES = {
 
 def _check_pipeline(doc_par: Any, m: ModelSpec, par: Parallelism, bad: Bad) -> None:
     P, pl, s = ("parallelism", "pipeline"), par.pipeline, par.scheme
-    if "pipeline" in doc_par and not SCHEMES[s].pipeline:
-        bad([*P], f"a pipeline engine needs a pipeline scheme (pp or 3d), not {s!r}")
+    rule = SCHEMES[s]
+    if "pipeline" in doc_par and not (rule.pipeline or (rule.optional_pipeline and par.pp > 1)):
+        bad([*P], f"a pipeline engine needs a pipeline scheme (pp or 3d, or fsdp with pp > 1), not {s!r}")
         return
     interleaved = pl.looped
+    if rule.optional_pipeline and par.pp > 1:
+        _check_fsdp_pipeline(pl, par, bad)
     if pl.engine == "deepspeed":
         if pl.schedule != "1f1b" or pl.virtual_stages != 1:
             bad([*P, "schedule"], f"{pl.schedule}: DeepSpeed's engine runs its own 1F1B; engine: torch for others")
         return
-    if s != "pp":
-        bad([*P, "engine"], f"torch: torch.distributed.pipelining is modelled under scheme 'pp', not {s!r}")
+    if s not in ("pp", "fsdp"):
+        bad([*P, "engine"], f"torch: torch.distributed.pipelining is modelled under schemes 'pp' and 'fsdp', not {s!r}")
     if "zero" in doc_par:
         bad(
             ["parallelism", "zero"],
             "DeepSpeed's ZeRO options do not apply to torch.distributed.pipelining (engine: torch)",
         )
-    if par.dp > 1:
-        bad(["parallelism", "dp"], f"{par.dp}: torch.distributed.pipelining is modelled with dp = 1 yet")
+    if par.dp > 1 and not rule.optional_pipeline:
+        bad(["parallelism", "dp"], f"{par.dp}: data parallelism inside torch's stages is FSDP2's: use scheme 'fsdp'")
     if par.activation_checkpointing:
         bad(["parallelism", "activation_checkpointing"], "true: not modelled with torch.distributed.pipelining yet")
     if not interleaved and pl.virtual_stages != 1:
@@ -929,6 +932,25 @@ def _check_pipeline(doc_par: Any, m: ModelSpec, par: Parallelism, bad: Bad) -> N
             [*P, "virtual_stages"],
             f"{pl.virtual_stages}: layers L={m.L} are not divisible by pp*virtual_stages={stages}",
         )
+
+
+def _check_fsdp_pipeline(pl: PipelineConfig, par: Parallelism, bad: Bad) -> None:
+    """FSDP2 inside torch.distributed.pipelining's stages (3-D with tp): GPipe or 1F1B, one stage per rank."""
+    P = "parallelism"
+    if pl.engine != "torch":
+        bad([P, "pipeline", "engine"], "deepspeed: FSDP2 runs in torch.distributed.pipelining's stages: engine: torch")
+    elif pl.schedule not in ("gpipe", "1f1b"):
+        bad(
+            [P, "pipeline", "schedule"],
+            f"{pl.schedule}: FSDP2 in pipeline stages is modelled under gpipe and 1f1b (one stage per rank) yet",
+        )
+    if par.dp_replicate > 1:
+        bad([P, "dp_replicate"], f"{par.dp_replicate}: HSDP in pipeline stages is not modelled yet (pp={par.pp})")
+    if par.fsdp.reshard_group is not None:
+        k = par.fsdp.reshard_group
+        bad([P, "fsdp", "reshard_after_forward"], f"{k}: an int in pipeline stages is not modelled yet")
+    if par.cp > 1:
+        bad([P, "cp"], f"{par.cp}: context parallelism in pipeline stages is not modelled yet (pp={par.pp})")
 
 
 def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad: Bad) -> None:
@@ -953,7 +975,7 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
         bad([P, "dp_replicate"], f"{par.dp_replicate}: HSDP with tensor parallelism is not modelled yet (tp={par.tp})")
     if need_pp and par.pp < 2:
         bad([P, "pp"], f"{par.pp}: scheme {s!r} needs pp >= 2")
-    if not need_pp and par.pp != 1:
+    if not need_pp and not rule.optional_pipeline and par.pp != 1:
         bad([P, "pp"], f"{par.pp}: scheme {s!r} has no pipeline parallelism; use scheme 'pp' or '3d'")
     if par.data_ranks < rule.min_dp:  # FSDP2 shards over dp x cp: dp = 1 with cp = 2 shards over 2 ranks
         bad([P, "dp"], f"{par.dp}: scheme {s!r} needs dp >= {rule.min_dp}")
@@ -1000,7 +1022,8 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
     if par.sequence_parallel and not (rule.tensor or (rule.optional_tensor and par.tp > 1)):
         bad([P, "sequence_parallel"], f"true: sequence parallelism runs inside tensor parallelism, not scheme {s!r}")
     elif par.sequence_parallel and par.pp > 1:
-        bad([P, "sequence_parallel"], "true: not modelled under DeepSpeed's pipeline engine yet (scheme 3d); use tp")
+        where = "under DeepSpeed's pipeline engine yet (scheme 3d); use tp" if s == "3d" else "in pipeline stages yet"
+        bad([P, "sequence_parallel"], f"true: not modelled {where}")
     _check_pipeline(doc.get(P, {}), m, par, bad)
     if par.pipeline.engine == "torch" and "deepspeed" in doc:
         bad(

@@ -60,6 +60,8 @@ class Scheme:
     """Alone allows an ``fsdp`` block (torch FSDP2 options)."""
     context: bool = False
     """Needs cp >= 2: context parallelism by torch's ring attention."""
+    optional_pipeline: bool = False
+    """Allows pp >= 2 without needing it (FSDP2 inside torch.distributed.pipelining's stages)."""
     optional_context: bool = False
     """Allows cp >= 2 without needing it (FSDP2 sharding over dp x cp, as torchtitan composes them)."""
 
@@ -94,13 +96,14 @@ SCHEMES: dict[str, Scheme] = {
         Scheme(
             name="fsdp",
             summary="torch FSDP2 (fully_shard), one parameter group per transformer block; with tp, 2-D over DTensor; "
-            "with cp, ring attention and sharding over dp x cp",
-            components=(_TP, _CP, FullyShard()),
-            workload=f"{_WL}.fsdp:FSDPWorkload",
+            "with cp, ring attention and sharding over dp x cp; with pp, in torch.distributed.pipelining's stages",
+            components=(_TP, _CP, _PP, FullyShard()),
+            workload=f"{_WL}.fsdp:fsdp_workload",
             deepspeed=False,
             zero=False,
             fsdp=True,
             optional_tensor=True,
+            optional_pipeline=True,
             optional_context=True,
         ),
         Scheme(

@@ -50,12 +50,13 @@ class Group:
     backward: int
 
 
-def groups(ctx: Context) -> list[Group]:
-    """The blocks' groups in order, then the root's, with their all-gathers per step."""
+def groups(ctx: Context, stage: int = 0) -> list[Group]:
+    """The blocks' groups in order, then the root's, with their all-gathers per step (of pipeline ``stage``'s
+    module, whose root holds the embeddings on the first stage and the final norm and head on the last)."""
     par = ctx.scenario.parallelism
     f, d, m = par.fsdp, par.data_ranks, par.micro_batches
     by_layer: dict[int | None, list[ParamTensor]] = {}
-    for p in ctx.params:
+    for p in ctx.stage_params(stage) if par.pp > 1 else ctx.params:
         by_layer.setdefault(p.layer, []).append(p)
     forward = 1 + (m - 1) * f.reshard_after_backward  # kept gathered between micro-batches: one forward gathers
     out = []
@@ -65,17 +66,49 @@ def groups(ctx: Context) -> list[Group]:
             continue
         root = layer is None
         reshard = (not root) if f.reshards is None else f.reshards
+        gathers = pipelined_gathers(ctx, stage, reshard) if par.pp > 1 else (forward, m if reshard else 0)
         padded = sum(_padded(p, d, par.tp) for p in params)
         out.append(
             Group(
-                name="root (embeddings, final norm, head)" if root else f"block {layer}",
+                name=("stage root" if par.pp > 1 else "root (embeddings, final norm, head)")
+                if root
+                else f"block {layer}",
                 padded=padded,
                 unpadded=sum(p.numel_per_tp_rank(par.tp) for p in params),
-                forward=forward,
-                backward=m if reshard else 0,
+                forward=gathers[0],
+                backward=gathers[1],
             )
         )
     return out
+
+
+_ROOT = {False: "root (embeddings, final norm, head)", True: "stage root"}
+
+
+def pipeline_order(ctx: Context, stage: int) -> str:
+    """The forwards (F) and backwards (B) of one step on pipeline ``stage``, as torch 2.13's single-stage
+    schedules run them (``schedules.py``): GPipe all m forwards, then the m backwards; 1F1B min(m, p - stage)
+    forwards, then a backward and a forward in turn while forwards remain, then the rest of the backwards."""
+    par = ctx.scenario.parallelism
+    m = par.micro_batches
+    if par.pipeline.schedule == "gpipe":
+        return "F" * m + "B" * m
+    warmup = min(m, par.pp - stage)
+    return "F" * warmup + "BF" * (m - warmup) + "B" * warmup
+
+
+def pipelined_gathers(ctx: Context, stage: int, reshards: bool) -> tuple[int, int]:
+    """(forward, backward) all-gathers per step of one FSDP2 group inside a pipeline stage, replaying the
+    schedule's order (``pipeline_order``). The stage runs every backward but the step's last with
+    ``set_reshard_after_backward(False)`` and ``set_requires_gradient_sync(False)`` (``stage.py``,
+    ``backward_maybe_with_nosync``), so a backward leaves the group gathered: a following backward gathers
+    nothing, and neither does a following forward, after which a group that ``reshards`` (after the forward)
+    is freed again. The reduce-scatter runs once, at the step's end (``perform_reduce_grad``)."""
+    gathered, counts = False, {"F": 0, "B": 0}
+    for action in pipeline_order(ctx, stage):
+        counts[action] += not gathered
+        gathered = not (action == "F" and reshards)
+    return counts["F"], counts["B"]
 
 
 def post_forward_size(ctx: Context) -> int:
@@ -104,10 +137,17 @@ def _dtypes(ctx: Context) -> tuple[str, str]:
 @dataclass(frozen=True, slots=True)
 class FullyShard:
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
-        dp, lay = ctx.layout.dp_groups(), ctx.layout
+        return [row for stage in range(ctx.scenario.parallelism.pp) for row in self._stage(ctx, stage)]
+
+    def _stage(self, ctx: Context, stage: int) -> list[ExpectedCollective]:
+        pp, lay = ctx.scenario.parallelism.pp, ctx.layout
+        dp = lay.dp_groups(stage) if pp > 1 else lay.dp_groups()
+        where = f", stage {stage}" if pp > 1 else ""
+        # in torch's pipeline schedule, outside autograd: the forwards and the step's final reduce-scatter
+        outside = Phase.PIPELINE if pp > 1 else Phase.FORWARD
         gather, reduce = _dtypes(ctx)
         rows = []
-        for g in groups(ctx):
+        for g in groups(ctx, stage):
             base = ExpectedCollective(
                 op=Op.ALL_GATHER,
                 axis="dp",
@@ -115,8 +155,8 @@ class FullyShard:
                 dtype=gather,
                 elements=g.padded,
                 calls=g.forward,
-                phase=Phase.FORWARD,
-                source=f"FSDP2 parameter all-gather, {g.name} (forward)",
+                phase=outside,
+                source=f"FSDP2 parameter all-gather, {g.name}{where} (forward)",
                 paper_term=TERM,
             )
             rows.append(base)
@@ -129,7 +169,7 @@ class FullyShard:
                         groups=dp if k == lay.dp else lay.dp_chunks(k),
                         calls=g.backward,
                         phase=Phase.BACKWARD,
-                        source=f"FSDP2 parameter all-gather, {g.name} (backward: resharded after forward)",
+                        source=f"FSDP2 parameter all-gather, {g.name}{where} (backward: resharded after forward)",
                     )
                 )
             rows.append(
@@ -138,8 +178,8 @@ class FullyShard:
                     op=Op.REDUCE_SCATTER,
                     dtype=reduce,
                     calls=1,
-                    phase=Phase.BACKWARD,
-                    source=f"FSDP2 gradient reduce-scatter, {g.name}",
+                    phase=Phase.PIPELINE if pp > 1 else Phase.BACKWARD,
+                    source=f"FSDP2 gradient reduce-scatter, {g.name}{where}",
                 )
             )
             if lay.replicate > 1:  # HSDP: the reduce-scattered shard is all-reduced across the replicas
@@ -191,7 +231,10 @@ class FullyShard:
                     term=TERM,
                     name="forward all-gathers per micro-batch",
                     bytes=share * extra_fwd * isz,
-                    detail=f"resharded after each backward, every one of the m={m} micro-batches gathers again",
+                    detail=f"in the {par.pipeline.schedule} schedule on stage 0 ({pipeline_order(ctx, 0)}) a forward "
+                    "after a forward gathers again, one after a backward finds the group gathered"
+                    if par.pp > 1
+                    else f"resharded after each backward, every one of the m={m} micro-batches gathers again",
                 )
             )
         extra_bwd = sum((g.backward - 1) * g.padded for g in gs)
@@ -201,12 +244,20 @@ class FullyShard:
                 False: "reshard_after_forward false: nothing is gathered again for the backward",
                 True: "reshard_after_forward true: the root is resharded and gathered again too",
             }[par.fsdp.reshards]
+            if par.pp > 1:
+                why = (
+                    f"in the {par.pipeline.schedule} schedule on stage 0 ({pipeline_order(ctx, 0)}) a backward "
+                    f"after a backward finds the group gathered (torch's stage turns resharding after backward "
+                    f"off); {why}"
+                )
+            elif m > 1:
+                why += f"; each of m={m} micro-batches' backwards gathers"
             out.append(
                 Residual(
                     term=TERM,
                     name="backward all-gathers",
                     bytes=share * extra_bwd * isz,
-                    detail=why + (f"; each of m={m} micro-batches' backwards gathers" if m > 1 else ""),
+                    detail=why,
                 )
             )
         k = post_forward_size(ctx)

@@ -26,6 +26,8 @@ from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, P
 from commgate.model.paper import eq4_pipeline
 from commgate.model.schemes._common import init_broadcast, micro_batches, padded
 from commgate.model.schemes.data_parallel import DataParallel
+from commgate.model.schemes.tensor import activation_dtype
+from commgate.model.transformer import WIRE_ITEMSIZE
 
 TERM = "Eq. 4"
 META_ELEMENTS = 256  # the engine's int32 tensor-metadata buffer
@@ -35,6 +37,8 @@ META_ELEMENTS = 256  # the engine's int32 tensor-metadata buffer
 class PipelineParallel:
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         m, par, lay = ctx.scenario.model, ctx.scenario.parallelism, ctx.layout
+        if par.pp == 1:  # where pipelining is optional (FSDP2)
+            return []
         if par.pipeline.engine == "torch":
             return _torch_pipelining(ctx)
         pipes = lay.pp_groups()
@@ -134,6 +138,8 @@ class PipelineParallel:
 
     def paper_terms(self, ctx: Context) -> list[PaperTerm]:
         m, par = ctx.scenario.model, ctx.scenario.parallelism
+        if par.pp == 1:
+            return []
         return [
             PaperTerm(
                 equation=TERM,
@@ -148,6 +154,8 @@ class PipelineParallel:
     def residuals(self, ctx: Context) -> list[Residual]:
         par, isz = ctx.scenario.parallelism, ctx.scenario.model.itemsize
         mb, v = par.micro_batches, par.pipeline.virtual_stages
+        if par.pp == 1:
+            return []
         out = [micro_batches(TERM, self._eq4(ctx) * isz, mb)] if mb > 1 else []
         if v > 1:
             extra = 2 * ctx.bsh * par.pp * (v - 1) * mb * isz
@@ -157,6 +165,18 @@ class PipelineParallel:
                     name="interleaved virtual stages",
                     bytes=Fraction(extra),
                     detail=f"{par.pp}x{v} stages have {par.pp * v - 1} boundaries, Eq. 4 counts p-1 = {par.pp - 1}",
+                )
+            )
+        act = activation_dtype(ctx)
+        if WIRE_ITEMSIZE[act] != isz:  # every boundary's bytes so far, in the dtype the stages compute in
+            sent = self._eq4(ctx) * isz * mb + sum((r.bytes for r in out if r.name != "micro-batches"), Fraction(0))
+            out.append(
+                Residual(
+                    term=TERM,
+                    name="activations in a lower precision",
+                    bytes=sent * (WIRE_ITEMSIZE[act] - isz) / isz,
+                    detail=f"FSDP2's param_dtype {act}: the stages compute, and send, {act} activations and "
+                    f"gradients; Eq. 4 counts {ctx.scenario.model.dtype}",
                 )
             )
         return out
@@ -170,13 +190,13 @@ def _torch_pipelining(ctx: Context) -> list[ExpectedCollective]:
     1F1B, interleaved 1F1B, zero-bubble) moves the same; they differ in order and bubble, not in bytes.
     Nothing at construction, no loss broadcast, no norm: the schedule returns the losses to the last
     stage's caller only."""
-    m, par = ctx.scenario.model, ctx.scenario.parallelism
+    par = ctx.scenario.parallelism
     p, n = par.pp, par.pp * par.pipeline.virtual_stages
     base = ExpectedCollective(
         op=Op.SEND,
         axis="pp",
         groups=(),
-        dtype=m.dtype,
+        dtype=activation_dtype(ctx),  # FSDP2's param_dtype when set: the stages compute in it
         elements=ctx.bsh,
         calls=par.micro_batches,
         phase=Phase.PIPELINE,
@@ -184,12 +204,15 @@ def _torch_pipelining(ctx: Context) -> list[ExpectedCollective]:
         paper_term=TERM,
     )
     rows = []
+    lay = ctx.layout
     for k in range(n - 1):
         a, b = k % p, (k + 1) % p
-        for src, dst, what in ((a, b, "activation"), (b, a, "gradient")):
-            for op, pair in ((Op.SEND, (src, dst)), (Op.RECV, (dst, src))):
+        forward = lay.stage_pairs(a, b)  # (sender, receiver), one pair per pipeline (per data-parallel rank)
+        backward = tuple((y, x) for x, y in forward)
+        for pairs, what in ((forward, "activation"), (backward, "gradient")):
+            for op, groups in ((Op.SEND, pairs), (Op.RECV, tuple((y, x) for x, y in pairs))):
                 stages = f"stage {k} -> {k + 1}" if what == "activation" else f"stage {k + 1} -> {k}"
-                rows.append(replace(base, op=op, groups=(pair,), source=f"torch PP {what} {op} ({stages})"))
+                rows.append(replace(base, op=op, groups=groups, source=f"torch PP {what} {op} ({stages})"))
     return rows
 
 

@@ -17,6 +17,7 @@ from commgate.model.scenario import Scenario
 from commgate.run.interpose import optimizer_phase
 from commgate.run.workloads.cp import sequence_split, use_ring
 from commgate.run.workloads.gpt import DTYPES, GPT, build
+from commgate.run.workloads.torchpp import TorchPipelineWorkload
 from commgate.run.workloads.tp import plan
 
 
@@ -75,3 +76,10 @@ class FSDPWorkload:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+
+
+def fsdp_workload(scenario: Scenario, *, rank: int, device: torch.device) -> FSDPWorkload | TorchPipelineWorkload:
+    """FSDP2 alone (with TP, CP, HSDP), or inside torch.distributed.pipelining's stages when pp > 1."""
+    if scenario.parallelism.pp > 1:
+        return TorchPipelineWorkload(scenario, rank=rank, device=device)
+    return FSDPWorkload(scenario, rank=rank, device=device)

@@ -6,14 +6,22 @@ input and output shapes, so no shape inference runs."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import pipelining
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
 from commgate.model.scenario import TORCH_SCHEDULES, Scenario
+from commgate.model.transformer import ModelSpec
 from commgate.run.interpose import optimizer_phase, phase
 from commgate.run.workloads.gpt import DTYPES, GPT, batch
+from commgate.run.workloads.tp import embedding_plan, head_plan, layer_plan
 
 
 class _Stage(nn.Module):
@@ -35,22 +43,63 @@ class _Stage(nn.Module):
         return x
 
 
+def _stage_plan(stage: _Stage, spec: ModelSpec) -> dict[str, ParallelStyle]:
+    """The decoder's tensor-parallel plan (``commgate.run.workloads.tp``) for what one stage holds."""
+    out = embedding_plan("embed.") if stage.embed is not None else {}
+    if stage.head is not None:
+        out |= head_plan()
+    for j in range(len(stage.layers)):
+        out |= layer_plan(spec, f"layers.{j}.")
+    return out
+
+
+def _sharder(scenario: Scenario, mesh: DeviceMesh) -> Callable[[nn.Module], None]:
+    """``fully_shard`` a stage as FSDP2 alone wraps the decoder: each block, then the stage."""
+    f = scenario.parallelism.fsdp
+    policy = MixedPrecisionPolicy(
+        param_dtype=DTYPES[f.param_dtype] if f.param_dtype else None,
+        reduce_dtype=DTYPES[f.reduce_dtype] if f.reduce_dtype else None,
+    )
+
+    def shard(stage: nn.Module) -> None:
+        for layer in stage.layers:  # type: ignore[union-attr]
+            fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=f.reshard_after_forward)
+        fully_shard(stage, mesh=mesh, mp_policy=policy, reshard_after_forward=f.reshard_after_forward)
+
+    return shard
+
+
 def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
 class TorchPipelineWorkload:
+    """The stages of rank ``rank``; under scheme fsdp torchtitan's (pp, dp, tp) mesh: the tensor-parallel plan
+    inside (tp > 1), each stage's blocks and the stage itself ``fully_shard``-ed over its data-parallel ranks."""
+
     def __init__(self, scenario: Scenario, *, rank: int, device: torch.device) -> None:
         par, m = scenario.parallelism, scenario.model
         self.s, self.rank, self.device = scenario, rank, device
         torch.manual_seed(0)
         model = GPT(m).to(device=device, dtype=DTYPES[m.dtype])
         n = par.pp * par.pipeline.virtual_stages
-        b, dtype = par.micro_batch, DTYPES[m.dtype]
+        # what the stages compute in, so what crosses their boundaries: FSDP2's param_dtype, else the model's
+        b, dtype = par.micro_batch, DTYPES[par.fsdp.compute_dtype(m.dtype) if par.scheme == "fsdp" else m.dtype]
         hidden = torch.empty(b, m.s, m.h, dtype=dtype, device=device)
         self.stages = []
+        pp_group, shard, tp_mesh, self.dp_rank = None, None, None, 0
+        if par.scheme == "fsdp":  # torchtitan's (pp, dp, tp) mesh: TP inside each stage, FSDP2 over dp
+            mesh = init_device_mesh(device.type, (par.pp, par.dp, par.tp), mesh_dim_names=("pp", "dp", "tp"))
+            tp_mesh = mesh["tp"]
+            pp_group, shard = mesh["pp"].get_group(), _sharder(scenario, mesh["dp"])
+            self.dp_rank = mesh["dp"].get_local_rank()
+            rank = mesh["pp"].get_local_rank()  # this rank's stage
         for index in range(rank, n, par.pp):
             module = _Stage(model, index, n)
+            if par.tp > 1:  # this stage's parameters only: every rank distributes what it holds
+                parallelize_module(module, tp_mesh, _stage_plan(module, m))
+            if shard is not None:
+                shard(module)
             first, last = index == 0, index == n - 1
             inputs = torch.zeros(b, m.s, dtype=torch.long, device=device) if first else hidden
             outputs = torch.empty(b, m.s, m.V, dtype=dtype, device=device) if last else hidden
@@ -63,6 +112,7 @@ class TorchPipelineWorkload:
                 output_args=outputs,
                 output_grads=None if last else hidden,
                 input_grads=(None,) if first else hidden,
+                group=pp_group,
             )
             self.stages.append(stage)
         indices = {stage.stage_index for stage in self.stages}
@@ -75,11 +125,12 @@ class TorchPipelineWorkload:
 
     def step(self, k: int) -> float:
         par = self.s.parallelism
-        tokens = batch(self.s.model, par.micro_batch * par.micro_batches, seed=1000 * k, device=self.device)
+        seed = 1000 * k + self.dp_rank  # each data-parallel replica its own
+        tokens = batch(self.s.model, par.micro_batch * par.micro_batches, seed=seed, device=self.device)
         losses: list[torch.Tensor] = []
         args = (tokens[:, :-1],) if self.first else ()
         kwargs = {"target": tokens[:, 1:], "losses": losses} if self.last else {}
-        with phase("pipeline"):
+        with phase("pipeline"), loss_parallel() if par.tp > 1 else contextlib.nullcontext():
             self.schedule.step(*args, **kwargs)
         with optimizer_phase():
             self.optimizer.step()
