@@ -7,6 +7,7 @@ Exit status: 0 success; 1 a check failed; 2 bad input or usage (one line per pro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -157,6 +158,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         scenarios = [s for s in scenarios if any(k in s.id for k in a.select)]
         if not scenarios:
             raise UsageError(f"no scenario id contains any of {a.select}")
+    if a.emulate:  # those that cannot be are skipped with the reason (commgate.run.workloads.skip_reason)
+        scenarios = [dataclasses.replace(s, emulate=True) for s in scenarios]
     runner: Runner
     if under_torchrun():
         runner = rank = TorchrunRank()
@@ -279,6 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="write report.json there (rewritten after every scenario), then index.html, plots/ and trace.json",
     )
     r.add_argument("--deadline", type=float, help="seconds per scenario (default: each scenario's deadline_s)")
+    r.add_argument(
+        "--emulate",
+        action="store_true",
+        help="run rank 0 alone at each scenario's declared world size, every other rank emulated (the real "
+        "framework code at production scale; reconciled from rank 0's view; no latencies)",
+    )
     r.add_argument(
         "--baseline-dir",
         type=Path,

@@ -86,7 +86,8 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
         latency_note=latency_note,
         capture=capture,
         reconciliation=rec,
-        time_model=assess(prediction, capture, options.baseline_dir),
+        # an emulated run's calls complete without a peer: no communication time to model
+        time_model=None if capture.ranks is not None else assess(prediction, capture, options.baseline_dir),
     )
 
 

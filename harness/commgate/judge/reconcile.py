@@ -81,16 +81,23 @@ class Reconciliation:
         )
 
 
-def _row_keys(row: ExpectedCollective) -> list[tuple[Key, int]]:
-    """(key, participants) for every process group instance of a predicted row."""
+def _row_keys(row: ExpectedCollective, ran: frozenset[int]) -> list[tuple[Key, int]]:
+    """(key, participants among the ranks that ran) for every process group instance of a predicted row
+    that one of them issues."""
     p2p = OPS[row.op].p2p
-    return [
-        ((str(row.op), tuple(g), row.dtype, row.bytes_per_call, str(row.phase)), 1 if p2p else len(g))
-        for g in row.groups
-    ]
+    out = []
+    for g in row.groups:
+        n = int(g[0] in ran) if p2p else len(ran.intersection(g))
+        if n:
+            out.append(((str(row.op), tuple(g), row.dtype, row.bytes_per_call, str(row.phase)), n))
+    return out
 
 
 def reconcile(prediction: Prediction, capture: Capture) -> Reconciliation:
+    """Every rank's calls against the model's; for an emulated run (``capture.ranks``), the calls of the
+    ranks that ran against the rows they issue, each call standing for its whole group's (the job seen from
+    rank 0: the others hold the same by symmetry)."""
+    ran = frozenset(capture.ran)
     steps = range(capture.warmup_steps, capture.warmup_steps + capture.steps)
     n_steps = max(len(steps), 1)
     windows: dict[str, range | None] = {"init": None, "steps": steps}
@@ -113,16 +120,18 @@ def reconcile(prediction: Prediction, capture: Capture) -> Reconciliation:
             calls = row.calls_in(window)
             if not calls:
                 continue
-            for key, participants in _row_keys(row):
+            instances = _row_keys(row, ran)
+            for key, participants in instances:
                 predicted[key] += calls * participants
                 sources.setdefault(key, row.source)
-            if name == "steps":
-                job = Fraction(calls * row.bytes_per_call * row.participant_count, n_steps)
+            if name == "steps" and instances:
+                participants = sum(n for _, n in instances)
+                job = Fraction(calls * row.bytes_per_call * participants, n_steps)
                 if row.once:
                     residuals[str(row.op)].append((row.source, job))
                 else:
                     predicted_bytes[str(row.op)] += job
-                for g in row.groups:
+                for (_op, g, *_), _n in instances:
                     add_traffic(
                         str(row.op),
                         tuple(g),
@@ -150,8 +159,8 @@ def reconcile(prediction: Prediction, capture: Capture) -> Reconciliation:
     for (op, group, _dtype, nbytes, _phase), count in measured["steps"].items():
         measured_bytes[op] += Fraction(count * nbytes, n_steps)
         spec = OPS[Op(op)]
-        instances = count if spec.p2p else Fraction(count, len(group))
-        add_traffic(op, group, instances * nbytes * spec.bus(len(group)) / n_steps, traffic_measured)
+        group_calls = count if spec.p2p else Fraction(count, len(ran.intersection(group)))
+        add_traffic(op, group, group_calls * nbytes * spec.bus(len(group)) / n_steps, traffic_measured)
 
     ops = tuple(
         OpBalance(

@@ -218,6 +218,8 @@ class Scenario:
     description: str = ""
     file: str | None = None
     backend: Backend = "auto"
+    emulate: bool = False
+    """Run rank 0 alone at the declared world size, the other ranks emulated (``commgate.run.emulate``)."""
     steps: int = 3
     warmup_steps: int = 1
     deadline_s: float = 300.0
@@ -678,6 +680,7 @@ def _build(doc: dict[str, Any], *, file: str, where: _Located, label: str) -> tu
             model=model,
             parallelism=par,
             backend=backend,
+            emulate=bool(doc.get("emulate", False)),
             steps=doc.get("steps", 3),
             warmup_steps=doc.get("warmup_steps", 1),
             deadline_s=float(doc.get("deadline_s", 300.0)),
@@ -1040,6 +1043,8 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
             "different collectives while the post-forward mesh is built); use true or false with tp",
         )
     _check_context(doc.get(P, {}), m, par, bad)
+    if doc.get("emulate"):
+        _check_emulation(doc, par, bad)
     if par.dp_replicate > 1 and not rule.fsdp:
         bad([P, "dp_replicate"], f"{par.dp_replicate}: replicas of a sharded model are HSDP, scheme 'fsdp', not {s!r}")
     if rule.moe:
@@ -1058,6 +1063,25 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
     elif par.moe is not None:
         moe_schemes = " or ".join(repr(n) for n, r in SCHEMES.items() if r.moe)
         bad([P, "moe"], f"MoE settings need scheme {moe_schemes}, not {s!r}")
+
+
+def emulation_refusal(par: Parallelism, backend: str, workload: str | None) -> str | None:
+    """Why a scenario cannot run emulated (rank 0 alone standing for the job), or None. One process stands
+    for ranks that run the same code on the same shapes: data, tensor and context parallelism; pipeline
+    stages hold different layers and must be real processes (not built yet)."""
+    if par.pp > 1:
+        return f"pipeline stages (pp={par.pp}) are not emulated yet; run them as real ranks"
+    if backend == "nccl":
+        return "an emulated run exchanges nothing, on CPU (backend gloo or auto, not nccl)"
+    if workload is not None:
+        return "your own workload runs on real ranks only (its step may rely on its peers' data)"
+    return None
+
+
+def _check_emulation(doc: dict[str, Any], par: Parallelism, bad: Bad) -> None:
+    workload = doc.get("workload") if isinstance(doc.get("workload"), str) else None
+    if why := emulation_refusal(par, doc.get("backend", "auto"), workload):
+        bad(["emulate"], f"true: {why}")
 
 
 def _check_context(doc_par: Any, m: ModelSpec, par: Parallelism, bad: Bad) -> None:

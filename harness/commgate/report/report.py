@@ -107,7 +107,10 @@ class ScenarioResult:
 
     def summary(self) -> str:
         s = self.prediction.scenario
-        head = f"{self.status.upper():7} {s.id} ({s.parallelism.scheme}, {s.world_size} ranks, {self.wall_s:.1f} s)"
+        emulated = self.capture is not None and self.capture.ranks is not None
+        ranks = f"{s.world_size} ranks, rank 0 run, the others emulated" if emulated else f"{s.world_size} ranks"
+        view = "rank 0's view" if emulated else "all ranks"
+        head = f"{self.status.upper():7} {s.id} ({s.parallelism.scheme}, {ranks}, {self.wall_s:.1f} s)"
         t = self.capture.timeline if self.capture is not None else {}
         if "steps" in t and "build" in t:
             head += f" [build {t['build']:.1f} s, steps {t['steps']:.1f} s]"
@@ -120,13 +123,13 @@ class ScenarioResult:
             return f"{head}: {self.reason}" if self.reason else head
         lines = [head]
         if not s.expectations.model_check:
-            lines += [f"    {o.op:<15} measured {human_bytes(o.measured_bytes):>11}/step (all ranks)" for o in r.ops]
+            lines += [f"    {o.op:<15} measured {human_bytes(o.measured_bytes):>11}/step ({view})" for o in r.ops]
             lines += [f"    {line}" for f in self.findings for line in f.text().splitlines()]
             return "\n".join(lines)
         for o in r.ops:
             extra = f" + {human_bytes(sum((b for _, b in o.residuals), Fraction(0)))} named" if o.residuals else ""
             lines.append(
-                f"    {o.op:<15} measured {human_bytes(o.measured_bytes):>11}/step (all ranks)  predicted "
+                f"    {o.op:<15} measured {human_bytes(o.measured_bytes):>11}/step ({view})  predicted "
                 f"{human_bytes(o.predicted_bytes):>11}{extra}  unexplained {shown(o.unexplained_bytes)} B"
             )
         for k in r.mismatches[:10]:

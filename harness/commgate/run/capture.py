@@ -95,8 +95,21 @@ class Capture:
     measured steps), ``finish`` (collecting the calls, teardown). Empty when not measured."""
     step_windows: tuple[StepWindow, ...] = ()
     """Every rank's step boundaries (warm-up included), for step times and the communication fraction."""
+    ranks: tuple[int, ...] | None = None
+    """The ranks that ran and were captured; None: all ``world_size`` of them. An emulated run
+    (``commgate.run.emulate``): rank 0 alone, the job seen from it."""
+
+    @property
+    def ran(self) -> tuple[int, ...]:
+        return self.ranks if self.ranks is not None else tuple(range(self.world_size))
 
     def to_json(self) -> dict[str, Any]:
+        doc = self._json()
+        if self.ranks is not None:
+            doc["ranks"] = list(self.ranks)
+        return doc
+
+    def _json(self) -> dict[str, Any]:
         return {
             "capture_version": CAPTURE_VERSION,
             "scenario": self.scenario,
@@ -122,6 +135,7 @@ class Capture:
             timeline=dict(d.get("timeline", {})),
             stack=dict(d.get("stack", {})),
             step_windows=tuple(StepWindow(**w) for w in d.get("step_windows", [])),
+            ranks=tuple(d["ranks"]) if "ranks" in d else None,
         )
 
 
@@ -158,8 +172,11 @@ def merge(
     backend: str,
     timeline: dict[str, float] | None = None,
     stack: dict[str, str | None] | None = None,
+    world_size: int | None = None,
+    ranks: tuple[int, ...] | None = None,
 ) -> Capture:
-    """One capture from every rank's file, ordered by (rank, seq)."""
+    """One capture from every rank's file, ordered by (rank, seq); ``world_size`` and ``ranks`` where
+    the files are some ranks of a larger job (an emulated run)."""
     calls: list[CapturedCall] = []
     windows: list[StepWindow] = []
     for f in rank_files:
@@ -170,7 +187,7 @@ def merge(
     windows.sort(key=lambda w: (w.rank, w.step))
     return Capture(
         scenario=scenario,
-        world_size=len(rank_files),
+        world_size=world_size or len(rank_files),
         warmup_steps=warmup_steps,
         steps=steps,
         backend=backend,
@@ -178,6 +195,7 @@ def merge(
         timeline=timeline or {},
         stack=stack or {},
         step_windows=tuple(windows),
+        ranks=ranks,
     )
 
 

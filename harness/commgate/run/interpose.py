@@ -352,7 +352,11 @@ def _group_name(self: CapturingProcessGroup) -> str:
 
 CapturingProcessGroup.group_name = property(_group_name)  # type: ignore[method-assign,assignment]
 
-_INNER = {"gloo": ("cpu", ProcessGroup.BackendType.GLOO), "nccl": ("cuda", ProcessGroup.BackendType.NCCL)}
+_INNER = {
+    "gloo": ("cpu", ProcessGroup.BackendType.GLOO),
+    "nccl": ("cuda", ProcessGroup.BackendType.NCCL),
+    "emulated": ("cpu", ProcessGroup.BackendType.CUSTOM),  # commgate.run.emulate
+}
 
 
 def _creator(inner: str) -> Callable[[Any, Any], CapturingProcessGroup]:
@@ -360,8 +364,14 @@ def _creator(inner: str) -> Callable[[Any, Any], CapturingProcessGroup]:
 
     def create(opts: Any, backend_options: Any) -> CapturingProcessGroup:
         real: Any
+        registered: Any = None
         if inner == "gloo":
             real = dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+        elif inner == "emulated":
+            from commgate.run.emulate import EmulatedBackend, stand_in
+
+            real = EmulatedBackend(opts.group_rank, opts.group_size)
+            registered = stand_in(opts.group_rank, opts.group_size)
         else:
             nccl_opts = dist.ProcessGroupNCCL.Options()
             nccl_opts._timeout = opts.timeout
@@ -369,7 +379,7 @@ def _creator(inner: str) -> Callable[[Any, Any], CapturingProcessGroup]:
         pg = CapturingProcessGroup(
             opts.group_rank, opts.group_size, list(opts.global_ranks_in_group), opts.group_id, real
         )
-        pg._register_backend(torch.device(device), kind, real)
+        pg._register_backend(torch.device(device), kind, registered or real)
         _LIVE_BACKENDS.append(real)
         return pg
 

@@ -247,7 +247,7 @@ def _stall_report(scenario: Scenario, tmp: Path, procs: list[BaseProcess], waite
     parted = divergence({r: d["calls"] for r, d in dumps.items()})
     lines.append(f"  first divergence: {parted}" if parted else "  the ranks issued the same calls (a peer is slow?)")
     lines.append("  each rank:")
-    for r in range(scenario.world_size):
+    for r in range(len(procs)):  # the rank processes (rank 0 alone when the others are emulated)
         text = _status(tmp, r)
         if r not in running:
             state = f"exited ({procs[r].exitcode})"
@@ -334,7 +334,7 @@ def _status(tmp: Path, rank: int) -> str:
 def _hang_report(scenario: Scenario, tmp: Path, waited: float) -> str:
     lines = [f"{scenario.id}: deadline of {waited:g} s passed; the last call each rank issued:"]
     idle = 0
-    for r in range(scenario.world_size):
+    for r in range(budget.local_ranks(scenario)):
         text = _status(tmp, r)
         lines.append(f"  rank {r}: {'in ' + text if text else 'no call issued yet'}")
         idle += not text
@@ -412,7 +412,9 @@ def launch_local(
     temporary directory) and removed afterwards.
     """
     world = scenario.world_size
-    if world > (limit := local_rank_limit()):
+    # an emulated run starts rank 0 alone, at the declared world size (commgate.run.emulate)
+    ran = (0,) if scenario.emulate else tuple(range(world))
+    if len(ran) > (limit := local_rank_limit()):
         raise RunError(
             f"{scenario.id}: world size {world} is more local ranks than this machine holds (at most {limit}: "
             f"{os.cpu_count()} cores, about {RANK_MEMORY >> 20} MiB a rank); run it under torchrun on a cluster "
@@ -434,7 +436,7 @@ def launch_local(
         with open(spec, "wb") as f:
             pickle.dump(faults.apply(scenario), f)  # what runs; the caller predicts from what was declared
         ctx = _context()
-        for rank in range(world):
+        for rank in ran:
             # what torchrun sets (DeepSpeed insists on LOCAL_RANK)
             env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
             env |= loopback_env()  # nothing a local run opens is reachable from another machine
@@ -451,7 +453,7 @@ def launch_local(
             p = ctx.Process(target=child, args=args, name=f"commgate-rank{rank}", daemon=False)
             p.start()
             procs.append(p)
-        watchdog = Watchdog(tmp, world, scenario.stall_s)
+        watchdog = Watchdog(tmp, len(ran), scenario.stall_s)
         while any(p.exitcode is None for p in procs):
             if _failure(scenario, procs, tmp):  # let the others settle, then name the cause
                 settle = time.monotonic() + GRACE_S
@@ -467,10 +469,13 @@ def launch_local(
         if reason:
             raise RunError(reason)
         if progress:
-            progress(f"{scenario.id}: {world} ranks done in {time.monotonic() - started:.1f} s")
+            done = f"rank 0 of {world} (the others emulated)" if scenario.emulate else f"{world} ranks"
+            progress(f"{scenario.id}: {done} done in {time.monotonic() - started:.1f} s")
         meta = json.loads((tmp / "rank0.meta.json").read_text())
         return merge(
-            [tmp / f"rank{r}.json" for r in range(world)],
+            [tmp / f"rank{r}.json" for r in ran],
+            world_size=world,
+            ranks=ran if scenario.emulate else None,
             scenario=scenario.id,
             warmup_steps=scenario.warmup_steps,
             steps=scenario.steps,

@@ -30,6 +30,8 @@ STATUS_WIDTH = 240
 def resolve_backend(scenario: Scenario) -> str:
     import torch
 
+    if scenario.emulate:
+        return "emulated"
     if scenario.backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     return scenario.backend
@@ -41,7 +43,7 @@ def stack(backend: str, local_ranks: int) -> dict[str, str | None]:
 
     from commgate.core.provenance import cpu_fingerprint
 
-    gpus = backend != "gloo" and torch.cuda.is_available()
+    gpus = backend not in ("gloo", "emulated") and torch.cuda.is_available()
     slots, unit = (torch.cuda.device_count(), "GPUs") if gpus else (len(os.sched_getaffinity(0)), "cores")
     return {
         "oversubscribed": f"{local_ranks} ranks on {slots} {unit}" if local_ranks > slots else None,
@@ -76,7 +78,7 @@ def run_rank(
     from commgate.run.workloads import resolve
 
     backend = resolve_backend(scenario)
-    if backend == "gloo":
+    if backend in ("gloo", "emulated"):
         torch.set_num_threads(1)
         device = torch.device("cpu")
     else:
@@ -274,7 +276,8 @@ def child(
             faults=faults,
         )
         backend = resolve_backend(scenario)
-        meta = {"backend": backend, "marks": marks, "stack": stack(backend, world) if rank == 0 else {}}
+        local = 1 if backend == "emulated" else world  # rank processes on this host
+        meta = {"backend": backend, "marks": marks, "stack": stack(backend, local) if rank == 0 else {}}
         atomic_write_json(out / f"rank{rank}.meta.json", meta)
     except BaseException:
         (out / f"rank{rank}.err").write_text(traceback.format_exc())

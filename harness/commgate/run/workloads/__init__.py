@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Protocol
 
-from commgate.model.scenario import Scenario
+from commgate.model.scenario import Scenario, emulation_refusal
 from commgate.model.schemes import SCHEMES
 
 if TYPE_CHECKING:
@@ -30,6 +30,8 @@ class WorkloadFactory(Protocol):
 def skip_reason(scenario: Scenario, *, gpus: bool) -> str | None:
     """Why ``scenario`` cannot run here (``gpus``: whether this machine has any), or None."""
     par = scenario.parallelism
+    if scenario.emulate and (why := emulation_refusal(par, scenario.backend, scenario.workload)):
+        return f"not emulated: {why}"
     if not gpus and ("gpu" in scenario.markers or scenario.backend == "nccl"):
         return "needs GPUs (marker gpu or backend nccl); this machine has none"
     if scenario.workload is not None:

@@ -1,0 +1,116 @@
+"""The emulating inner backend: one process plays one rank of a job of any world size.
+
+``commgate.run.interpose`` records every call and hands it to an inner backend; with ``emulated`` that
+backend completes each call at once, in this process, with the right shapes, dtypes and completion
+semantics (a finished ``Work`` whose future holds the output tensors, as DDP's communication hooks and
+DeepSpeed's async handles expect), and exchanges no data. The peers are taken to hold what this rank holds
+(data-parallel replicas of it): an all-reduce leaves the buffer as it is, an all-gather fills every slot
+with this rank's input, a reduce-scatter keeps this rank's slice, a broadcast, reduce or barrier does
+nothing, an all-to-all returns its input, a receive leaves its buffer. The calls the frameworks issue, and
+so what the capture records, are those of the real job: their sizes, groups and counts do not depend on
+the values. What does depend on values (an MoE router's choices, a loss-scale overflow) follows this rank's
+data, which the report says.
+
+torch's own ``FakeProcessGroup`` stands behind the process group for what torch asks of a backend object
+(its device, its options); its works cannot be used, since their futures hold no tensors (DDP's reducer
+stops on "expected the hook result is either a Tensor or a TensorList found None").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+BACKEND_TYPE = "emulated"
+
+
+def _done(result: list[Any]) -> Any:
+    future: torch.futures.Future[list[Any]] = torch.futures.Future()
+    future.set_result(result)
+    return torch._C._distributed_c10d._create_work_from_future(future)  # type: ignore[attr-defined]
+
+
+class EmulatedBackend:
+    """Rank ``rank`` of ``size``: the methods of a c10d backend's Python binding that the capturing process
+    group calls (``commgate.model.collectives.OPS`` bindings' ``real`` names), each completed at once."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        return _done(tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        return _done(tensors)
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        for slots, x in zip(outputs, inputs, strict=True):
+            mine = x.clone()  # the input is often one of the slots (an in-place all-gather)
+            for slot in slots:
+                slot.copy_(mine)
+        return _done(outputs)
+
+    def allgather_coalesced(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        return self.allgather(outputs, inputs, opts)
+
+    def _allgather_base(self, output: torch.Tensor, x: torch.Tensor, opts: Any = None) -> Any:
+        output.view(self.size, -1).copy_(x.reshape(1, -1).clone())  # x is often a slice of output
+        return _done([output])
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:
+        for out, slots in zip(outputs, inputs, strict=True):
+            out.copy_(slots[self.rank].clone())
+        return _done(outputs)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, x: torch.Tensor, opts: Any = None) -> Any:
+        output.copy_(x.reshape(self.size, -1)[self.rank].view_as(output).clone())  # output may be a slice of x
+        return _done([output])
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        for out, x in zip(outputs, inputs, strict=True):
+            out.copy_(x.clone())
+        return _done(outputs)
+
+    def alltoall_base(
+        self, output: torch.Tensor, x: torch.Tensor, out_splits: list[int], in_splits: list[int], opts: Any = None
+    ) -> Any:
+        if output.numel() == x.numel():  # uneven splits: what the peers would send is unknown; left as is
+            output.copy_(x.view_as(output).clone())
+        return _done([output])
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        return _done(tensors)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        return _done(tensors)
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        for slots in outputs:  # empty off the root
+            mine = inputs[0].clone()
+            for slot in slots:
+                slot.copy_(mine)
+        return _done(outputs)
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:
+        if inputs:  # the root: its own slice
+            outputs[0].copy_(inputs[0][self.rank].clone())
+        return _done(outputs)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        return _done(tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        return _done(tensors)
+
+    def barrier(self, opts: Any = None) -> Any:
+        return _done([])
+
+
+def stand_in(rank: int, size: int) -> Any:
+    """torch's fake backend, registered for the device so that torch's own queries find a backend."""
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    return FakeProcessGroup._create_internal(rank, size)

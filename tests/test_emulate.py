@@ -1,0 +1,105 @@
+"""Emulated ranks (``emulate: true``, ``commgate run --emulate``; ``commgate.run.emulate``): rank 0 runs the
+real framework code alone at the declared world size, its peers emulated by an inner backend that completes
+every call at once; the capture (rank 0's calls) reconciles with the model's rows rank 0 issues, each call
+standing for its group's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from commgate.core.errors import ScenarioError
+from commgate.judge.baseline import Baseline
+from commgate.judge.reconcile import reconcile
+from commgate.model.predict import predict
+from commgate.model.scenario import load_text
+from commgate.pipeline import Options, run_scenario
+from commgate.run.emulate import EmulatedBackend
+from commgate.run.launcher import launch_local
+from commgate.run.runners import LocalRanks
+
+
+def scenario(par: str, model: str = "{preset: 19M-cpu}", extra: str = "emulate: true\n") -> str:
+    return f"schema_version: 1\nname: e\nmodel: {model}\nparallelism: {par}\nsteps: 2\n{extra}"
+
+
+def test_calls_complete_at_once_with_the_peers_holding_what_this_rank_holds() -> None:
+    b = EmulatedBackend(rank=2, size=4)
+    out = torch.zeros(8)
+    work = b._allgather_base(out, out[4:6].fill_(3.0))  # in place: the input is this rank's slot of the output
+    assert work.is_completed() and out.tolist() == [3.0] * 8
+    (value,) = work.get_future().value()  # what DDP's communication hooks read
+    assert value is out
+    shard = torch.empty(2)
+    b._reduce_scatter_base(shard, torch.arange(8.0))
+    assert shard.tolist() == [4.0, 5.0]  # rank 2's slice
+    grads = torch.ones(3)
+    assert b.allreduce([grads]).get_future().value() == [grads] and grads.tolist() == [1.0] * 3
+
+
+@pytest.mark.parametrize(
+    ("par", "world"),
+    [
+        ("{scheme: ddp, dp: 1024}", 1024),
+        ("{scheme: zero3, dp: 64}", 64),
+        ("{scheme: zero++, dp: 64, zero: {hpz: 8}}", 64),
+        ("{scheme: zero2, dp: 128, micro_batches: 2}", 128),
+        ("{scheme: moe, dp: 64, moe: {experts: 64, ep: 64}}", 64),
+        ("{scheme: fsdp, dp: 256, fsdp: {param_dtype: bf16}}", 256),
+        ("{scheme: tp, tp: 4, dp: 16}", 64),
+        ("{scheme: cp, cp: 4, dp: 16}", 64),
+    ],
+    ids=["ddp-1024", "zero3-64", "zeropp-hpz8-64", "zero2-128", "moe-ep64", "fsdp-256", "tp4-dp16", "cp4-dp16"],
+)
+def test_rank_0_alone_reconciles_to_zero_at_the_declared_world_size(par: str, world: int, tmp_path: Path) -> None:
+    (s,) = load_text(scenario(par))
+    capture = launch_local(s, workdir=tmp_path)
+    assert capture.world_size == world and capture.ranks == (0,) and capture.backend == "emulated"
+    assert {c.rank for c in capture.calls} == {0} and capture.calls
+    rec = reconcile(predict(s), capture)
+    assert not rec.mismatches, rec.mismatches
+    assert rec.keys and all(k.measured_calls > 0 for k in rec.keys)
+    assert all(o.unexplained_bytes == 0 for o in rec.ops) and rec.traffic_measured == rec.traffic_predicted
+    assert Baseline.from_run(capture, rec, {"hardware": "h", "date": ""}).latency == {}  # timings are no latencies
+
+
+def test_the_gate_judges_communication_not_latency(tmp_path: Path) -> None:
+    (s,) = load_text(scenario("{scheme: zero1, dp: 64}"))
+    options = Options(baseline_dir=tmp_path, update_baselines=True)
+    first = run_scenario(s, LocalRanks(), options)
+    again = run_scenario(s, LocalRanks(), Options(baseline_dir=tmp_path))
+    assert first is not None and again is not None
+    assert (tmp_path / "emulated" / "e.json").exists()
+    assert again.status == "passed", again.summary()
+    assert "latency not judged: an emulated run (rank 0 of 64)" in again.latency_note
+    assert "rank 0 run, the others emulated" in again.summary() and "(rank 0's view)" in again.summary()
+
+
+@pytest.mark.parametrize(
+    ("par", "extra", "message"),
+    [
+        ("{scheme: pp, pp: 2}", "", "pipeline stages \\(pp=2\\) are not emulated yet"),
+        ("{scheme: ddp, dp: 8}", "backend: nccl\n", "an emulated run exchanges nothing, on CPU"),
+        ("{scheme: ddp, dp: 8}", "workload: commgate.run.workloads.probes:paths\n", "your own workload"),
+    ],
+)
+def test_what_cannot_be_emulated_is_one_line(par: str, extra: str, message: str) -> None:
+    with pytest.raises(ScenarioError, match=r"emulate: true: " + message) as info:
+        load_text(scenario(par, extra="emulate: true\n" + extra))
+    assert "\n" not in str(info.value)
+
+
+def test_run_emulate_skips_what_it_cannot_emulate(tmp_path: Path) -> None:
+    for name, par in (("d", "{scheme: ddp, dp: 512}"), ("p", "{scheme: pp, pp: 2}")):
+        (tmp_path / f"{name}.yaml").write_text(scenario(par, extra="").replace("name: e", f"name: {name}"))
+    run = subprocess.run(
+        [sys.executable, "-m", "commgate", "run", "--emulate", str(tmp_path), "--report-dir", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "PASSED  d (ddp, 512 ranks, rank 0 run, the others emulated" in run.stdout
+    assert "not emulated: pipeline stages (pp=2) are not emulated yet" in run.stdout
