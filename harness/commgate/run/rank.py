@@ -79,7 +79,8 @@ def run_rank(
 
     backend = resolve_backend(scenario)
     if backend in ("gloo", "emulated"):
-        torch.set_num_threads(1)
+        # one core a rank; an emulated run is one process, which may use them all
+        torch.set_num_threads(len(os.sched_getaffinity(0)) if backend == "emulated" else 1)
         device = torch.device("cpu")
     else:
         local = int(os.environ.get("LOCAL_RANK", rank))

@@ -1,0 +1,96 @@
+"""Emulated runs at production world size (issue 15): wall time and peak memory of rank 0 alone standing for
+the job, each run reconciled with the model from rank 0's view.
+
+    .venv/bin/python benchmarks/emulation.py [--only NAME]
+
+Targets (issue 15): the 1.3B preset under ZeRO-3 at dp = 256 (s = 16) in <= 5 min and <= 8 GB; 350M DDP at
+dp = 1024 in <= 5 min. Peak memory is the largest sum of the resident sets of this process and the rank
+processes it starts (sampled every 0.2 s). Prints one line per run; exits 1 if a run does not reconcile
+to 0 unexplained bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+RUNS = {
+    # bf16: DeepSpeed's fp16 runs on GPUs only; 1.3B's preset dtype is fp16
+    "zero3-1.3B-dp256": "model: {preset: 1.3B, s: 16, dtype: bf16}\nparallelism: {scheme: zero3, dp: 256}",
+    "ddp-350M-dp1024": "model: {preset: 350M, s: 16, dtype: fp32}\nparallelism: {scheme: ddp, dp: 1024}",
+}
+
+
+def _rss_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+    except OSError:
+        return 0
+
+
+def _ours() -> list[int]:
+    """This process and the rank processes (forked from the launcher's forkserver, whose command line names
+    commgate)."""
+    out = [os.getpid()]
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if (
+                    b"commgate" in (entry / "cmdline").read_bytes()
+                    and b"emulation.py" not in (entry / "cmdline").read_bytes()
+                ):
+                    out.append(int(entry.name))
+            except OSError:
+                continue
+    return out
+
+
+def main() -> int:
+    from commgate.judge.reconcile import reconcile
+    from commgate.model.predict import predict
+    from commgate.model.scenario import load_text
+    from commgate.run.launcher import launch_local
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=sorted(RUNS))
+    a = ap.parse_args()
+    failed = 0
+    for name, body in RUNS.items():
+        if a.only and name != a.only:
+            continue
+        (s,) = load_text(f"schema_version: 1\nname: {name}\n{body}\nemulate: true\nsteps: 2\nwarmup_steps: 1\n")
+        peak, done = [0], threading.Event()
+
+        def sample(peak: list[int] = peak, done: threading.Event = done) -> None:
+            while not done.wait(0.2):
+                peak[0] = max(peak[0], sum(_rss_kib(p) for p in _ours()))
+
+        watcher = threading.Thread(target=sample, daemon=True)
+        watcher.start()
+        started = time.monotonic()
+        with tempfile.TemporaryDirectory() as tmp:
+            capture = launch_local(s, workdir=Path(tmp))
+        wall = time.monotonic() - started
+        done.set()
+        watcher.join()
+        rec = reconcile(predict(s), capture)
+        exact = rec.ok and all(k.measured_calls for k in rec.keys)
+        failed += not exact
+        t = capture.timeline
+        print(
+            f"{name}: world {capture.world_size}, rank 0 run; wall {wall:.1f} s (build {t.get('build', 0):.1f} s, "
+            f"steps {t.get('steps', 0):.1f} s for {s.warmup_steps + s.steps}), peak RSS {peak[0] / 2**20:.2f} GiB, "
+            f"{len(capture.calls)} calls captured, {'0 unexplained bytes' if exact else 'NOT reconciled'}",
+            flush=True,
+        )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
