@@ -48,22 +48,58 @@ def test_calls_complete_at_once_with_the_peers_holding_what_this_rank_holds() ->
         ("{scheme: zero++, dp: 64, zero: {hpz: 8}}", 64),
         ("{scheme: zero2, dp: 128, micro_batches: 2}", 128),
         ("{scheme: moe, dp: 64, moe: {experts: 64, ep: 64}}", 64),
+        ("{scheme: pp, pp: 2, dp: 32, micro_batches: 4, zero: {stage: 1}}", 64),
+        ("{scheme: 3d, pp: 2, tp: 2, dp: 16, micro_batches: 2}", 64),
         ("{scheme: fsdp, dp: 256, fsdp: {param_dtype: bf16}}", 256),
         ("{scheme: tp, tp: 4, dp: 16}", 64),
         ("{scheme: cp, cp: 4, dp: 16}", 64),
     ],
-    ids=["ddp-1024", "zero3-64", "zeropp-hpz8-64", "zero2-128", "moe-ep64", "fsdp-256", "tp4-dp16", "cp4-dp16"],
+    ids=[
+        "ddp-1024",
+        "zero3-64",
+        "zeropp-hpz8-64",
+        "zero2-128",
+        "moe-ep64",
+        "deepspeed-pp2-dp32",
+        "deepspeed-3d-64",
+        "fsdp-256",
+        "tp4-dp16",
+        "cp4-dp16",
+    ],
 )
-def test_rank_0_alone_reconciles_to_zero_at_the_declared_world_size(par: str, world: int, tmp_path: Path) -> None:
+def test_an_emulated_run_reconciles_to_zero_at_the_declared_world_size(par: str, world: int, tmp_path: Path) -> None:
     (s,) = load_text(scenario(par))
     capture = launch_local(s, workdir=tmp_path)
-    assert capture.world_size == world and capture.ranks == (0,) and capture.backend == "emulated"
-    assert {c.rank for c in capture.calls} == {0} and capture.calls
+    # rank 0 alone, or data-parallel index 0 of every pipeline stage and tensor shard, over gloo among them
+    started = (
+        (0,)
+        if s.parallelism.pp == 1
+        else tuple(sorted({0, world // 2} | ({1, world // 2 + 1} if s.parallelism.tp > 1 else set())))
+    )
+    assert capture.world_size == world and capture.ranks == started and capture.backend == "emulated"
+    assert {c.rank for c in capture.calls} == set(started) and capture.calls
     rec = reconcile(predict(s), capture)
     assert not rec.mismatches, rec.mismatches
     assert rec.keys and all(k.measured_calls > 0 for k in rec.keys)
     assert all(o.unexplained_bytes == 0 for o in rec.ops) and rec.traffic_measured == rec.traffic_predicted
     assert Baseline.from_run(capture, rec, {"hardware": "h", "date": ""}).latency == {}  # timings are no latencies
+
+
+def test_pipeline_stages_run_for_real_around_an_emulated_data_parallel_axis(tmp_path: Path) -> None:
+    """FSDP2 x TP x PP at 64 ranks: the 4 ranks of data-parallel index 0 (2 stages x 2 tensor shards) run, their
+    tensor-parallel all-reduces and stage sends over gloo among themselves, FSDP2 over 16 emulated."""
+    (s,) = load_text(
+        scenario(
+            "{scheme: fsdp, pp: 2, tp: 2, dp: 16, micro_batches: 4, pipeline: {engine: torch, schedule: 1f1b}}",
+            "{preset: 19M-cpu, L: 4, s: 32}",
+        )
+    )
+    capture = launch_local(s, workdir=tmp_path)
+    assert capture.ranks == (0, 1, 32, 33)
+    rec = reconcile(predict(s), capture)
+    assert rec.ok and not rec.mismatches
+    sends = {(c.rank, c.peer) for c in capture.calls if c.op == "send"}
+    assert sends == {(0, 32), (1, 33), (32, 0), (33, 1)}
 
 
 def test_the_gate_judges_communication_not_latency(tmp_path: Path) -> None:
@@ -81,7 +117,6 @@ def test_the_gate_judges_communication_not_latency(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("par", "extra", "message"),
     [
-        ("{scheme: pp, pp: 2}", "", "pipeline stages \\(pp=2\\) are not emulated yet"),
         ("{scheme: ddp, dp: 8}", "backend: nccl\n", "an emulated run exchanges nothing, on CPU"),
         ("{scheme: ddp, dp: 8}", "workload: commgate.run.workloads.probes:paths\n", "your own workload"),
     ],
@@ -93,8 +128,9 @@ def test_what_cannot_be_emulated_is_one_line(par: str, extra: str, message: str)
 
 
 def test_run_emulate_skips_what_it_cannot_emulate(tmp_path: Path) -> None:
-    for name, par in (("d", "{scheme: ddp, dp: 512}"), ("p", "{scheme: pp, pp: 2}")):
-        (tmp_path / f"{name}.yaml").write_text(scenario(par, extra="").replace("name: e", f"name: {name}"))
+    for name, extra in (("d", ""), ("w", "workload: commgate.run.workloads.probes:paths\n")):
+        text = scenario("{scheme: ddp, dp: 512}", extra=extra).replace("name: e", f"name: {name}")
+        (tmp_path / f"{name}.yaml").write_text(text)
     run = subprocess.run(
         [sys.executable, "-m", "commgate", "run", "--emulate", str(tmp_path), "--report-dir", str(tmp_path / "out")],
         capture_output=True,
@@ -102,4 +138,4 @@ def test_run_emulate_skips_what_it_cannot_emulate(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "PASSED  d (ddp, 512 ranks, rank 0 run, the others emulated" in run.stdout
-    assert "not emulated: pipeline stages (pp=2) are not emulated yet" in run.stdout
+    assert "not emulated: your own workload runs on real ranks only" in run.stdout

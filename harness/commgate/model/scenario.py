@@ -1044,7 +1044,7 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
         )
     _check_context(doc.get(P, {}), m, par, bad)
     if doc.get("emulate"):
-        _check_emulation(doc, par, bad)
+        _check_emulation(doc, bad)
     if par.dp_replicate > 1 and not rule.fsdp:
         bad([P, "dp_replicate"], f"{par.dp_replicate}: replicas of a sharded model are HSDP, scheme 'fsdp', not {s!r}")
     if rule.moe:
@@ -1065,12 +1065,11 @@ def _check_consistency(doc: dict[str, Any], m: ModelSpec, par: Parallelism, bad:
         bad([P, "moe"], f"MoE settings need scheme {moe_schemes}, not {s!r}")
 
 
-def emulation_refusal(par: Parallelism, backend: str, workload: str | None) -> str | None:
-    """Why a scenario cannot run emulated (rank 0 alone standing for the job), or None. One process stands
-    for ranks that run the same code on the same shapes: data, tensor and context parallelism; pipeline
-    stages hold different layers and must be real processes (not built yet)."""
-    if par.pp > 1:
-        return f"pipeline stages (pp={par.pp}) are not emulated yet; run them as real ranks"
+def emulation_refusal(backend: str, workload: str | None) -> str | None:
+    """Why a scenario cannot run emulated, or None. A started rank stands for the ranks that run the same
+    code on the same shapes as it: its data-parallel peers (data, context, expert parallelism); pipeline
+    stages hold different layers and run as real processes, one per stage and tensor shard
+    (``commgate.run.emulate.real_ranks``)."""
     if backend == "nccl":
         return "an emulated run exchanges nothing, on CPU (backend gloo or auto, not nccl)"
     if workload is not None:
@@ -1078,9 +1077,9 @@ def emulation_refusal(par: Parallelism, backend: str, workload: str | None) -> s
     return None
 
 
-def _check_emulation(doc: dict[str, Any], par: Parallelism, bad: Bad) -> None:
+def _check_emulation(doc: dict[str, Any], bad: Bad) -> None:
     workload = doc.get("workload") if isinstance(doc.get("workload"), str) else None
-    if why := emulation_refusal(par, doc.get("backend", "auto"), workload):
+    if why := emulation_refusal(doc.get("backend", "auto"), workload):
         bad(["emulate"], f"true: {why}")
 
 

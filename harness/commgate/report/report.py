@@ -107,9 +107,14 @@ class ScenarioResult:
 
     def summary(self) -> str:
         s = self.prediction.scenario
-        emulated = self.capture is not None and self.capture.ranks is not None
-        ranks = f"{s.world_size} ranks, rank 0 run, the others emulated" if emulated else f"{s.world_size} ranks"
-        view = "rank 0's view" if emulated else "all ranks"
+        started = self.capture.ranks if self.capture is not None else None
+        ranks, view = f"{s.world_size} ranks", "all ranks"
+        if started is not None:  # an emulated run (commgate.run.emulate)
+            who = "rank 0" if started == (0,) else "ranks " + ", ".join(map(str, started))
+            ranks, view = (
+                f"{ranks}, {who} run, the others emulated",
+                f"{who}'s view" if started == (0,) else "their view",
+            )
         head = f"{self.status.upper():7} {s.id} ({s.parallelism.scheme}, {ranks}, {self.wall_s:.1f} s)"
         t = self.capture.timeline if self.capture is not None else {}
         if "steps" in t and "build" in t:

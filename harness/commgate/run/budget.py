@@ -76,8 +76,11 @@ CORE_FLOPS = 50e9
 
 
 def local_ranks(scenario: Scenario) -> int:
-    """The rank processes a local run starts: every rank, or rank 0 alone when the others are emulated."""
-    return 1 if scenario.emulate else scenario.world_size
+    """The rank processes a local run starts: every rank, or those an emulated run starts
+    (``commgate.run.emulate.real_ranks``)."""
+    from commgate.run.emulate import real_ranks
+
+    return len(real_ranks(scenario)) if scenario.emulate else scenario.world_size
 
 
 def compute_s(scenario: Scenario) -> float | None:

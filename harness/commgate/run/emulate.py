@@ -18,14 +18,31 @@ stops on "expected the hook result is either a Tensor or a TensorList found None
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from commgate.model.layout import Layout
+from commgate.model.scenario import Scenario
+
+if TYPE_CHECKING:
+    import torch
 
 BACKEND_TYPE = "emulated"
 
 
+def real_ranks(scenario: Scenario) -> tuple[int, ...]:
+    """The ranks an emulated run starts as processes: data-parallel index 0 of every pipeline stage and
+    tensor shard (the asymmetric axes stay real, talking over gloo among themselves); rank 0 alone without
+    pipeline stages. Every other rank is emulated: a group with one of them in it runs emulated."""
+    par = scenario.parallelism
+    if par.pp == 1:
+        return (0,)
+    lay = Layout(dp=par.data_ranks, tp=par.tp, pp=par.pp)
+    return tuple(lay.rank(pipe=p, data=0, model=m) for p in range(par.pp) for m in range(par.tp))
+
+
 def _done(result: list[Any]) -> Any:
+    import torch
+
     future: torch.futures.Future[list[Any]] = torch.futures.Future()
     future.set_result(result)
     return torch._C._distributed_c10d._create_work_from_future(future)  # type: ignore[attr-defined]
@@ -35,8 +52,12 @@ class EmulatedBackend:
     """Rank ``rank`` of ``size``: the methods of a c10d backend's Python binding that the capturing process
     group calls (``commgate.model.collectives.OPS`` bindings' ``real`` names), each completed at once."""
 
-    def __init__(self, rank: int, size: int) -> None:
+    def __init__(self, rank: int, size: int, wire: Any = None, started: dict[int, int] | None = None) -> None:
+        """``wire``: a real (gloo) backend over the ranks of this group that were started, whose group ranks
+        ``started`` maps to their rank in it: a send or receive between two of them (DeepSpeed's pipeline
+        engine sends between stages over the default group) goes over it for real."""
         self.rank, self.size = rank, size
+        self.wire, self.started = wire, started or {}
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         return _done(tensors)
@@ -100,9 +121,13 @@ class EmulatedBackend:
         return _done(outputs)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        if self.wire is not None and dst in self.started:
+            return self.wire.send(tensors, self.started[dst], tag)
         return _done(tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        if self.wire is not None and src in self.started:
+            return self.wire.recv(tensors, self.started[src], tag)
         return _done(tensors)
 
     def barrier(self, opts: Any = None) -> Any:

@@ -365,12 +365,25 @@ def _creator(inner: str) -> Callable[[Any, Any], CapturingProcessGroup]:
     def create(opts: Any, backend_options: Any) -> CapturingProcessGroup:
         real: Any
         registered: Any = None
-        if inner == "gloo":
+        kind_here = kind
+        members = set(opts.global_ranks_in_group) or set(range(opts.group_size))
+        if inner == "gloo" or (inner == "emulated" and len(members) > 1 and members <= REAL_RANKS):
+            # an emulated run's groups of started ranks alone (pipeline stages, tensor shards) are real
             real = dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+            kind_here = ProcessGroup.BackendType.GLOO
         elif inner == "emulated":
+            from torch.distributed.distributed_c10d import PrefixStore
+
             from commgate.run.emulate import EmulatedBackend, stand_in
 
-            real = EmulatedBackend(opts.group_rank, opts.group_size)
+            ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
+            started = {i: n for n, i in enumerate(i for i, r in enumerate(ranks) if r in REAL_RANKS)}
+            wire = None
+            if len(started) > 1 and opts.group_rank in started:  # point-to-point among them is real
+                store = PrefixStore(f"commgate-started/{opts.group_id}", opts.store)
+                wire = dist.ProcessGroupGloo(store, started[opts.group_rank], len(started), opts.timeout)
+                _LIVE_BACKENDS.append(wire)
+            real = EmulatedBackend(opts.group_rank, opts.group_size, wire, started)
             registered = stand_in(opts.group_rank, opts.group_size)
         else:
             nccl_opts = dist.ProcessGroupNCCL.Options()
@@ -379,7 +392,7 @@ def _creator(inner: str) -> Callable[[Any, Any], CapturingProcessGroup]:
         pg = CapturingProcessGroup(
             opts.group_rank, opts.group_size, list(opts.global_ranks_in_group), opts.group_id, real
         )
-        pg._register_backend(torch.device(device), kind, registered or real)
+        pg._register_backend(torch.device(device), kind_here, registered or real)
         _LIVE_BACKENDS.append(real)
         return pg
 
@@ -405,9 +418,15 @@ def release_backends() -> None:
     _LIVE_BACKENDS.clear()
 
 
-def install(inner: str, rank: int) -> Recorder:
-    """Register the ``commgate`` backend over ``inner`` (gloo or nccl) and start recording."""
-    global RECORDER
+REAL_RANKS: frozenset[int] = frozenset()
+"""An emulated run's started ranks (``commgate.run.emulate.real_ranks``): a group of them alone runs on gloo."""
+
+
+def install(inner: str, rank: int, real: Sequence[int] = ()) -> Recorder:
+    """Register the ``commgate`` backend over ``inner`` (gloo, nccl, or emulated with the ``real`` ranks
+    started) and start recording."""
+    global RECORDER, REAL_RANKS
+    REAL_RANKS = frozenset(real)
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND_NAME, _creator(inner), extended_api=True, devices=[_INNER[inner][0]])
     global INSTALLED

@@ -29,7 +29,7 @@ import signal
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -39,6 +39,7 @@ from commgate.core.errors import CommgateError
 from commgate.model.scenario import Scenario
 from commgate.run import budget
 from commgate.run.capture import Capture, merge, timeline
+from commgate.run.emulate import real_ranks
 from commgate.run.inject import Faults
 from commgate.run.rank import child
 
@@ -130,10 +131,10 @@ def _failure(scenario: Scenario, procs: list[BaseProcess], tmp: Path) -> str | N
     rank whose exception was written first, a peer's connection error ("connection reset by peer")
     only if no rank raised anything else. The other ranks' errors are listed after it as consequences.
     """
-    failed = [(rank, code) for rank, code in enumerate(p.exitcode for p in procs) if code is not None and code != 0]
+    failed = [(rank, p.exitcode) for rank, p in _ranked(procs) if p.exitcode is not None and p.exitcode != 0]
     if not failed:
         return None
-    paths = {r: e for r in range(len(procs)) if (e := tmp / f"rank{r}.err").exists()}
+    paths = {r: e for r, _ in _ranked(procs) if (e := tmp / f"rank{r}.err").exists()}
     errors = {r: e.read_text(errors="replace").rstrip() for r, e in paths.items()}
     silent = [(rank, code) for rank, code in failed if rank not in errors]
     last = {r: _exception_line(text) for r, text in errors.items()}
@@ -188,8 +189,8 @@ class Watchdog:
     for ``PARTIAL_STALL`` times that (another rank is stuck outside any call: a rendezvous, a process group
     only some ranks build). The deadline stays the backstop."""
 
-    def __init__(self, tmp: Path, world: int, stall_s: float | None) -> None:
-        self.tmp, self.world, self.stall_s = tmp, world, stall_s
+    def __init__(self, tmp: Path, ranks: Sequence[int], stall_s: float | None) -> None:
+        self.tmp, self.ranks, self.stall_s = tmp, tuple(ranks), stall_s
         self.seen: tuple[object, ...] = ()
         self.since = time.monotonic()
         self.next_look = 0.0
@@ -204,7 +205,7 @@ class Watchdog:
         if now < self.next_look:
             return None
         self.next_look = now + 0.25
-        beats = [_beat(self.tmp, r) for r in range(self.world)]
+        beats = [_beat(self.tmp, r) for r in self.ranks]
         progress = tuple((b.get("issued"), b.get("done"), b.get("teardown")) for b in beats)
         if progress != self.seen:
             self.seen, self.since = progress, now
@@ -224,11 +225,17 @@ class Watchdog:
         return waited if waiting and started and waited > PARTIAL_STALL * self.limit(beats) else None
 
 
+def _ranked(procs: Sequence[BaseProcess]) -> list[tuple[int, BaseProcess]]:
+    """(rank, process) of each rank process started (named ``commgate-rank{r}``; an emulated run starts some
+    ranks of the job only)."""
+    return [(int((p.name or "").removeprefix("commgate-rank")), p) for p in procs]
+
+
 def _stall_report(scenario: Scenario, tmp: Path, procs: list[BaseProcess], waited: float) -> str:
     """The stall: the first place the ranks' call sequences part (from every rank's issued calls, which
     the launcher asks them for), then each rank's state."""
     (tmp / "dump.request").touch()
-    running = [r for r, p in enumerate(procs) if p.exitcode is None]
+    running = [r for r, p in _ranked(procs) if p.exitcode is None]
     until = time.monotonic() + 3
     while time.monotonic() < until and not all((tmp / f"rank{r}.calls.json").exists() for r in running):
         time.sleep(POLL_S)
@@ -247,10 +254,10 @@ def _stall_report(scenario: Scenario, tmp: Path, procs: list[BaseProcess], waite
     parted = divergence({r: d["calls"] for r, d in dumps.items()})
     lines.append(f"  first divergence: {parted}" if parted else "  the ranks issued the same calls (a peer is slow?)")
     lines.append("  each rank:")
-    for r in range(len(procs)):  # the rank processes (rank 0 alone when the others are emulated)
+    for r, p in _ranked(procs):
         text = _status(tmp, r)
         if r not in running:
-            state = f"exited ({procs[r].exitcode})"
+            state = f"exited ({p.exitcode})"
         elif dumps.get(r, {}).get("teardown"):
             state = f"finished its steps, in teardown (waiting for its peers); last call {text or 'none'}"
         else:
@@ -334,7 +341,7 @@ def _status(tmp: Path, rank: int) -> str:
 def _hang_report(scenario: Scenario, tmp: Path, waited: float) -> str:
     lines = [f"{scenario.id}: deadline of {waited:g} s passed; the last call each rank issued:"]
     idle = 0
-    for r in range(budget.local_ranks(scenario)):
+    for r in real_ranks(scenario) if scenario.emulate else range(scenario.world_size):
         text = _status(tmp, r)
         lines.append(f"  rank {r}: {'in ' + text if text else 'no call issued yet'}")
         idle += not text
@@ -412,8 +419,9 @@ def launch_local(
     temporary directory) and removed afterwards.
     """
     world = scenario.world_size
-    # an emulated run starts rank 0 alone, at the declared world size (commgate.run.emulate)
-    ran = (0,) if scenario.emulate else tuple(range(world))
+    # an emulated run starts rank 0 alone, or one rank per pipeline stage and tensor shard, at the declared
+    # world size (commgate.run.emulate)
+    ran = real_ranks(scenario) if scenario.emulate else tuple(range(world))
     if len(ran) > (limit := local_rank_limit()):
         raise RunError(
             f"{scenario.id}: world size {world} is more local ranks than this machine holds (at most {limit}: "
@@ -453,7 +461,7 @@ def launch_local(
             p = ctx.Process(target=child, args=args, name=f"commgate-rank{rank}", daemon=False)
             p.start()
             procs.append(p)
-        watchdog = Watchdog(tmp, len(ran), scenario.stall_s)
+        watchdog = Watchdog(tmp, ran, scenario.stall_s)
         while any(p.exitcode is None for p in procs):
             if _failure(scenario, procs, tmp):  # let the others settle, then name the cause
                 settle = time.monotonic() + GRACE_S
@@ -469,7 +477,7 @@ def launch_local(
         if reason:
             raise RunError(reason)
         if progress:
-            done = f"rank 0 of {world} (the others emulated)" if scenario.emulate else f"{world} ranks"
+            done = f"{len(ran)} of {world} ranks (the others emulated)" if scenario.emulate else f"{world} ranks"
             progress(f"{scenario.id}: {done} done in {time.monotonic() - started:.1f} s")
         meta = json.loads((tmp / "rank0.meta.json").read_text())
         return merge(

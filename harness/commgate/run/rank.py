@@ -87,7 +87,9 @@ def run_rank(
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     functional = dict(vars(torch.nn.functional))  # restored after the scenario (see _forget_deepspeed_state)
-    rec = interpose.install(backend, rank)
+    from commgate.run.emulate import real_ranks
+
+    rec = interpose.install(backend, rank, real_ranks(scenario) if backend == "emulated" else ())
     rec.on_issue = on_issue
     faults = faults or Faults()
     rec.delay_first_recv_s = faults.delay_first_recv_ms / 1000
