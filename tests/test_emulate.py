@@ -139,3 +139,12 @@ def test_run_emulate_skips_what_it_cannot_emulate(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stdout + run.stderr
     assert "PASSED  d (ddp, 512 ranks, rank 0 run, the others emulated" in run.stdout
     assert "not emulated: your own workload runs on real ranks only" in run.stdout
+
+
+def test_a_large_group_is_shown_by_its_ends_and_count() -> None:
+    from commgate.judge.reconcile import group_text
+
+    assert group_text(tuple(range(1024))) == "[0, 1, ..., 1023] (1024 ranks)"
+    assert group_text(tuple(range(1, 256, 4))) == "[1, 5, ..., 253] (64 ranks)"
+    assert group_text((0, 1, 2)) == "[0, 1, 2]"
+    assert group_text((0, 1, 2, 3, 4, 5, 6, 7, 9)) == "[0, 1, 2, 3, 4, 5, 6, 7, 9]"  # uneven: every rank

@@ -57,6 +57,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
 from commgate.model.collectives import OPS, Op
 from commgate.model.expectation import Context, ExpectedCollective, Phase, Residual
@@ -65,6 +66,9 @@ from commgate.model.schemes._common import frozen, padded
 from commgate.model.schemes.data_parallel import DataParallel
 from commgate.model.schemes.zero3 import Zero3
 from commgate.model.transformer import ParamTensor
+
+if TYPE_CHECKING:  # the scenario language sits above the model (it reads the scheme registry)
+    from commgate.model.scenario import Scenario
 
 
 def _padding(
@@ -185,6 +189,13 @@ def _volume(rows: list[ExpectedCollective], term: str) -> Fraction:
         if r.paper_term == term and not r.once and r.issued_by(0):
             counted[r.op, r.group_size] += r.bytes_per_step
     return sum((OPS[op].paper(n) * b for (op, n), b in counted.items()), Fraction(0))
+
+
+def built_partitioned(s: Scenario) -> bool:
+    """Whether the ZeRO-3 workload builds the decoder inside ``deepspeed.zero.Init``, each parameter
+    partitioned (after one broadcast from the group's first rank) as it is created: in emulated runs, so
+    that a full-size model never exists whole on the one machine."""
+    return s.emulate and s.parallelism.zero.stage == 3 and not s.model.module
 
 
 def _init_broadcasts(
@@ -508,7 +519,9 @@ class DeepSpeedZero3(Zero3):
             return Zero3.collectives(self, ctx)
         over = d if pad else 1  # each parameter is partitioned (padded) on its own
         base = _init_row(ctx, Op.ALL_GATHER)
-        rows = _init_broadcasts(ctx, base, 2) if init else []
+        # each parameter broadcast as bytes twice: by the engine and when partitioned in initialize; once
+        # when it was partitioned as it was built
+        rows = _init_broadcasts(ctx, base, 1 if built_partitioned(ctx.scenario) else 2) if init else []
         rows += [  # the trainable ones (a frozen parameter is not)
             replace(base, elements=padded(p.numel, over), source="ZeRO-3 initial all-gather (per parameter)")
             for p in (ctx.trainable if init else ())

@@ -8,13 +8,15 @@ needs a GPU build).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from commgate.model.scenario import Scenario
+from commgate.model.schemes.deepspeed_zero import built_partitioned
 from commgate.run.interpose import optimizer_phase, phase
-from commgate.run.workloads.gpt import build
+from commgate.run.workloads.gpt import GPT, batch, build
 
 
 def ds_config(s: Scenario) -> dict[str, Any]:
@@ -66,9 +68,21 @@ class ZeroWorkload:
 
         self.s, self.rank, self.device = scenario, rank, device
         torch.manual_seed(0)
-        model, self.inputs = build(scenario, device, checkpointing=scenario.parallelism.activation_checkpointing)
+        config = ds_config(scenario)
+        model: torch.nn.Module
+        self.inputs: Callable[[int], tuple[torch.Tensor, ...]]
+        if built_partitioned(scenario):
+            # partitioned as it is built, so that a full-size model never exists whole. The dtype comes from
+            # the config: given as an argument, DeepSpeed 0.19's Init ignores it on CPU (``_set_dtype``:
+            # ``dtype or torch.float16 if fp16 supported else bfloat16 ...`` takes bf16 whatever was given)
+            with deepspeed.zero.Init(config_dict_or_path=config):
+                model = GPT(scenario.model, checkpointing=scenario.parallelism.activation_checkpointing)
+            b = scenario.parallelism.micro_batch
+            self.inputs = lambda seed: (batch(scenario.model, b, seed=seed, device=device),)
+        else:
+            model, self.inputs = build(scenario, device, checkpointing=scenario.parallelism.activation_checkpointing)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(scenario))
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
     def step(self, k: int) -> float:
         par = self.s.parallelism
