@@ -148,3 +148,13 @@ def test_a_large_group_is_shown_by_its_ends_and_count() -> None:
     assert group_text(tuple(range(1, 256, 4))) == "[1, 5, ..., 253] (64 ranks)"
     assert group_text((0, 1, 2)) == "[0, 1, 2]"
     assert group_text((0, 1, 2, 3, 4, 5, 6, 7, 9)) == "[0, 1, 2, 3, 4, 5, 6, 7, 9]"  # uneven: every rank
+
+
+def test_the_page_marks_an_emulated_run(tmp_path: Path) -> None:
+    (s,) = load_text(scenario("{scheme: ddp, dp: 256}"))
+    result = run_scenario(s, LocalRanks(), Options(baseline_dir=tmp_path, gate=False))
+    assert result is not None and result.status == "passed"
+    from commgate.report.htmlreport import page
+
+    doc = {"created": "", "environment": {}, "summary": {"passed": 1}, "scenarios": [result.document()]}
+    assert "<td>256 (emulated: 1 run)</td>" in page(doc, {})

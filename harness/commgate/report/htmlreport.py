@@ -418,7 +418,9 @@ def _table(doc: dict[str, Any]) -> str:
     head += ["in flight measured", "model", "error", "step measured", "model"]
     rows = []
     for s in doc["scenarios"]:
-        cells = [s["name"], s["scheme"], str(s["world_size"]), s["status"]]
+        started = (s.get("capture") or {}).get("ranks")  # an emulated run: the ranks it started
+        ranks = f"{s['world_size']} (emulated: {len(started)} run)" if started is not None else str(s["world_size"])
+        cells = [s["name"], s["scheme"], ranks, s["status"]]
         cells[0] = _name_cell(s)
         if "collectives" in s:
             meas = sum(o["measured_bytes"] for o in s["collectives"])

@@ -249,6 +249,8 @@ def child(
     last issued call in ``OUT/rank{r}.status`` (hang reports), its calls in ``OUT/rank{r}.json`` and, on
     an exception, the traceback in ``OUT/rank{r}.err``. It exits without interpreter teardown.
     """
+    from commgate.run.emulate import real_ranks
+
     marks = {"launch": launched, "entry": time.monotonic()}
     os.setsid()
     _die_with_parent()
@@ -279,7 +281,7 @@ def child(
             faults=faults,
         )
         backend = resolve_backend(scenario)
-        local = 1 if backend == "emulated" else world  # rank processes on this host
+        local = len(real_ranks(scenario)) if backend == "emulated" else world  # rank processes on this host
         meta = {"backend": backend, "marks": marks, "stack": stack(backend, local) if rank == 0 else {}}
         atomic_write_json(out / f"rank{rank}.meta.json", meta)
     except BaseException:
