@@ -1,7 +1,7 @@
 """Emulated runs at production world size (issue 15): wall time and peak memory of rank 0 alone standing for
 the job, each run reconciled with the model from rank 0's view.
 
-    .venv/bin/python benchmarks/emulation.py [--only NAME]
+    .venv/bin/python benchmarks/emulation.py [--only NAME] [--fits]
 
 Targets (issue 15): the 1.3B preset under ZeRO-3 at dp = 256 (s = 16) in <= 5 min and <= 8 GB; 350M DDP at
 dp = 1024 in <= 5 min; 13B ZeRO-3 at dp = 1024 in <= 15 min. Peak memory is the largest sum of the resident
@@ -26,6 +26,14 @@ RUNS = {
     # partitioned as it is built (deepspeed.zero.Init): the 52 GB of parameters never exist whole; fp32, since
     # bf16 matrix products are ~20x slower on this CPU (a bf16 first step took 8 min)
     "zero3-13B-dp1024": "model: {preset: 13B, s: 16, dtype: fp32}\nparallelism: {scheme: zero3, dp: 1024}",
+}
+
+
+FITS = {
+    # what else fits a 24 GiB machine (README's table): the model built whole before it is sharded
+    "ddp-760M-dp1024": "model: {preset: 760M, s: 16, dtype: fp32}\nparallelism: {scheme: ddp, dp: 1024}",
+    "zero2-2.7B-dp256": "model: {preset: 2.7B, s: 16, dtype: bf16}\nparallelism: {scheme: zero2, dp: 256}",
+    "fsdp-2.7B-dp256": "model: {preset: 2.7B, s: 16, dtype: bf16}\nparallelism: {scheme: fsdp, dp: 256}",
 }
 
 
@@ -61,10 +69,11 @@ def main() -> int:
     from commgate.run.launcher import launch_local
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=sorted(RUNS))
+    ap.add_argument("--only", choices=sorted(RUNS | FITS))
+    ap.add_argument("--fits", action="store_true", help="also the runs of the README's table of what fits")
     a = ap.parse_args()
     failed = 0
-    for name, body in RUNS.items():
+    for name, body in (RUNS | FITS if a.fits or a.only in FITS else RUNS).items():
         if a.only and name != a.only:
             continue
         text = f"schema_version: 1\nname: {name}\n{body}\nemulate: true\nsteps: 2\nwarmup_steps: 1\ndeadline_s: 1800\n"
