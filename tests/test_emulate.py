@@ -158,3 +158,13 @@ def test_the_page_marks_an_emulated_run(tmp_path: Path) -> None:
 
     doc = {"created": "", "environment": {}, "summary": {"passed": 1}, "scenarios": [result.document()]}
     assert "<td>256 (emulated: 1 run)</td>" in page(doc, {})
+
+
+def test_the_memory_estimate_follows_how_the_model_is_built() -> None:
+    """FSDP2 keeps 1/dp of everything; emulated it is built on the meta device, else whole first."""
+    from commgate.run.budget import GIB, per_rank
+
+    text = scenario("{scheme: fsdp, dp: 256}", "{preset: 6.7B, s: 16, dtype: fp32}")
+    (emulated,) = load_text(text)
+    (real,) = load_text(text.replace("emulate: true\n", ""))
+    assert per_rank(emulated, 0).total < 2 * GIB < 24 * GIB < per_rank(real, 0).params

@@ -6,10 +6,11 @@ instead of running into it (``slow``).
 Per rank (the largest pipeline stage; a tensor-parallel rank's shard; DeepSpeed's and torch's own
 accounting, as the scenario would run):
 
-* parameters in their dtype; ZeRO-3 keeps 1/dp of them (plus what it gathers: counted as one layer);
-* gradients in the parameters' dtype; ZeRO-2/3 keep 1/dp;
+* parameters in their dtype; ZeRO-3 and FSDP2 keep 1/dp of them (plus what they gather: counted as one
+  layer), FSDP2 after building the model whole (on the meta device when emulated);
+* gradients in the parameters' dtype; ZeRO-2/3 and FSDP2 keep 1/dp;
 * optimizer: AdamW's two moments, in fp32 on fp32 master weights under DeepSpeed (a copy for 16-bit
-  parameters), in the parameters' dtype under torch; ZeRO-1/2/3 keep 1/dp;
+  parameters), in the parameters' dtype under torch; ZeRO-1/2/3 and FSDP2 keep 1/dp;
 * activations of one micro-batch: 34·b·s·h bytes per layer at 16 bits (Korthikanti et al., "Reducing
   Activation Recomputation in Large Transformer Models"), scaled by the dtype and divided by tp; with
   activation checkpointing only each layer's input, 2·b·s·h·itemsize, plus one layer's worth;
@@ -53,10 +54,13 @@ def per_rank(scenario: Scenario, runtime: int) -> Estimate:
     """The memory one rank of ``scenario`` needs (bytes), by part."""
     ctx = Context(scenario=scenario)
     m, par = scenario.model, scenario.parallelism
-    isz, d, stage = m.itemsize, par.dp, par.zero.stage
+    fsdp = par.scheme == "fsdp"  # FSDP2 shards like ZeRO-3, over dp x cp
+    isz, d, stage = m.itemsize, (par.data_ranks if fsdp else par.dp), (3 if fsdp else par.zero.stage)
     n = max(ctx.rank_params(k) for k in range(par.pp)) if not m.module else ctx.param_count
     layer = n // max(1, m.L // par.pp) if not m.module else n
     params = (n // d + layer) * isz if stage >= 3 else n * isz
+    if fsdp and not (scenario.emulate and par.tp == 1):  # built whole before fully_shard keeps a shard
+        params = max(params, n * isz)
     grads = n * isz // (d if stage >= 2 else 1)
     # DeepSpeed: fp32 moments on fp32 master weights (a copy for 16-bit parameters); torch's AdamW keeps
     # its moments in the parameters' dtype

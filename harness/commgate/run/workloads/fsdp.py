@@ -7,16 +7,19 @@ parameters gathered between micro-batches."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from commgate.model.scenario import Scenario
 from commgate.run.interpose import optimizer_phase
 from commgate.run.workloads.cp import sequence_split, use_ring
-from commgate.run.workloads.gpt import DTYPES, GPT, build
+from commgate.run.workloads.gpt import DTYPES, GPT, batch, build
 from commgate.run.workloads.torchpp import TorchPipelineWorkload
 from commgate.run.workloads.tp import plan
 
@@ -26,9 +29,19 @@ class FSDPWorkload:
         self.s, self.rank = scenario, rank
         f = scenario.parallelism.fsdp
         torch.manual_seed(0)  # the same initial weights everywhere: fully_shard keeps each rank's own shard
-        model, self.inputs = build(scenario, device, checkpointing=scenario.parallelism.activation_checkpointing)
-        assert isinstance(model, GPT)  # a user's module is not run under FSDP2 (the scenario rules say so)
         par = scenario.parallelism
+        # emulated: built on the meta device and sharded there, so that a full-size model never exists whole
+        meta = scenario.emulate and par.tp == 1
+        model: torch.nn.Module
+        self.inputs: Callable[[int], tuple[torch.Tensor, ...]]
+        if meta:
+            m, b = scenario.model, par.micro_batch
+            with torch.device("meta"):
+                model = GPT(m, checkpointing=par.activation_checkpointing).to(dtype=DTYPES[m.dtype])
+            self.inputs = lambda seed: (batch(m, b, seed=seed, device=device),)
+        else:
+            model, self.inputs = build(scenario, device, checkpointing=par.activation_checkpointing)
+        assert isinstance(model, GPT)  # a user's module is not run under FSDP2 (the scenario rules say so)
         self.dp_rank = rank // (par.cp * par.tp)  # the ranks of a tensor- or context-parallel group read the same data
         self.cp_mesh = None
         if par.cp > 1:  # torchtitan's (dp, cp, tp) mesh: ring attention over cp, sharding over dp x cp
@@ -54,6 +67,11 @@ class FSDPWorkload:
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
         self.sharded = fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        if meta:  # each rank's shards only, filled locally (DTensor's own random init would sync a seed)
+            model.to_empty(device=device)
+            with torch.no_grad():
+                for p in model.parameters():
+                    cast(DTensor, p).to_local().normal_(0.0, 0.02)
         self.model = model
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
 
