@@ -1,4 +1,5 @@
-"""The emulating inner backend: one process plays one rank of a job of any world size.
+"""The emulating inner backend: one process plays one rank of a job of any world size (with pipeline stages,
+one process per stage and tensor shard, ``real_ranks``, talking over gloo among themselves).
 
 ``commgate.run.interpose`` records every call and hands it to an inner backend; with ``emulated`` that
 backend completes each call at once, in this process, with the right shapes, dtypes and completion
@@ -9,7 +10,7 @@ with this rank's input, a reduce-scatter keeps this rank's slice, a broadcast, r
 nothing, an all-to-all returns its input, a receive leaves its buffer. The calls the frameworks issue, and
 so what the capture records, are those of the real job: their sizes, groups and counts do not depend on
 the values. What does depend on values (an MoE router's choices, a loss-scale overflow) follows this rank's
-data, which the report says.
+data (a limit the README states).
 
 torch's own ``FakeProcessGroup`` stands behind the process group for what torch asks of a backend object
 (its device, its options); its works cannot be used, since their futures hold no tensors (DDP's reducer
