@@ -1069,7 +1069,7 @@ def emulation_refusal(backend: str, workload: str | None) -> str | None:
     """Why a scenario cannot run emulated, or None. A started rank stands for the ranks that run the same
     code on the same shapes as it: its data-parallel peers (data, context, expert parallelism); pipeline
     stages hold different layers and run as real processes, one per stage and tensor shard
-    (``commgate.run.emulate.real_ranks``)."""
+    (``commgate.run.emulate.started_ranks``)."""
     if backend == "nccl":
         return "an emulated run exchanges nothing, on CPU (backend gloo or auto, not nccl)"
     if workload is not None:

@@ -29,6 +29,7 @@ from commgate.model.expectation import Context
 from commgate.model.scenario import Scenario
 from commgate.model.schemes import SCHEMES
 from commgate.model.transformer import step_flops
+from commgate.run.emulate import started_ranks
 
 GIB = 1 << 30
 
@@ -79,14 +80,6 @@ CORE_FLOPS = 50e9
 """FLOP/s one CPU core is granted: generous, so that the compute estimate errs short."""
 
 
-def local_ranks(scenario: Scenario) -> int:
-    """The rank processes a local run starts: every rank, or those an emulated run starts
-    (``commgate.run.emulate.real_ranks``)."""
-    from commgate.run.emulate import real_ranks
-
-    return len(real_ranks(scenario)) if scenario.emulate else scenario.world_size
-
-
 def compute_s(scenario: Scenario) -> float | None:
     """A lower estimate of the seconds a CPU run's steps compute: every rank's training FLOPs (Megatron-LM's
     count, ``transformer.step_flops``) for warm-up and measured steps, shared by this machine's cores at
@@ -96,7 +89,7 @@ def compute_s(scenario: Scenario) -> float | None:
         return None
     per_rank = step_flops(m, par)
     steps = scenario.warmup_steps + scenario.steps
-    return steps * per_rank * local_ranks(scenario) / ((os.cpu_count() or 1) * CORE_FLOPS)
+    return steps * per_rank * len(started_ranks(scenario)) / ((os.cpu_count() or 1) * CORE_FLOPS)
 
 
 def slow(scenario: Scenario, deadline_s: float) -> str | None:
@@ -129,7 +122,7 @@ def refusal(scenario: Scenario, runtime: int) -> str | None:
     if have is None or os.environ.get("COMMGATE_SKIP_MEMORY_CHECK"):
         return None
     one = per_rank(scenario, runtime)
-    need = one.total * local_ranks(scenario)
+    need = one.total * len(started_ranks(scenario))
     if need <= have:
         return None
     return (

@@ -1,5 +1,5 @@
 """The emulating inner backend: one process plays one rank of a job of any world size (with pipeline stages,
-one process per stage and tensor shard, ``real_ranks``, talking over gloo among themselves).
+one process per stage and tensor shard, ``started_ranks``, talking over gloo among themselves).
 
 ``commgate.run.interpose`` records every call and hands it to an inner backend; with ``emulated`` that
 backend completes each call at once, in this process, with the right shapes, dtypes and completion
@@ -30,11 +30,14 @@ if TYPE_CHECKING:
 BACKEND_TYPE = "emulated"
 
 
-def real_ranks(scenario: Scenario) -> tuple[int, ...]:
-    """The ranks an emulated run starts as processes: data-parallel index 0 of every pipeline stage and
-    tensor shard (the asymmetric axes stay real, talking over gloo among themselves); rank 0 alone without
-    pipeline stages. Every other rank is emulated: a group with one of them in it runs emulated."""
+def started_ranks(scenario: Scenario) -> tuple[int, ...]:
+    """The ranks a local run starts as processes: every rank; or, emulated, data-parallel index 0 of every
+    pipeline stage and tensor shard (the asymmetric axes stay real, talking over gloo among themselves),
+    rank 0 alone without pipeline stages. Every other rank is emulated: a group with one of them in it runs
+    emulated."""
     par = scenario.parallelism
+    if not scenario.emulate:
+        return tuple(range(scenario.world_size))
     if par.pp == 1:
         return (0,)
     lay = Layout(dp=par.data_ranks, tp=par.tp, pp=par.pp)

@@ -366,8 +366,8 @@ def _creator(inner: str) -> Callable[[Any, Any], CapturingProcessGroup]:
         real: Any
         registered: Any = None
         kind_here = kind
-        members = set(opts.global_ranks_in_group) or set(range(opts.group_size))
-        if inner == "gloo" or (inner == "emulated" and len(members) > 1 and members <= REAL_RANKS):
+        ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
+        if inner == "gloo" or (inner == "emulated" and len(ranks) > 1 and REAL_RANKS.issuperset(ranks)):
             # an emulated run's groups of started ranks alone (pipeline stages, tensor shards) are real
             real = dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout)
             kind_here = ProcessGroup.BackendType.GLOO
@@ -376,7 +376,6 @@ def _creator(inner: str) -> Callable[[Any, Any], CapturingProcessGroup]:
 
             from commgate.run.emulate import EmulatedBackend, stand_in
 
-            ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
             started = {i: n for n, i in enumerate(i for i, r in enumerate(ranks) if r in REAL_RANKS)}
             wire = None
             if len(started) > 1 and opts.group_rank in started:  # point-to-point among them is real
@@ -419,7 +418,8 @@ def release_backends() -> None:
 
 
 REAL_RANKS: frozenset[int] = frozenset()
-"""An emulated run's started ranks (``commgate.run.emulate.real_ranks``): a group of them alone runs on gloo."""
+"""The ranks the run started (``commgate.run.emulate.started_ranks``): emulated, a group of them alone runs on
+gloo."""
 
 
 def install(inner: str, rank: int, real: Sequence[int] = ()) -> Recorder:

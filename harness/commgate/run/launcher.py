@@ -39,7 +39,7 @@ from commgate.core.errors import CommgateError
 from commgate.model.scenario import Scenario
 from commgate.run import budget
 from commgate.run.capture import Capture, merge, timeline
-from commgate.run.emulate import real_ranks
+from commgate.run.emulate import started_ranks
 from commgate.run.inject import Faults
 from commgate.run.rank import child
 
@@ -341,7 +341,7 @@ def _status(tmp: Path, rank: int) -> str:
 def _hang_report(scenario: Scenario, tmp: Path, waited: float) -> str:
     lines = [f"{scenario.id}: deadline of {waited:g} s passed; the last call each rank issued:"]
     idle = 0
-    for r in real_ranks(scenario) if scenario.emulate else range(scenario.world_size):
+    for r in started_ranks(scenario):
         text = _status(tmp, r)
         lines.append(f"  rank {r}: {'in ' + text if text else 'no call issued yet'}")
         idle += not text
@@ -421,7 +421,7 @@ def launch_local(
     world = scenario.world_size
     # an emulated run starts rank 0 alone, or one rank per pipeline stage and tensor shard, at the declared
     # world size (commgate.run.emulate)
-    ran = real_ranks(scenario) if scenario.emulate else tuple(range(world))
+    ran = started_ranks(scenario)
     if len(ran) > (limit := local_rank_limit()):
         raise RunError(
             f"{scenario.id}: world size {world} is more local ranks than this machine holds (at most {limit}: "

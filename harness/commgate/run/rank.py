@@ -22,6 +22,7 @@ from typing import Any
 from commgate.core.fsutil import atomic_write_json
 from commgate.model.scenario import Scenario
 from commgate.run.capture import CapturedCall, StepWindow, write_rank_calls
+from commgate.run.emulate import started_ranks
 from commgate.run.inject import Faults
 
 STATUS_WIDTH = 240
@@ -87,9 +88,7 @@ def run_rank(
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     functional = dict(vars(torch.nn.functional))  # restored after the scenario (see _forget_deepspeed_state)
-    from commgate.run.emulate import real_ranks
-
-    rec = interpose.install(backend, rank, real_ranks(scenario) if backend == "emulated" else ())
+    rec = interpose.install(backend, rank, started_ranks(scenario))
     rec.on_issue = on_issue
     faults = faults or Faults()
     rec.delay_first_recv_s = faults.delay_first_recv_ms / 1000
@@ -249,8 +248,6 @@ def child(
     last issued call in ``OUT/rank{r}.status`` (hang reports), its calls in ``OUT/rank{r}.json`` and, on
     an exception, the traceback in ``OUT/rank{r}.err``. It exits without interpreter teardown.
     """
-    from commgate.run.emulate import real_ranks
-
     marks = {"launch": launched, "entry": time.monotonic()}
     os.setsid()
     _die_with_parent()
@@ -281,7 +278,7 @@ def child(
             faults=faults,
         )
         backend = resolve_backend(scenario)
-        local = len(real_ranks(scenario)) if backend == "emulated" else world  # rank processes on this host
+        local = len(started_ranks(scenario))  # rank processes on this host
         meta = {"backend": backend, "marks": marks, "stack": stack(backend, local) if rank == 0 else {}}
         atomic_write_json(out / f"rank{rank}.meta.json", meta)
     except BaseException:

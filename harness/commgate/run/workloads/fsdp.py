@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
@@ -20,14 +21,15 @@ from commgate.model.scenario import Scenario
 from commgate.run.interpose import optimizer_phase
 from commgate.run.workloads.cp import sequence_split, use_ring
 from commgate.run.workloads.gpt import DTYPES, GPT, batch, build
-from commgate.run.workloads.torchpp import TorchPipelineWorkload
 from commgate.run.workloads.tp import plan
+
+if TYPE_CHECKING:
+    from commgate.run.workloads.torchpp import TorchPipelineWorkload
 
 
 class FSDPWorkload:
     def __init__(self, scenario: Scenario, *, rank: int, device: torch.device) -> None:
         self.s, self.rank = scenario, rank
-        f = scenario.parallelism.fsdp
         torch.manual_seed(0)  # the same initial weights everywhere: fully_shard keeps each rank's own shard
         par = scenario.parallelism
         # emulated: built on the meta device and sharded there, so that a full-size model never exists whole
@@ -59,14 +61,7 @@ class FSDPWorkload:
             mesh = mesh_2d["dp"]
         else:
             mesh = init_device_mesh(device.type, (par.dp,))
-        policy = MixedPrecisionPolicy(
-            param_dtype=DTYPES[f.param_dtype] if f.param_dtype else None,
-            reduce_dtype=DTYPES[f.reduce_dtype] if f.reduce_dtype else None,
-        )
-        reshard = f.reshard_after_forward
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-        self.sharded = fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        self.sharded = shard_blocks(model, scenario, mesh)
         if meta:  # each rank's shards only, filled locally (DTensor's own random init would sync a seed)
             model.to_empty(device=device)
             with torch.no_grad():
@@ -96,8 +91,23 @@ class FSDPWorkload:
         return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
 
 
+def shard_blocks(module: nn.Module, scenario: Scenario, mesh: DeviceMesh) -> FSDPModule:
+    """``fully_shard`` as torchtitan wraps the decoder (or one pipeline stage of it): each block, then the
+    module itself, with the scenario's mixed-precision policy and resharding."""
+    f = scenario.parallelism.fsdp
+    policy = MixedPrecisionPolicy(
+        param_dtype=DTYPES[f.param_dtype] if f.param_dtype else None,
+        reduce_dtype=DTYPES[f.reduce_dtype] if f.reduce_dtype else None,
+    )
+    for layer in cast(nn.ModuleList, module.layers):
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=f.reshard_after_forward)
+    return fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=f.reshard_after_forward)
+
+
 def fsdp_workload(scenario: Scenario, *, rank: int, device: torch.device) -> FSDPWorkload | TorchPipelineWorkload:
     """FSDP2 alone (with TP, CP, HSDP), or inside torch.distributed.pipelining's stages when pp > 1."""
     if scenario.parallelism.pp > 1:
+        from commgate.run.workloads.torchpp import TorchPipelineWorkload  # (it shards with shard_blocks)
+
         return TorchPipelineWorkload(scenario, rank=rank, device=device)
     return FSDPWorkload(scenario, rank=rank, device=device)

@@ -7,19 +7,20 @@ input and output shapes, so no shape inference runs."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import pipelining
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
+from commgate.model.expectation import Context
 from commgate.model.scenario import TORCH_SCHEDULES, Scenario
+from commgate.model.schemes.tensor import activation_dtype
 from commgate.model.transformer import ModelSpec
 from commgate.run.interpose import optimizer_phase, phase
+from commgate.run.workloads.fsdp import shard_blocks
 from commgate.run.workloads.gpt import DTYPES, GPT, batch
 from commgate.run.workloads.tp import embedding_plan, head_plan, layer_plan
 
@@ -53,22 +54,6 @@ def _stage_plan(stage: _Stage, spec: ModelSpec) -> dict[str, ParallelStyle]:
     return out
 
 
-def _sharder(scenario: Scenario, mesh: DeviceMesh) -> Callable[[nn.Module], None]:
-    """``fully_shard`` a stage as FSDP2 alone wraps the decoder: each block, then the stage."""
-    f = scenario.parallelism.fsdp
-    policy = MixedPrecisionPolicy(
-        param_dtype=DTYPES[f.param_dtype] if f.param_dtype else None,
-        reduce_dtype=DTYPES[f.reduce_dtype] if f.reduce_dtype else None,
-    )
-
-    def shard(stage: nn.Module) -> None:
-        for layer in stage.layers:  # type: ignore[union-attr]
-            fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=f.reshard_after_forward)
-        fully_shard(stage, mesh=mesh, mp_policy=policy, reshard_after_forward=f.reshard_after_forward)
-
-    return shard
-
-
 def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
@@ -84,22 +69,22 @@ class TorchPipelineWorkload:
         model = GPT(m).to(device=device, dtype=DTYPES[m.dtype])
         n = par.pp * par.pipeline.virtual_stages
         # what the stages compute in, so what crosses their boundaries: FSDP2's param_dtype, else the model's
-        b, dtype = par.micro_batch, DTYPES[par.fsdp.compute_dtype(m.dtype) if par.scheme == "fsdp" else m.dtype]
+        b, dtype = par.micro_batch, DTYPES[activation_dtype(Context(scenario=scenario))]
         hidden = torch.empty(b, m.s, m.h, dtype=dtype, device=device)
         self.stages = []
-        pp_group, shard, tp_mesh, self.dp_rank = None, None, None, 0
+        pp_group, dp_mesh, tp_mesh, self.dp_rank = None, None, None, 0
         if par.scheme == "fsdp":  # torchtitan's (pp, dp, tp) mesh: TP inside each stage, FSDP2 over dp
             mesh = init_device_mesh(device.type, (par.pp, par.dp, par.tp), mesh_dim_names=("pp", "dp", "tp"))
             tp_mesh = mesh["tp"]
-            pp_group, shard = mesh["pp"].get_group(), _sharder(scenario, mesh["dp"])
+            pp_group, dp_mesh = mesh["pp"].get_group(), mesh["dp"]
             self.dp_rank = mesh["dp"].get_local_rank()
             rank = mesh["pp"].get_local_rank()  # this rank's stage
         for index in range(rank, n, par.pp):
             module = _Stage(model, index, n)
             if par.tp > 1:  # this stage's parameters only: every rank distributes what it holds
                 parallelize_module(module, tp_mesh, _stage_plan(module, m))
-            if shard is not None:
-                shard(module)
+            if dp_mesh is not None:
+                shard_blocks(module, scenario, dp_mesh)
             first, last = index == 0, index == n - 1
             inputs = torch.zeros(b, m.s, dtype=torch.long, device=device) if first else hidden
             outputs = torch.empty(b, m.s, m.V, dtype=dtype, device=device) if last else hidden
