@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 from torch import nn
@@ -21,10 +21,8 @@ from commgate.model.scenario import Scenario
 from commgate.run.interpose import optimizer_phase
 from commgate.run.workloads.cp import sequence_split, use_ring
 from commgate.run.workloads.gpt import DTYPES, GPT, batch, build
+from commgate.run.workloads.torchpp import TorchPipelineWorkload
 from commgate.run.workloads.tp import plan
-
-if TYPE_CHECKING:
-    from commgate.run.workloads.torchpp import TorchPipelineWorkload
 
 
 class FSDPWorkload:
@@ -107,7 +105,5 @@ def shard_blocks(module: nn.Module, scenario: Scenario, mesh: DeviceMesh) -> FSD
 def fsdp_workload(scenario: Scenario, *, rank: int, device: torch.device) -> FSDPWorkload | TorchPipelineWorkload:
     """FSDP2 alone (with TP, CP, HSDP), or inside torch.distributed.pipelining's stages when pp > 1."""
     if scenario.parallelism.pp > 1:
-        from commgate.run.workloads.torchpp import TorchPipelineWorkload  # (it shards with shard_blocks)
-
-        return TorchPipelineWorkload(scenario, rank=rank, device=device)
+        return TorchPipelineWorkload(scenario, rank=rank, device=device, shard=shard_blocks)
     return FSDPWorkload(scenario, rank=rank, device=device)

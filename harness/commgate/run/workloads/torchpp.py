@@ -7,12 +7,13 @@ input and output shapes, so no shape inference runs."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import pipelining
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
 from commgate.model.expectation import Context
@@ -20,7 +21,6 @@ from commgate.model.scenario import TORCH_SCHEDULES, Scenario
 from commgate.model.schemes.tensor import activation_dtype
 from commgate.model.transformer import ModelSpec
 from commgate.run.interpose import optimizer_phase, phase
-from commgate.run.workloads.fsdp import shard_blocks
 from commgate.run.workloads.gpt import DTYPES, GPT, batch
 from commgate.run.workloads.tp import embedding_plan, head_plan, layer_plan
 
@@ -58,11 +58,15 @@ def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
-class TorchPipelineWorkload:
-    """The stages of rank ``rank``; under scheme fsdp torchtitan's (pp, dp, tp) mesh: the tensor-parallel plan
-    inside (tp > 1), each stage's blocks and the stage itself ``fully_shard``-ed over its data-parallel ranks."""
+Shard = Callable[[nn.Module, Scenario, DeviceMesh], object]
+"""How a stage is sharded over its data-parallel ranks (``commgate.run.workloads.fsdp.shard_blocks``)."""
 
-    def __init__(self, scenario: Scenario, *, rank: int, device: torch.device) -> None:
+
+class TorchPipelineWorkload:
+    """The stages of rank ``rank``; with ``shard`` (scheme fsdp) torchtitan's (pp, dp, tp) mesh: the
+    tensor-parallel plan inside (tp > 1), each stage sharded over its data-parallel ranks by ``shard``."""
+
+    def __init__(self, scenario: Scenario, *, rank: int, device: torch.device, shard: Shard | None = None) -> None:
         par, m = scenario.parallelism, scenario.model
         self.s, self.rank, self.device = scenario, rank, device
         torch.manual_seed(0)
@@ -73,7 +77,7 @@ class TorchPipelineWorkload:
         hidden = torch.empty(b, m.s, m.h, dtype=dtype, device=device)
         self.stages = []
         pp_group, dp_mesh, tp_mesh, self.dp_rank = None, None, None, 0
-        if par.scheme == "fsdp":  # torchtitan's (pp, dp, tp) mesh: TP inside each stage, FSDP2 over dp
+        if shard is not None:  # torchtitan's (pp, dp, tp) mesh: TP inside each stage, FSDP2 over dp
             mesh = init_device_mesh(device.type, (par.pp, par.dp, par.tp), mesh_dim_names=("pp", "dp", "tp"))
             tp_mesh = mesh["tp"]
             pp_group, dp_mesh = mesh["pp"].get_group(), mesh["dp"]
@@ -83,8 +87,8 @@ class TorchPipelineWorkload:
             module = _Stage(model, index, n)
             if par.tp > 1:  # this stage's parameters only: every rank distributes what it holds
                 parallelize_module(module, tp_mesh, _stage_plan(module, m))
-            if dp_mesh is not None:
-                shard_blocks(module, scenario, dp_mesh)
+            if shard is not None and dp_mesh is not None:
+                shard(module, scenario, dp_mesh)
             first, last = index == 0, index == n - 1
             inputs = torch.zeros(b, m.s, dtype=torch.long, device=device) if first else hidden
             outputs = torch.empty(b, m.s, m.V, dtype=dtype, device=device) if last else hidden
