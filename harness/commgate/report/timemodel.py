@@ -87,6 +87,9 @@ class MeasuredTime:
     comm_fraction: float
     """Median over measured steps of (time with a call in flight) / step."""
     steps: int
+    t_exposed: float | None = None
+    """Median per step of the time rank 0's training thread was blocked (``StepWindow.blocked_ns``):
+    the communication it waited on, the exposed part of ``t_comm``; None where not measured."""
 
 
 def bubble_factor(par: Parallelism) -> float:
@@ -124,11 +127,13 @@ def measure(capture: Capture, rank: int = 0) -> MeasuredTime | None:
     mine = [c for c in capture.calls if c.rank == rank]
     busy = [busy_ns([c for c in mine if c.step == w.step], w.start_ns, w.end_ns) for w in windows]
     fractions = [b / w.duration_ns for b, w in zip(busy, windows, strict=True) if w.duration_ns > 0]
+    blocked = [w.blocked_ns for w in windows if w.blocked_ns is not None]
     return MeasuredTime(
         t_iter=statistics.median(w.duration_ns for w in windows) / 1e9,
         t_comm=statistics.median(busy) / 1e9,
         comm_fraction=statistics.median(fractions) if fractions else 0.0,
         steps=len(windows),
+        t_exposed=statistics.median(blocked) / 1e9 if len(blocked) == len(windows) else None,
     )
 
 
@@ -156,6 +161,8 @@ class TimeAssessment:
                 **{f"{k.lower()}_s": v for k, v in p.terms.items()},
                 "t_bubble_s": p.t_bubble,
                 "t_iter_s": p.t_iter,
+                "t_comm_s": p.t_comm,
+                "t_exposed_s": p.t_comm,
                 "comm_fraction": p.comm_fraction,
                 "in_flight_fraction": p.in_flight_fraction,
                 "bubble_ratio": p.bubble_ratio,
@@ -165,6 +172,7 @@ class TimeAssessment:
             doc["measured"] = {
                 "t_iter_s": m.t_iter,
                 "t_comm_s": m.t_comm,
+                "t_exposed_s": m.t_exposed,
                 "comm_fraction": m.comm_fraction,
                 "steps": m.steps,
             }

@@ -70,6 +70,10 @@ class StepWindow:
     step: int
     start_ns: int
     end_ns: int
+    blocked_ns: int | None = None
+    """How long the training thread was blocked in the step: neither running nor waiting for a CPU, so
+    waiting on a collective (``commgate.run.threadclock``). It is the step's exposed
+    communication on CPU ranks; None where not measured."""
 
     @property
     def duration_ns(self) -> int:

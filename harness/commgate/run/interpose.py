@@ -8,11 +8,12 @@ a ``CapturedCall`` and then runs on that real backend. Everything goes through i
 Method names are those the pybind11 trampoline of ``ProcessGroup`` calls (``all_gather_single`` is
 C++ ``_allgather_base`` ...); each records the call, then runs it on the real backend's own binding.
 
-Timing: a call's duration runs from its issue to the first moment its completion is observed: when the
-caller waits on the returned work (exact for blocking calls and ``work.wait()``), asks whether it has
-completed, or when the recorder polls its in-flight works (at every later call and phase change; an
-upper bound for callers that only chain futures, such as DDP's reducer). No Python code ever runs on the
-backend's own threads.
+Timing: a call's duration runs from its issue to its completion, stamped by whoever sees it first: the
+caller's ``wait()`` (exact for blocking calls), a completion query, or the ``Poller`` thread, which
+checks the works in flight at a tick of a tenth of their age (20 us to 1 ms), so a call nobody waits on
+(DDP's buckets, ZeRO's and FSDP's overlapped calls) ends within that bound of its true end, not at the
+next call. No Python code ever runs on the backend's own threads. The issue path costs about 10 us a
+call (``benchmarks/capture_cost.py``).
 """
 
 from __future__ import annotations
@@ -35,24 +36,49 @@ from commgate.run.capture import INIT_STEP, CapturedCall, StepWindow
 BACKEND_NAME = "commgate"
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype_name(dtype)
+    return name
+
+
+_FIELDS = ("seq", "step", "phase", "op", "group", "peer", "dtype", "elements", "bytes", "tensors", "start_ns", "root")
+"""The order of a call's open record (a tuple: the cheapest record to make on the issue path)."""
+_SEQ, _STEP, _PHASE, _OP, _GROUP, _PEER, _DTYPE, _ELEMENTS, _BYTES, _TENSORS, _START, _ROOT = range(len(_FIELDS))
+
+_graph_task_id = torch._C._current_graph_task_id
+
+
+def _call(rank: int, rec: tuple[Any, ...], duration_ns: int | None) -> CapturedCall:
+    return CapturedCall(rank=rank, duration_ns=duration_ns, **dict(zip(_FIELDS, rec, strict=True)))
+
+
 class Recorder:
-    """The calls of this process, with the step and phase the runner is in."""
+    """The calls of this process, with the step and phase the runner is in.
+
+    The issue path (``issue``, ``watch``, ``complete``) takes no lock: each step is one dictionary or
+    list operation, atomic under the GIL, and a call's open record is popped exactly once, by whoever
+    first sees it completed (the caller's ``wait``, or the ``Poller``)."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.step = INIT_STEP
         self.phase = "init"
         self._seq = itertools.count()
-        self._t0: int | None = None
-        self._lock = threading.Lock()
-        self._open: dict[int, dict[str, Any]] = {}
-        self._works: dict[int, Any] = {}
+        self._t0 = time.perf_counter_ns()
+        self._open: dict[int, tuple[Any, ...]] = {}
+        self._works: dict[int, tuple[Any, int]] = {}
+        """seq -> (the backend's work, its issue time): what the poller watches."""
+        self._done: list[tuple[tuple[Any, ...], int]] = []
         self.calls: list[CapturedCall] = []
-        self._done: list[dict[str, Any]] = []
+        self.last: tuple[Any, ...] | None = None
+        """The open record of the call issued last (the launcher's hang report reads it)."""
         self.windows: list[StepWindow] = []
         """Step boundaries (``commgate.run.rank`` stamps them around each step)."""
-        self.on_issue: Callable[[str], None] | None = None
-        """Called with a description of each call as it is issued (the launcher's hang report)."""
         self.delay_first_recv_s = 0.0
         """A planted fault (``commgate.run.inject``): the first recv of step 0 waits this long."""
         self.slow: dict[str, float] = {}
@@ -60,51 +86,40 @@ class Recorder:
         factor - 1 times what this rank's earlier calls of the same op and size took without the wait."""
         self._unslowed: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
         self._injected: dict[int, tuple[tuple[str, tuple[int, ...], int], int]] = {}
+        self.poller = Poller(self)
 
     def now(self) -> int:
-        t = time.perf_counter_ns()
-        if self._t0 is None:
-            self._t0 = t
-        return t - self._t0
+        return time.perf_counter_ns() - self._t0
 
     def issue(
-        self,
-        *,
-        op: Op,
-        group: Sequence[int],
-        tensors: Sequence[torch.Tensor],
-        peer: int | None,
-        root: int | None = None,
+        self, op: Op, group: tuple[int, ...], tensors: Sequence[torch.Tensor], peer: int | None, root: int | None
     ) -> int:
-        elements = sum(t.numel() for t in tensors)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        dtype = dtype_name(tensors[0].dtype) if tensors else "none"
-        phase = "backward" if torch._C._current_graph_task_id() != -1 else self.phase
-        self.poll()
+        start = time.perf_counter_ns() - self._t0
+        if len(tensors) == 1:
+            t = tensors[0]
+            elements = t.numel()
+            nbytes = elements * t.element_size()
+            dtype = _dtype(t.dtype)
+        else:
+            elements = sum(t.numel() for t in tensors)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            dtype = _dtype(tensors[0].dtype) if tensors else "none"
+        phase = "backward" if _graph_task_id() != -1 else self.phase
         seq = next(self._seq)
-        rec = dict(
-            rank=self.rank,
-            seq=seq,
-            step=self.step,
-            phase=phase,
-            op=op,
-            group=tuple(group),
-            peer=peer,
-            dtype=dtype,
-            elements=elements,
-            bytes=nbytes,
-            tensors=len(tensors),
-            start_ns=self.now(),
-            root=root,
-        )
-        with self._lock:
-            self._open[seq] = rec
-        if self.on_issue is not None:
-            where = f"peer {peer}" if peer is not None else f"group {list(group)}"
-            self.on_issue(f"{op} ({where}, {nbytes} B, step {self.step}, {phase})")
+        self._open[seq] = self.last = (
+            seq, self.step, phase, op, group, peer, dtype, elements, nbytes, len(tensors), start, root,
+        )  # fmt: skip
         if self.slow and str(op) in self.slow:
-            self._slow_down(seq, (str(op), tuple(group), nbytes), self.slow[str(op)])
+            self._slow_down(seq, (str(op), group, nbytes), self.slow[str(op)])
         return seq
+
+    def describe_last(self) -> str:
+        """The call issued last, in a line ("" before the first)."""
+        r = self.last
+        if r is None:
+            return ""
+        where = f"peer {r[_PEER]}" if r[_PEER] is not None else f"group {list(r[_GROUP])}"
+        return f"{r[_OP]} ({where}, {r[_BYTES]} B, step {r[_STEP]}, {r[_PHASE]})"
 
     def _slow_down(self, seq: int, key: tuple[str, tuple[int, ...], int], factor: float) -> None:
         """The planted ``slow`` fault: wait (factor - 1) x the median of this key's earlier unslowed
@@ -115,65 +130,134 @@ class Recorder:
         if wait:
             time.sleep(wait / 1e9)
 
-    def complete(self, seq: int) -> None:
-        end = self.now()
-        with self._lock:
-            rec = self._open.pop(seq, None)
-            self._works.pop(seq, None)
-            if rec is not None:  # the record is made at drain: this runs on every call's critical path
-                rec["duration_ns"] = end - rec["start_ns"]
-                self._done.append(rec)
-                if self._injected and seq in self._injected:
-                    key, wait = self._injected.pop(seq)
-                    self._unslowed.setdefault(key, []).append(rec["duration_ns"] - wait)
+    def complete(self, seq: int, end: int | None = None) -> None:
+        """Stamp ``seq`` completed at ``end`` (now by default), unless it already was."""
+        rec = self._open.pop(seq, None)
+        self._works.pop(seq, None)
+        if rec is None:
+            return
+        if end is None:
+            end = time.perf_counter_ns() - self._t0
+        self._done.append((rec, end))
+        if self._injected and seq in self._injected:
+            key, wait = self._injected.pop(seq)
+            self._unslowed.setdefault(key, []).append(end - rec[_START] - wait)
 
     def watch(self, seq: int, work: Any) -> None:
-        """Keep ``work`` to stamp its completion when it is next seen completed (see ``poll``)."""
-        with self._lock:
-            if seq in self._open:
-                self._works[seq] = work
+        """Have the poller stamp ``work``'s completion, unless the caller's wait does it first."""
+        rec = self._open.get(seq)
+        if rec is not None:
+            self._works[seq] = (work, rec[_START])
+            if not self.poller.awake.is_set():
+                self.poller.wake()
 
     def poll(self) -> None:
-        """Stamp the calls whose work has completed since the last look (an upper bound on their end)."""
-        with self._lock:
-            done = [seq for seq, work in self._works.items() if work.is_completed()]
-        for seq in done:
-            self.complete(seq)
+        """Stamp the watched calls whose work has completed (the poller does this on its own; the runner
+        calls it at step boundaries so that a step's window holds its completions)."""
+        for seq, (work, _start) in list(self._works.items()):
+            if work.is_completed():
+                self.complete(seq)
 
     def _completed(self) -> list[CapturedCall]:
-        """``calls`` with the records of the calls completed since the last look (hold the lock)."""
-        self.calls += [CapturedCall(**rec) for rec in self._done]
-        self._done.clear()
+        """``calls`` with the records of the calls completed since the last look."""
+        done, self._done = self._done, []
+        self.calls += [_call(self.rank, rec, end - rec[_START]) for rec, end in done]
         return self.calls
 
     def take(self) -> list[CapturedCall]:
         """The completed calls so far, forgotten here (the microbenchmarks read them point by point)."""
-        with self._lock:
-            done = sorted(self._completed(), key=lambda c: c.seq)
-            self.calls = []
-            return done
+        done = sorted(self._completed(), key=lambda c: c.seq)
+        self.calls = []
+        return done
 
     def drain(self) -> list[CapturedCall]:
         """All calls, the never-completed ones with ``duration_ns=None``, in issue order."""
-        with self._lock:
-            pending = [CapturedCall(**rec, duration_ns=None) for rec in self._open.values()]
-            return sorted(self._completed() + pending, key=lambda c: c.seq)
+        self.poller.stop()
+        pending = [_call(self.rank, rec, None) for rec in list(self._open.values())]
+        return sorted(self._completed() + pending, key=lambda c: c.seq)
 
     def progress(self) -> tuple[int, int, int]:
         """(issued, completed, open) calls so far: the launcher's stall watchdog reads them."""
-        with self._lock:
-            done = len(self.calls) + len(self._done)
-            return done + len(self._open), done, len(self._open)
+        open_ = len(self._open)
+        done = len(self.calls) + len(self._done)
+        return done + open_, done, open_
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Every call issued so far, in issue order, as plain records (``open``: not completed): what the
         launcher aligns across ranks when they stall."""
         keys = ("seq", "step", "phase", "op", "group", "peer", "bytes")
-        with self._lock:
-            done = [{k: getattr(c, k) for k in keys} | {"open": False} for c in self.calls]
-            done += [{k: r[k] for k in keys} | {"open": False} for r in self._done]
-            pending = [{k: r[k] for k in keys} | {"open": True} for r in self._open.values()]
+        index = [_FIELDS.index(k) for k in keys]
+
+        def plain(r: tuple[Any, ...], open_: bool) -> dict[str, Any]:
+            return {k: r[i] for k, i in zip(keys, index, strict=True)} | {"open": open_}
+
+        done = [{k: getattr(c, k) for k in keys} | {"open": False} for c in list(self.calls)]
+        done += [plain(r, False) for r, _ in list(self._done)]
+        pending = [plain(r, True) for r in list(self._open.values())]
         return sorted(done + pending, key=lambda r: r["seq"])
+
+
+class Poller:
+    """A thread that stamps the completion of asynchronous calls nobody waits on (DDP's buckets,
+    ZeRO's overlapped reductions, FSDP's prefetches), with a bounded cost.
+
+    While calls are in flight it checks them (``Work.is_completed``, a C++ query) every
+    ``max(MIN_TICK_NS, age / RESOLUTION)`` of the youngest call's age, at most every ``MAX_TICK_NS``;
+    with none in flight it sleeps on an event. So a call's end is stamped late by at most
+    ``max(MIN_TICK_NS, duration / RESOLUTION)`` (plus the wait for the GIL), and a call of duration D
+    costs about ``RESOLUTION x ln(D / MIN_TICK_NS)`` checks, each a few microseconds off the training
+    thread. No Python runs on the backend's own threads; the thread's timer slack is cut to 1 us (Linux)
+    so that its short sleeps are short.
+    """
+
+    MIN_TICK_NS = 20_000
+    MAX_TICK_NS = 1_000_000
+    RESOLUTION = 10
+
+    def __init__(self, rec: Recorder) -> None:
+        self._rec = rec
+        self.awake = self._event = threading.Event()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def wake(self) -> None:
+        if not self._event.is_set():
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="commgate-poller", daemon=True)
+                self._thread.start()
+            self._event.set()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._event.set()
+
+    def _run(self) -> None:
+        _short_timer_slack()
+        rec, clock, t0 = self._rec, time.perf_counter_ns, self._rec._t0
+        while not self._stopped:
+            works = list(rec._works.items())
+            if not works:
+                self._event.clear()
+                if not rec._works:
+                    self._event.wait()
+                continue
+            youngest = -1
+            for seq, (work, start) in works:
+                if work.is_completed():
+                    rec.complete(seq, clock() - t0)
+                elif start > youngest:
+                    youngest = start
+            if youngest >= 0:
+                age = clock() - t0 - youngest
+                time.sleep(min(max(self.MIN_TICK_NS, age // self.RESOLUTION), self.MAX_TICK_NS) / 1e9)
+
+
+def _short_timer_slack() -> None:
+    """1 us of timer slack for the calling thread (Linux ``prctl(PR_SET_TIMERSLACK)``; else nothing)."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(29, 1000, 0, 0, 0)
 
 
 RECORDER: Recorder | None = None
@@ -205,25 +289,23 @@ def optimizer_phase() -> contextlib.AbstractContextManager[None]:
 
 
 class _TimedWork(dist.Work):
-    """The backend's work, passed through, stamping the call's completion when it is observed.
+    """The backend's work, passed through, stamping the call's completion when the caller waits on it
+    or asks whether it completed (the poller stamps it otherwise). No Python runs on the backend's
+    threads (a ``future.then`` callback would, and would hold a gloo worker until it has the GIL)."""
 
-    No Python runs on the backend's threads (a ``future.then`` callback would, and can deadlock against
-    the GIL); completion is stamped when the caller waits, asks ``is_completed``, or the recorder polls.
-    """
-
-    def __init__(self, inner: dist.Work, done: Callable[[], None]) -> None:
+    def __init__(self, inner: dist.Work, rec: Recorder, seq: int) -> None:
         super().__init__()
-        self._inner, self._done = inner, done
+        self._inner, self._rec, self._seq = inner, rec, seq
 
     def wait(self, timeout: Any = None) -> bool:
         ok: bool = self._inner.wait() if timeout is None else self._inner.wait(timeout)
-        self._done()
+        self._rec.complete(self._seq)
         return ok
 
     def is_completed(self) -> bool:
         completed = bool(self._inner.is_completed())
         if completed:
-            self._done()
+            self._rec.complete(self._seq)
         return completed
 
     def get_future(self) -> Any:
@@ -248,7 +330,13 @@ class _TimedWork(dist.Work):
 def _flat(x: Any) -> list[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         return [x]
-    return [t for item in x for t in _flat(item)]
+    out: list[torch.Tensor] = []
+    for item in x:
+        if isinstance(item, torch.Tensor):
+            out.append(item)
+        else:
+            out += _flat(item)
+    return out
 
 
 # Coalesced forms the gloo binding lacks: one call per tensor, joined into one work.
@@ -281,7 +369,7 @@ class CapturingProcessGroup(ProcessGroup):
         rec = RECORDER
         if rec is None:
             return None
-        return rec, rec.issue(op=op, group=self.global_ranks, tensors=tensors, peer=peer, root=root)
+        return rec, rec.issue(op, self.global_ranks, tensors, peer, root)
 
     @staticmethod
     def _timed(token: tuple[Recorder, int] | None, work: Any) -> Any:
@@ -289,7 +377,7 @@ class CapturingProcessGroup(ProcessGroup):
             return work
         rec, seq = token
         rec.watch(seq, work)
-        return _TimedWork(work, lambda: rec.complete(seq))
+        return _TimedWork(work, rec, seq)
 
     def _run(self, method: str, args: tuple[Any, ...]) -> Any:
         real = getattr(self._real, method, None)
@@ -330,12 +418,17 @@ def _make_collective(name: str, op: Op, arg: int, method: str) -> Callable[..., 
     rooted = OPS[op].rooted
 
     def collective(self: CapturingProcessGroup, *args: Any) -> Any:
+        rec = RECORDER
+        if rec is None:
+            return self._run(method, args)
         tensors = _flat(args[arg])
         if not tensors:  # scatter/gather off the root: this rank's shard, standing for 1/n of the message
             tensors = _flat(args[1 - arg]) * self.size()
         root = self.global_ranks[args[-1].rootRank] if rooted else None  # the options come last
-        token = self._record(op, tensors, root=root)
-        return self._timed(token, self._run(method, args))
+        seq = rec.issue(op, self.global_ranks, tensors, None, root)
+        work = self._run(method, args)
+        rec.watch(seq, work)
+        return _TimedWork(work, rec, seq)
 
     collective.__name__ = collective.__qualname__ = name
     return collective

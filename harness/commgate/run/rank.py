@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from commgate.model.scenario import Scenario
 from commgate.run.capture import CapturedCall, StepWindow, write_rank_calls
 from commgate.run.emulate import started_ranks
 from commgate.run.inject import Faults
+from commgate.run.threadclock import ThreadClock
 
 STATUS_WIDTH = 240
 
@@ -63,7 +63,6 @@ def run_rank(
     init_method: str | None = None,
     store: Any = None,
     out_dir: Path | None = None,
-    on_issue: Callable[[str], None] | None = None,
     marks: dict[str, float] | None = None,
     faults: Faults | None = None,
 ) -> tuple[list[CapturedCall], list[StepWindow]] | None:
@@ -89,7 +88,6 @@ def run_rank(
         device = torch.device("cuda", local)
     functional = dict(vars(torch.nn.functional))  # restored after the scenario (see _forget_deepspeed_state)
     rec = interpose.install(backend, rank, started_ranks(scenario))
-    rec.on_issue = on_issue
     faults = faults or Faults()
     rec.delay_first_recv_s = faults.delay_first_recv_ms / 1000
     rec.slow = dict(faults.slow)
@@ -105,11 +103,13 @@ def run_rank(
     marks["joined"] = time.monotonic()
     workload = resolve(scenario.parallelism.scheme, scenario.workload)(scenario, rank=rank, device=device)
     marks["built"] = time.monotonic()
+    clock = ThreadClock() if device.type == "cpu" else None  # on CUDA the thread's time is not the step's
     for k in range(scenario.warmup_steps + scenario.steps):
         rec.poll()
         rec.step, rec.phase = k, "forward"
         if k == 0 and faults.late_rank_ms and rank == world_size - 1:  # planted: the last rank is late
             time.sleep(faults.late_rank_ms / 1000)
+        busy = clock.busy_ns() if clock else None
         begun = rec.now()
         workload.step(k)
         if faults.extra_collective:  # planted fault
@@ -117,7 +117,12 @@ def run_rank(
         if device.type == "cuda":
             torch.cuda.synchronize()  # the step's kernels are inside its window
         rec.poll()
-        rec.windows.append(StepWindow(rank=rank, step=k, start_ns=begun, end_ns=rec.now()))
+        ended = rec.now()
+        busy_after = clock.busy_ns() if clock else None
+        blocked = None if busy is None or busy_after is None else max(0, ended - begun - (busy_after - busy))
+        rec.windows.append(StepWindow(rank=rank, step=k, start_ns=begun, end_ns=ended, blocked_ns=blocked))
+    if clock:
+        clock.close()
     marks["stepped"] = time.monotonic()
     # Only a successful rank tears down: a failing one must not close its connections (and make its
     # peers fail) before its own error is written; its process exits right after.
@@ -214,21 +219,29 @@ HEARTBEAT_S = 0.2
 BEAT_WIDTH = 512
 
 
-def _heartbeat(out: Path, rank: int, marks: dict[str, float]) -> None:
+def _write_status(fd: int, text: str) -> None:
+    os.pwrite(fd, text.encode()[:STATUS_WIDTH].ljust(STATUS_WIDTH), 0)
+
+
+def _heartbeat(out: Path, rank: int, marks: dict[str, float], status: int) -> None:
     """The rank's side of the launcher's stall watchdog, off the calls' path: every HEARTBEAT_S the
     recorder's progress (calls issued, completed, open), the steps' durations so far and whether the
-    steps are over (teardown) go to ``OUT/rank{r}.beat``; when the launcher asks (``OUT/dump.request``),
+    steps are over (teardown) go to ``OUT/rank{r}.beat``, the call issued last to the ``status`` file
+    (``OUT/rank{r}.status``); when the launcher asks (``OUT/dump.request``),
     every call issued so far goes to ``OUT/rank{r}.calls.json``. The main thread may be blocked in a
     collective meanwhile (torch releases the GIL while it waits)."""
     from commgate.run import interpose
 
     fd = os.open(out / f"rank{rank}.beat", os.O_WRONLY | os.O_CREAT, 0o644)
-    dumped = False
+    dumped, last = False, None
     while True:
         time.sleep(HEARTBEAT_S)
         rec = interpose.INSTALLED  # still there after the steps, when the teardown unsets RECORDER
         if rec is None:
             continue
+        if rec.last is not last:
+            last = rec.last
+            _write_status(status, rec.describe_last())
         issued, done, open_ = rec.progress()
         steps = [w.end_ns - w.start_ns for w in list(rec.windows)]
         beat = {"issued": issued, "done": done, "open": open_, "steps_ns": steps, "teardown": "stepped" in marks}
@@ -258,12 +271,9 @@ def child(
     os.environ.update(env)
     with open(spec, "rb") as f:
         scenario = pickle.load(f)
-    fd = os.open(out / f"rank{rank}.status", os.O_WRONLY | os.O_CREAT, 0o644)
-
-    def on_issue(text: str) -> None:
-        os.pwrite(fd, text.encode()[:STATUS_WIDTH].ljust(STATUS_WIDTH), 0)
-
-    threading.Thread(target=_heartbeat, args=(out, rank, marks), daemon=True, name="commgate-heartbeat").start()
+    status = os.open(out / f"rank{rank}.status", os.O_WRONLY | os.O_CREAT, 0o644)
+    beat = threading.Thread(target=_heartbeat, args=(out, rank, marks, status), daemon=True, name="commgate-heartbeat")
+    beat.start()
 
     code = 0
     try:
@@ -273,7 +283,6 @@ def child(
             world_size=world,
             out_dir=out,
             init_method=f"file://{store}",
-            on_issue=on_issue,
             marks=marks,
             faults=faults,
         )
@@ -282,6 +291,10 @@ def child(
         meta = {"backend": backend, "marks": marks, "stack": stack(backend, local) if rank == 0 else {}}
         atomic_write_json(out / f"rank{rank}.meta.json", meta)
     except BaseException:
+        from commgate.run import interpose
+
+        if interpose.INSTALLED is not None:  # the call issued last, now (the heartbeat writes it late)
+            _write_status(status, interpose.INSTALLED.describe_last())
         (out / f"rank{rank}.err").write_text(traceback.format_exc())
         code = 1  # at once: no process-group shutdown (which would fail the peers) before the launcher sees it
     sys.stdout.flush()

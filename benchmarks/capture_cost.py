@@ -1,0 +1,102 @@
+"""The capture's cost per call: host time it adds on the calling thread, by op and message size.
+
+    .venv/bin/python benchmarks/capture_cost.py [--calls 3000] [--backend gloo]
+
+One process (world size 1; the cost is the calling thread's, not the wire's), the same op on a bare
+process group and on commgate's capturing group, alternated call for call. A call's host time is its
+issue (``async_op=True`` returning a work) plus its ``wait()`` once the work has completed (the test
+spins on the backend's own ``is_completed`` first), so the op's own duration and the wake-up of a
+sleeping thread, which dominate and scatter a blocking call's wall time on a loaded machine, are out
+of it. Prints the medians of both and their difference (goal: <= 15 us), and the wall time of the
+blocking form, bare and captured, for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from commgate.run import interpose
+
+SIZES = (4, 64 << 10, 4 << 20)
+
+
+def _ops(t: torch.Tensor) -> dict[str, Callable[[Any, bool], Any]]:
+    out = torch.empty_like(t)
+    return {
+        "all_reduce": lambda g, a: dist.all_reduce(t, group=g, async_op=a),
+        "broadcast": lambda g, a: dist.broadcast(t, 0, group=g, async_op=a),
+        "all_gather_into_tensor": lambda g, a: dist.all_gather_into_tensor(out, t, group=g, async_op=a),
+        "reduce_scatter_tensor": lambda g, a: dist.reduce_scatter_tensor(out, t, group=g, async_op=a),
+        "all_to_all_single": lambda g, a: dist.all_to_all_single(out, t, group=g, async_op=a),
+    }
+
+
+def host_ns(op: Callable[[Any, bool], Any], group: Any) -> int:
+    t0 = time.perf_counter_ns()
+    work = op(group, True)
+    t1 = time.perf_counter_ns()
+    inner = getattr(work, "_inner", work)
+    deadline = t1 + 5_000_000
+    while not inner.is_completed() and time.perf_counter_ns() < deadline:
+        pass  # gloo's reduce-scatter work never says it completed: its wait() then holds the op too
+    t2 = time.perf_counter_ns()
+    work.wait()
+    return t1 - t0 + time.perf_counter_ns() - t2
+
+
+def wall_ns(op: Callable[[Any, bool], Any], group: Any) -> int:
+    t0 = time.perf_counter_ns()
+    op(group, False)
+    return time.perf_counter_ns() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=3000)
+    ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="message sizes in bytes, comma-separated")
+    a = ap.parse_args(argv)
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    device = torch.device("cuda" if a.backend == "nccl" else "cpu")
+    rec = interpose.install(a.backend, 0)
+    with tempfile.NamedTemporaryFile() as f:
+        dist.init_process_group(interpose.BACKEND_NAME, init_method=f"file://{f.name}", rank=0, world_size=1)
+        bare = dist.new_group([0], backend=a.backend)
+        captured = dist.group.WORLD
+        head = f"{'op':<24} {'bytes':>8} {'bare':>8} {'capture':>8} {'cost':>7}  {'wall bare':>9} {'wall cap':>9}"
+        print(head + "  (medians, us)")
+        for nbytes in (int(x) for x in a.sizes.split(",")):
+            t = torch.zeros(nbytes // 4, device=device)
+            for name, op in _ops(t).items():
+                calls = a.calls if nbytes <= 64 << 10 else a.calls // 10
+                host: dict[str, list[int]] = {"bare": [], "capture": []}
+                wall: dict[str, list[int]] = {"bare": [], "capture": []}
+                for k in range(calls):
+                    pair = (("bare", bare), ("capture", captured))
+                    for path, g in pair if k % 2 else pair[::-1]:
+                        host[path].append(host_ns(op, g))
+                        wall[path].append(wall_ns(op, g))
+                    rec.take()
+                h = {p: statistics.median(v) / 1e3 for p, v in host.items()}
+                w = {p: statistics.median(v) / 1e3 for p, v in wall.items()}
+                print(
+                    f"{name:<24} {nbytes:>8} {h['bare']:8.1f} {h['capture']:8.1f} {h['capture'] - h['bare']:7.1f}"
+                    f"  {w['bare']:9.1f} {w['capture']:9.1f}",
+                    flush=True,
+                )
+        dist.destroy_process_group()
+    interpose.release_backends()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

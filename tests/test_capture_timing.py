@@ -1,0 +1,96 @@
+"""When the capture says a call ended, and what the training thread waited for: the poller's stamps of
+calls nobody waits on, the exact stamps of waited ones, and the blocked time of a step."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+from commgate.run import interpose  # noqa: E402
+from commgate.run.threadclock import ThreadClock  # noqa: E402
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[interpose.Recorder]:
+    """A one-rank job on commgate's capturing group over gloo, in this process."""
+    rec = interpose.install("gloo", 0)
+    dist.init_process_group(interpose.BACKEND_NAME, init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield rec
+    finally:
+        interpose.RECORDER = None
+        dist.destroy_process_group()
+        interpose.release_backends()
+
+
+def test_a_call_nobody_waits_on_is_stamped_when_it_completes_not_at_the_next_look(
+    world: interpose.Recorder,
+) -> None:
+    """An async all-reduce left in flight while the thread computes for 200 ms: the poller stamps its
+    end within its tick, where the next call or phase change would have stamped it after 200 ms."""
+    durations = []
+    for _ in range(5):
+        dist.all_reduce(torch.ones(1024), async_op=True)  # never waited on, as DDP's buckets
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.2:
+            pass  # the training thread busy, holding the GIL for most of it
+        (call,) = world.take()
+        assert call.duration_ns is not None
+        durations.append(call.duration_ns)
+    assert statistics.median(durations) < 20e6, durations
+
+
+def test_a_waited_call_is_stamped_when_the_wait_returns(world: interpose.Recorder) -> None:
+    before = world.now()
+    work = dist.all_reduce(torch.ones(4), async_op=True)
+    work.wait()
+    after = world.now()
+    (call,) = world.take()
+    assert call.duration_ns is not None
+    assert before <= call.start_ns and call.start_ns + call.duration_ns <= after
+
+
+def test_every_call_is_stamped_once_whoever_sees_it_first(world: interpose.Recorder) -> None:
+    """Waits, completion queries and the poller race for the same calls; each is recorded once."""
+    works = [dist.all_reduce(torch.ones(8), async_op=True) for _ in range(200)]
+    for k, w in enumerate(works):
+        if k % 3 == 0:
+            w.wait()
+        elif k % 3 == 1:
+            while not w.is_completed():
+                pass
+    time.sleep(0.05)
+    world.poll()
+    calls = world.drain()
+    assert [c.seq for c in calls] == list(range(200))
+    assert all(c.duration_ns is not None and c.duration_ns >= 0 for c in calls)
+
+
+def test_the_poller_sleeps_when_nothing_is_in_flight(world: interpose.Recorder) -> None:
+    dist.all_reduce(torch.ones(4))
+    time.sleep(0.05)
+    assert not world.poller.awake.is_set()
+
+
+def test_blocked_time_counts_waiting_not_computing() -> None:
+    clock = ThreadClock()
+    if clock.busy_ns() is None:
+        pytest.skip("no per-thread scheduler statistics here (not Linux)")
+    t0, b0 = time.perf_counter_ns(), clock.busy_ns()
+    time.sleep(0.1)
+    t1, b1 = time.perf_counter_ns(), clock.busy_ns()
+    while time.perf_counter_ns() - t1 < 100e6:
+        pass
+    t2, b2 = time.perf_counter_ns(), clock.busy_ns()
+    assert b0 is not None and b1 is not None and b2 is not None
+    slept, spun = (t1 - t0) - (b1 - b0), (t2 - t1) - (b2 - b1)
+    assert slept > 80e6, "a sleeping thread is blocked"
+    assert spun < 20e6, "a computing thread is not, even when it waits for a core"
+    clock.close()
