@@ -71,10 +71,14 @@ def test_report_json_carries_the_time_model_next_to_the_measurement(out: Path) -
         tm = s["time_model"]
         assert "bandwidth curve" in tm["note"]
         p = tm["predicted"]
-        total = p["t_comp_s"] + p["t_tp_s"] + p["t_pp_s"] + p["t_dp_s"] + p["t_ep_s"] + p["t_bubble_s"]
-        assert p["t_iter_s"] == pytest.approx(total)
+        comm = p["t_tp_s"] + p["t_pp_s"] + p["t_dp_s"] + p["t_ep_s"]
+        assert p["t_comm_s"] == pytest.approx(comm) and 0 <= p["t_exposed_s"] <= p["t_comm_s"] + p["t_skew_s"]
+        assert p["t_iter_s"] == pytest.approx(p["t_comp_s"] + p["t_exposed_s"] + p["t_bubble_s"])
         assert tm["comm_fraction_error"] == pytest.approx(frac["predicted"] - frac["measured"])
-        assert tm["measured"]["steps"] == 2 and tm["measured"]["t_comm_s"] <= tm["measured"]["t_iter_s"]
+        assert tm["errors"]["comm_fraction"] == tm["comm_fraction_error"]
+        m = tm["measured"]
+        assert tm["errors"]["t_iter"] == pytest.approx((p["t_iter_s"] - m["t_iter_s"]) / m["t_iter_s"])
+        assert m["steps"] == 2 and 0 <= m["t_exposed_s"] <= m["t_iter_s"] and m["t_comm_s"] <= m["t_iter_s"]
         windows = s["capture"]["step_windows"]
         assert sorted({(w["rank"], w["step"]) for w in windows}) == [(r, k) for r in range(2) for k in range(3)]
     pp = [s for s in doc["scenarios"] if s["scheme"] == "pp"]
@@ -153,3 +157,22 @@ def test_report_json_is_its_document_with_each_scenario_encoded_once_on_a_line(o
     report.scenarios[0]["name"] = "changed after it was written"  # scenarios are encoded once: never re-read
     assert json.loads(report.text())["scenarios"][0]["name"] == first
     assert json.loads(Report(None).text())["scenarios"] == []
+
+
+def test_commgate_calibrate_fits_u_host_times_and_the_lag_from_a_report(
+    out: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The report's two kinds (ddp, pp) each get a host time per layer pass; u and the lag are stored
+    with the curve of this machine, the other machines' curves untouched."""
+    from commgate.report import bandwidth
+
+    (tmp_path / "bandwidth-gloo.json").write_bytes((ROOT / "baselines" / "bandwidth-gloo.json").read_bytes())
+    before = bandwidth.load_all(tmp_path / "bandwidth-gloo.json")
+    assert main(["calibrate", str(out / "report.json"), "--baseline-dir", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "calibrated on: d, p[s=32], p[s=64]" in text and "host time per layer pass, ddp" in text
+    after = bandwidth.load_all(tmp_path / "bandwidth-gloo.json")
+    changed = [hw for hw in after if after[hw] != before[hw]]
+    assert len(changed) == 1 and set(after[changed[0]].host_s) == {"ddp", "pp"}
+    curve = after[changed[0]]
+    assert 0 < curve.utilization <= 10 and curve.skew >= 0 and "fitted to 3 scenarios" in (curve.calibrated or "")

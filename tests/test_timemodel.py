@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 from commgate.model.predict import predict
 from commgate.model.scenario import load_text
@@ -114,3 +117,135 @@ def test_a_missing_bandwidth_curve_says_how_to_make_one_in_the_summary() -> None
     )
     head = ScenarioResult(prediction=predict(s), status="passed", time_model=tm).summary().splitlines()[0]
     assert head.endswith(f"comm fraction 30% (model -: {note})")
+
+
+def test_ddp_buckets_hide_behind_the_backward_all_but_the_last() -> None:
+    """DDP's bucket all-reduces are issued without waiting: each but the last runs behind the backward
+    while it lasts, so the exposed time is the last bucket, or what does not fit."""
+    s = scenario("{scheme: ddp, dp: 2, ddp_bucket_mb: 0.5}")
+    pred = predict(s)  # type: ignore[arg-type]
+    buckets = [c for c in pred.steady if c.overlaps]
+    assert len(buckets) >= 2 and all(c.op == "all_reduce" and str(c.phase) == "backward" for c in buckets)
+    per_call = 1e-3
+    t_flops = step_flops(pred) / 1e9
+    fast = predict_time(pred, flat_curve(per_call))  # compute >> communication: all but one bucket hidden
+    assert fast.t_exposed == pytest.approx(per_call)
+    assert fast.t_iter == pytest.approx(t_flops + per_call)
+    slow = predict_time(pred, flat_curve(10.0))  # communication >> compute: the backward hides what it can
+    assert slow.t_hidden == pytest.approx(2 / 3 * t_flops)
+    assert slow.t_exposed == pytest.approx(slow.t_comm - 2 / 3 * t_flops)
+
+
+def test_blocking_collectives_are_all_exposed() -> None:
+    pred = predict(scenario("{scheme: tp, tp: 2}"))  # type: ignore[arg-type]
+    t = predict_time(pred, flat_curve(1e-3))
+    assert not any(c.overlaps for c in pred.steady) and t.t_hidden == 0 and t.t_exposed == t.t_comm
+
+
+def doc(compute: float, flops: float, passes: int, key: str, domain: str | None = None) -> dict[str, object]:
+    predicted = {"t_flops_s": flops, "layer_passes": passes, "host_key": key}
+    measured = {"t_iter_s": compute + 0.01, "t_exposed_s": 0.01, "t_comm_s": 0.02}
+    return {"predicted": predicted, "measured": measured, "domain": domain}
+
+
+def test_calibration_recovers_u_and_each_kinds_host_time() -> None:
+    """Runs made by a known u = 0.25 and host times of 1 ms (ddp) and 4 ms (tp) per layer pass, one of
+    them noisy: the fit gives them back; runs outside the domain are left out."""
+    from commgate.report.timemodel import calibrate
+
+    docs = [
+        doc(f / 0.25 + n * h, f, n, k)
+        for k, h in (("ddp", 1e-3), ("tp", 4e-3))
+        for f, n in ((0.01, 8), (0.05, 12), (0.2, 16), (0.4, 8))
+    ]
+    docs.append(doc(5.0, 0.01, 8, "ddp"))  # a run that stalled: the medians shrug it off
+    docs.append(doc(99.0, 0.01, 8, "tp", domain="out of the model's domain: 4 ranks on 2 cores"))
+    fit = calibrate(docs)
+    assert fit is not None and fit.scenarios == 9
+    assert fit.utilization == pytest.approx(0.25, rel=0.05)
+    assert fit.host_s["ddp"] == pytest.approx(1e-3, rel=0.1) and fit.host_s["tp"] == pytest.approx(4e-3, rel=0.1)
+    assert calibrate([doc(1.0, 0.1, 4, "ddp", domain="out")]) is None
+
+
+def test_an_uncalibrated_kind_takes_the_median_host_time() -> None:
+    import dataclasses
+
+    from commgate.report.timemodel import host_seconds
+
+    curve = dataclasses.replace(flat_curve(1e-3), host_s={"ddp": 1e-3, "tp": 3e-3, "fsdp": 2e-3})
+    assert host_seconds(curve, "tp") == 3e-3 and host_seconds(curve, "zero3") == 2e-3
+    assert host_seconds(flat_curve(1e-3), "tp") == 0.0
+    pred = predict(scenario("{scheme: tp, tp: 2}"))  # type: ignore[arg-type]
+    t = predict_time(pred, curve, utilization=0.5)
+    assert t.host_key == "tp" and t.layer_passes == 2 * 6  # forward and backward of 6 layers, 1 micro-batch
+    assert t.t_comp == pytest.approx(t.t_flops / 0.5 + 12 * 3e-3)
+
+
+def test_the_time_gate_fails_past_max_error_and_is_silent_out_of_domain() -> None:
+    from commgate.report.timemodel import MeasuredTime, TimeAssessment
+
+    pred = predict_time(predict(scenario("{scheme: ddp, dp: 2}")), flat_curve(1e-3))  # type: ignore[arg-type]
+    close = MeasuredTime(t_iter=pred.t_iter, t_comm=pred.t_comm, comm_fraction=pred.in_flight_fraction + 0.05, steps=3)
+    far = MeasuredTime(t_iter=pred.t_iter, t_comm=pred.t_comm, comm_fraction=pred.in_flight_fraction + 0.3, steps=3)
+    assert TimeAssessment(predicted=pred, measured=close, note="").finding(0.15) is None
+    f = TimeAssessment(predicted=pred, measured=far, note="").finding(0.15)
+    assert f is not None and f.fail and f.kind == "time" and "error -0.300, allowed 0.15" in f.text()
+    assert "commgate calibrate" in f.text()
+    assert TimeAssessment(predicted=pred, measured=far, note="").finding(None) is None
+    crowded = TimeAssessment(predicted=pred, measured=far, note="", domain="out of the model's domain: 4 ranks")
+    out = crowded.finding(0.15)
+    assert out is not None and not out.fail and "4 ranks" in out.title
+
+
+def test_accuracy_summarises_errors_inside_the_domain_and_overall() -> None:
+    from commgate.report.timemodel import accuracy, accuracy_line
+
+    def tm(frac: float | None, t_iter: float | None, domain: str | None = None) -> dict[str, object]:
+        errors = {"comm_fraction": frac, "t_iter": t_iter, "t_comm": None, "t_exposed": None}
+        return {"errors": errors, "domain": domain}
+
+    docs = [tm(0.05, 0.1), tm(-0.2, -0.3), tm(0.1, None), tm(0.5, 0.9, domain="4 ranks on 2 cores"), tm(None, None)]
+    acc = accuracy(docs)
+    assert acc["in_domain"]["comm_fraction"] == {"scenarios": 3, "median": 0.1, "worst": 0.2}
+    assert acc["all"]["comm_fraction"] == {"scenarios": 4, "median": pytest.approx(0.15), "worst": 0.5}
+    assert acc["in_domain"]["t_iter"] == {"scenarios": 2, "median": pytest.approx(0.2), "worst": 0.3}
+    assert acc["all"]["t_comm"] is None
+    line = accuracy_line(docs)
+    assert line == (
+        "time model, |comm fraction error|: inside the model's domain (3) median 0.10, worst 0.20; "
+        "all (4) median 0.15, worst 0.50"
+    )
+    assert accuracy_line([tm(None, None)]) is None
+
+
+def test_a_scenario_gates_on_the_time_model_with_expectations_time(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A real two-rank run judged against the shipped curve: an impossible max_error fails naming both
+    fractions; a loose one passes; a run outside the model's domain is noted, not failed."""
+    import shutil
+
+    from commgate.model.scenario import load_text
+    from commgate.pipeline import Options, run_scenario
+    from commgate.run.runners import LocalRanks
+
+    shutil.copy(Path(__file__).parents[1] / "baselines" / "bandwidth-gloo.json", tmp_path)
+    options = Options(baseline_dir=tmp_path, gate=False)
+
+    def run(max_error: float, dp: int = 2):  # type: ignore[no-untyped-def]
+        text = (
+            f"schema_version: 1\nname: t\nmodel: {{preset: 19M-cpu, s: 32}}\nparallelism: {{scheme: ddp, dp: {dp}}}\n"
+            f"steps: 2\nexpectations: {{time: {{max_error: {max_error}}}}}\n"
+        )
+        (s,) = load_text(text)
+        assert s.expectations.time_max_error == max_error
+        result = run_scenario(s, LocalRanks(), options)
+        assert result is not None and result.time_model is not None
+        return result
+
+    strict = run(0.0001)
+    assert strict.status == "failed" and "[time] the iteration-time model misses" in strict.reason
+    assert "comm fraction: obtained" in strict.reason and "allowed 0.0001" in strict.reason
+    assert run(1.0).status == "passed"
+    if (os.cpu_count() or 1) < 3:  # three ranks on fewer cores: outside the model's domain
+        crowded = run(0.0001, dp=3)
+        assert crowded.status == "passed"
+        assert any(f.kind == "time" and "out of the model's domain" in f.title for f in crowded.findings)

@@ -194,6 +194,10 @@ def _finish(report: Report) -> int:
 
         print("writing the HTML report ...", flush=True)
         where = f"; report: {report.path}, {write(report.path.parent, doc)}"
+    from commgate.report.timemodel import accuracy_line
+
+    if line := accuracy_line(s["time_model"] for s in doc["scenarios"] if s.get("time_model")):
+        print(line)
     print(", ".join(f"{n} {k}" for k, n in counts.items()) + where)
     return 1 if counts["failed"] or counts["error"] else 0
 
@@ -215,28 +219,31 @@ def _load_report(path: Path) -> dict[str, Any]:
 
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
-    import statistics
-
     from commgate.report import bandwidth
-    from commgate.report.timemodel import implied_utilization
+    from commgate.report.timemodel import calibrate
 
     doc = _load_report(a.report)
-    by: dict[tuple[str, str], list[tuple[str, float]]] = {}
+    by: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for s in doc["scenarios"]:
-        u = implied_utilization(s.get("time_model") or {})
-        if u is None or not s.get("capture"):
-            continue
-        cap = s["capture"]
-        by.setdefault((cap["backend"], cap["stack"].get("hardware") or ""), []).append((s["name"], u))
-    if not by:
-        raise UsageError(f"{a.report}: no scenario has both a predicted and a measured time (is there a curve?)")
-    for (backend, hardware), rows in sorted(by.items()):
-        for name, u in rows:
-            print(f"  {name:<32} implied u = {u:.3f}")
-        u = statistics.median(u for _, u in rows)
-        how = f"median of {len(rows)} scenarios of the report created {doc['created']}"
-        bandwidth.calibrate(bandwidth.path_for(a.baseline_dir, backend), hardware, u, how)
-        print(f"{hardware} ({backend}): u = {u:.3f}, {how}")
+        if s.get("capture") and s.get("time_model"):
+            cap = s["capture"]
+            by.setdefault((cap["backend"], cap["stack"].get("hardware") or ""), []).append(s)
+    fits = {key: (fit, rows) for key, rows in by.items() if (fit := calibrate([s["time_model"] for s in rows]))}
+    if not fits:
+        raise UsageError(
+            f"{a.report}: no scenario inside the model's domain has both a predicted and a measured time "
+            "(is there a curve? more ranks than cores are left out)"
+        )
+    for (backend, hardware), (fit, rows) in sorted(fits.items()):
+        names = ", ".join(s["name"] for s in rows if not s["time_model"].get("domain"))
+        print(f"  calibrated on: {names}")
+        for key, seconds in sorted(fit.host_s.items()):
+            print(f"  host time per layer pass, {key:<12} {seconds * 1e3:8.3f} ms")
+        how = f"fitted to {fit.scenarios} scenarios of the report created {doc['created']}"
+        path = bandwidth.path_for(a.baseline_dir, backend)
+        bandwidth.calibrate(path, hardware, fit.utilization, how, fit.host_s, fit.skew)
+        print(f"  peers' lag: {fit.skew:.3f} s per s of compute")
+        print(f"{hardware} ({backend}): u = {fit.utilization:.3f}, {how}")
     return 0
 
 

@@ -75,7 +75,10 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
         findings, baseline, written, latency_note = j.findings, j.baseline, j.written, j.latency_note
     else:
         findings = model_findings(scenario, rec)
-    findings = (*findings, *(Finding("config", False, w) for w in scenario.warnings))
+    # an emulated run's calls complete without a peer: no communication time to model
+    timed = None if capture.ranks is not None else assess(prediction, capture, options.baseline_dir)
+    gate_time = timed.finding(scenario.expectations.time_max_error) if timed is not None else None
+    findings = (*findings, *(Finding("config", False, w) for w in scenario.warnings), *filter(None, [gate_time]))
     failing = [f for f in findings if f.fail]
     return result(
         status="failed" if failing else "passed",
@@ -86,8 +89,7 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
         latency_note=latency_note,
         capture=capture,
         reconciliation=rec,
-        # an emulated run's calls complete without a peer: no communication time to model
-        time_model=None if capture.ranks is not None else assess(prediction, capture, options.baseline_dir),
+        time_model=timed,
     )
 
 

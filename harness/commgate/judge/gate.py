@@ -32,7 +32,7 @@ from commgate.run.capture import Capture
 MAX_LINES = 12
 UPDATE_FLAG = "--commgate-update-baselines"
 
-Kind = Literal["model", "paper", "baseline", "cold-start", "latency", "config"]
+Kind = Literal["model", "paper", "baseline", "cold-start", "latency", "config", "time"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,6 +64,11 @@ class ExpectedCollective:
     at_step: int | None = None
     from_step: int = 0
     """A per-step row applies from this step on (DDP's rebuilt buckets serve from the second iteration)."""
+    overlaps: bool = False
+    """The framework issues these calls without waiting on them, so they can run behind the compute
+    that follows in their phase (DDP's buckets, FSDP2's prefetched all-gathers and reduce-scatters, the
+    ring rotations of context parallelism): the time model's exposed communication leaves them out
+    while that compute lasts (``commgate.report.timemodel``)."""
 
     @property
     def when(self) -> str:

@@ -204,6 +204,9 @@ class Expectations:
     baseline_calls: Tolerance = field(default_factory=Tolerance)
     latency: LatencyRule = field(default_factory=LatencyRule)
     cold_start: ColdStartRule = field(default_factory=ColdStartRule)
+    time_max_error: float | None = None
+    """``expectations.time.max_error``: the largest |predicted - measured| communication fraction that
+    passes (``commgate.report.timemodel``); None: the time model is reported, not judged."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -1122,6 +1125,7 @@ def _build_expectations(e: dict[str, Any]) -> Expectations:
         baseline_calls=tol(baseline.get("calls"), base.baseline_calls),
         latency=replace(base.latency, **baseline.get("latency", {})),
         cold_start=replace(base.cold_start, **e.get("drift", {}).get("cold_start", {})),
+        time_max_error=e.get("time", {}).get("max_error"),
     )
 
 

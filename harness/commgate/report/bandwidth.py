@@ -69,6 +69,12 @@ class Curve:
     """u: the share of F a training step reaches (APNet); 1 until calibrated."""
     calibrated: str | None = None
     """How u was calibrated (the report and date), None if it was not."""
+    skew: float = 0.0
+    """How long collectives wait for peers still computing, per second of compute (calibrated with u:
+    ``commgate.report.timemodel.PredictedTime.t_skew``); 0 until calibrated."""
+    host_s: Mapping[str, float] = field(default_factory=dict)
+    """Host time per layer pass by workload kind (``commgate.report.timemodel.host_key``), calibrated
+    with u: the framework's cost beyond the FLOPs. Empty until calibrated."""
 
     def _table(self, op: str, world: int, group_size: int) -> list[Sample]:
         keys = {(s.world, s.group_size) for s in self.samples if s.op == op}
@@ -107,6 +113,8 @@ class Curve:
             "compute_flops": {str(w): f for w, f in sorted(self.compute_flops.items())},
             "utilization": self.utilization,
             "calibrated": self.calibrated,
+            **({"host_s": dict(sorted(self.host_s.items()))} if self.host_s else {}),
+            **({"skew": self.skew} if self.skew else {}),
             "samples": [
                 {
                     "op": s.op,
@@ -142,6 +150,8 @@ class Curve:
             compute_flops=flops,
             utilization=float(d.get("utilization", 1.0)),
             calibrated=d.get("calibrated"),
+            host_s={k: float(v) for k, v in d.get("host_s", {}).items()},
+            skew=float(d.get("skew", 0.0)),
         )
 
 
@@ -204,8 +214,16 @@ def lookup(path: Path, hardware: str) -> tuple[Curve | None, str]:
     return None, f"no bandwidth curve in {path}: run `{sweep}`"
 
 
-def calibrate(path: Path, hardware: str, utilization: float, how: str) -> Curve:
-    """Set u of ``hardware``'s curve in ``path`` (the curve must exist: measure it first)."""
+def calibrate(
+    path: Path,
+    hardware: str,
+    utilization: float,
+    how: str,
+    host_s: Mapping[str, float] | None = None,
+    skew: float = 0.0,
+) -> Curve:
+    """Set u (and the host time per layer pass) of ``hardware``'s curve in ``path`` (the curve must exist:
+    measure it first)."""
     import dataclasses
 
     curves = load_all(path)
@@ -213,7 +231,9 @@ def calibrate(path: Path, hardware: str, utilization: float, how: str) -> Curve:
         raise CommgateError(f"{path}: no bandwidth curve for {hardware!r} to calibrate; run the microbenchmarks first")
     if not 0 < utilization <= 10:
         raise CommgateError(f"calibration: u = {utilization:g} is implausible (expected within (0, 10])")
-    curve = dataclasses.replace(curves[hardware], utilization=utilization, calibrated=how)
+    curve = dataclasses.replace(
+        curves[hardware], utilization=utilization, calibrated=how, host_s=dict(host_s or {}), skew=skew
+    )
     store(path, curve)
     return curve
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from commgate.core.fsutil import atomic_write_bytes, atomic_write_json, atomic_write_text
 from commgate.core.units import human_bytes
-from commgate.report import detail
+from commgate.report import detail, timemodel
 from commgate.report.detail import OP_COLORS
 
 
@@ -413,6 +413,56 @@ def _diff_table(s: dict[str, Any]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
+def _accuracy(doc: dict[str, Any]) -> str:
+    """The iteration-time model against every run: T_iter, T_comm (in flight), exposed T_comm and the comm
+    fraction, predicted / measured / error, then the report's median and worst errors."""
+    timed = [(s, s["time_model"]) for s in doc["scenarios"] if (s.get("time_model") or {}).get("predicted")]
+    timed = [(s, tm) for s, tm in timed if tm.get("measured")]
+    if not timed:
+        return ""
+    head = ["scenario", "T_iter", "T_comm in flight", "exposed T_comm", "comm fraction", "domain"]
+    rows = []
+    for s, tm in timed:
+        p, m, e = tm["predicted"], tm["measured"], tm.get("errors") or {}
+
+        def cell(key: str, pk: str, mk: str, p: dict[str, Any] = p, m: dict[str, Any] = m, e: Any = e) -> str:
+            err = e.get(key)
+            shown = f" ({100 * err:+.0f}%)" if err is not None else ""
+            return f"{_ms(p.get(pk))} / {_ms(m.get(mk))}{shown}"
+
+        frac = e.get("comm_fraction")
+        cells = [
+            cell("t_iter", "t_iter_s", "t_iter_s"),
+            cell("t_comm", "t_comm_s", "t_comm_s"),
+            cell("t_exposed", "t_exposed_s", "t_exposed_s"),
+            f"{_pct(p.get('in_flight_fraction'))} / {_pct(m.get('comm_fraction'))}"
+            + (f" ({100 * frac:+.0f} pp)" if frac is not None else ""),
+            tm.get("domain") or "inside",
+        ]
+        rows.append(f"<tr><td>{_name_cell(s)}</td>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    acc = timemodel.accuracy([tm for _, tm in timed])
+    lines = []
+    for scope, label in (("in_domain", "inside the model's domain"), ("all", "all scenarios")):
+        parts = []
+        kinds = (("comm_fraction", "comm fraction"), ("t_iter", "T_iter"), ("t_exposed", "exposed T_comm"))
+        for key, what in kinds:
+            if (a := acc[scope][key]) is not None:
+                med, worst = (f"{a[k]:.2f}" if key == "comm_fraction" else f"{a[k]:.0%}" for k in ("median", "worst"))
+                parts.append(f"{what} median {med}, worst {worst}")
+        if parts:
+            lines.append(f"<li>{label}: {html.escape('; '.join(parts))}</li>")
+    ths = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+    note = (
+        "Predicted / measured (error) for rank 0, medians over the measured steps. In flight: the time a call "
+        "was in flight; exposed: the time the training thread was blocked waiting. A run with more local ranks "
+        "than cores is outside the model's domain: reported, not judged (expectations.time.max_error)."
+    )
+    return (
+        f'<h2>Accuracy of the iteration-time model</h2><p class="note">{html.escape(note)}</p>'
+        f"<ul>{''.join(lines)}</ul><table><thead><tr>{ths}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+    )
+
+
 def _table(doc: dict[str, Any]) -> str:
     head = ["scenario", "scheme", "ranks", "status", "bytes measured / step", "model", "unexplained"]
     head += ["in flight measured", "model", "error", "step measured", "model"]
@@ -533,6 +583,7 @@ def page(doc: dict[str, Any], figures: dict[str, str | None]) -> str:
         "<h2>Scenarios</h2>",
         _table(doc),
         _findings(doc),
+        _accuracy(doc),
     ]
     for key, title, note in FIGURES:
         if src := figures.get(key):

@@ -25,13 +25,16 @@ waits out its bubble inside a recv, so the measurement is compared with the mode
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from commgate.core.errors import CommgateError
+from commgate.judge.gate import Finding
 from commgate.model import transformer
-from commgate.model.expectation import Prediction
-from commgate.model.scenario import Parallelism
+from commgate.model.expectation import ExpectedCollective, Phase, Prediction
+from commgate.model.scenario import Parallelism, Scenario
 from commgate.report import bandwidth
 from commgate.report.bandwidth import Curve
 from commgate.run.capture import Capture, busy_ns
@@ -46,6 +49,35 @@ def step_flops(prediction: Prediction) -> float:
     return transformer.step_flops(prediction.scenario.model, prediction.scenario.parallelism)
 
 
+def host_key(scenario: Scenario) -> str:
+    """The workload kind whose host time per layer pass the calibration measures: the scheme, with
+    ``+sp`` for DTensor's sequence parallelism and ``+cp`` for a context-parallel ring inside another
+    scheme (each adds its own dispatch per layer)."""
+    par = scenario.parallelism
+    key = par.scheme
+    if par.sequence_parallel:
+        key += "+sp"
+    if par.cp > 1 and par.scheme != "cp":
+        key += "+cp"
+    return key
+
+
+def layer_passes(scenario: Scenario) -> int:
+    """Layer passes per step on one rank of the fullest stage: each layer's forward and backward on
+    every micro-batch, and its recomputed forward under activation checkpointing."""
+    par = scenario.parallelism
+    per_layer = 3 if par.activation_checkpointing else 2
+    return -(-scenario.model.L // par.pp) * par.micro_batches * per_layer
+
+
+def host_seconds(curve: Curve, key: str) -> float:
+    """Host time per layer pass of workload kind ``key``: its calibrated value, or the median over the
+    kinds calibrated when it was not among them (0 before any calibration)."""
+    if key in curve.host_s:
+        return curve.host_s[key]
+    return statistics.median(curve.host_s.values()) if curve.host_s else 0.0
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PredictedTime:
     t_comp: float
@@ -54,24 +86,44 @@ class PredictedTime:
     t_bubble: float
     utilization: float
     curve_note: str
+    t_hidden: float = 0.0
+    """Communication the framework runs behind compute (``overlap``): in ``t_comm``, not on the
+    critical path."""
+    t_flops: float = 0.0
+    """FLOPs per step / F: ``t_comp`` at u = 1 without host time (what calibration fits u against)."""
+    t_host: float = 0.0
+    """The framework's host time per step (in ``t_comp``): layer passes x the calibrated time per pass."""
+    layer_passes: int = 0
+    host_key: str = ""
+    t_skew: float = 0.0
+    """How long rank 0's collectives wait for peers that are still computing (``Curve.skew`` x
+    ``t_comp``): ranks sharing a machine do not compute at one pace, and a collective completes only when
+    its last member joins. In flight and exposed, not in ``t_comm`` (no bytes move meanwhile)."""
 
     @property
     def t_comm(self) -> float:
         return sum(self.terms.values())
 
     @property
+    def t_exposed(self) -> float:
+        """The communication on the critical path: what the training thread waits for (its peers, too)."""
+        return self.t_comm - self.t_hidden + self.t_skew
+
+    @property
     def t_iter(self) -> float:
-        return self.t_comp + self.t_comm + self.t_bubble
+        return self.t_comp + self.t_exposed + self.t_bubble
 
     @property
     def comm_fraction(self) -> float:
-        return self.t_comm / self.t_iter if self.t_iter else 0.0
+        """The paper's T_comm / T_iter (at most 1: overlapped calls share the step with compute)."""
+        return min(1.0, self.t_comm / self.t_iter) if self.t_iter else 0.0
 
     @property
     def in_flight_fraction(self) -> float:
         """What the capture can measure: the share of the step with a call in flight. A pipeline rank spends
-        its bubble blocked in a recv, so the bubble counts here (and not in ``comm_fraction``)."""
-        return (self.t_comm + self.t_bubble) / self.t_iter if self.t_iter else 0.0
+        its bubble blocked in a recv, so the bubble counts here (and not in ``comm_fraction``). Calls
+        overlapped with compute are in flight at the same time as it: at most the whole step."""
+        return min(1.0, (self.t_comm + self.t_skew + self.t_bubble) / self.t_iter) if self.t_iter else 0.0
 
     @property
     def bubble_ratio(self) -> float:
@@ -105,18 +157,55 @@ def bubble_factor(par: Parallelism) -> float:
     return (p - 1) / (pl.virtual_stages * m)
 
 
+FORWARD_SHARE = 1 / 3
+"""The forward's share of a step's compute (2 of the 6 FLOPs per parameter and token); the backward
+holds the rest."""
+
+
+def overlap(rows: list[tuple[ExpectedCollective, float]], t_comp: float) -> float:
+    """Seconds of communication hidden behind compute, from rank 0's rows and each one's seconds per call.
+
+    In each phase, the calls the framework issues without waiting (``ExpectedCollective.overlaps``)
+    run behind that phase's compute (a third of ``t_comp`` forward, two thirds backward), all but the
+    phase's last call, which nothing follows (DDP's last bucket is ready when the backward ends)."""
+    hidden = 0.0
+    for phase, share in ((Phase.FORWARD, FORWARD_SHARE), (Phase.BACKWARD, 1 - FORWARD_SHARE)):
+        mine = [(c, per_call) for c, per_call in rows if c.overlaps and c.phase == phase]
+        if mine:
+            behind = sum(c.calls * per_call for c, per_call in mine) - mine[-1][1]
+            hidden += min(max(behind, 0.0), share * t_comp)
+    return hidden
+
+
 def predict_time(prediction: Prediction, curve: Curve, *, note: str = "", utilization: float = 1.0) -> PredictedTime:
     s = prediction.scenario
     world, par = s.world_size, s.parallelism
     terms = {"T_TP": 0.0, "T_PP": 0.0, "T_DP": 0.0, "T_EP": 0.0}
+    rows = []
     for c in prediction.steady:
         if 0 not in c.participants():
             continue
         per_call = curve.seconds(str(c.op), group_size=c.group_size, world=world, nbytes=c.bytes_per_call)
         terms[AXIS_TERM.get(str(c.axis), "T_DP")] += c.calls * per_call
-    t_comp = step_flops(prediction) / (utilization * curve.flops(world))
+        rows.append((c, per_call))
+    t_flops = step_flops(prediction) / curve.flops(world)
+    key, passes = host_key(s), layer_passes(s)
+    t_host = passes * host_seconds(curve, key)
+    t_comp = t_flops / utilization + t_host
     bubble = bubble_factor(par) * (t_comp + terms["T_PP"] + terms["T_TP"])
-    return PredictedTime(t_comp=t_comp, terms=terms, t_bubble=bubble, utilization=utilization, curve_note=note)
+    return PredictedTime(
+        t_comp=t_comp,
+        terms=terms,
+        t_bubble=bubble,
+        utilization=utilization,
+        curve_note=note,
+        t_hidden=overlap(rows, t_comp),
+        t_skew=curve.skew * t_comp if any(c.calls for c, _ in rows) else 0.0,
+        t_flops=t_flops,
+        t_host=t_host,
+        layer_passes=passes,
+        host_key=key,
+    )
 
 
 def measure(capture: Capture, rank: int = 0) -> MeasuredTime | None:
@@ -137,6 +226,10 @@ def measure(capture: Capture, rank: int = 0) -> MeasuredTime | None:
     )
 
 
+def _relative(predicted: float, measured: float | None) -> float | None:
+    return None if not measured else (predicted - measured) / measured
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TimeAssessment:
     """The model's iteration time next to the run's (either may be missing; ``note`` says why)."""
@@ -144,6 +237,23 @@ class TimeAssessment:
     predicted: PredictedTime | None
     measured: MeasuredTime | None
     note: str
+    domain: str | None = None
+    """Why the run is outside the model's domain (None: inside). More local ranks than cores take turns
+    on them, and a collective then waits for peers the scheduler has set aside, which no term of the
+    model describes: such a run is reported, not judged."""
+
+    @property
+    def errors(self) -> dict[str, float | None]:
+        """Relative errors of T_iter, T_comm, exposed T_comm; the absolute one of the comm fraction."""
+        p, m = self.predicted, self.measured
+        if p is None or m is None:
+            return dict.fromkeys(("t_iter", "t_comm", "t_exposed", "comm_fraction"))
+        return {
+            "t_iter": _relative(p.t_iter, m.t_iter),
+            "t_comm": _relative(p.t_comm, m.t_comm),
+            "t_exposed": _relative(p.t_exposed, m.t_exposed),
+            "comm_fraction": self.fraction_error,
+        }
 
     @property
     def fraction_error(self) -> float | None:
@@ -158,11 +268,16 @@ class TimeAssessment:
         if p is not None:
             doc["predicted"] = {
                 "t_comp_s": p.t_comp,
+                "t_flops_s": p.t_flops,
+                "t_host_s": p.t_host,
+                "t_skew_s": p.t_skew,
+                "layer_passes": p.layer_passes,
+                "host_key": p.host_key,
                 **{f"{k.lower()}_s": v for k, v in p.terms.items()},
                 "t_bubble_s": p.t_bubble,
                 "t_iter_s": p.t_iter,
                 "t_comm_s": p.t_comm,
-                "t_exposed_s": p.t_comm,
+                "t_exposed_s": p.t_exposed,
                 "comm_fraction": p.comm_fraction,
                 "in_flight_fraction": p.in_flight_fraction,
                 "bubble_ratio": p.bubble_ratio,
@@ -177,32 +292,172 @@ class TimeAssessment:
                 "steps": m.steps,
             }
         doc["comm_fraction_error"] = self.fraction_error
+        doc["errors"] = self.errors
+        doc["domain"] = self.domain
         return doc
+
+    def finding(self, max_error: float | None) -> Finding | None:
+        """The ``expectations.time`` gate: a failure when the comm fraction is off by more than
+        ``max_error``; a note (not a failure) when the run cannot be judged."""
+        if max_error is None:
+            return None
+        why = self.domain or (self.note if self.predicted is None or self.measured is None else None)
+        if why:
+            return Finding("time", False, f"time model not judged (expectations.time.max_error): {why}")
+        err = self.fraction_error or 0.0
+        if abs(err) <= max_error:
+            return None
+        p, m = self.predicted, self.measured
+        assert p is not None and m is not None
+        lines = (
+            f"comm fraction: obtained {m.comm_fraction:.3f}, expected {p.in_flight_fraction:.3f} "
+            f"(error {err:+.3f}, allowed {max_error:g})",
+            f"T_iter: obtained {m.t_iter * 1e3:.1f} ms, expected {p.t_iter * 1e3:.1f} ms; "
+            f"T_comm: obtained {m.t_comm * 1e3:.1f} ms, expected {p.t_comm * 1e3:.1f} ms",
+        )
+        hint = "recalibrate on other scenarios (commgate calibrate REPORT), or raise expectations.time.max_error"
+        return Finding("time", True, "the iteration-time model misses the measured communication fraction", lines, hint)
 
 
 def assess(prediction: Prediction, capture: Capture, curves: Path) -> TimeAssessment:
     """The model with the bandwidth curve of the capture's hardware from the baseline directory ``curves``."""
     measured = measure(capture)
     hardware = capture.stack.get("hardware") or ""
+    crowded = capture.stack.get("oversubscribed")
+    domain = f"out of the model's domain: {crowded}" if crowded else None
     try:
         curve, note = bandwidth.lookup(bandwidth.path_for(curves, capture.backend), hardware)
         if curve is None:
-            return TimeAssessment(predicted=None, measured=measured, note=note)
+            return TimeAssessment(predicted=None, measured=measured, note=note, domain=domain)
         u = curve.utilization
         note += f"; u = {u:.3g}" + (" (calibrated)" if curve.calibrated else " (not calibrated: `commgate calibrate`)")
         predicted = predict_time(prediction, curve, note=note, utilization=u)
     except CommgateError as exc:  # a bad or partial curve leaves the model out of this report, saying why
-        return TimeAssessment(predicted=None, measured=measured, note=f"no time model: {exc}")
-    return TimeAssessment(predicted=predicted, measured=measured, note=note)
+        return TimeAssessment(predicted=None, measured=measured, note=f"no time model: {exc}", domain=domain)
+    return TimeAssessment(predicted=predicted, measured=measured, note=note, domain=domain)
 
 
-def implied_utilization(doc: dict[str, object]) -> float | None:
-    """The u at which a scenario's predicted compute time equals its measured one (the step less the time
-    with a call in flight), from a report's ``time_model``; None without both sides."""
-    p, m = doc.get("predicted"), doc.get("measured")
-    if not isinstance(p, dict) or not isinstance(m, dict):
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Calibration:
+    utilization: float
+    host_s: dict[str, float]
+    """Host seconds per layer pass by workload kind."""
+    scenarios: int
+    skew: float = 0.0
+    """The peers' lag as a share of the compute time (``PredictedTime.t_skew``)."""
+
+
+def calibrate(docs: list[dict[str, object]]) -> Calibration | None:
+    """u and the host time per layer pass that best explain the measured compute time (the step less
+    the time the training thread was blocked) of report scenarios' ``time_model`` documents:
+
+        compute = t_flops / u + layer_passes x host_s[kind]
+
+    a linear least-squares fit of 1/u and every kind's host time, on relative errors (a 20 ms step
+    counts as much as a 2 s one), then refitted without the runs more than 3 median deviations off
+    (a run that stalled). Scenarios outside the model's domain, or without both sides, are left out.
+    None when none is left."""
+    rows: list[tuple[float, float, int, str]] = []
+    for doc in docs:
+        p, m = doc.get("predicted"), doc.get("measured")
+        if not isinstance(p, dict) or not isinstance(m, dict) or doc.get("domain") or "t_flops_s" not in p:
+            continue
+        exposed = m.get("t_exposed_s")
+        compute = m["t_iter_s"] - (exposed if exposed is not None else m["t_comm_s"])
+        if compute > 0 and p["t_flops_s"] > 0 and p["layer_passes"] > 0:
+            rows.append((compute, p["t_flops_s"], p["layer_passes"], p["host_key"]))
+    if not rows:
         return None
-    compute = m["t_iter_s"] - m["t_comm_s"]
-    if compute <= 0:
-        return None
-    return float(p["t_comp_s"] * p["utilization"] / compute)
+    inv_u, host = _fit(rows)
+    residuals = [abs((inv_u * f + host[k] * n) / c - 1) for c, f, n, k in rows]
+    spread = statistics.median(residuals)
+    kept = [r for r, e in zip(rows, residuals, strict=True) if e <= 3 * spread] if spread > 0 else rows
+    if len(kept) < len(rows) and kept:
+        inv_u, fitted = _fit(kept)
+        host = {k: fitted.get(k, v) for k, v in host.items()}
+    return Calibration(utilization=1 / max(inv_u, 0.1), host_s=host, scenarios=len(rows), skew=_skew(docs))
+
+
+def _skew(docs: list[dict[str, object]]) -> float:
+    """The median over runs without a pipeline of (time in flight - the curve's time for the calls) /
+    compute time: how long collectives wait for peers still computing, per second of compute."""
+    lags = []
+    for doc in docs:
+        p, m = doc.get("predicted"), doc.get("measured")
+        if not isinstance(p, dict) or not isinstance(m, dict) or doc.get("domain") or p.get("t_bubble_s"):
+            continue
+        exposed = m.get("t_exposed_s")
+        compute = m["t_iter_s"] - (exposed if exposed is not None else m["t_comm_s"])
+        if compute > 0 and p.get("t_comm_s"):
+            lags.append(max(0.0, (m["t_comm_s"] - p["t_comm_s"]) / compute))
+    return statistics.median(lags) if lags else 0.0
+
+
+def _fit(rows: list[tuple[float, float, int, str]]) -> tuple[float, dict[str, float]]:
+    """Least squares of ``compute / compute = (inv_u x flops + host[kind] x passes) / compute`` over the
+    rows, by the normal equations; a kind whose host time comes out negative is fixed at 0 and the rest
+    refitted."""
+    kinds = sorted({k for *_, k in rows})
+    free = list(kinds)
+    while True:
+        cols = 1 + len(free)
+        ata = [[0.0] * cols for _ in range(cols)]
+        atb = [0.0] * cols
+        for c, f, n, k in rows:
+            x = [f / c] + [n / c if k == j else 0.0 for j in free]
+            for i in range(cols):
+                atb[i] += x[i]
+                for j in range(cols):
+                    ata[i][j] += x[i] * x[j]
+        solution = _solve(ata, atb)
+        host = dict.fromkeys(kinds, 0.0) | dict(zip(free, solution[1:], strict=True))
+        negative = [k for k in free if host[k] < 0]
+        if not negative:
+            return solution[0], host
+        free = [k for k in free if k not in negative]
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """``a x = b`` by Gaussian elimination with partial pivoting (a singular column solves to 0)."""
+    n = len(b)
+    m = [[*row, b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        if abs(m[col][col]) < 1e-300:
+            continue
+        for r in range(n):
+            if r != col:
+                k = m[r][col] / m[col][col]
+                m[r] = [x - k * y for x, y in zip(m[r], m[col], strict=True)]
+    return [m[i][n] / m[i][i] if abs(m[i][i]) >= 1e-300 else 0.0 for i in range(n)]
+
+
+ERROR_KEYS = ("comm_fraction", "t_iter", "t_comm", "t_exposed")
+
+
+def accuracy(docs: Iterable[dict[str, Any]]) -> dict[str, dict[str, dict[str, float] | None]]:
+    """The model's accuracy over a report's scenarios (``time_model`` documents): per error kind
+    (``TimeAssessment.errors``) the count, median and worst absolute error, over the scenarios inside
+    the model's domain (``in_domain``) and over all of them (``all``)."""
+    out: dict[str, dict[str, dict[str, float] | None]] = {}
+    for scope in ("in_domain", "all"):
+        kept = [d for d in docs if scope == "all" or not d.get("domain")]
+        out[scope] = {}
+        for key in ERROR_KEYS:
+            errors = [abs(e) for d in kept if (e := (d.get("errors") or {}).get(key)) is not None]
+            out[scope][key] = None
+            if errors:
+                out[scope][key] = {"scenarios": len(errors), "median": statistics.median(errors), "worst": max(errors)}
+    return out
+
+
+def accuracy_line(docs: Iterable[dict[str, Any]]) -> str | None:
+    """One line for a run's end: the comm fraction's median and worst error (None without any)."""
+    acc = accuracy(list(docs))
+    parts = []
+    for scope, label in (("in_domain", "inside the model's domain"), ("all", "all")):
+        s = acc[scope]["comm_fraction"]
+        if s is not None:
+            parts.append(f"{label} ({s['scenarios']:g}) median {s['median']:.2f}, worst {s['worst']:.2f}")
+    return "time model, |comm fraction error|: " + "; ".join(parts) if parts else None

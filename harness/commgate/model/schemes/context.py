@@ -77,7 +77,8 @@ class ContextParallel:
             paper_term=TERM,
         )
         if par.cp_rotate == "alltoall":
-            ring = replace(ring, op=Op.ALL_TO_ALL, elements=buf, calls=(c - 1) * L * mb)
+            # each rotation is issued before the chunk's attention and waited after it
+            ring = replace(ring, op=Op.ALL_TO_ALL, elements=buf, calls=(c - 1) * L * mb, overlaps=True)
         how = "all-gather" if par.cp_rotate == "allgather" else "rotation (all-to-all to the next rank)"
         rows = [
             replace(ring, source=f"CP ring attention: K/V {how}, forward"),
@@ -90,6 +91,7 @@ class ContextParallel:
                 calls=c * L * mb,
                 phase=Phase.BACKWARD,
                 source="CP ring attention: dK/dV rotation (all-to-all to the next rank, fp32)",
+                overlaps=True,
             ),
         ]
         if par.activation_checkpointing:

@@ -159,6 +159,7 @@ class DistributedDataParallel(DataParallel):
                     from_step=1,
                     paper_term=TERM,
                     source=f"DDP gradient all-reduce, bucket {i} of {len(buckets)}",
+                    overlaps=True,
                 )
             )
         return rows

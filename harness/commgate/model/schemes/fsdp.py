@@ -158,6 +158,7 @@ class FullyShard:
                 phase=outside,
                 source=f"FSDP2 parameter all-gather, {g.name}{where} (forward)",
                 paper_term=TERM,
+                overlaps=True,  # prefetched: the next block's all-gather runs behind this one's compute
             )
             rows.append(base)
             if g.backward:
@@ -180,6 +181,7 @@ class FullyShard:
                     calls=1,
                     phase=Phase.PIPELINE if pp > 1 else Phase.BACKWARD,
                     source=f"FSDP2 gradient reduce-scatter, {g.name}{where}",
+                    overlaps=True,  # waited at the next block's reduce-scatter or the backward's end
                 )
             )
             if lay.replicate > 1:  # HSDP: the reduce-scattered shard is all-reduced across the replicas
