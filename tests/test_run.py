@@ -353,10 +353,13 @@ def test_capture_documents_round_trip_and_the_schema_rejects_garbage() -> None:
         ],
         "timeline": {"start": 0.01, "join": 0.02, "build": 0.5, "steps": 1.25, "finish": 0.03},
         "stack": {"hardware": "AMD EPYC x2", "cuda": None, "rocm": None, "backend_version": None},
-        "step_windows": [{"rank": 0, "step": 0, "start_ns": 3, "end_ns": 90}],
+        "step_windows": [{"rank": 0, "step": 0, "start_ns": 3, "end_ns": 90, "blocked_ns": 40}],
     }
     validate_capture(doc)
     assert Capture.from_json(doc).to_json() == doc
+    older = doc | {"step_windows": [{"rank": 0, "step": 0, "start_ns": 3, "end_ns": 90}]}  # before blocked_ns
+    validate_capture(older)
+    assert Capture.from_json(older).step_windows[0].blocked_ns is None
     with pytest.raises(jsonschema.ValidationError):
         validate_capture(doc | {"calls": [doc["calls"][0] | {"op": "allreduce"}]})
     with pytest.raises(jsonschema.ValidationError):

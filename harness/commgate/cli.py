@@ -7,6 +7,7 @@ Exit status: 0 success; 1 a check failed; 2 bad input or usage (one line per pro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -19,7 +20,9 @@ from commgate.core.errors import CommgateError, UsageError
 from commgate.model.schemes import SCHEMES
 
 if TYPE_CHECKING:
+    from commgate.model.scenario import Scenario
     from commgate.report.report import Report
+    from commgate.run.runners import Runner
 
 DEFAULT_SUITE = "scenarios"
 
@@ -143,9 +146,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     import signal
 
     from commgate.model.scenario import load_paths
-    from commgate.pipeline import Options, run_scenario
-    from commgate.report.report import Report
-    from commgate.run.runners import LocalRanks, Runner, TorchrunRank, under_torchrun
+    from commgate.run import links
+    from commgate.run.runners import LocalRanks, TorchrunRank, under_torchrun
 
     # A CI runner's cancel (SIGTERM) unwinds like Ctrl-C, so that rank processes are killed on the way out.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -160,12 +162,26 @@ def cmd_run(a: argparse.Namespace) -> int:
             raise UsageError(f"no scenario id contains any of {a.select}")
     if a.emulate:  # those that cannot be are skipped with the reason (commgate.run.workloads.skip_reason)
         scenarios = [dataclasses.replace(s, emulate=True) for s in scenarios]
+    link = links.Link.parse(a.link) if a.link else None
     runner: Runner
     if under_torchrun():
+        if link is not None:
+            raise UsageError("--link shapes local ranks' network; under torchrun the cluster's network is the link")
         runner = rank = TorchrunRank()
         lead, how = rank.lead, " (torchrun)"
     else:
         runner, lead, how = LocalRanks(deadline_s=a.deadline), True, ""
+    with contextlib.ExitStack() as stack:
+        if link is not None:
+            runner = LocalRanks(deadline_s=a.deadline, network=stack.enter_context(links.shaped(link)))
+            how = f" over a {link} link"
+        return _run_all(scenarios, runner, lead, how, a)
+
+
+def _run_all(scenarios: list[Scenario], runner: Runner, lead: bool, how: str, a: argparse.Namespace) -> int:
+    from commgate.pipeline import Options, run_scenario
+    from commgate.report.report import Report
+
     options = Options(
         baseline_dir=a.baseline_dir,
         gate=a.gate,
@@ -289,6 +305,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="write report.json there (rewritten after every scenario), then index.html, plots/ and trace.json",
     )
     r.add_argument("--deadline", type=float, help="seconds per scenario (default: each scenario's deadline_s)")
+    r.add_argument(
+        "--link",
+        metavar="RATE[,DELAY]",
+        help="run each scenario's ranks in two network namespaces, half on each side of a veth link shaped "
+        "with tc (Linux, root): e.g. 10gbit, 1gbit, 25gbit,20us (a delay needs tc's netem); the interconnect "
+        "study of Qi et al. (benchmarks/interconnect.py)",
+    )
     r.add_argument(
         "--emulate",
         action="store_true",

@@ -18,6 +18,7 @@ import bisect
 import datetime
 import functools
 import math
+import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,6 +176,26 @@ def fit(
         samples=tuple(best.values()),
         compute_flops=dict(compute_flops or {}),
     )
+
+
+def samples(calls: Iterable[Any], *, world: int, rank: int = 0) -> list[Sample]:
+    """Samples from a capture's calls (``commgate.run.capture.CapturedCall``) instead of the
+    microbenchmarks: rank ``rank``'s completed calls of each swept op (send_recv: its recvs) on the whole
+    world, by message size, median and p99 of their durations. For runs whose ranks the microbenchmarks
+    cannot host (``commgate.run.workloads.probes:sweep`` over shaped links)."""
+    by_sweep = {op: name for name, op in SWEEPS.items() if op != Op.SEND} | {Op.RECV: "send_recv"}
+    by: dict[tuple[str, int], list[float]] = {}
+    for c in calls:
+        if c.rank == rank and c.duration_ns is not None and len(c.group) == world and c.op in by_sweep:
+            by.setdefault((by_sweep[c.op], c.bytes), []).append(c.duration_ns / 1e9)
+    out = []
+    for (op, nbytes), times in sorted(by.items()):
+        times.sort()
+        p99 = times[min(len(times) - 1, math.ceil(0.99 * len(times)) - 1)]
+        out.append(
+            Sample(op=op, world=world, group_size=world, nbytes=nbytes, median_s=statistics.median(times), p99_s=p99)
+        )
+    return out
 
 
 def path_for(root: Path, backend: str) -> Path:

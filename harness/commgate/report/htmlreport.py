@@ -177,6 +177,51 @@ def plot_time_model(scenarios: list[dict[str, Any]], path: Path) -> str | None:
     return _save(fig, path)
 
 
+def link_of(s: dict[str, Any]) -> str | None:
+    """The shaped link a scenario ran over (``commgate run --link``), or None."""
+    return ((s.get("capture") or {}).get("stack") or {}).get("link")
+
+
+def _link_order(s: dict[str, Any]) -> float:
+    from commgate.run.links import Link
+
+    link = link_of(s)
+    return -Link.parse(link).rate_mbit if link else -float("inf")
+
+
+def plot_links(scenarios: list[dict[str, Any]], path: Path) -> str | None:
+    """Qi et al.'s interconnect study: each workload's communication fraction against its iteration time,
+    over every link it ran on (filled: measured; hollow: the model with that link's curve). Drawn when
+    some scenario ran over a shaped link."""
+    rows = [s for s in scenarios if (s.get("time_model") or {}).get("measured")]
+    if not any(link_of(s) for s in rows):
+        return None
+    plt = _plt()
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    by_work: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for s in rows:
+        by_work[s["name"].split("@")[0]].append(s)
+    fig, ax = plt.subplots(figsize=(8.5, 4.6))
+    for i, (work, members) in enumerate(sorted(by_work.items())):
+        color = colors[i % len(colors)]
+        members.sort(key=_link_order)  # the fastest link first, as the link slows
+        xs = [1e3 * s["time_model"]["measured"]["t_iter_s"] for s in members]
+        ys = [s["time_model"]["measured"]["comm_fraction"] for s in members]
+        ax.plot(xs, ys, "o-", color=color, label=work)
+        for s, x, y in zip(members, xs, ys, strict=True):
+            ax.annotate(link_of(s) or "loopback", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            if p := s["time_model"].get("predicted"):
+                ax.plot([1e3 * p["t_iter_s"]], [p["in_flight_fraction"]], "o", mfc="none", color=color)
+    ax.set_xscale("log")
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("iteration time, ms (rank 0; log)")
+    ax.set_ylabel("communication fraction (a call in flight)")
+    ax.set_title("Communication fraction against iteration time, per link (filled: measured, hollow: model)")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
 SWEEP_AXES: tuple[tuple[str, str, str], ...] = (
     ("model", "s", "sequence length s (tokens)"),
     ("parallelism", "dp", "data-parallel ranks d"),
@@ -521,6 +566,10 @@ FIGURES = (
      "data parallelism moves parameters and stays flat (but for a learned position table of s rows)."),
     ("sweeps", "Sweeps", "Sequence-length sweeps (Anthony et al., Figs. 14-15) and strong/weak scaling (Qi et al.): "
      "volume per collective (model lines, measured circles) and the communication fraction, model and measured."),
+    ("links", "Links of different speeds", "Qi et al.'s interconnect study on one machine: the ranks' two halves in "
+     "network namespaces joined by a veth link shaped with tc (commgate run --link; benchmarks/interconnect.py). "
+     "As the link slows, each workload's iteration time grows and communication takes a larger share of it; the "
+     "hollow markers are the model with the bandwidth curve measured over the same link."),
 )  # fmt: skip
 
 
@@ -605,6 +654,7 @@ def write(out: Path, doc: dict[str, Any], *, progress: Callable[[str], None] | N
             ("time", plot_time_model, "time_model.png"),
             ("seqlen", plot_sequence_length, "sequence_length.png"),
             ("sweeps", plot_sweeps, "sweeps.png"),
+            ("links", plot_links, "links.png"),
         )
         for i, (key, plot, name) in enumerate(drawn):
             if progress:

@@ -319,10 +319,17 @@ class TimeAssessment:
         return Finding("time", True, "the iteration-time model misses the measured communication fraction", lines, hint)
 
 
+def curve_key(stack: dict[str, str | None]) -> str:
+    """The bandwidth curve a run's time is modelled with: its hardware's, or that hardware's over the
+    shaped link it ran on (``commgate.run.links``)."""
+    hardware = stack.get("hardware") or ""
+    return f"{hardware} | link {stack['link']}" if stack.get("link") else hardware
+
+
 def assess(prediction: Prediction, capture: Capture, curves: Path) -> TimeAssessment:
     """The model with the bandwidth curve of the capture's hardware from the baseline directory ``curves``."""
     measured = measure(capture)
-    hardware = capture.stack.get("hardware") or ""
+    hardware = curve_key(capture.stack)
     crowded = capture.stack.get("oversubscribed")
     domain = f"out of the model's domain: {crowded}" if crowded else None
     try:

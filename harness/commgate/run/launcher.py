@@ -41,6 +41,7 @@ from commgate.run import budget
 from commgate.run.capture import Capture, merge, timeline
 from commgate.run.emulate import started_ranks
 from commgate.run.inject import Faults
+from commgate.run.links import Network
 from commgate.run.rank import child
 
 POLL_S = 0.02
@@ -412,11 +413,13 @@ def launch_local(
     progress: Callable[[str], None] | None = None,
     workdir: Path | None = None,
     faults: Faults | None = None,
+    network: Network | None = None,
 ) -> Capture:
     """Run ``scenario`` on ``world_size`` local processes and return the merged capture.
 
     The ranks' private directory (store, status, logs) is made under ``workdir`` (default: the system's
-    temporary directory) and removed afterwards.
+    temporary directory) and removed afterwards. With ``network`` (``commgate.run.links.shaped``) the
+    ranks run in its two namespaces, half on each side of its shaped link.
     """
     world = scenario.world_size
     # an emulated run starts rank 0 alone, or one rank per pipeline stage and tensor shard, at the declared
@@ -447,7 +450,8 @@ def launch_local(
         for rank in ran:
             # what torchrun sets (DeepSpeed insists on LOCAL_RANK)
             env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
-            env |= loopback_env()  # nothing a local run opens is reachable from another machine
+            # nothing a local run opens is reachable from another machine (nor, shaped, from the host)
+            env |= network.env(rank, world) if network is not None else loopback_env()
             args = (
                 str(spec),
                 rank,

@@ -20,6 +20,7 @@ from typing import Any
 
 from commgate.core.fsutil import atomic_write_json
 from commgate.model.scenario import Scenario
+from commgate.run import links
 from commgate.run.capture import CapturedCall, StepWindow, write_rank_calls
 from commgate.run.emulate import started_ranks
 from commgate.run.inject import Faults
@@ -52,6 +53,7 @@ def stack(backend: str, local_ranks: int) -> dict[str, str | None]:
         "cuda": torch.version.cuda,
         "rocm": getattr(torch.version, "hip", None),
         "backend_version": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None,  # type: ignore[no-untyped-call]
+        **({"link": os.environ[links.LINK]} if os.environ.get(links.LINK) else {}),
     }
 
 
@@ -269,6 +271,7 @@ def child(
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.environ.update(env)
+    links.enter()  # a shaped-link run: this rank's node, before any socket is opened
     with open(spec, "rb") as f:
         scenario = pickle.load(f)
     status = os.open(out / f"rank{rank}.status", os.O_WRONLY | os.O_CREAT, 0o644)

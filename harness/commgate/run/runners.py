@@ -18,6 +18,7 @@ from typing import Protocol
 from commgate.model.scenario import Scenario
 from commgate.run.capture import Capture, timeline
 from commgate.run.inject import Faults
+from commgate.run.links import Network
 from commgate.run.workloads import skip_reason
 
 
@@ -35,16 +36,20 @@ class LocalRanks:
     deadline_s: float | None = None
     """Per-scenario deadline (default: the scenario's ``deadline_s``)."""
     faults: Faults = field(default_factory=Faults)
+    network: Network | None = None
+    """Run the ranks on the two sides of this shaped link (``commgate.run.links.shaped``)."""
 
     def skip_reason(self, scenario: Scenario) -> str | None:
         from commgate.run.launcher import gpu_visible
 
+        if self.network is not None and (scenario.emulate or scenario.world_size < 2):
+            return "a shaped link joins two halves of the ranks: not with one rank or an emulated run"
         return skip_reason(scenario, gpus=gpu_visible())
 
     def run(self, scenario: Scenario) -> Capture:
         from commgate.run.launcher import launch_local
 
-        return launch_local(scenario, deadline_s=self.deadline_s, faults=self.faults)
+        return launch_local(scenario, deadline_s=self.deadline_s, faults=self.faults, network=self.network)
 
 
 @dataclass(kw_only=True)
