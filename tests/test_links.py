@@ -87,3 +87,17 @@ def test_a_run_over_a_shaped_link_is_exact_and_names_its_link(tmp_path: Path) ->
     rec = reconcile(predict(s), cap)
     assert rec.ok and rec.traffic_measured == rec.traffic_predicted
     assert not set(net.names) & namespaces()
+
+
+@needs_root
+def test_a_link_that_cannot_be_made_is_one_line_naming_what_is_missing() -> None:
+    before = namespaces()
+    try:
+        with links.shaped(links.Link.parse("1gbit,20us")):
+            pass
+    except UsageError as err:
+        assert "--link 1gbit,20us: a delay needs tc's netem" in str(err) and "\n" not in str(err)
+    else:
+        pytest.skip("this kernel has netem: the delay was made")
+    finally:
+        assert namespaces() == before

@@ -71,7 +71,8 @@ def refusal() -> str | None:
 def _run(*argv: str) -> None:
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
-        raise UsageError(f"`{' '.join(argv)}` failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+        last = ((done.stderr or done.stdout).strip().splitlines() or ["no output"])[-1]
+        raise UsageError(f"`{' '.join(argv)}` failed: {last}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,52 +111,35 @@ def shaped(link: Link) -> Iterator[Network]:
             _run("ip", "-n", n, "addr", "add", f"{addr}/24", "dev", dev)
             _run("ip", "-n", n, "link", "set", dev, "up")
             _run("ip", "-n", n, "link", "set", "lo", "up")
-            rate = f"{link.rate_mbit:g}mbit"
-            if link.delay_us:
-                try:
-                    _run(
-                        "tc",
-                        "-n",
-                        n,
-                        "qdisc",
-                        "add",
-                        "dev",
-                        dev,
-                        "root",
-                        "netem",
-                        "delay",
-                        f"{link.delay_us:g}us",
-                        "rate",
-                        rate,
-                    )
-                except UsageError as exc:
-                    raise UsageError(
-                        f"--link {link}: a delay needs tc's netem (kernel module sch_netem): {exc}"
-                    ) from None
-            else:
-                # a bucket of ~1 ms at the rate (at least 64 KiB), queueing at most 10 ms
-                burst = max(64 << 10, int(link.rate_mbit * 1e6 / 8 / 1000))
-                _run(
-                    "tc",
-                    "-n",
-                    n,
-                    "qdisc",
-                    "add",
-                    "dev",
-                    dev,
-                    "root",
-                    "tbf",
-                    "rate",
-                    rate,
-                    "burst",
-                    str(burst),
-                    "latency",
-                    "10ms",
-                )
+            _shape(n, dev, link)
         yield Network(link=link, names=names, devices=devices, addresses=addresses)
     finally:
         for n in names:  # deleting a namespace deletes the veth end in it, and so the pair
             subprocess.run(["ip", "netns", "del", n], capture_output=True)
+
+
+def _shape(namespace: str, dev: str, link: Link) -> None:
+    """The egress qdisc of ``dev``: netem with the delay (and the rate), or a token bucket of ~1 ms at the
+    rate (at least 64 KiB) queueing at most 10 ms."""
+    rate = f"{link.rate_mbit:g}mbit"
+    if link.delay_us:
+        qdisc = ["netem", "delay", f"{link.delay_us:g}us", "rate", rate]
+    else:
+        qdisc = [
+            "tbf",
+            "rate",
+            rate,
+            "burst",
+            str(max(64 << 10, int(link.rate_mbit * 1e6 / 8 / 1000))),
+            "latency",
+            "10ms",
+        ]
+    try:
+        _run("tc", "-n", namespace, "qdisc", "add", "dev", dev, "root", *qdisc)
+    except UsageError as exc:
+        if link.delay_us:
+            raise UsageError(f"--link {link}: a delay needs tc's netem (kernel module sch_netem): {exc}") from None
+        raise
 
 
 def enter() -> None:
