@@ -63,7 +63,7 @@ def link_curve(network: links.Network, machine: bandwidth.Curve) -> bandwidth.Cu
         utilization=machine.utilization,
         calibrated=machine.calibrated,
         host_s=machine.host_s,
-        skew=machine.skew,
+        lag=machine.lag,
     )
 
 

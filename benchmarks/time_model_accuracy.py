@@ -112,10 +112,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("no calibration scenario inside the model's domain ran")
         hardware = next(iter(bandwidth.load_all(bandwidth.path_for(curves, "gloo"))))
         bandwidth.calibrate(
-            bandwidth.path_for(curves, "gloo"), hardware, fit.utilization, "benchmark", fit.host_s, fit.skew
+            bandwidth.path_for(curves, "gloo"), hardware, fit.utilization, "benchmark", fit.host_s, fit.lag
         )
         host = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(fit.host_s.items()))
-        print(f"calibrated on {fit.scenarios} scenarios: u = {fit.utilization:.3f}, peers' lag {fit.skew:.3f} s/s")
+        print(f"calibrated on {fit.scenarios} scenarios: u = {fit.utilization:.3f}")
         print(f"host time per layer pass: {host}")
     head = f"{'scenario':<44} {'ranks':>5} {'T_iter ms':>17} {'T_comm ms':>17} {'exposed ms':>17} {'fraction':>13}"
     print(head + f" {'err':>6}   (predicted/measured)")

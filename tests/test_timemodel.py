@@ -170,11 +170,11 @@ def test_calibration_recovers_u_and_each_kinds_host_time() -> None:
 def test_an_uncalibrated_kind_takes_the_median_host_time() -> None:
     import dataclasses
 
-    from commgate.report.timemodel import host_seconds
+    from commgate.report.timemodel import per_kind
 
     curve = dataclasses.replace(flat_curve(1e-3), host_s={"ddp": 1e-3, "tp": 3e-3, "fsdp": 2e-3})
-    assert host_seconds(curve, "tp") == 3e-3 and host_seconds(curve, "zero3") == 2e-3
-    assert host_seconds(flat_curve(1e-3), "tp") == 0.0
+    assert per_kind(curve.host_s, "tp") == 3e-3 and per_kind(curve.host_s, "zero3") == 2e-3
+    assert per_kind({}, "tp") == 0.0
     pred = predict(scenario("{scheme: tp, tp: 2}"))  # type: ignore[arg-type]
     t = predict_time(pred, curve, utilization=0.5)
     assert t.host_key == "tp" and t.layer_passes == 2 * 6  # forward and backward of 6 layers, 1 micro-batch
@@ -249,3 +249,27 @@ def test_a_scenario_gates_on_the_time_model_with_expectations_time(tmp_path) -> 
         crowded = run(0.0001, dp=3)
         assert crowded.status == "passed"
         assert any(f.kind == "time" and "out of the model's domain" in f.title for f in crowded.findings)
+
+
+def test_the_lag_is_fitted_per_kind_and_counts_in_flight_only() -> None:
+    """Runs whose calls stay in flight 10% (ddp) and 50% (tp) of their compute beyond the curve: the fit
+    gives each kind its own lag; the prediction adds it to the in-flight share, not to the exposed time."""
+    import dataclasses
+
+    from commgate.report.timemodel import calibrate
+
+    docs = []
+    for k, lag in (("ddp", 0.1), ("tp", 0.5)):
+        for f, n in ((0.01, 8), (0.05, 12), (0.2, 16)):
+            d = doc(f / 0.25 + n * 1e-3, f, n, k)
+            d["predicted"] |= {"t_comm_s": 0.004, "t_pp_s": 0.0, "t_tp_s": 0.0, "bubble_factor": 0.0}  # type: ignore[operator]
+            compute = f / 0.25 + n * 1e-3
+            d["measured"] |= {"t_comm_s": 0.004 + lag * compute}  # type: ignore[operator]
+            docs.append(d)
+    fit = calibrate(docs)
+    assert fit is not None and fit.lag == pytest.approx({"ddp": 0.1, "tp": 0.5}, rel=1e-6)
+    pred = predict(scenario("{scheme: tp, tp: 2}"))  # type: ignore[arg-type]
+    curve = dataclasses.replace(flat_curve(1e-3), lag=fit.lag)
+    t = predict_time(pred, curve)
+    assert t.t_lag == pytest.approx(0.5 * t.t_comp) and t.t_exposed == t.t_comm
+    assert t.in_flight_fraction == pytest.approx(min(1.0, (t.t_comm + t.t_lag) / t.t_iter))

@@ -257,8 +257,9 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
             print(f"  host time per layer pass, {key:<12} {seconds * 1e3:8.3f} ms")
         how = f"fitted to {fit.scenarios} scenarios of the report created {doc['created']}"
         path = bandwidth.path_for(a.baseline_dir, backend)
-        bandwidth.calibrate(path, hardware, fit.utilization, how, fit.host_s, fit.skew)
-        print(f"  peers' lag: {fit.skew:.3f} s per s of compute")
+        bandwidth.calibrate(path, hardware, fit.utilization, how, fit.host_s, fit.lag)
+        for key, lag in sorted(fit.lag.items()):
+            print(f"  in flight beyond the curve, {key:<12} {lag:8.3f} s per s of compute")
         print(f"{hardware} ({backend}): u = {fit.utilization:.3f}, {how}")
     return 0
 

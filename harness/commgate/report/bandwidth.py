@@ -70,9 +70,9 @@ class Curve:
     """u: the share of F a training step reaches (APNet); 1 until calibrated."""
     calibrated: str | None = None
     """How u was calibrated (the report and date), None if it was not."""
-    skew: float = 0.0
-    """How long collectives wait for peers still computing, per second of compute (calibrated with u:
-    ``commgate.report.timemodel.PredictedTime.t_skew``); 0 until calibrated."""
+    lag: Mapping[str, float] = field(default_factory=dict)
+    """In-flight time beyond the curve per second of compute, by workload kind, calibrated with u
+    (``commgate.report.timemodel.PredictedTime.t_lag``). Empty until calibrated."""
     host_s: Mapping[str, float] = field(default_factory=dict)
     """Host time per layer pass by workload kind (``commgate.report.timemodel.host_key``), calibrated
     with u: the framework's cost beyond the FLOPs. Empty until calibrated."""
@@ -115,7 +115,7 @@ class Curve:
             "utilization": self.utilization,
             "calibrated": self.calibrated,
             **({"host_s": dict(sorted(self.host_s.items()))} if self.host_s else {}),
-            **({"skew": self.skew} if self.skew else {}),
+            **({"lag": dict(sorted(self.lag.items()))} if self.lag else {}),
             "samples": [
                 {
                     "op": s.op,
@@ -152,7 +152,7 @@ class Curve:
             utilization=float(d.get("utilization", 1.0)),
             calibrated=d.get("calibrated"),
             host_s={k: float(v) for k, v in d.get("host_s", {}).items()},
-            skew=float(d.get("skew", 0.0)),
+            lag={k: float(v) for k, v in d.get("lag", {}).items()},
         )
 
 
@@ -241,7 +241,7 @@ def calibrate(
     utilization: float,
     how: str,
     host_s: Mapping[str, float] | None = None,
-    skew: float = 0.0,
+    lag: Mapping[str, float] | None = None,
 ) -> Curve:
     """Set u (and the host time per layer pass) of ``hardware``'s curve in ``path`` (the curve must exist:
     measure it first)."""
@@ -253,7 +253,7 @@ def calibrate(
     if not 0 < utilization <= 10:
         raise CommgateError(f"calibration: u = {utilization:g} is implausible (expected within (0, 10])")
     curve = dataclasses.replace(
-        curves[hardware], utilization=utilization, calibrated=how, host_s=dict(host_s or {}), skew=skew
+        curves[hardware], utilization=utilization, calibrated=how, host_s=dict(host_s or {}), lag=dict(lag or {})
     )
     store(path, curve)
     return curve

@@ -25,8 +25,8 @@ waits out its bubble inside a recv, so the measurement is compared with the mode
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,12 +70,12 @@ def layer_passes(scenario: Scenario) -> int:
     return -(-scenario.model.L // par.pp) * par.micro_batches * per_layer
 
 
-def host_seconds(curve: Curve, key: str) -> float:
-    """Host time per layer pass of workload kind ``key``: its calibrated value, or the median over the
-    kinds calibrated when it was not among them (0 before any calibration)."""
-    if key in curve.host_s:
-        return curve.host_s[key]
-    return statistics.median(curve.host_s.values()) if curve.host_s else 0.0
+def per_kind(values: Mapping[str, float], key: str) -> float:
+    """A calibrated value of workload kind ``key`` (host time per layer pass, lag): its own, or the median
+    over the kinds calibrated when it was not among them (0 before any calibration)."""
+    if key in values:
+        return values[key]
+    return statistics.median(values.values()) if values else 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,10 +95,12 @@ class PredictedTime:
     """The framework's host time per step (in ``t_comp``): layer passes x the calibrated time per pass."""
     layer_passes: int = 0
     host_key: str = ""
-    t_skew: float = 0.0
-    """How long rank 0's collectives wait for peers that are still computing (``Curve.skew`` x
-    ``t_comp``): ranks sharing a machine do not compute at one pace, and a collective completes only when
-    its last member joins. In flight and exposed, not in ``t_comm`` (no bytes move meanwhile)."""
+    t_lag: float = 0.0
+    """Time rank 0's calls are in flight beyond the curve's time (``Curve.lag`` of the workload kind x
+    ``t_comp``): a collective completes only when its last member joins, and ranks do not compute at one
+    pace; an asynchronous call stays in flight while its caller works on before it waits (DTensor's
+    dispatch). In the in-flight share only: no bytes move meanwhile, and the caller is not blocked."""
+    bubble_factor: float = 0.0
 
     @property
     def t_comm(self) -> float:
@@ -106,8 +108,8 @@ class PredictedTime:
 
     @property
     def t_exposed(self) -> float:
-        """The communication on the critical path: what the training thread waits for (its peers, too)."""
-        return self.t_comm - self.t_hidden + self.t_skew
+        """The communication on the critical path: what the training thread waits for."""
+        return self.t_comm - self.t_hidden
 
     @property
     def t_iter(self) -> float:
@@ -123,7 +125,7 @@ class PredictedTime:
         """What the capture can measure: the share of the step with a call in flight. A pipeline rank spends
         its bubble blocked in a recv, so the bubble counts here (and not in ``comm_fraction``). Calls
         overlapped with compute are in flight at the same time as it: at most the whole step."""
-        return min(1.0, (self.t_comm + self.t_skew + self.t_bubble) / self.t_iter) if self.t_iter else 0.0
+        return min(1.0, (self.t_comm + self.t_lag + self.t_bubble) / self.t_iter) if self.t_iter else 0.0
 
     @property
     def bubble_ratio(self) -> float:
@@ -190,9 +192,10 @@ def predict_time(prediction: Prediction, curve: Curve, *, note: str = "", utiliz
         rows.append((c, per_call))
     t_flops = step_flops(prediction) / curve.flops(world)
     key, passes = host_key(s), layer_passes(s)
-    t_host = passes * host_seconds(curve, key)
+    t_host = passes * per_kind(curve.host_s, key)
     t_comp = t_flops / utilization + t_host
-    bubble = bubble_factor(par) * (t_comp + terms["T_PP"] + terms["T_TP"])
+    factor = bubble_factor(par)
+    bubble = factor * (t_comp + terms["T_PP"] + terms["T_TP"])
     return PredictedTime(
         t_comp=t_comp,
         terms=terms,
@@ -200,7 +203,8 @@ def predict_time(prediction: Prediction, curve: Curve, *, note: str = "", utiliz
         utilization=utilization,
         curve_note=note,
         t_hidden=overlap(rows, t_comp),
-        t_skew=curve.skew * t_comp if any(c.calls for c, _ in rows) else 0.0,
+        t_lag=per_kind(curve.lag, key) * t_comp if any(c.calls for c, _ in rows) else 0.0,
+        bubble_factor=factor,
         t_flops=t_flops,
         t_host=t_host,
         layer_passes=passes,
@@ -270,7 +274,8 @@ class TimeAssessment:
                 "t_comp_s": p.t_comp,
                 "t_flops_s": p.t_flops,
                 "t_host_s": p.t_host,
-                "t_skew_s": p.t_skew,
+                "t_lag_s": p.t_lag,
+                "bubble_factor": p.bubble_factor,
                 "layer_passes": p.layer_passes,
                 "host_key": p.host_key,
                 **{f"{k.lower()}_s": v for k, v in p.terms.items()},
@@ -350,8 +355,8 @@ class Calibration:
     host_s: dict[str, float]
     """Host seconds per layer pass by workload kind."""
     scenarios: int
-    skew: float = 0.0
-    """The peers' lag as a share of the compute time (``PredictedTime.t_skew``)."""
+    lag: dict[str, float] = field(default_factory=dict)
+    """In-flight time beyond the curve per second of compute, by workload kind (``PredictedTime.t_lag``)."""
 
 
 def calibrate(docs: list[dict[str, object]]) -> Calibration | None:
@@ -361,8 +366,8 @@ def calibrate(docs: list[dict[str, object]]) -> Calibration | None:
         compute = t_flops / u + layer_passes x host_s[kind]
 
     a linear least-squares fit of 1/u and every kind's host time, on relative errors (a 20 ms step
-    counts as much as a 2 s one), then refitted without the runs more than 3 median deviations off
-    (a run that stalled). Scenarios outside the model's domain, or without both sides, are left out.
+    counts as much as a 2 s one), then refitted without the runs more than half off and beyond 3 median
+    deviations (a run that stalled). Scenarios outside the model's domain, or without both sides, are left out.
     None when none is left."""
     rows: list[tuple[float, float, int, str]] = []
     for doc in docs:
@@ -377,27 +382,32 @@ def calibrate(docs: list[dict[str, object]]) -> Calibration | None:
         return None
     inv_u, host = _fit(rows)
     residuals = [abs((inv_u * f + host[k] * n) / c - 1) for c, f, n, k in rows]
-    spread = statistics.median(residuals)
-    kept = [r for r, e in zip(rows, residuals, strict=True) if e <= 3 * spread] if spread > 0 else rows
+    # a run more than half off, and beyond 3 median deviations, stalled or was disturbed: refit without it
+    limit = max(0.5, 3 * statistics.median(residuals))
+    kept = [r for r, e in zip(rows, residuals, strict=True) if e <= limit]
     if len(kept) < len(rows) and kept:
         inv_u, fitted = _fit(kept)
         host = {k: fitted.get(k, v) for k, v in host.items()}
-    return Calibration(utilization=1 / max(inv_u, 0.1), host_s=host, scenarios=len(rows), skew=_skew(docs))
+    u = 1 / max(inv_u, 0.1)
+    return Calibration(utilization=u, host_s=host, scenarios=len(rows), lag=_lag(docs, u, host))
 
 
-def _skew(docs: list[dict[str, object]]) -> float:
-    """The median over runs without a pipeline of (time in flight - the curve's time for the calls) /
-    compute time: how long collectives wait for peers still computing, per second of compute."""
-    lags = []
+def _lag(docs: list[dict[str, object]], u: float, host: dict[str, float]) -> dict[str, float]:
+    """Per workload kind, the median over its runs of (time in flight - the curve's time for the calls
+    - the bubble at the fitted u and host times) / compute time."""
+    lags: dict[str, list[float]] = {}
     for doc in docs:
         p, m = doc.get("predicted"), doc.get("measured")
-        if not isinstance(p, dict) or not isinstance(m, dict) or doc.get("domain") or p.get("t_bubble_s"):
+        if not isinstance(p, dict) or not isinstance(m, dict) or doc.get("domain") or "t_flops_s" not in p:
             continue
         exposed = m.get("t_exposed_s")
         compute = m["t_iter_s"] - (exposed if exposed is not None else m["t_comm_s"])
+        t_comp = p["t_flops_s"] / u + p["layer_passes"] * host.get(p["host_key"], 0.0)
+        bubble = p.get("bubble_factor", 0.0) * (t_comp + p.get("t_pp_s", 0.0) + p.get("t_tp_s", 0.0))
         if compute > 0 and p.get("t_comm_s"):
-            lags.append(max(0.0, (m["t_comm_s"] - p["t_comm_s"]) / compute))
-    return statistics.median(lags) if lags else 0.0
+            lag = max(0.0, (m["t_comm_s"] - p["t_comm_s"] - bubble) / compute)
+            lags.setdefault(p["host_key"], []).append(lag)
+    return {k: statistics.median(v) for k, v in lags.items()}
 
 
 def _fit(rows: list[tuple[float, float, int, str]]) -> tuple[float, dict[str, float]]:
