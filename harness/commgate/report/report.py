@@ -122,6 +122,8 @@ class ScenarioResult:
         tm = self.time_model
         if tm is not None and tm.measured is not None:
             pred = f"{tm.predicted.in_flight_fraction:.0%}" if tm.predicted else f"-: {tm.note}"
+            if tm.domain:  # "out of the model's domain: 4 ranks on 2 cores"
+                pred += f"; {tm.domain.replace('out of the model', 'outside the model')}"
             head += f" comm fraction {tm.measured.comm_fraction:.0%} (model {pred})"
         r = self.reconciliation
         if r is None:
