@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 MARKERS: dict[str, str] = {
     "gpu": "needs a GPU (NCCL/RCCL); skipped where none is present",
     "multinode": "starts several nodes (torchrun agents); slow",
+    "slurm": "brings up a two-node Slurm cluster on this machine (ci/slurm-in-a-box.sh; root, Linux); slow",
     "slow": "takes more than a few seconds",
     "nightly": "part of the nightly cluster run, not of pull-request gating",
 }
