@@ -155,7 +155,8 @@ echo "slurm-in-a-box: node0 and node1 idle, up in $(echo "$up - $started" | bc) 
 cmd=("$@")
 [ "${#cmd[@]}" = 0 ] && cmd=(sinfo)
 status=0
-on 0 "${cmd[@]}" || status=$?
+on 0 "${cmd[@]}" &  # waited on below, so that a signal tears the box down at once (the command with it)
+wait $! || status=$?
 echo "slurm-in-a-box: \`${cmd[*]}\` exited $status after $(echo "$(date +%s.%N) - $up" | bc) s" >&2
 # What Slurm says of every job it ran: a job cancelled at its time limit is a timeout, whatever printed.
 while read -r job; do

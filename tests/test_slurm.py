@@ -86,3 +86,63 @@ def test_a_job_past_its_time_limit_is_a_timeout_not_a_pass(tmp_path: Path) -> No
     run = box("sbatch", "--wait", f"--output={tmp_path}/%x-%j.out", str(script), tmp=tmp_path)
     assert run.returncode != 0
     assert "timed out: Slurm cancelled it at its time limit" in run.stderr, run.stderr[-2000:]
+
+
+def test_a_daemon_that_does_not_come_up_is_named_with_its_log_and_nothing_is_left(tmp_path: Path) -> None:
+    """A slurmctld that fails at start (a stand-in first on PATH, writing a line to the log slurm.conf
+    names): the box says which daemon, shows the line, and removes its namespaces and munged."""
+    stub = tmp_path / "bin" / "slurmctld"
+    stub.parent.mkdir()
+    stub.write_text(
+        "#!/bin/sh\nlog=$(sed -n 's/^SlurmctldLogFile=//p' \"$SLURM_CONF\")\n"
+        'echo "error: planted: cannot bind the controller port" >>"$log"\nexit 1\n'
+    )
+    stub.chmod(0o755)
+    before = namespaces()
+    env = os.environ | {"PATH": f"{stub.parent}:{os.environ['PATH']}"}
+    run = subprocess.run([str(BOX), "sinfo"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 4
+    assert "slurmctld did not come up" in run.stderr and "error: planted: cannot bind" in run.stderr
+    assert namespaces() == before and not daemons()
+
+
+def test_ctrl_c_tears_the_cluster_down(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    before = namespaces()
+    argv = [str(BOX), "sleep", "60"]
+    with subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 60
+        while "idle" not in (line := proc.stderr.readline()) and time.monotonic() < deadline:
+            assert line, "the box ended before its nodes were idle"
+        assert daemons(), "slurmctld and slurmd run while the command does"
+        proc.send_signal(signal.SIGINT)  # to the script alone: it does not wait for its command to end first
+        assert proc.wait(timeout=30) == 130
+    assert namespaces() == before and not daemons()
+
+
+def namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def daemons() -> list[str]:
+    """Live (not zombie) slurmctld, slurmd and munged processes started from a box (their command lines
+    name /tmp/slurm-box; slurmd and slurmctld read SLURM_CONF from the environment, so check both)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            comm = (entry / "comm").read_text().strip()
+            state = (entry / "stat").read_text().split(") ")[1].split()[0]
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if comm in ("slurmctld", "slurmd", "munged") and state != "Z":
+            cmdline = (entry / "cmdline").read_bytes()
+            if b"slurm-box" in cmdline or b"slurm-box" in environ:
+                found.append(comm)
+    return found
