@@ -44,7 +44,7 @@ class CapturedCall:
     tensors: int
     """How many tensors a coalesced call carried (1 otherwise)."""
     start_ns: int
-    """Issue time, from the rank's own clock origin (its first call)."""
+    """Issue time, from the rank's own clock origin (when its recorder was installed, before its first call)."""
     duration_ns: int | None
     """Issue to completion; None when the call never completed (a hang)."""
     root: int | None = None

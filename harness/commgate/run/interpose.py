@@ -228,8 +228,11 @@ class Poller:
             self._event.set()
 
     def stop(self) -> None:
+        """Stop the thread and wait for it, so that no completion is stamped after this returns."""
         self._stopped = True
         self._event.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
 
     def _run(self) -> None:
         _short_timer_slack()
