@@ -369,10 +369,13 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--out", type=Path, help="directory for index.html, plots/ and trace.json (default: beside it)")
     k = sub.add_parser(
         "calibrate",
-        help="set the time model's utilisation u for this hardware from a report's measured compute times",
-        description="The APNet model's u (the share of the measured GEMM rate a training step reaches) as the median "
-        "over a report's scenarios of the u that makes each one's predicted compute time equal its measured one (the "
-        "step less the time with a call in flight); stored with the hardware's bandwidth curve.",
+        help="fit the time model's u, host time per layer pass and lag for this hardware to a report's runs",
+        description="The APNet model's u (the share of the measured GEMM rate a training step reaches) and the "
+        "framework's host time per layer pass of each workload kind, fitted by least squares to the measured compute "
+        "times of a report's runs (the step less the time the training thread was blocked), and each kind's lag "
+        "(time in flight beyond the bandwidth curve per second of compute); stored with the hardware's bandwidth "
+        "curve. Calibrate on runs the model is not judged on (benchmarks/calibration); runs with more local ranks "
+        "than cores are left out.",
     )
     k.add_argument("report", type=Path, help="a report.json from `commgate run` with a bandwidth curve")
     k.add_argument("--baseline-dir", type=Path, default=Path("baselines"), help="where bandwidth-{backend}.json is")
