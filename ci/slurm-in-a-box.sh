@@ -17,6 +17,7 @@
 #     naming both nodes, bind-mounted: the host's own is not touched);
 #   * munged (its socket in the box), slurmctld on node0, one slurmd per node, from a generated slurm.conf;
 #   * it waits until sinfo shows both nodes idle.
+# Exit status: COMMAND's; 2 not root; 3 a tool missing or Slurm not installable; 4 the cluster did not come up.
 # The host's network configuration is not touched beyond the veth pair. A daemon that does not come up is
 # named with the last lines of its log. Nothing is left running: the daemons are killed and the namespaces
 # deleted, whatever happened.
@@ -26,8 +27,12 @@ if [ "$(id -u)" != 0 ]; then
   echo "slurm-in-a-box: needs root (network namespaces, daemons)" >&2
   exit 2
 fi
+for tool in ip unshare nsenter bc; do
+  command -v "$tool" >/dev/null \
+    || { echo "slurm-in-a-box: needs $tool (iproute2, util-linux, bc)" >&2; exit 3; }
+done
 missing=()
-for tool in slurmctld slurmd sbatch munged ip unshare nsenter bc; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+for tool in slurmctld slurmd sbatch munged; do command -v "$tool" >/dev/null || missing+=("$tool"); done
 if [ "${#missing[@]}" != 0 ]; then
   echo "slurm-in-a-box: installing slurmctld slurmd slurm-client munge (missing: ${missing[*]})" >&2
   if ! DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null 2>&1; then

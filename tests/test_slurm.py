@@ -26,6 +26,8 @@ def refusal() -> str | None:
         return "Slurm in a box needs Linux network namespaces"
     if os.geteuid() != 0:
         return "Slurm in a box needs root (network namespaces, daemons)"
+    if missing := [tool for tool in ("ip", "unshare", "nsenter", "bc") if shutil.which(tool) is None]:
+        return f"Slurm in a box needs {', '.join(missing)}"
     if shutil.which("apt-get") is None and shutil.which("slurmctld") is None:
         return "Slurm is not installed and apt-get is not there to install it"
     return None
@@ -38,7 +40,7 @@ def box(*command: str, tmp: Path, timeout: float = 600) -> subprocess.CompletedP
     env = os.environ | {"PYTHON": sys.executable}
     run = subprocess.run([str(BOX), *command], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     if run.returncode == 3:
-        pytest.skip(f"Slurm cannot be installed here: {run.stderr.strip().splitlines()[-1:]}")
+        pytest.skip(f"Slurm in a box cannot run here: {(run.stderr.strip().splitlines() or ['?'])[-1]}")
     return run
 
 
