@@ -50,15 +50,18 @@ def step_flops(prediction: Prediction) -> float:
 
 
 def host_key(scenario: Scenario) -> str:
-    """The workload kind whose host time per layer pass the calibration measures: the scheme, with
-    ``+sp`` for DTensor's sequence parallelism and ``+cp`` for a context-parallel ring inside another
-    scheme (each adds its own dispatch per layer)."""
+    """The workload kind whose host time per layer pass and lag the calibration measures: the scheme,
+    with ``+sp`` for DTensor's sequence parallelism, ``+cp`` for a context-parallel ring inside another
+    scheme (each adds its own dispatch per layer) and ``+torchpp`` for torch.distributed.pipelining's
+    stages (which post their receives ahead of need, where DeepSpeed's engine posts them when due)."""
     par = scenario.parallelism
     key = par.scheme
     if par.sequence_parallel:
         key += "+sp"
     if par.cp > 1 and par.scheme != "cp":
         key += "+cp"
+    if par.pp > 1 and par.pipeline.engine == "torch":
+        key += "+torchpp"
     return key
 
 
