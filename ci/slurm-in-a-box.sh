@@ -7,7 +7,7 @@
 # Brings the cluster up, runs COMMAND on the login node (node0; default: sinfo), tears everything down and
 # exits with COMMAND's status. For example, the nightly job on CPU ranks:
 #
-#   sudo ci/slurm-in-a-box.sh sbatch --wait --export=ALL,GPUS_PER_NODE=1,BENCH=0,SUITE=ci/box ci/nightly.sbatch
+#   sudo ci/slurm-in-a-box.sh sbatch --wait --export=ALL,GPUS_PER_NODE=1,BENCH=0,SUITE=ci/box,BASELINES=ci/box/baselines ci/nightly.sbatch
 #
 # What it makes (all of it removed on exit, on failure and on Ctrl-C too):
 #   * slurmctld, slurmd and the munge client from Debian (slurmctld slurmd slurm-client munge), installed
