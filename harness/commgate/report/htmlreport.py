@@ -487,7 +487,7 @@ def _accuracy(doc: dict[str, Any]) -> str:
         rows.append(f"<tr><td>{_name_cell(s)}</td>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
     acc = timemodel.accuracy([tm for _, tm in timed])
     lines = []
-    for scope, label in (("in_domain", "inside the model's domain"), ("all", "all scenarios")):
+    for scope, label in timemodel.SCOPES:
         parts = []
         kinds = (("comm_fraction", "comm fraction"), ("t_iter", "T_iter"), ("t_exposed", "exposed T_comm"))
         for key, what in kinds:

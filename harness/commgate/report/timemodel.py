@@ -25,7 +25,7 @@ waits out its bubble inside a recv, so the measurement is compared with the mode
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -372,15 +372,11 @@ def calibrate(docs: list[dict[str, object]]) -> Calibration | None:
     counts as much as a 2 s one), then refitted without the runs more than half off and beyond 3 median
     deviations (a run that stalled). Scenarios outside the model's domain, or without both sides, are left out.
     None when none is left."""
-    rows: list[tuple[float, float, int, str]] = []
-    for doc in docs:
-        p, m = doc.get("predicted"), doc.get("measured")
-        if not isinstance(p, dict) or not isinstance(m, dict) or doc.get("domain") or "t_flops_s" not in p:
-            continue
-        exposed = m.get("t_exposed_s")
-        compute = m["t_iter_s"] - (exposed if exposed is not None else m["t_comm_s"])
-        if compute > 0 and p["t_flops_s"] > 0 and p["layer_passes"] > 0:
-            rows.append((compute, p["t_flops_s"], p["layer_passes"], p["host_key"]))
+    rows = [
+        (compute, p["t_flops_s"], p["layer_passes"], p["host_key"])
+        for p, m, compute in _calibration_runs(docs)
+        if p["t_flops_s"] > 0 and p["layer_passes"] > 0
+    ]
     if not rows:
         return None
     inv_u, host = _fit(rows)
@@ -399,18 +395,26 @@ def _lag(docs: list[dict[str, object]], u: float, host: dict[str, float]) -> dic
     """Per workload kind, the median over its runs of (time in flight - the curve's time for the calls
     - the bubble at the fitted u and host times) / compute time."""
     lags: dict[str, list[float]] = {}
+    for p, m, compute in _calibration_runs(docs):
+        if p.get("t_comm_s"):
+            t_comp = p["t_flops_s"] / u + p["layer_passes"] * host.get(p["host_key"], 0.0)
+            bubble = p.get("bubble_factor", 0.0) * (t_comp + p.get("t_pp_s", 0.0) + p.get("t_tp_s", 0.0))
+            lags.setdefault(p["host_key"], []).append(max(0.0, (m["t_comm_s"] - p["t_comm_s"] - bubble) / compute))
+    return {k: statistics.median(v) for k, v in lags.items()}
+
+
+def _calibration_runs(docs: list[dict[str, object]]) -> Iterator[tuple[dict[str, Any], dict[str, Any], float]]:
+    """(predicted, measured, compute time) of the runs calibration can use: inside the model's domain,
+    both sides present, a positive compute time (the step less the time the thread was blocked; in older
+    reports, less the time a call was in flight)."""
     for doc in docs:
         p, m = doc.get("predicted"), doc.get("measured")
         if not isinstance(p, dict) or not isinstance(m, dict) or doc.get("domain") or "t_flops_s" not in p:
             continue
         exposed = m.get("t_exposed_s")
         compute = m["t_iter_s"] - (exposed if exposed is not None else m["t_comm_s"])
-        t_comp = p["t_flops_s"] / u + p["layer_passes"] * host.get(p["host_key"], 0.0)
-        bubble = p.get("bubble_factor", 0.0) * (t_comp + p.get("t_pp_s", 0.0) + p.get("t_tp_s", 0.0))
-        if compute > 0 and p.get("t_comm_s"):
-            lag = max(0.0, (m["t_comm_s"] - p["t_comm_s"] - bubble) / compute)
-            lags.setdefault(p["host_key"], []).append(lag)
-    return {k: statistics.median(v) for k, v in lags.items()}
+        if compute > 0:
+            yield p, m, compute
 
 
 def _fit(rows: list[tuple[float, float, int, str]]) -> tuple[float, dict[str, float]]:
@@ -454,6 +458,8 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
 
 
 ERROR_KEYS = ("comm_fraction", "t_iter", "t_comm", "t_exposed")
+SCOPES = (("in_domain", "inside the model's domain"), ("all", "all"))
+"""The scopes ``accuracy`` summarises, with their labels."""
 
 
 def accuracy(docs: Iterable[dict[str, Any]]) -> dict[str, dict[str, dict[str, float] | None]]:
@@ -461,7 +467,7 @@ def accuracy(docs: Iterable[dict[str, Any]]) -> dict[str, dict[str, dict[str, fl
     (``TimeAssessment.errors``) the count, median and worst absolute error, over the scenarios inside
     the model's domain (``in_domain``) and over all of them (``all``)."""
     out: dict[str, dict[str, dict[str, float] | None]] = {}
-    for scope in ("in_domain", "all"):
+    for scope, _ in SCOPES:
         kept = [d for d in docs if scope == "all" or not d.get("domain")]
         out[scope] = {}
         for key in ERROR_KEYS:
@@ -476,7 +482,7 @@ def accuracy_line(docs: Iterable[dict[str, Any]]) -> str | None:
     """One line for a run's end: the comm fraction's median and worst error (None without any)."""
     acc = accuracy(list(docs))
     parts = []
-    for scope, label in (("in_domain", "inside the model's domain"), ("all", "all")):
+    for scope, label in SCOPES:
         s = acc[scope]["comm_fraction"]
         if s is not None:
             parts.append(f"{label} ({s['scenarios']:g}) median {s['median']:.2f}, worst {s['worst']:.2f}")

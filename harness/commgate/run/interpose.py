@@ -151,12 +151,17 @@ class Recorder:
             if not self.poller.awake.is_set():
                 self.poller.wake()
 
-    def poll(self) -> None:
+    def poll(self) -> int:
         """Stamp the watched calls whose work has completed (the poller does this on its own; the runner
-        calls it at step boundaries so that a step's window holds its completions)."""
-        for seq, (work, _start) in list(self._works.items()):
+        calls it at step boundaries so that a step's window holds its completions). Returns the issue
+        time of the youngest call still in flight, -1 when none is."""
+        youngest = -1
+        for seq, (work, start) in list(self._works.items()):
             if work.is_completed():
                 self.complete(seq)
+            elif start > youngest:
+                youngest = start
+        return youngest
 
     def _completed(self) -> list[CapturedCall]:
         """``calls`` with the records of the calls completed since the last look."""
@@ -236,22 +241,16 @@ class Poller:
 
     def _run(self) -> None:
         _short_timer_slack()
-        rec, clock, t0 = self._rec, time.perf_counter_ns, self._rec._t0
+        rec = self._rec
         while not self._stopped:
-            works = list(rec._works.items())
-            if not works:
+            if not rec._works:
                 self._event.clear()
                 if not rec._works:
                     self._event.wait()
                 continue
-            youngest = -1
-            for seq, (work, start) in works:
-                if work.is_completed():
-                    rec.complete(seq, clock() - t0)
-                elif start > youngest:
-                    youngest = start
+            youngest = rec.poll()
             if youngest >= 0:
-                age = clock() - t0 - youngest
+                age = rec.now() - youngest
                 time.sleep(min(max(self.MIN_TICK_NS, age // self.RESOLUTION), self.MAX_TICK_NS) / 1e9)
 
 
@@ -366,19 +365,20 @@ class CapturingProcessGroup(ProcessGroup):
     def getBackendName(self) -> str:
         return BACKEND_NAME
 
-    def _record(
-        self, op: Op, tensors: list[torch.Tensor], peer: int | None = None, root: int | None = None
-    ) -> tuple[Recorder, int] | None:
+    def _recorded(
+        self,
+        op: Op,
+        tensors: list[torch.Tensor],
+        post: Callable[[], Any],
+        peer: int | None = None,
+        root: int | None = None,
+    ) -> Any:
+        """Record the call, post it on the real backend (``post``), and hand back its work, timed."""
         rec = RECORDER
         if rec is None:
-            return None
-        return rec, rec.issue(op, self.global_ranks, tensors, peer, root)
-
-    @staticmethod
-    def _timed(token: tuple[Recorder, int] | None, work: Any) -> Any:
-        if token is None:
-            return work
-        rec, seq = token
+            return post()
+        seq = rec.issue(op, self.global_ranks, tensors, peer, root)
+        work = post()
         rec.watch(seq, work)
         return _TimedWork(work, rec, seq)
 
@@ -398,19 +398,22 @@ class CapturingProcessGroup(ProcessGroup):
         return torch._C._distributed_c10d._create_work_from_future(future)  # type: ignore[attr-defined]
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
-        token = self._record(Op.SEND, tensors, self.global_ranks[dst])
-        return self._timed(token, self._real.send(tensors, dst, tag))
+        return self._recorded(Op.SEND, tensors, lambda: self._real.send(tensors, dst, tag), self.global_ranks[dst])
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
-        token = self._record(Op.RECV, tensors, self.global_ranks[src])
-        if token is not None and token[0].delay_first_recv_s and token[0].step == 0:
-            time.sleep(token[0].delay_first_recv_s)  # planted fault: once, counted in this recv's latency
-            token[0].delay_first_recv_s = 0.0
-        return self._timed(token, self._real.recv(tensors, src, tag))
+        def post() -> Any:
+            rec = RECORDER
+            if rec is not None and rec.delay_first_recv_s and rec.step == 0:
+                time.sleep(rec.delay_first_recv_s)  # planted fault: once, counted in this recv's latency
+                rec.delay_first_recv_s = 0.0
+            return self._real.recv(tensors, src, tag)
+
+        return self._recorded(Op.RECV, tensors, post, self.global_ranks[src])
 
     def barrier(self, opts: Any = None) -> Any:
-        token = self._record(Op.BARRIER, [])
-        return self._timed(token, self._real.barrier() if opts is None else self._real.barrier(opts))
+        return self._recorded(
+            Op.BARRIER, [], lambda: self._real.barrier() if opts is None else self._real.barrier(opts)
+        )
 
 
 def _make_collective(name: str, op: Op, arg: int, method: str) -> Callable[..., Any]:
@@ -421,17 +424,13 @@ def _make_collective(name: str, op: Op, arg: int, method: str) -> Callable[..., 
     rooted = OPS[op].rooted
 
     def collective(self: CapturingProcessGroup, *args: Any) -> Any:
-        rec = RECORDER
-        if rec is None:
+        if RECORDER is None:
             return self._run(method, args)
         tensors = _flat(args[arg])
         if not tensors:  # scatter/gather off the root: this rank's shard, standing for 1/n of the message
             tensors = _flat(args[1 - arg]) * self.size()
         root = self.global_ranks[args[-1].rootRank] if rooted else None  # the options come last
-        seq = rec.issue(op, self.global_ranks, tensors, None, root)
-        work = self._run(method, args)
-        rec.watch(seq, work)
-        return _TimedWork(work, rec, seq)
+        return self._recorded(op, tensors, lambda: self._run(method, args), root=root)
 
     collective.__name__ = collective.__qualname__ = name
     return collective
