@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 def _rank(rank: int, world: int, store: str, steps: int, preset: str, out: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
-    from commgate.model.scenario import load_text
+    from commgate.model.loader import load_text
     from commgate.model.transformer import PRESETS
     from commgate.run import interpose
     from commgate.run.workloads.gpt import GPT, batch

@@ -65,8 +65,8 @@ def _ours() -> list[int]:
 
 def main() -> int:
     from commgate.judge.reconcile import reconcile
+    from commgate.model.loader import load_text
     from commgate.model.predict import predict
-    from commgate.model.scenario import load_text
     from commgate.run.launcher import launch_local
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

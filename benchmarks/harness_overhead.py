@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from commgate.model.scenario import load_paths
+from commgate.model.loader import load_paths
 from commgate.run.launcher import launch_local
 
 ROOT = Path(__file__).resolve().parent.parent

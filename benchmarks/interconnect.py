@@ -28,7 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from commgate.model.scenario import Scenario, load_paths, load_text
+from commgate.model.loader import load_paths, load_text
+from commgate.model.scenario import Scenario
 from commgate.pipeline import Options, run_scenario
 from commgate.report import bandwidth, htmlreport
 from commgate.report.report import Report

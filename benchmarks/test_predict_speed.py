@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 from commgate.model import layout
 from commgate.model import transformer as model
+from commgate.model.loader import load_document
 from commgate.model.predict import predict
-from commgate.model.scenario import Scenario, load_document
+from commgate.model.scenario import Scenario
 from commgate.model.schemes import zero3_fetch
 
 BIG = {"scheme": "3d", "dp": 64, "tp": 8, "pp": 8, "micro_batches": 16}
@@ -48,7 +49,7 @@ def test_predict_4096_rank_3d(benchmark: Any, cold: bool) -> None:
 def test_load_and_predict_default_suite(benchmark: Any) -> None:
     from pathlib import Path
 
-    from commgate.model.scenario import load_paths
+    from commgate.model.loader import load_paths
 
     root = Path(__file__).resolve().parents[1] / "scenarios"
     benchmark(lambda: [predict(s) for s in load_paths([root])])

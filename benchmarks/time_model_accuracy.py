@@ -25,8 +25,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from commgate.model.loader import load_paths
 from commgate.model.predict import predict
-from commgate.model.scenario import Scenario, load_paths
+from commgate.model.scenario import Scenario
 from commgate.report import bandwidth, timemodel
 from commgate.run.launcher import RunError, launch_local
 from commgate.run.workloads import skip_reason

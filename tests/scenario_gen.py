@@ -16,7 +16,8 @@ import sys
 from typing import Any
 
 from commgate.core.errors import ScenarioError
-from commgate.model.scenario import USER_MODULE_SCHEMES, Scenario, load_document
+from commgate.model.loader import load_document
+from commgate.model.scenario import Scenario
 from commgate.model.schemes import SCHEMES
 from commgate.run.workloads import skip_reason
 
@@ -45,7 +46,7 @@ def draw(rng: random.Random, index: int = 0) -> dict[str, Any]:
         model["architecture"] = "llama"
         model["kv_heads"] = rng.choice([k for k in (1, 2, 4) if a % k == 0])
         model["ffn_hidden"] = rng.choice([2, 3, 5]) * model["h"] // 2 + rng.choice([0, 2, 6])
-    if scheme in USER_MODULE_SCHEMES and rng.random() < 0.15:  # a user's own module instead of the decoder
+    if rule.user_module and rng.random() < 0.15:  # a user's own module instead of the decoder
         # the example, or a LoRA-style one with frozen parameters and buffers (tests/user_lora.py)
         model = {"module": rng.choice(["commgate.examples.mixer:build", "user_lora:build"]), "dtype": model["dtype"]}
     par: dict[str, Any] = {

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 from commgate.judge.reconcile import reconcile
+from commgate.model.loader import load_text
 from commgate.model.predict import predict
-from commgate.model.scenario import load_text
 from commgate.run.launcher import launch_local
 
 MODEL = "{L: 2, h: 32, a: 4, V: 256, s: 32, x: 2, dtype: DTYPE}"

@@ -232,7 +232,7 @@ def test_another_scenarios_baseline_is_a_one_line_error(tmp_path: Path) -> None:
 def _three_stored_runs_and_a_failing_rule() -> tuple[bl.Baseline, str, Scenario]:
     """The DDP baseline with 3 stored runs of 4 ms all-reduces, its hardware, and the scenario with
     ``latency.action: fail``."""
-    from commgate.model.scenario import load_text
+    from commgate.model.loader import load_text
 
     stored = bl.load(DATA / "ddp.json")
     hw = stored.provenance["hardware"]
@@ -280,8 +280,8 @@ def test_a_report_with_cold_starts_is_valid_and_compares(tmp_path: Path) -> None
     """A cold start names the late rank and whether its steady time is estimated: the report schema
     holds both (a report with a spike once failed validation, so `commgate compare` refused it)."""
     from commgate.cli import main
+    from commgate.model.loader import load_text
     from commgate.model.predict import predict
-    from commgate.model.scenario import load_text
     from commgate.report.report import Report, ScenarioResult, validate
 
     calls = [_call(r, 0, 0, 900_000_000 if r == 0 else 1_000) for r in (0, 1)]

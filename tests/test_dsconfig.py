@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from commgate.core.errors import ScenarioError
 from commgate.model import dsconfig
-from commgate.model.scenario import Scenario, load_file, load_text
+from commgate.model.loader import load_file, load_text
+from commgate.model.scenario import Scenario
 
 HEAD = "schema_version: 1\nname: d\nmodel: {preset: 19M-cpu}\n"
 

@@ -14,8 +14,8 @@ import torch
 from commgate.core.errors import ScenarioError
 from commgate.judge.baseline import Baseline
 from commgate.judge.reconcile import reconcile
+from commgate.model.loader import load_text
 from commgate.model.predict import predict
-from commgate.model.scenario import load_text
 from commgate.pipeline import Options, run_scenario
 from commgate.run.emulate import EmulatedBackend
 from commgate.run.launcher import launch_local

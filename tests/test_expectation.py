@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 from commgate.model.collectives import Op
 from commgate.model.expectation import Phase, Prediction
+from commgate.model.loader import load_document
 from commgate.model.predict import predict
-from commgate.model.scenario import load_document
 from commgate.model.schemes.zero3_fetch import INERT
 
 

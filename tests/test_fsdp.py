@@ -8,8 +8,8 @@ import pytest
 from commgate.core.errors import ScenarioError
 from commgate.model.collectives import Op
 from commgate.model.expectation import Phase
+from commgate.model.loader import load_text
 from commgate.model.predict import predict
-from commgate.model.scenario import load_text
 
 HEAD = "schema_version: 1\nname: f\nmodel: {preset: 19M-cpu}\n"
 

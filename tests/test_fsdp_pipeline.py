@@ -13,8 +13,8 @@ from commgate.core.errors import ScenarioError
 from commgate.judge.reconcile import reconcile
 from commgate.model.collectives import Op
 from commgate.model.expectation import Context, Phase
+from commgate.model.loader import load_text
 from commgate.model.predict import predict
-from commgate.model.scenario import load_text
 from commgate.model.schemes.fsdp import pipeline_order, pipelined_gathers
 from commgate.run.launcher import launch_local
 

@@ -4,7 +4,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from commgate.model.transformer import PRESETS, ModelSpec, inventory, param_count  # noqa: E402
+from commgate.model.scenario import ModelSpec  # noqa: E402
+from commgate.model.transformer import PRESETS, inventory, param_count  # noqa: E402
 from commgate.run.workloads.gpt import GPT, batch  # noqa: E402
 
 SPECS = [

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 from commgate.cli import main
+from commgate.model.loader import load_file
 from commgate.model.predict import predict
-from commgate.model.scenario import load_file
 
 NEOX = Path(__file__).parent / "data" / "neox" / "13B.yml"
 DS = Path(__file__).parent / "data" / "deepspeed" / "hf-zero2.json"

@@ -73,8 +73,8 @@ def test_a_run_over_a_shaped_link_is_exact_and_names_its_link(tmp_path: Path) ->
     (the link changes time, not volume), the capture records the link, and the curve it looks up is the
     link's."""
     from commgate.judge.reconcile import reconcile
+    from commgate.model.loader import load_text
     from commgate.model.predict import predict
-    from commgate.model.scenario import load_text
     from commgate.report.timemodel import curve_key
     from commgate.run.launcher import launch_local
 

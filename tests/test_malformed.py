@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from commgate.core.errors import ScenarioError
-from commgate.model.scenario import load_file
+from commgate.model.loader import load_file
 
 CORPUS = sorted((Path(__file__).parent / "data" / "malformed").glob("*.yaml"))
 

@@ -2,7 +2,8 @@
 
 import pytest
 from commgate.model.paper import eq1_param_count, llama_param_count
-from commgate.model.transformer import PRESETS, ModelSpec, Shard, inventory, param_count, stage_split
+from commgate.model.scenario import ModelSpec
+from commgate.model.transformer import PRESETS, Shard, inventory, param_count, stage_split
 
 # (L, h, a) from GPT-NeoX's configs, as the seed paper uses them.
 NEOX = {

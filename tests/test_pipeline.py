@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from commgate.model.scenario import Scenario, load_text
+from commgate.model.loader import load_text
+from commgate.model.scenario import Scenario
 from commgate.pipeline import Options, run_scenario
 from commgate.run.capture import Capture
 from commgate.run.launcher import RunError

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 from commgate.judge.reconcile import reconcile
+from commgate.model.loader import load_text
 from commgate.model.predict import predict
-from commgate.model.scenario import Scenario, load_text
+from commgate.model.scenario import Scenario
 from commgate.model.schemes.zero3_fetch import INERT
 from commgate.run.capture import INIT_STEP, Capture
 from commgate.run.capture import validate as validate_capture
@@ -179,7 +180,7 @@ def test_the_divergence_of_call_sequences() -> None:
 
 def test_ranks_die_with_a_launcher_killed_outright(tmp_path: Path) -> None:
     code = (
-        "import sys; from pathlib import Path; from commgate.model.scenario import load_text; "
+        "import sys; from pathlib import Path; from commgate.model.loader import load_text; "
         "from commgate.run.launcher import launch_local; "
         f"(s,) = load_text({(text('t') + 'workload: commgate.run.workloads.faults:hang').__repr__()}); "
         f"launch_local(s, workdir=Path({str(tmp_path)!r}))"

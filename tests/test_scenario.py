@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 from commgate.core.errors import ScenarioError
-from commgate.model.scenario import load_paths, load_text
+from commgate.model.loader import load_paths, load_text
 from commgate.model.schemes import SCHEMES
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,7 +1,8 @@
 """The published scenario schema stays valid and in step with the records and registries."""
 
 import jsonschema
-from commgate.model.scenario import MoEConfig, Parallelism, Scenario, ZeroConfig, field_names, schema
+from commgate.model.loader import schema
+from commgate.model.scenario import MoEConfig, Parallelism, Scenario, ZeroConfig, field_names
 from commgate.model.schemes import SCHEMES
 from commgate.model.transformer import PRESETS
 

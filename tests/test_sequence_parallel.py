@@ -11,8 +11,8 @@ import pytest
 from commgate.core.errors import ScenarioError
 from commgate.model.collectives import Op
 from commgate.model.expectation import Phase
+from commgate.model.loader import load_text
 from commgate.model.predict import predict
-from commgate.model.scenario import load_text
 
 
 def scenario(extra: str = "", scheme: str = "tp", model: str = "{preset: 13B}") -> str:

@@ -6,8 +6,8 @@ import os
 from pathlib import Path
 
 import pytest
+from commgate.model.loader import load_text
 from commgate.model.predict import predict
-from commgate.model.scenario import load_text
 from commgate.report.bandwidth import Sample, fit
 from commgate.report.timemodel import measure, predict_time, step_flops
 from commgate.run.capture import Capture, CapturedCall, StepWindow, busy_ns
@@ -223,7 +223,7 @@ def test_a_scenario_gates_on_the_time_model_with_expectations_time(tmp_path) -> 
     fractions; a loose one passes; a run outside the model's domain is noted, not failed."""
     import shutil
 
-    from commgate.model.scenario import load_text
+    from commgate.model.loader import load_text
     from commgate.pipeline import Options, run_scenario
     from commgate.run.runners import LocalRanks
 

@@ -11,8 +11,8 @@ from collections import Counter
 import pytest
 from commgate.core.errors import ScenarioError
 from commgate.model.collectives import Op
+from commgate.model.loader import load_text
 from commgate.model.predict import predict
-from commgate.model.scenario import load_text
 from commgate.report.timemodel import bubble_factor
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from commgate.core.errors import CommgateError, ScenarioError
 from commgate.judge.reconcile import reconcile
+from commgate.model.loader import load_text
 from commgate.model.predict import predict
-from commgate.model.scenario import load_text
 
 MIXER = "commgate.examples.mixer:build"
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from commgate.judge.reconcile import reconcile
 from commgate.model.expectation import Context
+from commgate.model.loader import load_text
 from commgate.model.predict import predict
-from commgate.model.scenario import load_text
 from commgate.model.schemes.zero3_fetch import DEFAULTS, INERT, knobs, module_tree, pass_hooks, passes, persistent
 
 # The module order DeepSpeed 0.19.8's coordinator recorded for the built-in decoder (L=2), read from

@@ -7,8 +7,7 @@ import os
 from collections.abc import Callable
 
 import torch
-from commgate.model.scenario import Scenario
-from commgate.model.transformer import ModelSpec
+from commgate.model.scenario import ModelSpec, Scenario
 from commgate.run.workloads.gpt import GPT, batch
 
 

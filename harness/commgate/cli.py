@@ -107,8 +107,8 @@ def _flags_document(a: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_predict(a: argparse.Namespace) -> int:
     from commgate.core.fsutil import atomic_write_json
+    from commgate.model.loader import load_document, load_paths
     from commgate.model.predict import predict
-    from commgate.model.scenario import load_document, load_paths
     from commgate.report.render import prediction_document, prediction_text, predictions_document
 
     if a.model and a.paths:
@@ -145,7 +145,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     this process as one rank of the job (rank 0 reports)."""
     import signal
 
-    from commgate.model.scenario import load_paths
+    from commgate.model.loader import load_paths
     from commgate.run import links
     from commgate.run.runners import LocalRanks, TorchrunRank, under_torchrun
 
@@ -265,7 +265,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 
 
 def cmd_validate(a: argparse.Namespace) -> int:
-    from commgate.model.scenario import load_paths
+    from commgate.model.loader import load_paths
 
     scenarios = load_paths(a.paths or [DEFAULT_SUITE])
     for s in scenarios:
@@ -421,8 +421,8 @@ def cmd_import(a: argparse.Namespace) -> int:
 
     from commgate.core.fsutil import atomic_write_text
     from commgate.model.importer import build
+    from commgate.model.loader import load_document
     from commgate.model.predict import predict
-    from commgate.model.scenario import load_document
 
     got = build(neox=a.neox, deepspeed=a.deepspeed, hf=a.hf, dp=a.dp, tp=a.tp, pp=a.pp, cpu=a.cpu, name=a.name)
     for note in got.notes:

@@ -172,7 +172,7 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Col
 class ScenarioFile(pytest.File):
     def collect(self) -> Iterator[ScenarioItem]:
         from commgate.core.errors import ScenarioError
-        from commgate.model.scenario import load_paths
+        from commgate.model.loader import load_paths
 
         try:
             scenarios = load_paths([self.path])

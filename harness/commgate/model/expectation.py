@@ -16,17 +16,14 @@ from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 from commgate.model import dsconfig
 from commgate.model.collectives import OPS, Op, add_traffic
 from commgate.model.layout import Axis, Group, Layout
 from commgate.model.paper import eq1_param_count, llama_param_count
+from commgate.model.scenario import Scenario
 from commgate.model.transformer import WIRE_ITEMSIZE, ParamTensor, inventory, param_stages, stage_split
-
-if TYPE_CHECKING:  # the scenario language sits above the model (it reads the scheme registry)
-    from commgate.model.scenario import Scenario
-    from commgate.model.usermodule import Buffer
+from commgate.model.usermodule import Buffer
 
 
 class Phase(enum.Enum):

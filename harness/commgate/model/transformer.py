@@ -26,17 +26,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-if TYPE_CHECKING:  # the scenario module imports this one
-    from commgate.model.scenario import Parallelism
-
-Position = Literal["learned", "rotary", "none"]
-Architecture = Literal["gpt-neox", "llama"]
-ARCHITECTURES: tuple[Architecture, ...] = ("gpt-neox", "llama")
-DType = Literal["fp32", "fp16", "bf16"]
-
-ITEMSIZE: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
+from commgate.model.scenario import ITEMSIZE, ModelSpec, Parallelism
 
 
 def dtype_name(torch_dtype: object) -> str:
@@ -58,58 +50,6 @@ WIRE_ITEMSIZE: dict[str, Fraction] = {  # bytes per element of every dtype a col
     "none": Fraction(0),
     "int4": Fraction(1, 2),
 }
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ModelSpec:
-    """Dimensions of a decoder (GPT-NeoX-shaped by default, or Llama-style)."""
-
-    L: int
-    """Transformer layers."""
-    h: int
-    """Hidden size."""
-    a: int
-    """Attention heads."""
-    V: int
-    """Vocabulary size (padded)."""
-    s: int
-    """Sequence length."""
-    x: int = 4
-    """MLP expansion factor (the MLP's width is ``x * h`` unless ``ffn_hidden`` is given)."""
-    architecture: Architecture = "gpt-neox"
-    kv_heads: int | None = None
-    """Key/value heads (grouped-query attention; Llama only); None: as many as ``a``."""
-    ffn_hidden: int | None = None
-    """The MLP's inner width; None: ``x * h``."""
-    module: str | None = None
-    """A user's own model, ``package.module:build`` (``commgate.model.usermodule``): its parameters,
-    gradient order and module trace replace the built-in decoder's (the dimensions above are then unused)."""
-    tied_embeddings: bool = False
-    position: Position = "learned"
-    dtype: DType = "fp32"
-    autocast: DType | None = None
-    """Compute dtype under ``torch.autocast`` (DDP): the parameters, and so the gradients reduced, stay
-    ``dtype``."""
-    preset: str | None = None
-    """Name of the preset these dimensions came from, if any (informational)."""
-
-    @property
-    def itemsize(self) -> int:
-        return ITEMSIZE[self.dtype]
-
-    @property
-    def ffn(self) -> int:
-        """The MLP's inner width."""
-        return self.ffn_hidden if self.ffn_hidden is not None else self.x * self.h
-
-    @property
-    def kv(self) -> int:
-        """Key/value heads."""
-        return self.kv_heads if self.kv_heads is not None else self.a
-
-    @property
-    def llama(self) -> bool:
-        return self.architecture == "llama"
 
 
 # GPT-NeoX's configs as used in the seed paper (Section IV): s=2048, V=50304 (padded), untied

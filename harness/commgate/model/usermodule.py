@@ -35,14 +35,12 @@ import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from commgate.core.errors import CommgateError
 from commgate.model.moduletrace import Hook, Module
+from commgate.model.scenario import Scenario
 from commgate.model.transformer import WIRE_ITEMSIZE, ParamTensor, Shard, dtype_name
-
-if TYPE_CHECKING:
-    from commgate.model.scenario import Scenario
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ from commgate.judge.gate import Finding
 from commgate.model import transformer
 from commgate.model.expectation import ExpectedCollective, Phase, Prediction
 from commgate.model.scenario import Parallelism, Scenario
+from commgate.model.schemes import SCHEMES
 from commgate.report import bandwidth
 from commgate.report.bandwidth import Curve
 from commgate.run.capture import Capture, busy_ns
@@ -50,19 +51,9 @@ def step_flops(prediction: Prediction) -> float:
 
 
 def host_key(scenario: Scenario) -> str:
-    """The workload kind whose host time per layer pass and lag the calibration measures: the scheme,
-    with ``+sp`` for DTensor's sequence parallelism, ``+cp`` for a context-parallel ring inside another
-    scheme (each adds its own dispatch per layer) and ``+torchpp`` for torch.distributed.pipelining's
-    stages (which post their receives ahead of need, where DeepSpeed's engine posts them when due)."""
-    par = scenario.parallelism
-    key = par.scheme
-    if par.sequence_parallel:
-        key += "+sp"
-    if par.cp > 1 and par.scheme != "cp":
-        key += "+cp"
-    if par.pp > 1 and par.pipeline.engine == "torch":
-        key += "+torchpp"
-    return key
+    """The workload kind whose host time per layer pass and lag the calibration measures (the scheme's
+    record says: ``Scheme.workload_kind``)."""
+    return SCHEMES[scenario.parallelism.scheme].workload_kind(scenario.parallelism)
 
 
 def layer_passes(scenario: Scenario) -> int:

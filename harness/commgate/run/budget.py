@@ -55,7 +55,7 @@ def per_rank(scenario: Scenario, runtime: int) -> Estimate:
     """The memory one rank of ``scenario`` needs (bytes), by part."""
     ctx = Context(scenario=scenario)
     m, par = scenario.model, scenario.parallelism
-    fsdp = par.scheme == "fsdp"  # FSDP2 shards like ZeRO-3, over dp x cp
+    fsdp = SCHEMES[par.scheme].fsdp  # FSDP2 shards like ZeRO-3, over dp x cp
     isz, d, stage = m.itemsize, (par.data_ranks if fsdp else par.dp), (3 if fsdp else par.zero.stage)
     n = max(ctx.rank_params(k) for k in range(par.pp)) if not m.module else ctx.param_count
     layer = n // max(1, m.L // par.pp) if not m.module else n

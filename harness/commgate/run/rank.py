@@ -103,7 +103,7 @@ def run_rank(
     )
     marks = {} if marks is None else marks
     marks["joined"] = time.monotonic()
-    workload = resolve(scenario.parallelism.scheme, scenario.workload)(scenario, rank=rank, device=device)
+    workload = resolve(scenario)(scenario, rank=rank, device=device)
     marks["built"] = time.monotonic()
     clock = ThreadClock() if device.type == "cpu" else None  # on CUDA the thread's time is not the step's
     for k in range(scenario.warmup_steps + scenario.steps):

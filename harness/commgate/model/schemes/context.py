@@ -38,6 +38,7 @@ from fractions import Fraction
 from commgate.model.collectives import Op
 from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
 from commgate.model.schemes._common import micro_batches, rank0_term
+from commgate.model.schemes.scheme import Check, Rule
 from commgate.model.schemes.tensor import activation_dtype
 from commgate.model.transformer import WIRE_ITEMSIZE
 
@@ -59,6 +60,11 @@ def kv_buffer(ctx: Context) -> int:
 
 @dataclass(frozen=True, slots=True)
 class ContextParallel:
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        """The consistency rules of the feature this component models (``RULES`` below)."""
+        return RULES
+
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         par, L = ctx.scenario.parallelism, ctx.scenario.model.L
         c, mb = par.cp, par.micro_batches
@@ -171,3 +177,30 @@ class ContextParallel:
                 )
             )
         return out
+
+
+P = "parallelism"
+
+
+def ring(c: Check) -> None:
+    """What the ring splits evenly (the sequence over cp ranks) and what does not run with it yet."""
+    par, rule, m = c.par, c.scheme, c.model
+    if "cp_rotate" in c.declared and par.cp < 2:
+        able = c.names(lambda r: r.context or r.optional_context)
+        c.bad([P, "cp_rotate"], f"{par.cp_rotate}: rotates K/V between context-parallel ranks; needs scheme {able}")
+    if par.cp < 2 or not (rule.context or rule.optional_context):
+        return
+    if m.module is None and m.s % par.cp:  # (a user's module is refused under scheme cp with the others)
+        c.bad([P, "cp"], f"{par.cp}: sequence length s={m.s} is not divisible by cp")
+    if par.sequence_parallel:
+        c.bad([P, "sequence_parallel"], "true: sequence parallelism with context parallelism is not modelled yet")
+    if par.dp_replicate > 1 and rule.fsdp:
+        c.bad([P, "dp_replicate"], f"{par.dp_replicate}: HSDP with context parallelism is not modelled yet")
+    if par.fsdp.reshard_group not in (None, 1, par.data_ranks):
+        c.bad(
+            [P, "fsdp", "reshard_after_forward"],
+            f"{par.fsdp.reshard_group}: an int with context parallelism is not modelled yet; use true or false",
+        )
+
+
+RULES: tuple[Rule, ...] = (ring,)

@@ -1,74 +1,32 @@
-"""Data-parallel gradient reduction: torch DDP / DeepSpeed ZeRO stage 0 (all-reduce) and ZeRO-1/2
-(reduce-scatter of gradients, all-gather of updated parameters), per pipeline stage and, with MoE,
-separately for expert parameters over the expert-data-parallel group. Paper: Eq. 2.
-
-Plain model: one call per step for the whole gradient. The frameworks bucket it (DDP bucket_cap_mb,
-DeepSpeed reduce_bucket_size); the bucket refinement comes with the real runs.
+"""Data-parallel gradient reduction against Eq. 2: the paper's term and the residuals every data-parallel
+engine shares (parameters beyond Eq. 1, sharding, frozen parameters, MoE's expert parameters over the
+expert-data-parallel group). The engines' own collectives are their components': torch DDP
+(``ddp``), DeepSpeed ZeRO-1/2 (``deepspeed_zero``), its pipeline engine (``pipeline``), MoE (``moe``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from fractions import Fraction
 
-from commgate.model.collectives import Op
-from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
-from commgate.model.layout import Axis, Group
+from commgate.model.expectation import Context, PaperTerm, Residual
 from commgate.model.paper import eq2_data_parallel
-from commgate.model.schemes._common import beyond_eq1, data_ranks, frozen, init_broadcast, rank0_term, sharding
+from commgate.model.schemes._common import beyond_eq1, data_ranks, frozen, rank0_term, sharding
+from commgate.model.schemes.scheme import Rule
 
 TERM = "Eq. 2"
 
 
-def _groups(ctx: Context, stage: int) -> list[tuple[bool | None, Axis, tuple[Group, ...]]]:
-    lay = ctx.layout
-    if ctx.scenario.parallelism.moe:
-        return [(False, "dp", lay.dp_groups(stage)), (True, "edp", lay.edp_groups(stage))]
-    return [(None, "dp", lay.dp_groups(stage))]
-
-
 @dataclass(frozen=True, slots=True)
 class DataParallel:
-    def collectives(self, ctx: Context) -> list[ExpectedCollective]:
-        par = ctx.scenario.parallelism
-        if par.data_ranks == 1:
-            return []
-        zs = par.zero.stage
-        dtype = ctx.scenario.model.dtype
-        rows: list[ExpectedCollective] = []
-        for stage in range(par.pp):
-            for expert, axis, groups in _groups(ctx, stage):
-                n = ctx.rank_params(stage, expert=expert)
-                what = "expert " if expert else ""
-                where = f" (stage {stage})" if par.pp > 1 else ""
-                base = ExpectedCollective(
-                    op=Op.ALL_REDUCE,
-                    axis=axis,
-                    groups=groups,
-                    dtype=dtype,
-                    elements=n,
-                    calls=1,
-                    phase=Phase.BACKWARD,
-                    source="",
-                    paper_term=TERM,
-                )
-                rows.append(init_broadcast(ctx, elements=n, groups=groups, axis=axis, what=what, where=where))
-                if zs == 0:
-                    engine = "DDP" if par.scheme == "ddp" else "DeepSpeed"
-                    rows.append(replace(base, source=f"{engine} {what}gradient all-reduce{where}"))
-                else:
-                    rows.append(
-                        replace(base, op=Op.REDUCE_SCATTER, source=f"ZeRO-{zs} {what}gradient reduce-scatter{where}")
-                    )
-                    rows.append(
-                        replace(
-                            base,
-                            op=Op.ALL_GATHER,
-                            phase=Phase.OPTIMIZER,
-                            source=f"ZeRO-{zs} {what}parameter all-gather{where}",
-                        )
-                    )
-        return rows
+    """Eq. 2's side of every data-parallel engine: its paper term and the named residuals between the two;
+    each engine's component (torch DDP, DeepSpeed ZeRO-1/2, its pipeline engine, MoE) adds the collectives
+    it issues."""
+
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        """None of its own: the engines built on it bring theirs."""
+        return ()
 
     def paper_terms(self, ctx: Context) -> list[PaperTerm]:
         d = ctx.scenario.parallelism.data_ranks

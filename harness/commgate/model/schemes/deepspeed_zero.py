@@ -54,21 +54,20 @@ from __future__ import annotations
 import itertools
 import json
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from typing import TYPE_CHECKING
 
+from commgate.model import dsconfig
 from commgate.model.collectives import OPS, Op
 from commgate.model.expectation import Context, ExpectedCollective, Phase, Residual
+from commgate.model.scenario import Scenario
 from commgate.model.schemes import zero3_fetch
 from commgate.model.schemes._common import frozen, padded
 from commgate.model.schemes.data_parallel import DataParallel
+from commgate.model.schemes.scheme import Check, Rule
 from commgate.model.schemes.zero3 import Zero3
 from commgate.model.transformer import ParamTensor
-
-if TYPE_CHECKING:  # the scenario language sits above the model (it reads the scheme registry)
-    from commgate.model.scenario import Scenario
 
 
 def _padding(
@@ -381,6 +380,11 @@ def _bf16_optimizer(ctx: Context, step: ExpectedCollective, *, pad: bool) -> lis
 
 @dataclass(frozen=True, slots=True)
 class DeepSpeedZero12(DataParallel):
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        """The consistency rules of the feature this component models (``RULES`` below)."""
+        return RULES
+
     def collectives(self, ctx: Context, *, pad: bool = True, init: bool = True) -> list[ExpectedCollective]:
         """``init=False`` leaves out the once-per-run rows (the residuals difference only per-step ones)."""
         zs, d = ctx.scenario.parallelism.zero.stage, ctx.scenario.parallelism.dp
@@ -512,6 +516,11 @@ def sub_groups(ctx: Context) -> int:
 
 @dataclass(frozen=True, slots=True)
 class DeepSpeedZero3(Zero3):
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        """The consistency rules of the feature this component models (``RULES`` below)."""
+        return RULES
+
     def collectives(self, ctx: Context, *, pad: bool = True, init: bool = True) -> list[ExpectedCollective]:
         """``init=False`` leaves out the once-per-run rows (the residuals difference only per-step ones)."""
         z, d = ctx.scenario.parallelism.zero, ctx.scenario.parallelism.dp
@@ -609,3 +618,76 @@ def _not_gathered_for_backward(ctx: Context) -> int:
     later = zero3_fetch.passes(Context(scenario=scenario), 2)[-1]
     gathered = {p.name for g in later if g.backward and not g.recompute for p in g.params}
     return sum(p.numel for p in ctx.params if p.name not in gathered)
+
+
+P = "parallelism"
+
+
+def zero_options(c: Check) -> None:
+    """What DeepSpeed's ZeRO stages run with: even buckets, the pipeline engine at stage 0 or 1, no stage 3
+    with tensor parallelism, hpZ partitions dividing dp."""
+    par, stage = c.par, c.par.zero.stage
+    if stage in (1, 2) and par.zero.bucket_elements % 2:
+        c.bad(
+            [P, "zero", "bucket_elements"],
+            f"{par.zero.bucket_elements}: DeepSpeed's ZeRO-1/2 need an even bucket size "
+            "(allgather_bucket_size must be a multiple of nccl_start_alignment_factor, 2)",
+        )
+    if par.pp > 1 and stage >= 2:
+        c.bad([P, "zero", "stage"], f"{stage}: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only")
+    if par.tp > 1 and stage >= 3:
+        c.bad([P, "zero", "stage"], f"{stage}: ZeRO-3 with tensor parallelism (tp={par.tp}) is unsupported")
+    if par.zero.hpz > 1 and par.dp % par.zero.hpz:
+        c.bad([P, "zero", "hpz"], f"{par.zero.hpz}: dp={par.dp} is not divisible by the hpZ partition size")
+
+
+def deepspeed_keys(c: Check) -> None:
+    """The ``deepspeed:`` block's keys: refused ones, ones the model does not follow (unless the model check
+    is off), the batch size it states."""
+    par = c.par
+    for key, message in dsconfig.refused_keys(c.ds):
+        c.bad(["deepspeed", "zero_optimization", key], message)
+    if c.checked:
+        dsconfig.unmodelled(c.ds, par.zero.stage, c.bad)
+    batch = c.ds.get("train_batch_size", "auto")
+    if dsconfig.given(batch) and batch != par.dp * par.micro_batch * par.micro_batches:
+        c.bad(
+            ["deepspeed", "train_batch_size"],
+            f"{batch} != dp*b*m = {par.dp}*{par.micro_batch}*{par.micro_batches}",
+        )
+
+
+def optimizer_wrapper(c: Check) -> None:
+    """The optimizer wrapper DeepSpeed's engine would choose (``dsconfig.optimizer``): a mix it refuses is an
+    error, one the model does not follow yet an error unless the model check is off."""
+    if not c.scheme.deepspeed:
+        return
+    par, dtype = c.par, c.model.dtype
+    where: list[str | int] = ["deepspeed", "data_types", "grad_accum_dtype"]
+    section = c.ds.get("data_types")
+    acc = section.get("grad_accum_dtype") if isinstance(section, Mapping) else None
+    if acc is not None and str(acc) not in dsconfig.DTYPES:
+        c.bad(where, f"{acc!r}: DeepSpeed's dtypes are {', '.join(sorted(dsconfig.DTYPES))}")
+        return
+    try:
+        wrapper = dsconfig.optimizer(c.ds, dtype, par.zero.stage, pipeline=par.pp > 1)
+    except ValueError as exc:
+        c.bad(where, str(exc))
+        return
+    at: list[str | int] = where if acc is not None else ["model", "dtype"]
+    if wrapper == "BF16_Optimizer" and par.tp > 1:
+        c.bad(
+            at,
+            f"{acc or dtype}: DeepSpeed's BF16_Optimizer fails with tensor parallelism on DTensor (tp={par.tp}): "
+            "its gradient norm skips every parameter not marked model_parallel and stacks an empty list on "
+            "tensor-parallel ranks > 0; use ZeRO-1 with bf16 gradient accumulation, or fp32",
+        )
+    elif c.checked and wrapper == "BF16_Optimizer" and par.moe is not None:
+        c.bad(
+            at,
+            f"{acc or dtype}: MoE under DeepSpeed's BF16_Optimizer is not modelled yet; "
+            "expectations: {model: {check: false}} runs it as a baseline-only gate",
+        )
+
+
+RULES: tuple[Rule, ...] = (zero_options, deepspeed_keys, optimizer_wrapper)

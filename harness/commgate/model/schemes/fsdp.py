@@ -34,6 +34,7 @@ from fractions import Fraction
 from commgate.model.collectives import Op
 from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
 from commgate.model.schemes._common import beyond_eq1, sharding
+from commgate.model.schemes.scheme import Check, Rule
 from commgate.model.schemes.zero3 import TERM, eq3_term
 from commgate.model.transformer import WIRE_ITEMSIZE, ParamTensor, Shard
 
@@ -136,6 +137,11 @@ def _dtypes(ctx: Context) -> tuple[str, str]:
 
 @dataclass(frozen=True, slots=True)
 class FullyShard:
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        """The consistency rules of the feature this component models (``RULES`` below)."""
+        return RULES
+
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         return [row for stage in range(ctx.scenario.parallelism.pp) for row in self._stage(ctx, stage)]
 
@@ -297,3 +303,52 @@ class FullyShard:
                 )
             )
         return out
+
+
+P = "parallelism"
+
+
+def hsdp_and_resharding(c: Check) -> None:
+    """HSDP and ``reshard_after_forward`` as an int: what FSDP2 runs that the model follows."""
+    par, rule = c.par, c.scheme
+    if rule.optional_tensor and par.tp > 1 and par.dp_replicate > 1:
+        c.bad(
+            [P, "dp_replicate"], f"{par.dp_replicate}: HSDP with tensor parallelism is not modelled yet (tp={par.tp})"
+        )
+    k = par.fsdp.reshard_group
+    if not rule.fsdp or k is None:
+        return
+    if par.dp % k:
+        c.bad([P, "fsdp", "reshard_after_forward"], f"{k}: an int must divide dp={par.dp} (reshards to groups of it)")
+    elif k not in (1, par.dp) and par.tp > 1:
+        c.bad(
+            [P, "fsdp", "reshard_after_forward"],
+            f"{k}: an int with tensor parallelism hangs torch 2.13's first forward (seen here: ranks wait in "
+            "different collectives while the post-forward mesh is built); use true or false with tp",
+        )
+
+
+def in_pipeline_stages(c: Check) -> None:
+    """FSDP2 inside torch.distributed.pipelining's stages (3-D with tp): GPipe or 1F1B, one stage per rank."""
+    par, pl = c.par, c.par.pipeline
+    if not (c.scheme.optional_pipeline and par.pp > 1):
+        return
+    if pl.engine != "torch":
+        c.bad(
+            [P, "pipeline", "engine"], "deepspeed: FSDP2 runs in torch.distributed.pipelining's stages: engine: torch"
+        )
+    elif pl.schedule not in ("gpipe", "1f1b"):
+        c.bad(
+            [P, "pipeline", "schedule"],
+            f"{pl.schedule}: FSDP2 in pipeline stages is modelled under gpipe and 1f1b (one stage per rank) yet",
+        )
+    if par.dp_replicate > 1:
+        c.bad([P, "dp_replicate"], f"{par.dp_replicate}: HSDP in pipeline stages is not modelled yet (pp={par.pp})")
+    if par.fsdp.reshard_group is not None:
+        k = par.fsdp.reshard_group
+        c.bad([P, "fsdp", "reshard_after_forward"], f"{k}: an int in pipeline stages is not modelled yet")
+    if par.cp > 1:
+        c.bad([P, "cp"], f"{par.cp}: context parallelism in pipeline stages is not modelled yet (pp={par.pp})")
+
+
+RULES: tuple[Rule, ...] = (hsdp_and_resharding, in_pipeline_stages)

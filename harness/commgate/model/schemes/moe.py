@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from commgate.model.collectives import Op
 from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
 from commgate.model.schemes.data_parallel import DataParallel
+from commgate.model.schemes.scheme import Check, Rule
 from commgate.model.transformer import ParamTensor
 
 
@@ -28,6 +30,11 @@ def capacity(ctx: Context) -> int:
 
 @dataclass(frozen=True, slots=True)
 class ExpertParallel:
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        """The consistency rules of the feature this component models (``RULES`` below)."""
+        return RULES
+
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         par, m = ctx.scenario.parallelism, ctx.scenario.model
         assert par.moe is not None
@@ -230,3 +237,51 @@ def _zero_buckets(
         bucket.append(p)
     flush()
     return out
+
+
+P = "parallelism"
+
+
+def experts(c: Check) -> None:
+    """How the experts split over the expert-parallel group, and the ZeRO stages DeepSpeed's MoE runs."""
+    par, moe, m = c.par, c.par.moe, c.model
+    if not c.scheme.moe or moe is None:
+        return
+    if par.dp % moe.ep:
+        c.bad([P, "moe", "ep"], f"{moe.ep}: dp={par.dp} is not divisible by the expert-parallel size")
+    if moe.experts % moe.ep:
+        c.bad([P, "moe", "ep"], f"{moe.ep}: experts={moe.experts} are not divisible by the expert-parallel size")
+    if moe.every > m.L:
+        c.bad([P, "moe", "every"], f"{moe.every}: greater than layers L={m.L}, so no layer would be MoE")
+    if par.zero.stage >= 3:
+        c.bad([P, "zero", "stage"], f"{par.zero.stage}: DeepSpeed MoE supports ZeRO stage 0-2 only")
+
+
+def moe_deepspeed_keys(c: Check) -> None:
+    """The ZeRO switches DeepSpeed's MoE asserts, and the one it runs that the model does not follow."""
+    zo, stage = c.ds.get("zero_optimization", {}), c.par.zero.stage
+    if c.par.moe is None or not isinstance(zo, Mapping):
+        return
+    where: list[str | int] = ["deepspeed", "zero_optimization"]
+    if zo.get("reduce_scatter", True) is False:
+        c.bad(
+            [*where, "reduce_scatter"],
+            "false: DeepSpeed's MoE needs reduce_scatter (it asserts 'Reduce Scatter ... must be set to True for MoE')",
+        )
+    if stage not in (1, 2) or zo.get("contiguous_gradients", True) is not False:
+        return
+    if stage == 2:
+        c.bad(
+            [*where, "contiguous_gradients"],
+            "false: DeepSpeed's MoE at ZeRO-2 needs contiguous gradients (it asserts 'Contiguous Gradients in "
+            "ZeRO Stage 2 must be set to True for MoE')",
+        )
+    elif c.checked:
+        c.bad(
+            [*where, "contiguous_gradients"],
+            "false: MoE at ZeRO-1 without contiguous gradients (DeepSpeed's experimental path) is not modelled "
+            "yet; expectations: {model: {check: false}} runs it as a baseline-only gate",
+        )
+
+
+RULES: tuple[Rule, ...] = (experts, moe_deepspeed_keys)

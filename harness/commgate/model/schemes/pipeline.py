@@ -24,8 +24,10 @@ from commgate.model.collectives import Op
 from commgate.model.dsconfig import grad_accum_dtype
 from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
 from commgate.model.paper import eq4_pipeline
+from commgate.model.scenario import TORCH_SCHEDULES
 from commgate.model.schemes._common import init_broadcast, micro_batches, padded
 from commgate.model.schemes.data_parallel import DataParallel
+from commgate.model.schemes.scheme import Check, Rule
 from commgate.model.schemes.tensor import activation_dtype
 from commgate.model.transformer import WIRE_ITEMSIZE
 
@@ -35,6 +37,11 @@ META_ELEMENTS = 256  # the engine's int32 tensor-metadata buffer
 
 @dataclass(frozen=True, slots=True)
 class PipelineParallel:
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        """The consistency rules of the feature this component models (``RULES`` below)."""
+        return RULES
+
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         m, par, lay = ctx.scenario.model, ctx.scenario.parallelism, ctx.layout
         if par.pp == 1:  # where pipelining is optional (FSDP2)
@@ -330,3 +337,86 @@ class PipelineDataParallel(DataParallel):
                     )
                 )
         return out
+
+
+P = "parallelism"
+
+
+def stage_layers(c: Check) -> None:
+    m, pp = c.model, c.par.pp
+    if pp > 1 and m.module is None and m.L % pp:
+        c.bad([P, "pp"], f"{pp}: layers L={m.L} are not divisible by pp")
+
+
+def engine(c: Check) -> None:
+    """A ``pipeline`` block needs a scheme with pipeline stages; DeepSpeed's engine runs its own 1F1B, torch's
+    schedules are checked by ``torch_schedule``."""
+    pl, rule = c.par.pipeline, c.scheme
+    if "pipeline" in c.declared and not (rule.pipeline or (rule.optional_pipeline and c.par.pp > 1)):
+        staged, optional = c.names(lambda r: r.pipeline), c.names(lambda r: r.optional_pipeline)
+        c.bad(
+            [P, "pipeline"],
+            f"a pipeline engine needs a pipeline scheme ({staged}, or {optional} with pp > 1), not {rule.name!r}",
+        )
+    elif pl.engine == "deepspeed" and (pl.schedule != "1f1b" or pl.virtual_stages != 1):
+        c.bad(
+            [P, "pipeline", "schedule"],
+            f"{pl.schedule}: DeepSpeed's engine runs its own 1F1B; engine: torch for others",
+        )
+    elif pl.engine == "torch":
+        torch_engine(c)
+        torch_schedule(c)
+    if pl.engine == "torch" and "deepspeed" in c.doc:
+        c.bad(
+            ["deepspeed"],
+            "DeepSpeed keys do not apply to torch.distributed.pipelining (parallelism.pipeline.engine: torch)",
+        )
+
+
+def torch_engine(c: Check) -> None:
+    """What torch.distributed.pipelining's stages run: the schemes whose record names the engine, data
+    parallelism by FSDP2 alone, no DeepSpeed options, no activation checkpointing yet."""
+    par, rule = c.par, c.scheme
+    if "torch" not in rule.pipeline_engines:
+        able = c.names(lambda r: "torch" in r.pipeline_engines)
+        c.bad(
+            [P, "pipeline", "engine"],
+            f"torch: torch.distributed.pipelining is modelled under schemes {able}, not {rule.name!r}",
+        )
+    if "zero" in c.declared:
+        c.bad([P, "zero"], "DeepSpeed's ZeRO options do not apply to torch.distributed.pipelining (engine: torch)")
+    if par.dp > 1 and not rule.optional_pipeline:
+        fsdp = c.names(lambda r: r.fsdp)
+        c.bad([P, "dp"], f"{par.dp}: data parallelism inside torch's stages is FSDP2's: use scheme {fsdp}")
+    if par.activation_checkpointing:
+        c.bad([P, "activation_checkpointing"], "true: not modelled with torch.distributed.pipelining yet")
+
+
+def torch_schedule(c: Check) -> None:
+    """A torch schedule's stages per rank, micro-batches and layers per stage."""
+    par, pl, m = c.par, c.par.pipeline, c.model
+    if not pl.looped and pl.virtual_stages != 1:
+        c.bad(
+            [P, "pipeline", "virtual_stages"], f"{pl.virtual_stages}: schedule {pl.schedule!r} runs one stage per rank"
+        )
+    if pl.schedule == "interleaved-1f1b" and pl.virtual_stages < 2:
+        c.bad(
+            [P, "pipeline", "virtual_stages"], f"{pl.virtual_stages}: an interleaved schedule needs virtual_stages >= 2"
+        )
+    rounds = max(1, par.micro_batches // par.pp)  # torch's interleaved schedules run m in rounds of p
+    if pl.looped and par.micro_batches % rounds:
+        c.bad(
+            [P, "micro_batches"],
+            f"{par.micro_batches}: torch's {TORCH_SCHEDULES[pl.schedule]} needs a multiple of its {rounds} rounds",
+        )
+    if pl.schedule == "1f1b" and par.micro_batches < par.pp:
+        c.bad([P, "micro_batches"], f"{par.micro_batches}: torch's Schedule1F1B needs at least pp={par.pp}")
+    stages = par.pp * pl.virtual_stages
+    if m.module is None and m.L % stages:
+        c.bad(
+            [P, "pipeline", "virtual_stages"],
+            f"{pl.virtual_stages}: layers L={m.L} are not divisible by pp*virtual_stages={stages}",
+        )
+
+
+RULES: tuple[Rule, ...] = (stage_layers, engine)

@@ -15,6 +15,7 @@ from commgate.model.collectives import Op
 from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
 from commgate.model.paper import eq5_tensor
 from commgate.model.schemes._common import micro_batches, rank0_term
+from commgate.model.schemes.scheme import Check, Rule
 from commgate.model.transformer import WIRE_ITEMSIZE, Shard
 
 TERM = "Eq. 5"
@@ -22,6 +23,15 @@ TERM = "Eq. 5"
 
 @dataclass(frozen=True, slots=True)
 class TensorParallel:
+    fsdp: bool = False
+    """The data-parallel side is torch FSDP2, which resolves a replicated parameter's Partial gradient once a
+    step, when it reduces (else DDP or the optimizer resolves it: ``_sequence_parallel``)."""
+
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        """The consistency rules of the feature this component models (``RULES`` below)."""
+        return RULES
+
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         m, par = ctx.scenario.model, ctx.scenario.parallelism
         if par.tp == 1:  # where tensor parallelism is optional (FSDP2)
@@ -76,7 +86,7 @@ class TensorParallel:
             if stage == 0:
                 row(1, forward, "TP vocab-parallel embedding all-reduce")
             if par.sequence_parallel:
-                rows += _sequence_parallel(ctx, base, per_stage)
+                rows += _sequence_parallel(ctx, base, per_stage, fsdp=self.fsdp)
             else:
                 row(2 * per_stage, forward, "TP forward all-reduce (row-parallel attention and MLP outputs)")
                 if par.activation_checkpointing:
@@ -182,9 +192,9 @@ def _recomputed(ctx: Context) -> int:
 
 def activation_dtype(ctx: Context) -> str:
     """The dtype the layers compute in, so the activations TP moves: the parameters', or under FSDP2 its
-    mixed-precision policy's ``param_dtype`` (the gathered parameters are cast to it)."""
-    par, dtype = ctx.scenario.parallelism, ctx.scenario.model.dtype
-    return par.fsdp.compute_dtype(dtype) if par.scheme == "fsdp" else dtype
+    mixed-precision policy's ``param_dtype`` (the gathered parameters are cast to it; only an FSDP2 scheme
+    may set one, ``commgate.model.rules.option_blocks``)."""
+    return ctx.scenario.parallelism.fsdp.compute_dtype(ctx.scenario.model.dtype)
 
 
 def _recompute_units(ctx: Context) -> int:
@@ -192,7 +202,9 @@ def _recompute_units(ctx: Context) -> int:
     return 3 if ctx.scenario.parallelism.sequence_parallel else 2 * _recomputed(ctx)
 
 
-def _sequence_parallel(ctx: Context, base: ExpectedCollective, per_stage: int) -> list[ExpectedCollective]:
+def _sequence_parallel(
+    ctx: Context, base: ExpectedCollective, per_stage: int, *, fsdp: bool
+) -> list[ExpectedCollective]:
     """Megatron-style sequence parallelism on DTensor (schemes tp and fsdp, one stage): every layer all-gathers
     its sequence shards before the attention and the MLP and reduce-scatters their row-parallel outputs,
     and the backward mirrors both: the volume of TP's all-reduces, in twice the calls. Besides: the first
@@ -227,7 +239,7 @@ def _sequence_parallel(ctx: Context, base: ExpectedCollective, per_stage: int) -
     for numel in sorted({p.numel for p in norms}):
         n = sum(1 for p in norms if p.numel == numel)
         resolve = replace(base, elements=numel, paper_term=None)
-        if par.scheme == "fsdp":  # FSDP2 resolves the gradient once a step, when it reduces
+        if fsdp:  # FSDP2 resolves the gradient once a step, when it reduces
             f = par.fsdp
             computed = f.compute_dtype(ctx.scenario.model.dtype)
             # micro-batches without sync accumulate it cast to reduce_dtype (``to_accumulated_grad_if_needed``)
@@ -276,3 +288,45 @@ def _distribute(ctx: Context, base: ExpectedCollective, stage: int) -> list[Expe
             continue
         out.append(replace(init, op=op, elements=p.numel, source=source))
     return out
+
+
+P = "parallelism"
+
+
+def tensor_shapes(c: Check) -> None:
+    """What tensor parallelism over ``tp`` ranks splits: whole heads, key/value heads, the MLP's width and
+    the vocabulary (Megatron's vocab-parallel embedding) on each rank."""
+    m, tp = c.model, c.par.tp
+    if tp == 1 or m.module is not None:
+        return
+    if m.a % tp:
+        c.bad([P, "tp"], f"{tp}: heads a={m.a} are not divisible by tp")
+    if m.llama and m.kv % tp:
+        c.bad([P, "tp"], f"{tp}: key/value heads kv_heads={m.kv} are not divisible by tp (each rank holds whole heads)")
+    if m.ffn_hidden is not None and m.ffn % tp:  # x*h divides when the heads do
+        c.bad([P, "tp"], f"{tp}: the MLP width ffn={m.ffn} is not divisible by tp")
+    if m.V % tp:
+        c.bad([P, "tp"], f"{tp}: vocabulary V={m.V} is not divisible by tp (vocab-parallel embedding)")
+
+
+def sequence_parallelism(c: Check) -> None:
+    """Sequence parallelism runs inside tensor parallelism, and not (yet) across pipeline stages."""
+    par, rule = c.par, c.scheme
+    if not par.sequence_parallel:
+        return
+    if not (rule.tensor or (rule.optional_tensor and par.tp > 1)):
+        c.bad(
+            [P, "sequence_parallel"],
+            f"true: sequence parallelism runs inside tensor parallelism, not scheme {rule.name!r}",
+        )
+    elif par.pp > 1 and par.pipeline.engine == "deepspeed" and rule.pipeline:
+        alone = c.names(lambda r: r.tensor and not r.pipeline)
+        c.bad(
+            [P, "sequence_parallel"],
+            f"true: not modelled under DeepSpeed's pipeline engine yet (scheme {rule.name}); use {alone}",
+        )
+    elif par.pp > 1:
+        c.bad([P, "sequence_parallel"], "true: not modelled in pipeline stages yet")
+
+
+RULES: tuple[Rule, ...] = (tensor_shapes, sequence_parallelism)

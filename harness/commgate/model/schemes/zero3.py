@@ -16,6 +16,7 @@ from commgate.model.collectives import Op
 from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
 from commgate.model.paper import eq3_zero3
 from commgate.model.schemes._common import beyond_eq1, data_ranks, init_broadcast, rank0_term
+from commgate.model.schemes.scheme import Rule
 
 TERM = "Eq. 3"
 
@@ -33,6 +34,11 @@ def eq3_term(ctx: Context) -> PaperTerm:
 
 @dataclass(frozen=True, slots=True)
 class Zero3:
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        """None of its own: the engines built on it bring theirs."""
+        return ()
+
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         lay, z = ctx.layout, ctx.scenario.parallelism.zero
         n, dtype = ctx.param_count, ctx.scenario.model.dtype

@@ -39,14 +39,11 @@ import collections
 import functools
 import sys
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 from commgate.model.expectation import Context
 from commgate.model.moduletrace import Hook, Module
+from commgate.model.scenario import Scenario
 from commgate.model.transformer import ParamTensor
-
-if TYPE_CHECKING:
-    from commgate.model.scenario import Scenario
 
 DEFAULTS = {
     "stage3_prefetch_bucket_size": 50_000_000,

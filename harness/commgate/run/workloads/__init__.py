@@ -3,14 +3,21 @@
 A workload is built once per rank as ``Workload(scenario, rank=..., device=...)`` — engine
 construction is the *init* phase — and ``step(k)`` runs training step k (all micro-batches and the
 optimizer). ``commgate.run.interpose.optimizer_phase()`` marks the optimizer's calls.
+
+Which workload runs a scenario is this layer's registry: ``WORKLOADS`` (commgate's own trainer, by
+scheme: one entry per ``commgate.model.schemes.SCHEMES`` record) and ``TRAINER_WORKLOADS`` (by trainer:
+one entry per ``commgate.model.trainers.TRAINERS`` record). Each entry imports its module only when a
+scenario runs.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from commgate.model.scenario import Scenario, emulation_refusal
+from commgate.model.rules import emulation_refusal
+from commgate.model.scenario import TORCH_SCHEDULES, Scenario
 from commgate.model.schemes import SCHEMES
 
 if TYPE_CHECKING:
@@ -27,6 +34,88 @@ class WorkloadFactory(Protocol):
     def __call__(self, scenario: Scenario, *, rank: int, device: torch.device) -> Workload: ...
 
 
+def _ddp() -> WorkloadFactory:
+    from commgate.run.workloads.ddp import DDPWorkload
+
+    return DDPWorkload
+
+
+def _zero() -> WorkloadFactory:
+    from commgate.run.workloads.zero import ZeroWorkload
+
+    return ZeroWorkload
+
+
+def _fsdp() -> WorkloadFactory:
+    from commgate.run.workloads.fsdp import fsdp_workload
+
+    return fsdp_workload
+
+
+def _tp() -> WorkloadFactory:
+    from commgate.run.workloads.tp import TPWorkload
+
+    return TPWorkload
+
+
+def _cp() -> WorkloadFactory:
+    from commgate.run.workloads.cp import CPWorkload
+
+    return CPWorkload
+
+
+def _pp() -> WorkloadFactory:
+    from commgate.run.workloads.pp import pipeline_workload
+
+    return pipeline_workload
+
+
+def _3d() -> WorkloadFactory:
+    from commgate.run.workloads.pp import PipelineWorkload
+
+    return PipelineWorkload
+
+
+def _moe() -> WorkloadFactory:
+    from commgate.run.workloads.moe import MoEWorkload
+
+    return MoEWorkload
+
+
+WORKLOADS: dict[str, Callable[[], WorkloadFactory]] = {
+    "ddp": _ddp,
+    "zero1": _zero,
+    "zero2": _zero,
+    "zero3": _zero,
+    "zero++": _zero,
+    "fsdp": _fsdp,
+    "tp": _tp,
+    "cp": _cp,
+    "pp": _pp,
+    "3d": _3d,
+    "moe": _moe,
+}
+"""commgate's own workload of each scheme (``tests/test_architecture.py`` checks every scheme has one)."""
+
+
+def _commgate(scenario: Scenario) -> WorkloadFactory:
+    return WORKLOADS[scenario.parallelism.scheme]()
+
+
+TRAINER_WORKLOADS: dict[str, Callable[[Scenario], WorkloadFactory]] = {"commgate": _commgate}
+"""What runs a scenario of each trainer (every ``TRAINERS`` record has one)."""
+
+
+def resolve(scenario: Scenario) -> WorkloadFactory:
+    """What builds and steps ``scenario`` on a rank: the user's ``workload:`` function, or its trainer's
+    workload for its scheme."""
+    if scenario.workload is not None:
+        module, _, attr = scenario.workload.partition(":")
+        factory: WorkloadFactory = getattr(importlib.import_module(module), attr)
+        return factory
+    return TRAINER_WORKLOADS[scenario.trainer](scenario)
+
+
 def skip_reason(scenario: Scenario, *, gpus: bool) -> str | None:
     """Why ``scenario`` cannot run here (``gpus``: whether this machine has any), or None."""
     par = scenario.parallelism
@@ -38,19 +127,18 @@ def skip_reason(scenario: Scenario, *, gpus: bool) -> str | None:
         return None
     if scenario.model.tied_embeddings and (par.pp > 1 or par.tp > 1):
         return "the tensor- and pipeline-parallel workloads do not tie embeddings yet (`commgate predict` models it)"
-    if SCHEMES[par.scheme].deepspeed and scenario.model.dtype == "fp16" and (not gpus or scenario.backend == "gloo"):
+    cpu = not gpus or scenario.backend == "gloo"
+    if SCHEMES[par.scheme].deepspeed and scenario.model.dtype == "fp16" and cpu:
         return "DeepSpeed's fp16 runs on GPUs only (its CPU accelerator supports bf16 and fp32)"
     if par.pipeline.engine == "torch" and (missing := _missing_schedule(par.pipeline.schedule)):
         return missing
-    if par.scheme == "zero++" and (par.zero.qwz or par.zero.qgz) and (not gpus or scenario.backend == "gloo"):
+    if (par.zero.qwz or par.zero.qgz) and cpu:  # (ZeRO++ options: scheme zero++ alone allows them)
         return "ZeRO++ qwZ/qgZ run on GPUs only: DeepSpeed's quantizer has no CPU kernel (hpZ alone runs on CPU)"
     return None
 
 
 def _missing_schedule(schedule: str) -> str | None:
     """Why the installed torch cannot run ``schedule`` (torch.distributed.pipelining lacks its class)."""
-    from commgate.model.scenario import TORCH_SCHEDULES
-
     try:
         from torch.distributed import pipelining
     except ImportError as exc:
@@ -59,10 +147,3 @@ def _missing_schedule(schedule: str) -> str | None:
     if not hasattr(pipelining, name):
         return f"pipeline.schedule {schedule}: this torch's torch.distributed.pipelining has no {name}"
     return None
-
-
-def resolve(scheme: str, workload: str | None = None) -> WorkloadFactory:
-    """The workload class (or a user's ``module:function``) for a scheme."""
-    module, _, attr = (workload or SCHEMES[scheme].workload).partition(":")
-    factory: WorkloadFactory = getattr(importlib.import_module(module), attr)
-    return factory

@@ -21,8 +21,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from commgate.model.scenario import Scenario
-from commgate.model.transformer import ModelSpec
+from commgate.model.scenario import ModelSpec, Scenario
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -17,8 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from commgate.core.errors import CommgateError
-from commgate.model.scenario import Scenario
-from commgate.model.transformer import ModelSpec
+from commgate.model.scenario import ModelSpec, Scenario
 from commgate.run.interpose import phase
 from commgate.run.workloads.gpt import DTYPES, GPT, batch
 from commgate.run.workloads.zero import ds_config

@@ -17,9 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
 from commgate.model.expectation import Context
-from commgate.model.scenario import TORCH_SCHEDULES, Scenario
+from commgate.model.scenario import TORCH_SCHEDULES, ModelSpec, Scenario
 from commgate.model.schemes.tensor import activation_dtype
-from commgate.model.transformer import ModelSpec
 from commgate.run.interpose import optimizer_phase, phase
 from commgate.run.workloads.gpt import DTYPES, GPT, batch
 from commgate.run.workloads.tp import embedding_plan, head_plan, layer_plan

@@ -31,8 +31,7 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 
 from commgate.core.errors import CommgateError
-from commgate.model.scenario import Scenario
-from commgate.model.transformer import ModelSpec
+from commgate.model.scenario import ModelSpec, Scenario
 from commgate.run.interpose import optimizer_phase
 from commgate.run.workloads.gpt import DTYPES, GPT, batch
 

@@ -1,0 +1,603 @@
+"""Scenario files: YAML -> JSON-Schema validation -> sweep expansion -> records -> consistency rules.
+
+Every problem of a file is reported at once, one line each, naming the file, its line, the JSON path,
+the offending value and what was expected (``commgate.core.errors.Problem``). Only ``yaml.SafeLoader`` is
+used, so ``!!python/...`` tags are rejected. The records are ``commgate.model.scenario``'s; the rules are
+those of every scenario (``commgate.model.rules``), of the schemes' components (``SCHEMES``) and of the
+scenario's trainer (``TRAINERS``).
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import functools
+import itertools
+import json
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from commgate.core import schemas
+from commgate.core.errors import Problem, ScenarioError
+from commgate.core.fsutil import json_path
+from commgate.model import dsconfig, rules, trainers
+from commgate.model.scenario import (
+    Expectations,
+    FSDPConfig,
+    ModelSpec,
+    MoEConfig,
+    Parallelism,
+    PipelineConfig,
+    Scenario,
+    Tolerance,
+    ZeroConfig,
+)
+from commgate.model.schemes import RULES, SCHEMES
+from commgate.model.schemes.scheme import Bad, Check
+from commgate.model.trainers import TRAINERS
+from commgate.model.transformer import PRESETS
+
+SCENARIO_SUFFIXES = (".yaml", ".yml")
+
+
+# --------------------------------------------------------------------------------------------- schema
+
+
+@functools.cache
+def schema() -> dict[str, Any]:
+    """The published scenario JSON Schema (draft 2020-12), with the enums of ``parallelism.scheme`` and
+    ``trainer`` filled in from their registries (``SCHEMES``, ``TRAINERS``: the one list of each)."""
+    doc = copy.deepcopy(schemas.load("scenario"))
+    doc["properties"]["parallelism"]["properties"]["scheme"]["enum"] = list(SCHEMES)
+    doc["properties"]["trainer"]["enum"] = list(TRAINERS)
+    return doc
+
+
+@functools.cache
+def _validator() -> jsonschema.protocols.Validator:
+    cls = jsonschema.validators.validator_for(schema())
+    cls.check_schema(schema())
+    return cls(schema())
+
+
+def _show(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _type_name(value: Any) -> str:
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", dict: "mapping"}.get(
+        type(value), type(value).__name__
+    )
+
+
+class _Located:
+    """Maps JSON paths of a YAML document to line numbers."""
+
+    def __init__(self, node: yaml.Node | None) -> None:
+        self.node = node
+
+    def line(self, parts: Sequence[Any]) -> int | None:
+        node = self.node
+        if node is None:
+            return None
+        best = node.start_mark.line + 1
+        for part in parts:
+            nxt: yaml.Node | None = None
+            if isinstance(node, yaml.MappingNode):
+                for k, v in node.value:
+                    if k.value == str(part):
+                        nxt = v
+                        best = k.start_mark.line + 1
+                        break
+            elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+                nxt = node.value[part]
+                best = nxt.start_mark.line + 1
+            if nxt is None:
+                break
+            node = nxt
+        return best
+
+
+def _non_finite(doc: Any, path: list[Any]) -> Iterator[list[Any]]:
+    """Paths of NaN and infinite numbers (YAML's ``.nan``, ``.inf``): a schema's bounds cannot catch them."""
+    if isinstance(doc, float) and not math.isfinite(doc):
+        yield path
+    elif isinstance(doc, Mapping):
+        for k, v in doc.items():
+            yield from _non_finite(v, [*path, k])
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _non_finite(v, [*path, i])
+
+
+def _schema_problems(doc: Any, file: str, where: _Located, context: str = "") -> list[Problem]:
+    problems = [
+        Problem(file=file, path=json_path(parts), message="not a finite number" + context, line=where.line(parts))
+        for parts in _non_finite(doc, [])
+    ]
+    for err in _validator().iter_errors(doc):
+        for parts, message in _describe(err):
+            problems.append(
+                Problem(file=file, path=json_path(parts), message=message + context, line=where.line(parts))
+            )
+    return problems
+
+
+def _describe(err: jsonschema.ValidationError) -> Iterator[tuple[list[Any], str]]:
+    """One or more (path, message) pairs for a jsonschema error, worded for people."""
+    path = list(err.absolute_path)
+    inst: Any = err.instance
+    kind: Any = err.validator
+    want: Any = err.validator_value
+    sub: Any = err.schema
+    if kind == "required":
+        for name in want:
+            if isinstance(inst, Mapping) and name not in inst:
+                yield path, f"missing required field {name!r}"
+    elif kind == "additionalProperties" and isinstance(inst, Mapping):
+        allowed = sorted(sub.get("properties", {}))
+        for key in sorted(set(inst) - set(allowed), key=str):
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            yield [*path, key], f"unknown field {key!r}; {hint}expected one of: {', '.join(allowed)}"
+    elif kind == "type":
+        yield (
+            path,
+            f"{_show(inst)} is {'an' if _type_name(inst)[0] in 'aeiou' else 'a'} {_type_name(inst)}, "
+            f"expected {want if isinstance(want, str) else ' or '.join(want)}",
+        )
+    elif kind == "enum":
+        yield path, f"{_show(inst)} is not one of: {', '.join(str(v) for v in want)}"
+    elif kind == "const":
+        yield path, f"{_show(inst)} is not supported, expected {_show(want)}"
+    elif kind in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        relation = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}[kind]
+        yield path, f"{_show(inst)} is out of range, expected a value {relation} {want}"
+    elif kind == "pattern" and "propertyNames" not in err.schema_path:
+        yield path, f"{_show(inst)} is malformed; {sub.get('description', 'expected pattern ' + want)}"
+    elif kind in ("propertyNames", "pattern"):
+        yield (
+            path,
+            (
+                f"sweep key {_show(inst)} is not a field path; expected a dotted path under "
+                "model, parallelism, steps, warmup_steps or backend (e.g. 'model.s')"
+            ),
+        )
+    elif kind == "uniqueItems":
+        yield path, f"{_show(inst)} has duplicate items"
+    elif kind in ("minItems", "minProperties"):
+        yield path, "must not be empty"
+    else:  # pragma: no cover - wording for validators the schema does not use yet
+        yield path, err.message
+
+
+# ------------------------------------------------------------------------------------------- loading
+
+
+def _parse_yaml(text: str, file: str) -> tuple[Any, _Located]:
+    """Safe-load one YAML document, rejecting duplicate keys; raises ScenarioError on syntax errors."""
+    try:
+        loader = yaml.SafeLoader(text)
+        try:
+            node = loader.get_single_node()
+            if node is not None:
+                _bounded(node, file)
+            problems = list(_duplicate_keys(node, file, [])) if node is not None else []
+            if problems:
+                raise ScenarioError(problems)
+            data = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else None
+        what = exc.problem or str(exc)
+        if isinstance(exc, yaml.constructor.ConstructorError) and "tag" in what:
+            what = f"{what.split(' for the tag ')[-1].strip()} tag is not allowed; scenarios are plain YAML"
+            kind = "unsupported YAML tag"
+        else:
+            kind = "YAML syntax error"
+        raise ScenarioError([Problem(file=file, path="$", message=f"{kind}: {what}", line=line)]) from None
+    except yaml.YAMLError as exc:
+        raise ScenarioError([Problem(file=file, path="$", message=f"YAML error: {exc}")]) from None
+    except RecursionError:
+        message = "YAML nested too deeply to read (thousands of levels); a scenario is a few levels deep"
+        raise ScenarioError([Problem(file=file, path="$", message=message)]) from None
+    return data, _Located(node)
+
+
+MAX_NODES, MAX_DEPTH = 100_000, 64
+"""Bounds on a scenario document, counted with YAML aliases expanded (an alias "bomb" of a few lines
+expands to billions of nodes, which validation would walk)."""
+
+
+def _bounded(root: yaml.Node, file: str) -> None:
+    """Raise ScenarioError if the document, aliases expanded, has more than MAX_NODES nodes or is nested
+    deeper than MAX_DEPTH (an iterative walk that stops at the bound)."""
+    stack, seen = [(root, 1)], 0
+    while stack:
+        node, depth = stack.pop()
+        seen += 1
+        problem = (
+            f"the document expands to more than {MAX_NODES:,} YAML nodes (aliases expanded)"
+            if seen > MAX_NODES
+            else f"nested deeper than {MAX_DEPTH} levels"
+            if depth > MAX_DEPTH
+            else None
+        )
+        if problem:
+            line = node.start_mark.line + 1 if node.start_mark else None
+            raise ScenarioError([Problem(file=file, path="$", message=f"{problem}; not a scenario", line=line)])
+        if isinstance(node, yaml.MappingNode):
+            stack += [(n, depth + 1) for pair in node.value for n in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            stack += [(n, depth + 1) for n in node.value]
+
+
+def _duplicate_keys(node: yaml.Node, file: str, path: list[Any]) -> Iterator[Problem]:
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for k, v in node.value:
+            key = str(k.value)
+            if key in seen:
+                yield Problem(
+                    file=file,
+                    path=json_path([*path, key]),
+                    message=f"duplicate key {key!r} (first on line {seen[key]}); YAML would keep only the last",
+                    line=k.start_mark.line + 1,
+                )
+            else:
+                seen[key] = k.start_mark.line + 1
+            yield from _duplicate_keys(v, file, [*path, key])
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            yield from _duplicate_keys(v, file, [*path, i])
+
+
+def load_text(text: str, *, file: str = "<string>") -> list[Scenario]:
+    """All scenarios (sweeps expanded) defined by one YAML document."""
+    doc, where = _parse_yaml(text, file)
+    return load_document(doc, file=file, where=where)
+
+
+def load_document(doc: Any, *, file: str, where: _Located | None = None) -> list[Scenario]:
+    """All scenarios defined by an already parsed document (e.g. one built from command-line flags)."""
+    where = where or _Located(None)
+    if doc is None:
+        raise ScenarioError([Problem(file=file, path="$", message="the file is empty; expected a scenario mapping")])
+    problems = _schema_problems(doc, file, where)
+    if problems:
+        raise ScenarioError(problems)
+    scenarios: list[Scenario] = []
+    for label, variant in _expand(doc, file, where):
+        context = f" (sweep variant {label})" if label else ""
+        problems += _schema_problems(variant, file, where, context)
+        if not problems:
+            built, found = _build(variant, file=file, where=where, label=label)
+            problems += [replace(p, message=p.message + context) for p in found]
+            if built is not None:
+                scenarios.append(built)
+    if problems:
+        raise ScenarioError(problems)
+    return scenarios
+
+
+MAX_FILE_BYTES = 1 << 20
+"""A scenario file is at most this large (a YAML document larger than 1 MiB is not a scenario)."""
+
+
+def load_file(path: str | Path) -> list[Scenario]:
+    file = str(path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ScenarioError([Problem(file=file, path="$", message=f"cannot read: {exc.strerror}")]) from None
+    if len(data) > MAX_FILE_BYTES:
+        message = f"{len(data):,} bytes: larger than a scenario file can be ({MAX_FILE_BYTES:,} bytes)"
+        raise ScenarioError([Problem(file=file, path="$", message=message)])
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        utf16 = data.startswith((b"\xff\xfe", b"\xfe\xff"))
+        what = "it starts with a UTF-16 byte-order mark" if utf16 else f"byte {exc.start} is 0x{data[exc.start]:02x}"
+        message = f"not UTF-8 text ({what}); scenario files are UTF-8 YAML"
+        raise ScenarioError([Problem(file=file, path="$", message=message)]) from None
+    return load_text(text.removeprefix("\ufeff"), file=file)
+
+
+def scenario_files(paths: Iterable[str | Path]) -> list[Path]:
+    """The scenario files named by ``paths`` (directories are searched recursively)."""
+    out: list[Path] = []
+    for raw in paths:
+        p = Path(raw)
+        if p.is_dir():
+            out += sorted(f for f in p.rglob("*") if f.suffix in SCENARIO_SUFFIXES and f.is_file())
+        else:
+            out.append(p)
+    return out
+
+
+def load_paths(paths: Iterable[str | Path]) -> list[Scenario]:
+    """Scenarios of every file under ``paths``; all problems of all files are raised together."""
+    files = scenario_files(paths)
+    problems: list[Problem] = []
+    scenarios: list[Scenario] = []
+    for f in files:
+        try:
+            scenarios += load_file(f)
+        except ScenarioError as exc:
+            problems += exc.problems
+    if not files and not problems:
+        problems.append(Problem(file=", ".join(map(str, paths)) or ".", path="$", message="no scenario files (*.yaml)"))
+    seen: dict[str, str | None] = {}
+    for s in scenarios:
+        if s.id in seen:
+            problems.append(
+                Problem(
+                    file=s.file or "?", path="$.name", message=f"scenario id {s.id!r} is also defined in {seen[s.id]}"
+                )
+            )
+        seen[s.id] = s.file
+    if problems:
+        raise ScenarioError(problems)
+    return scenarios
+
+
+# -------------------------------------------------------------------------------------------- sweeps
+
+
+SWEEP_LIMIT = 64
+"""The most variants a sweep expands into unless the scenario's ``sweep_limit`` raises it."""
+
+
+def _expand(doc: dict[str, Any], file: str, where: _Located) -> Iterator[tuple[str, dict[str, Any]]]:
+    sweep: dict[str, list[Any]] = doc.get("sweep") or {}
+    base = {k: v for k, v in doc.items() if k not in ("sweep", "sweep_limit")}
+    if not sweep:
+        yield "", base
+        return
+    # A key "a.b+c.d" moves its paths together: each of its values is a list with one value per path
+    # (a strong-scaling sweep: dp up while micro-batches go down). Keys are combined as a product.
+    axes: list[list[list[tuple[str, Any]]]] = []
+    for key, values in sweep.items():
+        paths = key.split("+")
+        if len(paths) == 1:
+            axes.append([[(key, v)] for v in values])
+            continue
+        bad = [v for v in values if not isinstance(v, list) or len(v) != len(paths)]
+        if bad:
+            msg = f"{bad[0]!r}: each value of a joined key is a list of {len(paths)} values, one per path"
+            raise ScenarioError(
+                [Problem(file=file, path=f"$.sweep.{key}", message=msg, line=where.line(["sweep", key]))]
+            )
+        axes.append([list(zip(paths, v, strict=True)) for v in values])
+    limit = doc.get("sweep_limit", SWEEP_LIMIT)
+    if (variants := math.prod(len(a) for a in axes)) > limit:
+        msg = (
+            f"{' x '.join(str(len(a)) for a in axes)} = {variants:,} variants, more than the sweep limit {limit}; "
+            "raise it with sweep_limit: N if you mean it"
+        )
+        raise ScenarioError([Problem(file=file, path="$.sweep", message=msg, line=where.line(["sweep"]))])
+    for combo in itertools.product(*axes):
+        variant = copy.deepcopy(base)
+        assignments = [pair for group in combo for pair in group]
+        for key, value in assignments:
+            node = variant
+            parts = key.split(".")
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise ScenarioError(
+                        [
+                            Problem(
+                                file=file,
+                                path=f"$.sweep.{key}",
+                                message=f"{part!r} is not a mapping",
+                                line=where.line(["sweep", key]),
+                            )
+                        ]
+                    )
+            node[parts[-1]] = value
+        yield ",".join(f"{k.split('.')[-1]}={v}" for k, v in assignments), variant
+
+
+# --------------------------------------------------------------------------------------------- build
+
+
+def _build(doc: dict[str, Any], *, file: str, where: _Located, label: str) -> tuple[Scenario | None, list[Problem]]:
+    """The scenario a (sweep variant's) document describes, or None and its problems: the records built
+    from it, then every consistency rule run on them."""
+    problems: list[Problem] = []
+
+    def bad(parts: list[Any], message: str) -> None:
+        problems.append(Problem(file=file, path=json_path(parts), message=message, line=where.line(parts)))
+
+    ds = _deepspeed_block(doc, file, bad)
+    if ds is None:
+        return None, problems
+    model_doc, par_doc = _from_deepspeed(ds, dict(doc["model"]), dict(doc["parallelism"]), bad)
+    model = _build_model(model_doc, bad)
+    par = _build_parallelism(par_doc, bad)
+    if model is None:
+        return None, problems
+    check = Check(doc=doc, model=model, par=par, ds=ds, scheme=SCHEMES[par.scheme], schemes=SCHEMES, bad=bad)
+    trainer = TRAINERS[doc.get("trainer", "commgate")]
+    for rule in (*rules.RULES, *RULES, *trainers.rules(trainer)):
+        rule(check)
+    if problems:
+        return None, problems
+    return _scenario(doc, model, par, ds, file=file, label=label), problems
+
+
+def _deepspeed_block(doc: dict[str, Any], file: str, bad: Bad) -> dict[str, Any] | None:
+    """The ``deepspeed:`` block with a file it names merged in (None when it cannot be read)."""
+    try:
+        ds = dsconfig.load(doc.get("deepspeed", {}), scenario_file=file)
+    except ValueError as exc:
+        bad(["deepspeed"], str(exc))
+        return None
+    wrong = dsconfig.not_mappings(ds)
+    for key, message in wrong:
+        bad(["deepspeed", key], message)
+    return None if wrong else ds
+
+
+def _scenario(
+    doc: dict[str, Any], model: ModelSpec, par: Parallelism, ds: dict[str, Any], *, file: str, label: str
+) -> Scenario:
+    markers = tuple(doc.get("markers", ()))
+    backend = doc.get("backend", "auto")
+    if backend == "nccl" and "gpu" not in markers:
+        markers += ("gpu",)
+    name = doc["name"]
+    return Scenario(
+        id=f"{name}[{label}]" if label else name,
+        name=name,
+        description=doc.get("description", ""),
+        file=file,
+        model=model,
+        parallelism=par,
+        backend=backend,
+        emulate=bool(doc.get("emulate", False)),
+        steps=doc.get("steps", 3),
+        warmup_steps=doc.get("warmup_steps", 1),
+        deadline_s=float(doc.get("deadline_s", 300.0)),
+        stall_s=float(doc["stall_s"]) if "stall_s" in doc else None,
+        markers=markers,
+        trainer=doc.get("trainer", "commgate"),
+        workload=doc.get("workload"),
+        expectations=_build_expectations(doc.get("expectations", {})),
+        deepspeed=json.dumps(ds, sort_keys=True),
+        warnings=tuple(dsconfig.unknown_keys(ds)),
+    )
+
+
+def _from_deepspeed(
+    ds: dict[str, Any], model: dict[str, Any], par: dict[str, Any], bad: Bad
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The scenario's model and parallelism with what the DeepSpeed block states filled in; a value the
+    scenario states otherwise is a problem naming both."""
+    zero = dict(par.get("zero", {}))
+    zo = ds.get("zero_optimization", {})
+    zo = zo if isinstance(zo, Mapping) else {}
+
+    def take(target: dict[str, Any], field: str, value: Any, key: str, where: str) -> None:
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**62:  # JSON's 5e8
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            bad(["deepspeed", *key.split(".")], f"{value!r}: expected a whole number >= 1")
+            return
+        if field in target and target[field] != value:
+            bad(["deepspeed", *key.split(".")], f"{value!r} contradicts {where}.{field} = {target[field]!r}")
+        target[field] = value
+
+    if dsconfig.given(ds.get("gradient_accumulation_steps", "auto")):
+        take(par, "micro_batches", ds["gradient_accumulation_steps"], "gradient_accumulation_steps", "parallelism")
+    if dsconfig.given(ds.get("train_micro_batch_size_per_gpu", "auto")):
+        take(par, "micro_batch", ds["train_micro_batch_size_per_gpu"], "train_micro_batch_size_per_gpu", "parallelism")
+    buckets = {zo[k] for k in ("reduce_bucket_size", "allgather_bucket_size") if dsconfig.given(zo.get(k, "auto"))}
+    if dsconfig.given(zo.get("reduce_bucket_size", "auto")):
+        take(
+            zero,
+            "bucket_elements",
+            zo["reduce_bucket_size"],
+            "zero_optimization.reduce_bucket_size",
+            "parallelism.zero",
+        )
+    elif buckets:  # allgather_bucket_size alone: DeepSpeed asserts it is even; torch >= 1.13 ignores it
+        zero.setdefault("bucket_elements", ZeroConfig().bucket_elements)
+    if dsconfig.given(zo.get("zero_hpz_partition_size", "auto")):
+        take(
+            zero, "hpz", zo["zero_hpz_partition_size"], "zero_optimization.zero_hpz_partition_size", "parallelism.zero"
+        )
+    if dsconfig.given(zo.get("stage", "auto")):
+        implied = SCHEMES[par["scheme"]].zero_stage if par.get("scheme") in SCHEMES else None
+        stage = zero.get("stage", implied if implied is not None else 0)
+        if zo["stage"] != stage:
+            bad(
+                ["deepspeed", "zero_optimization", "stage"],
+                f"{zo['stage']} contradicts scheme {par.get('scheme')!r} (ZeRO stage {stage})",
+            )
+    for key, dtype in (("bf16", "bf16"), ("fp16", "fp16")):
+        if dsconfig.enabled(ds, key):
+            if model.get("dtype", dtype) != dtype:
+                bad(["deepspeed", key, "enabled"], f"True contradicts model.dtype = {model['dtype']!r}")
+            model["dtype"] = dtype
+    if zero:
+        par["zero"] = zero
+    return model, par
+
+
+_DIMS = ("L", "h", "a", "V", "s")
+
+
+def _build_model(m: dict[str, Any], bad: Bad) -> ModelSpec | None:
+    explicit = {k: v for k, v in m.items() if k != "preset"}
+    if "x" in explicit and "ffn_hidden" in explicit:
+        bad(
+            ["model", "ffn_hidden"], f"{explicit['ffn_hidden']} and x={explicit['x']} both give the MLP width; keep one"
+        )
+    if "module" in explicit:  # a user's own model: its parameters come from the module, not dimensions
+        if set(explicit) & {"L", "h", "a", "V", "architecture", "kv_heads", "ffn_hidden", "x"} or "preset" in m:
+            bad(["model", "module"], "a user's module takes no preset or dimensions (only s and dtype)")
+        return ModelSpec(L=1, h=1, a=1, V=1, s=explicit.get("s", 1), dtype=explicit.get("dtype", "fp32"),
+                         autocast=explicit.get("autocast"), module=explicit["module"], position="none")  # fmt: skip
+    if explicit.get("architecture") == "llama" and "position" not in explicit:
+        explicit["position"] = "rotary"  # Llama's; a gpt-neox preset's learned positions do not carry over
+    if "preset" in m:
+        return replace(PRESETS[m["preset"]], **explicit)
+    missing = [d for d in _DIMS if d not in m]
+    for d in missing:
+        bad(["model"], f"missing field {d!r}; give a preset (e.g. preset: 19M-cpu) or all of {', '.join(_DIMS)}")
+    return None if missing else ModelSpec(**explicit)
+
+
+def _build_parallelism(p: dict[str, Any], bad: Bad) -> Parallelism:
+    scheme = p["scheme"]
+    implied = SCHEMES[scheme].zero_stage
+    zero_doc = dict(p.get("zero", {}))
+    if implied is not None:
+        if zero_doc.get("stage", implied) != implied:
+            bad(
+                ["parallelism", "zero", "stage"],
+                f"{zero_doc['stage']} contradicts scheme {scheme!r} (ZeRO stage {implied})",
+            )
+        zero_doc["stage"] = implied
+    moe = MoEConfig(**p["moe"]) if "moe" in p else None
+    rest = {k: v for k, v in p.items() if k not in ("zero", "moe", "fsdp", "pipeline")}
+    return Parallelism(
+        **rest,
+        zero=ZeroConfig(**zero_doc),
+        moe=moe,
+        fsdp=FSDPConfig(**p.get("fsdp", {})),
+        pipeline=PipelineConfig(**p.get("pipeline", {})),
+    )
+
+
+def _build_expectations(e: dict[str, Any]) -> Expectations:
+    def tol(d: dict[str, Any] | None, default: Tolerance) -> Tolerance:
+        return replace(default, **d) if d else default
+
+    base = Expectations()
+    model, paper, baseline = e.get("model", {}), e.get("paper", {}), e.get("baseline", {})
+    return Expectations(
+        model_check=model.get("check", True),
+        model_bytes=tol(model.get("bytes"), base.model_bytes),
+        model_calls=tol(model.get("calls"), base.model_calls),
+        paper_rtol=paper.get("rtol", base.paper_rtol),
+        baseline_bytes=tol(baseline.get("bytes"), base.baseline_bytes),
+        baseline_calls=tol(baseline.get("calls"), base.baseline_calls),
+        latency=replace(base.latency, **baseline.get("latency", {})),
+        cold_start=replace(base.cold_start, **e.get("drift", {}).get("cold_start", {})),
+        time_max_error=e.get("time", {}).get("max_error"),
+    )
