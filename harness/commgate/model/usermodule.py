@@ -107,8 +107,18 @@ def _describe(scenario: Scenario) -> Described:
 
     model, inputs = build(scenario, torch.device("meta"))
     spec = scenario.model.module
+    assert spec is not None
     # as the workload holds it (commgate.run.workloads.gpt.build): floating-point tensors in the scenario's dtype
     model = model.to(dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[scenario.model.dtype])
+    params, buffers, modules = _inventory(model, spec)
+    ready, events = _trace(model, inputs, spec)
+    by_name = {p.name: p for p in params}
+    first, later = _hooks(events, modules, by_name, {p.name: i for i, p in enumerate(params)})
+    return Described(params=params, buffers=buffers, ready=ready, first=first, later=later)
+
+
+def _inventory(model: Any, spec: str) -> tuple[tuple[ParamTensor, ...], tuple[Buffer, ...], dict[str, Module]]:
+    """The module's parameters (frozen ones marked), its buffers and each submodule's own parameters."""
     names = {id(p): n for n, p in model.named_parameters()}
     params = tuple(
         ParamTensor(
@@ -126,77 +136,119 @@ def _describe(scenario: Scenario) -> Described:
     for mname, mod in model.named_modules():
         own = tuple(names[id(p)] for p in mod._parameters.values() if p is not None and id(p) in names)
         modules[mname] = Module(mname, tuple(by_name[n] for n in own))
-    index = {p.name: i for i, p in enumerate(params)}
+    return params, buffers, modules
+
+
+Event = tuple[Any, ...]
+"""(kind, module, backward, recompute) for fetch/release/leftover; ("read", module, parameter)."""
+
+
+def _trace(model: Any, inputs: Callable[[int], tuple[Any, ...]], spec: str) -> tuple[tuple[str, ...], list[Event]]:
+    """One forward and backward on the meta device with every module hooked as DeepSpeed's ZeRO-3 hooks
+    them: the order the gradients became ready in, and the events: (kind, module, backward, recompute) for
+    fetch/release/leftover, ("read", module, parameter) for a parameter read in the forward by a module
+    that does not own it."""
+    import torch
+
+    names = {id(p): n for n, p in model.named_parameters()}
     ready: list[str] = []
     handles = [
         p.register_post_accumulate_grad_hook(lambda t, _n=n: ready.append(_n))
         for n, p in model.named_parameters()
         if p.requires_grad
     ]
-    # events: (kind, module, backward, recompute) for fetch/release/leftover, ("read", module, param) for a
-    # parameter read in the forward by a module that does not own it
-    events: list[tuple[Any, ...]] = []
-    stack: list[str] = []
-    in_backward = [False]
-    backward_open: dict[str, bool] = {}
-
-    class _Mark(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, name: str, pre: bool, *ts: torch.Tensor) -> Any:
-            ctx.name, ctx.pre = name, pre
-            return ts if len(ts) > 1 else ts[0]
-
-        @staticmethod
-        def backward(ctx: Any, *grads: Any) -> Any:
-            if ctx.pre:  # the gradient of the module's output arrived: its pre-backward
-                in_backward[0] = True
-                events.append(("fetch", ctx.name, True, False))
-                backward_open[ctx.name] = True
-            elif backward_open.pop(ctx.name, False):  # its inputs' gradient is computed: post-backward
-                events.append(("release", ctx.name, True, False))
-            return (None, None, *grads)
-
-    def mark(name: str, pre: bool, value: Any) -> Any:
-        tensors = [t for t in _flat(value) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not tensors:
-            return value
-        marked = _Mark.apply(name, pre, *tensors)  # type: ignore[no-untyped-call]
-        marked = marked if isinstance(marked, tuple) else (marked,)
-        swap = dict(zip((id(t) for t in tensors), marked, strict=True))
-        return _replace(value, swap)
-
-    def pre_forward(mod: Any, args: Any, *, _n: str) -> Any:
-        events.append(("fetch", _n, in_backward[0], in_backward[0]))
-        stack.append(_n)
-        return mark(_n, False, args)
-
-    def post_forward(mod: Any, args: Any, output: Any, *, _n: str) -> Any:
-        stack.pop()
-        events.append(("release", _n, in_backward[0], in_backward[0]))
-        return mark(_n, True, output)
-
-    class _Reads(dict):  # type: ignore[type-arg]
-        """A module's ``_parameters`` that notes reads from another module's forward (DeepSpeed's
-        ``ZeROOrderedDict`` gathers and registers those)."""
-
-        owner = ""
-
-        def __getitem__(self, key: str) -> Any:
-            value = super().__getitem__(key)
-            if value is not None and stack and stack[-1] != self.owner and not in_backward[0]:
-                events.append(("read", stack[-1], names[id(value)]))
-            return value
-
+    hooked = _Hooked(names)
     originals = {}
     for mname, mod in model.named_modules():
         if isinstance(mod, (torch.nn.ModuleList, torch.nn.ModuleDict)):
             continue
-        handles.append(mod.register_forward_pre_hook(functools.partial(pre_forward, _n=mname)))
-        handles.append(mod.register_forward_hook(functools.partial(post_forward, _n=mname)))
-        reads = _Reads(mod._parameters)
-        reads.owner = mname
+        handles.append(mod.register_forward_pre_hook(functools.partial(hooked.pre_forward, name=mname)))
+        handles.append(mod.register_forward_hook(functools.partial(hooked.post_forward, name=mname)))
         originals[mname] = (mod, mod._parameters)
-        mod._parameters = reads
+        mod._parameters = hooked.reads(mname, mod._parameters)
+    try:
+        _forward_backward(model, inputs, spec)
+    finally:
+        for h in handles:
+            h.remove()
+        for mod, original in originals.values():
+            mod._parameters = original
+    # modules whose backward began but whose inputs needed no gradient: released with the leftovers
+    events = hooked.events + [("leftover", name, True, False) for name in reversed(list(hooked.backward_open))]
+    return tuple(ready), events
+
+
+class _Hooked:
+    """The hooks ``_trace`` puts on every module: a module's pre-forward and post-forward, an autograd
+    mark on its inputs and outputs whose backward is the module's pre- and post-backward, and its
+    ``_parameters`` as a mapping that notes reads from another module's forward (DeepSpeed's
+    ``ZeROOrderedDict`` gathers and registers those)."""
+
+    def __init__(self, names: dict[int, str]) -> None:
+        import torch
+
+        self.names = names
+        self.events: list[Event] = []
+        self.stack: list[str] = []
+        self.in_backward = False
+        self.backward_open: dict[str, bool] = {}
+        hooked = self
+
+        class Mark(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, name: str, pre: bool, *ts: Any) -> Any:
+                ctx.name, ctx.pre = name, pre
+                return ts if len(ts) > 1 else ts[0]
+
+            @staticmethod
+            def backward(ctx: Any, *grads: Any) -> Any:
+                if ctx.pre:  # the gradient of the module's output arrived: its pre-backward
+                    hooked.in_backward = True
+                    hooked.events.append(("fetch", ctx.name, True, False))
+                    hooked.backward_open[ctx.name] = True
+                elif hooked.backward_open.pop(ctx.name, False):  # its inputs' gradient is computed: post-backward
+                    hooked.events.append(("release", ctx.name, True, False))
+                return (None, None, *grads)
+
+        self.mark_fn = Mark
+        self.tensor_type = torch.Tensor
+
+    def mark(self, name: str, pre: bool, value: Any) -> Any:
+        tensors = [t for t in _flat(value) if isinstance(t, self.tensor_type) and t.requires_grad]
+        if not tensors:
+            return value
+        marked = self.mark_fn.apply(name, pre, *tensors)  # type: ignore[no-untyped-call]
+        marked = marked if isinstance(marked, tuple) else (marked,)
+        swap = dict(zip((id(t) for t in tensors), marked, strict=True))
+        return _replace(value, swap)
+
+    def pre_forward(self, mod: Any, args: Any, *, name: str) -> Any:
+        self.events.append(("fetch", name, self.in_backward, self.in_backward))
+        self.stack.append(name)
+        return self.mark(name, False, args)
+
+    def post_forward(self, mod: Any, args: Any, output: Any, *, name: str) -> Any:
+        self.stack.pop()
+        self.events.append(("release", name, self.in_backward, self.in_backward))
+        return self.mark(name, True, output)
+
+    def reads(self, owner: str, parameters: dict[str, Any]) -> dict[str, Any]:
+        hooked = self
+
+        class Reads(dict):  # type: ignore[type-arg]
+            def __getitem__(self, key: str) -> Any:
+                value = super().__getitem__(key)
+                if value is not None and hooked.stack and hooked.stack[-1] != owner and not hooked.in_backward:
+                    hooked.events.append(("read", hooked.stack[-1], hooked.names[id(value)]))
+                return value
+
+        return Reads(parameters)
+
+
+def _forward_backward(model: Any, inputs: Callable[[int], tuple[Any, ...]], spec: str) -> None:
+    """The user's forward and backward on the meta device; what they raise is one line naming the module."""
+    import torch
+
     try:
         loss = model(*(t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs(0)))
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -210,15 +262,6 @@ def _describe(scenario: Scenario) -> Described:
             f"model.module {spec!r}: its forward and backward on the meta device (no weights) raised "
             f"{type(exc).__name__}: {message}"
         ) from None
-    finally:
-        for h in handles:
-            h.remove()
-        for mod, original in originals.values():
-            mod._parameters = original
-    # modules whose backward began but whose inputs needed no gradient: released with the leftovers
-    events += [("leftover", name, True, False) for name in reversed(list(backward_open))]
-    first, later = _hooks(events, modules, by_name, index)
-    return Described(params=params, buffers=buffers, ready=tuple(ready), first=first, later=later)
 
 
 def _hooks(

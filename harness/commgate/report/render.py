@@ -168,6 +168,14 @@ def _summary_rows(p: Prediction) -> list[list[str]]:
 def prediction_text(p: Prediction, *, matrix: bool = False, detail: bool = False) -> str:
     """The prediction for people: by default one row per phase, op and axis (``detail``: every row of
     the model, per bucket and layer), the job's totals, then the paper's equations against the model."""
+    lines = [*_heading(p), *_rows_text(p, detail=detail), *_totals_text(p), *_paper_text(p)]
+    if matrix:
+        lines += _matrix_text(p)
+    return "\n".join(lines)
+
+
+def _heading(p: Prediction) -> list[str]:
+    """The scenario's scheme, axes, batch and model, on two lines."""
     s, m, par = p.scenario, p.scenario.model, p.scenario.parallelism
     pairs = (
         ("dp_replicate", par.dp_replicate),
@@ -187,25 +195,22 @@ def prediction_text(p: Prediction, *, matrix: bool = False, detail: bool = False
         f"{f' kv_heads={m.kv}' if m.llama else ''} V={m.V} s={m.s} ffn={m.ffn} {m.dtype}"
         f"{' tied' if m.tied_embeddings else ''} {m.position} positions; {p.param_count:,} parameters ({eq1})"
     )
-    lines = [
+    return [
         f"{s.id}: {par.scheme} on {s.world_size} ranks ({axes or 'single rank'}), zero stage {par.zero.stage}, "
         f"b={par.micro_batch}, m={par.micro_batches}{', checkpointing' if par.activation_checkpointing else ''}",
         model,
     ]
-    headers = [
-        "when",
-        "phase",
-        "op",
-        "axis",
-        "n",
-        "groups",
-        "calls",
-        "bytes/call",
-        "bytes",
-        "wire",
-        "eq",
-        "source",
-    ]
+
+
+def _rows_text(p: Prediction, *, detail: bool) -> list[str]:
+    """The model's rows: summed per phase, op and axis, or (``detail``) every one with its source."""
+    if not detail:
+        summary = ["when", "phase", "op", "axis", "n", "calls", "bytes", "wire", "eq", "rows"]
+        lines = ["  " + line for line in _table(summary, _summary_rows(p), right={4, 5, 6, 7, 9})]
+        if len(p.collectives) > len(_summary_rows(p)):
+            lines.append(f"  ({len(p.collectives)} rows of the model summed; --detail lists them with their source)")
+        return lines
+    headers = ["when", "phase", "op", "axis", "n", "groups", "calls", "bytes/call", "bytes", "wire", "eq", "source"]
     rows = [
         [
             c.when,
@@ -223,23 +228,23 @@ def prediction_text(p: Prediction, *, matrix: bool = False, detail: bool = False
         ]
         for c in p.collectives
     ]
-    if detail:
-        lines += ["  " + line for line in _table(headers, rows, right={4, 5, 6, 7, 8, 9})]
-    else:
-        summary = ["when", "phase", "op", "axis", "n", "calls", "bytes", "wire", "eq", "rows"]
-        lines += ["  " + line for line in _table(summary, _summary_rows(p), right={4, 5, 6, 7, 9})]
-        if len(p.collectives) > len(_summary_rows(p)):
-            lines.append(f"  ({len(p.collectives)} rows of the model summed; --detail lists them with their source)")
+    return ["  " + line for line in _table(headers, rows, right={4, 5, 6, 7, 8, 9})]
+
+
+def _totals_text(p: Prediction) -> list[str]:
     steady = _steady_rank0(p)
-    lines.append(
+    return [
         f"  per step, rank 0 (from step {max((c.from_step for c in steady), default=0)} on): "
         f"{human_bytes(sum(c.bytes_per_step for c in steady))} in messages, "
-        f"{human_bytes(sum((c.wire_bytes_per_step for c in steady), Fraction(0)))} on the wire"
-    )
-    lines.append(
+        f"{human_bytes(sum((c.wire_bytes_per_step for c in steady), Fraction(0)))} on the wire",
         f"  per step, whole job: {human_bytes(p.job_bytes_per_step())} in messages, "
-        f"{human_bytes(p.job_wire_bytes_per_step())} on the wire (rows: per participating rank, per step or once)"
-    )
+        f"{human_bytes(p.job_wire_bytes_per_step())} on the wire (rows: per participating rank, per step or once)",
+    ]
+
+
+def _paper_text(p: Prediction) -> list[str]:
+    """Each equation against the model, its named terms, what is left; then traffic the paper has not."""
+    lines = []
     for c in p.comparison():
         t = c.term
         lines.append(
@@ -249,15 +254,13 @@ def prediction_text(p: Prediction, *, matrix: bool = False, detail: bool = False
         for r in c.residuals:
             lines.append(f"      {'+' if r.bytes >= 0 else '-'} {human_bytes(abs(r.bytes)):>11}  {r.name}: {r.detail}")
         lines.append(f"      = unexplained {shown(c.unexplained_bytes)} B")
-    for src, b in p.not_in_paper():
-        lines.append(f"  not in the paper (rank 0): {human_bytes(b)} per step from {src}")
-    if matrix:
-        tm = p.traffic_matrix()
-        n = s.world_size
-        lines.append("  traffic matrix, bytes per step sent row -> column (ring model):")
-        hdr = ["src\\dst", *(str(j) for j in range(n))]
-        body = [
-            [str(i), *(human_bytes(tm.get((i, j), 0)) if tm.get((i, j)) else "." for j in range(n))] for i in range(n)
-        ]
-        lines += ["    " + line for line in _table(hdr, body, right=set(range(1, n + 1)))]
-    return "\n".join(lines)
+    lines += [f"  not in the paper (rank 0): {human_bytes(b)} per step from {src}" for src, b in p.not_in_paper()]
+    return lines
+
+
+def _matrix_text(p: Prediction) -> list[str]:
+    tm, n = p.traffic_matrix(), p.scenario.world_size
+    hdr = ["src\\dst", *(str(j) for j in range(n))]
+    body = [[str(i), *(human_bytes(tm.get((i, j), 0)) if tm.get((i, j)) else "." for j in range(n))] for i in range(n)]
+    lines = ["  traffic matrix, bytes per step sent row -> column (ring model):"]
+    return lines + ["    " + line for line in _table(hdr, body, right=set(range(1, n + 1)))]

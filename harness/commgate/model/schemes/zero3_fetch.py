@@ -320,71 +320,102 @@ def _one_pass(state: _State, hooks: list[Hook]) -> list[Gather]:
     # reset_step zeroes the count of gathered elements after every pass, whatever stays gathered (the
     # persistent parameters, what a release kept): the prefetch's live budget counts this pass's only
     state.n_available = 0
-    k, order = state.knobs, state.order
-    available, active, secondary = state.available, state.active, state.secondary
-    gathers: list[Gather] = []
-    queue = collections.deque((p, i) for i, mod in enumerate(order or ()) for p in mod.params)
-    recent: dict[str, int] = collections.defaultdict(lambda: -(10**10))
-    step_id = 0
+    return _Pass(state).run(hooks)
 
-    def gather(ps: tuple[ParamTensor, ...], hook: Hook, prefetch: bool) -> None:
-        todo = tuple(p for p in ps if p.name not in available)
+
+@dataclass
+class _Pass:
+    """One forward-and-backward pass of the coordinator from ``state``: its gathers, the recorded trace
+    still ahead (``__param_queue``), where each parameter was last fetched for
+    (``__most_recent_step_id_param_fetched_for``) and the trace position (``__step_id``)."""
+
+    state: _State
+    gathers: list[Gather] = field(default_factory=list)
+    queue: collections.deque[tuple[ParamTensor, int]] = field(init=False)
+    recent: dict[str, int] = field(default_factory=lambda: collections.defaultdict(lambda: -(10**10)))
+    step_id: int = 0
+
+    def __post_init__(self) -> None:
+        self.queue = collections.deque((p, i) for i, mod in enumerate(self.state.order or ()) for p in mod.params)
+
+    def run(self, hooks: list[Hook]) -> list[Gather]:
+        for hook in hooks:
+            if hook.fetch:
+                self.fetch(hook)
+            elif hook.module.params:
+                self.release(hook)
+        return self.gathers
+
+    def gather(self, ps: tuple[ParamTensor, ...], hook: Hook, prefetch: bool) -> None:
+        state = self.state
+        todo = tuple(p for p in ps if p.name not in state.available)
         if not todo:
             return
         for second in (True, False):  # one call each (all_gather_coalesced per process group)
-            part = tuple(p for p in todo if (p.name in secondary) == second)
+            part = tuple(p for p in todo if (p.name in state.secondary) == second)
             if part:
-                gathers.append(Gather(part, hook.backward, prefetch, hook.recompute, second))
-        available.update(p.name for p in todo)
+                self.gathers.append(Gather(part, hook.backward, prefetch, hook.recompute, second))
+        state.available.update(p.name for p in todo)
         state.n_available += sum(p.numel for p in todo)
 
-    for hook in hooks:
-        mod = hook.module
-        params = mod.params
-        if hook.fetch:
-            if params:
-                gather(params, hook, False)
-            if not hook.trace:
-                continue
-            for p in params:
-                active[p.name].add(mod.name)
-            if order is not None:
-                due = sum(1 for p in params if recent[p.name] < step_id)
-                popped: set[str] = set()
-                while queue and len(popped) < due:
-                    p, used = queue.popleft()
-                    recent[p.name] = used
-                    popped.add(p.name)
-                if k.prefetch > 0 and queue:
-                    budget, chosen, numel = min(k.max_live - state.n_available, k.prefetch), {}, 0
-                    while queue and numel < budget:
-                        p, used = queue.popleft()
-                        if recent[p.name] < used:
-                            recent[p.name] = used
-                        if p.name not in available and p.name not in chosen:
-                            chosen[p.name] = p
-                            numel += p.numel
-                    if chosen:
-                        gather(tuple(chosen.values()), hook, True)
-            step_id += 1
-            continue
-        if not params:
-            continue
-        if hook.leftover:
-            released = frozenset(p.name for p in params if p.name not in state.persistent)
-        elif order is not None:
-            released = _to_release(state, mod, step_id, recent)
-        else:
-            released = frozenset(p.name for p in params)
+    def fetch(self, hook: Hook) -> None:
+        """``fetch_sub_module``: the module's own parameters, then (once the trace is recorded) the queue
+        advanced past them and what the prefetch budget allows of the trace ahead."""
+        mod, params = hook.module, hook.module.params
+        if params:
+            self.gather(params, hook, False)
+        if not hook.trace:
+            return
         for p in params:
-            owners = active[p.name]
+            self.state.active[p.name].add(mod.name)
+        if self.state.order is not None:
+            self.advance(params)
+            self.prefetch(hook)
+        self.step_id += 1
+
+    def advance(self, params: tuple[ParamTensor, ...]) -> None:
+        """Pop the queue's entries for the parameters this module fetches now (those not fetched for this
+        position already)."""
+        due = sum(1 for p in params if self.recent[p.name] < self.step_id)
+        popped: set[str] = set()
+        while self.queue and len(popped) < due:
+            p, used = self.queue.popleft()
+            self.recent[p.name] = used
+            popped.add(p.name)
+
+    def prefetch(self, hook: Hook) -> None:
+        k, state, queue = self.state.knobs, self.state, self.queue
+        if k.prefetch <= 0 or not queue:
+            return
+        budget, chosen, numel = min(k.max_live - state.n_available, k.prefetch), {}, 0
+        while queue and numel < budget:
+            p, used = queue.popleft()
+            if self.recent[p.name] < used:
+                self.recent[p.name] = used
+            if p.name not in state.available and p.name not in chosen:
+                chosen[p.name] = p
+                numel += p.numel
+        if chosen:
+            self.gather(tuple(chosen.values()), hook, True)
+
+    def release(self, hook: Hook) -> None:
+        """``release_sub_module``: the module's parameters no other active module holds, unless reused soon
+        (``__params_to_release``); hpZ keeps a secondary partition of each."""
+        state, mod = self.state, hook.module
+        if hook.leftover:
+            released = frozenset(p.name for p in mod.params if p.name not in state.persistent)
+        elif state.order is not None:
+            released = _to_release(state, mod, self.step_id, self.recent)
+        else:
+            released = frozenset(p.name for p in mod.params)
+        for p in mod.params:
+            owners = state.active[p.name]
             owners.discard(mod.name)
-            if p.name in released and p.name in available and not owners:
-                available.discard(p.name)
+            if p.name in released and p.name in state.available and not owners:
+                state.available.discard(p.name)
                 state.n_available -= p.numel
                 if state.hpz:
-                    secondary.add(p.name)
-    return gathers
+                    state.secondary.add(p.name)
 
 
 def _to_release(state: _State, mod: Module, step_id: int, recent: dict[str, int]) -> frozenset[str]:
