@@ -137,3 +137,22 @@ def test_frozen_parameters_and_buffers_reconcile_on_real_runs(scheme: str, m: in
     rec = reconcile(prediction, launch_local(s, workdir=tmp_path))
     assert not rec.mismatches, rec.mismatches
     assert all(o.unexplained_bytes == 0 for o in rec.ops) and rec.traffic_measured == rec.traffic_predicted
+
+
+def test_tied_weights_of_a_users_model_are_a_named_term_and_reconcile(tmp_path: Path) -> None:
+    """nanoGPT-style tying (``wte.weight = lm_head.weight``, ``tests/user_nanogpt.py``) under ZeRO-3: the
+    coordinator gathers the shared weight in both holders' forward and backward; the paper comparison
+    names those gathers ("shared parameters": two more gathers of V x h fp32 elements, (d-1)/d of each),
+    nothing is unexplained, and a real run reconciles."""
+    import user_nanogpt as nano
+    from commgate.run.launcher import launch_local
+
+    (s,) = load_text(text("user_nanogpt:build", "scheme: zero3, dp: 2").replace("}\n", ", s: 32}\n", 1))
+    prediction = predict(s)
+    (eq3,) = prediction.comparison()
+    shared = [r for r in eq3.residuals if r.name == "shared parameters"]
+    assert [r.bytes for r in shared] == [2 * nano.V * nano.H * 4 // 2]
+    assert "wte.weight" in shared[0].detail and eq3.unexplained_bytes == 0
+    rec = reconcile(prediction, launch_local(s, workdir=tmp_path))
+    assert not rec.mismatches, rec.mismatches
+    assert all(o.unexplained_bytes == 0 for o in rec.ops)

@@ -596,17 +596,15 @@ class DeepSpeedZero3(Zero3):
                 unused=skipped,
                 why=why,
             ),
+            *_shared_parameters(ctx),
             *_accumulation(ctx, "Eq. 3", self),
             *padding,
         ]
 
 
-def _not_gathered_for_backward(ctx: Context) -> int:
-    """Elements a pass's backward leaves ungathered in Eq. 3's regime (the coordinator's knobs inert, one
-    micro-batch, no recompute): those of modules whose backward never runs, which only frozen parameters
-    cause (none for the built-in models)."""
-    if ctx.param_count == ctx.trainable_count:
-        return 0
+def _eq3_pass(ctx: Context) -> list[zero3_fetch.Gather]:
+    """The coordinator's gathers in a steady pass of Eq. 3's regime: its knobs inert (each module's
+    parameters gathered for its use and released after), one micro-batch, no recompute."""
     par, cfg = ctx.scenario.parallelism, ctx.scenario.deepspeed_config
     zo = cfg.get("zero_optimization", {})
     inert = cfg | {"zero_optimization": (zo if isinstance(zo, dict) else {}) | zero3_fetch.INERT}
@@ -615,9 +613,42 @@ def _not_gathered_for_backward(ctx: Context) -> int:
         deepspeed=json.dumps(inert),
         parallelism=replace(par, micro_batches=1, activation_checkpointing=False),
     )
-    later = zero3_fetch.passes(Context(scenario=scenario), 2)[-1]
-    gathered = {p.name for g in later if g.backward and not g.recompute for p in g.params}
+    return zero3_fetch.passes(Context(scenario=scenario), 2)[-1]
+
+
+def _not_gathered_for_backward(ctx: Context) -> int:
+    """Elements a pass's backward leaves ungathered in Eq. 3's regime: those of modules whose backward
+    never runs, which only frozen parameters cause (none for the built-in models)."""
+    if ctx.param_count == ctx.trainable_count:
+        return 0
+    gathered = {p.name for g in _eq3_pass(ctx) if g.backward for p in g.params}
     return sum(p.numel for p in ctx.params if p.name not in gathered)
+
+
+def _shared_parameters(ctx: Context) -> list[Residual]:
+    """Gathers of a parameter several modules hold (a user's tied weights, ``wte.weight =
+    lm_head.weight``): in Eq. 3's regime DeepSpeed's coordinator gathers it in each holder's forward and
+    backward, where Eq. 3 gathers every parameter once in each (the built-in decoder's tied embedding is
+    read by the output layer as an external parameter of the root, gathered once: no term)."""
+    if not ctx.scenario.model.module:
+        return []
+    seen: Counter[tuple[str, bool]] = Counter()
+    extra, names = Fraction(0), {}
+    d, hpz, isz = ctx.scenario.parallelism.dp, ctx.scenario.parallelism.zero.hpz, ctx.scenario.model.itemsize
+    for g in _eq3_pass(ctx):
+        for p in g.params:
+            seen[p.name, g.backward] += 1
+            if seen[p.name, g.backward] > 1:
+                extra += OPS[Op.ALL_GATHER].paper(hpz if g.secondary else d) * p.numel * isz
+                names[p.name] = p.numel
+    if not extra:
+        return []
+    held = ", ".join(f"{name} ({numel:,})" for name, numel in names.items())
+    detail = (
+        f"{held} held by several modules (tied weights): DeepSpeed's coordinator gathers such a parameter in "
+        "each holder's forward and backward; Eq. 3 gathers every parameter once in each"
+    )
+    return [Residual(term="Eq. 3", name="shared parameters", bytes=extra, detail=detail)]
 
 
 P = "parallelism"
