@@ -71,9 +71,10 @@ HF = Path(__file__).parent / "data" / "hf"
 
 @pytest.mark.parametrize(
     ("config", "expected"),
-    [  # published parameter counts: TinyLlama 1,100,048,384; Mistral 7B 7,241,732,096
+    [  # published parameter counts: TinyLlama 1,100,048,384; Mistral 7B 7,241,732,096; Qwen2.5 0.5B 494,032,768
         ("tinyllama-1.1b.json", (22, 2048, 32, 4, 5632, 32000, False, "bf16", 1_100_048_384)),
         ("mistral-7b.json", (32, 4096, 32, 8, 14336, 32000, False, "bf16", 7_241_732_096)),
+        ("qwen2.5-0.5b.json", (24, 896, 14, 2, 4864, 151936, True, "bf16", 494_032_768)),
     ],
 )
 def test_llama_family_hugging_face_configs(
@@ -86,6 +87,7 @@ def test_llama_family_hugging_face_configs(
     count = predict(s).param_count
     assert (m.L, m.h, m.a, m.kv, m.ffn, m.V, m.tied_embeddings, m.dtype, count) == expected
     assert (m.architecture, m.position, s.parallelism.scheme) == ("llama", "rotary", "ddp")
+    assert m.qkv_bias == config.startswith("qwen")
     assert "rope_theta ignored" in capsys.readouterr().err
     # the reduced variant keeps the layers, heads and key/value heads, the MLP's ratio to h, and splits over tp
     assert main(["import", "--hf", str(HF / config), "--tp", "2", "--cpu", "-o", str(out)]) == 0

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from commgate import __version__
 from commgate.core.errors import CommgateError, UsageError
+from commgate.model.importer import HF_TYPES
 from commgate.model.schemes import SCHEMES
 
 if TYPE_CHECKING:
@@ -390,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     i.add_argument("--neox", type=Path, help="a GPT-NeoX YAML config (model, parallelism, ZeRO, precision)")
     i.add_argument("--deepspeed", type=Path, help="a DeepSpeed JSON config (becomes the deepspeed: block)")
-    i.add_argument("--hf", type=Path, help="a Hugging Face config.json (model_type gpt_neox)")
+    i.add_argument("--hf", type=Path, help=f"a Hugging Face config.json (model_type {', '.join(HF_TYPES)})")
     i.add_argument("--dp", type=int, default=1, help="data-parallel degree (default 1)")
     i.add_argument("--tp", type=int, help="tensor-parallel degree (default: the config's, else 1)")
     i.add_argument("--pp", type=int, help="pipeline stages (default: the config's, else 1)")

@@ -173,17 +173,19 @@ def _neox(
             notes.append(f"{f}: {key} ignored (no communication effect commgate models)")
 
 
-HF_LLAMA = ("llama", "mistral")
+HF_LLAMA = ("llama", "mistral", "qwen2")
 """Hugging Face model types imported as ``architecture: llama`` (Mistral's sliding window changes no
-parameter and no collective)."""
+parameter and no collective; Qwen2 adds biases to the Q, K and V projections: ``qkv_bias``)."""
+HF_TYPES = ("gpt_neox", *HF_LLAMA)
+"""Every Hugging Face ``model_type`` commgate imports."""
 
 HF_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
 def _hf(cfg: dict[str, Any], model: dict[str, Any], notes: list[str], f: str) -> None:
     kind = cfg.get("model_type")
-    if kind not in ("gpt_neox", *HF_LLAMA):
-        raise UsageError(f"{f}: model_type {kind!r}: commgate imports {', '.join(('gpt_neox', *HF_LLAMA))} configs")
+    if kind not in HF_TYPES:
+        raise UsageError(f"{f}: model_type {kind!r}: commgate imports {', '.join(HF_TYPES)} configs")
     try:
         h, a = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         model.update(
@@ -199,6 +201,8 @@ def _hf(cfg: dict[str, Any], model: dict[str, Any], notes: list[str], f: str) ->
         model.pop("x", None)
         if kind in HF_LLAMA:
             model.update(architecture="llama", kv_heads=int(cfg.get("num_key_value_heads") or a))
+            if kind == "qwen2":  # Qwen2Attention: bias=True on q_proj, k_proj, v_proj (not o_proj)
+                model["qkv_bias"] = True
             model.pop("position", None)  # rotary
         else:
             model["position"] = "rotary"

@@ -548,7 +548,10 @@ def _build_model(m: dict[str, Any], bad: Bad) -> ModelSpec | None:
             ["model", "ffn_hidden"], f"{explicit['ffn_hidden']} and x={explicit['x']} both give the MLP width; keep one"
         )
     if "module" in explicit:  # a user's own model: its parameters come from the module, not dimensions
-        if set(explicit) & {"L", "h", "a", "V", "architecture", "kv_heads", "ffn_hidden", "x"} or "preset" in m:
+        if (
+            set(explicit) & {"L", "h", "a", "V", "architecture", "kv_heads", "ffn_hidden", "x", "qkv_bias"}
+            or "preset" in m
+        ):
             bad(["model", "module"], "a user's module takes no preset or dimensions (only s and dtype)")
         return ModelSpec(L=1, h=1, a=1, V=1, s=explicit.get("s", 1), dtype=explicit.get("dtype", "fp32"),
                          autocast=explicit.get("autocast"), module=explicit["module"], position="none")  # fmt: skip

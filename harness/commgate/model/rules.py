@@ -38,6 +38,10 @@ def model_shape(c: Check) -> None:
         c.bad(["model", "position"], f"{m.position!r}: architecture llama uses rotary positions")
     if m.kv_heads is not None and not m.llama:
         c.bad(["model", "kv_heads"], f"{m.kv_heads}: grouped-query attention needs architecture: llama")
+    if m.qkv_bias and not m.llama:
+        c.bad(
+            ["model", "qkv_bias"], "true: Q, K and V biases are Qwen2's Llama-style layout: needs architecture: llama"
+        )
     if m.a % m.kv:
         c.bad(["model", "kv_heads"], f"{m.kv}: heads a={m.a} are not divisible by kv_heads")
     if m.position == "rotary" and (m.h // m.a) % 2:

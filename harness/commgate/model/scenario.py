@@ -47,6 +47,8 @@ class ModelSpec:
     """Key/value heads (grouped-query attention; Llama only); None: as many as ``a``."""
     ffn_hidden: int | None = None
     """The MLP's inner width; None: ``x * h``."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Llama only): Qwen2's layout."""
     module: str | None = None
     """A user's own model, ``package.module:build`` (``commgate.model.usermodule``): its parameters,
     gradient order and module trace replace the built-in decoder's (the dimensions above are then unused)."""

@@ -9,7 +9,8 @@ architectures:
   untied output layer;
 - ``llama``: token embedding, L x [RMSNorm, separate Q, K, V projections (grouped-query attention:
   ``kv_heads`` key/value heads), attention output, RMSNorm, SwiGLU MLP (gate, up h->ffn, down
-  ffn->h)], final RMSNorm, output layer (untied unless tied); rotary positions, no biases.
+  ffn->h)], final RMSNorm, output layer (untied unless tied); rotary positions, no biases but, with
+  ``qkv_bias`` (Qwen2), those of the Q, K and V projections.
 
 The paper's Eq. 1 (and its Llama counterpart) live in ``commgate.model.paper``; the difference between
 Eq. 1 and the inventory is a named term (biases, LayerNorm counting).
@@ -82,6 +83,17 @@ _LLAMA: dict[str, tuple[int, int, int, int, int, int, int, bool]] = {
     "llama2-7B": (32, 4096, 32, 32, 11008, 32000, 4096, False),
     "llama3-8B": (32, 4096, 32, 8, 14336, 128256, 8192, False),
     "llama2-70B": (80, 8192, 64, 8, 28672, 32000, 4096, False),
+    "llama3-70B": (80, 8192, 64, 8, 28672, 128256, 8192, False),
+    "llama3-405B": (126, 16384, 128, 8, 53248, 128256, 8192, False),
+}
+
+# Qwen2.5 shapes, from the models' published config.json files (Llama-style with biases on the Q, K and V
+# projections): (L, h, a, kv_heads, ffn_hidden, V, s, tied); s is the 4096 tokens of a typical run (the
+# models' context is 32768).
+_QWEN: dict[str, tuple[int, int, int, int, int, int, int, bool]] = {
+    "qwen2.5-0.5B": (24, 896, 14, 2, 4864, 151936, 4096, True),
+    "qwen2.5-7B": (28, 3584, 28, 4, 18944, 152064, 4096, False),
+    "qwen2.5-72B": (80, 8192, 64, 8, 29568, 152064, 4096, False),
 }
 
 
@@ -92,10 +104,10 @@ def _presets() -> dict[str, ModelSpec]:
         out[f"{name}-cpu"] = ModelSpec(
             L=L, h=REDUCED_HEAD_DIM * a, a=a, V=REDUCED_V, s=REDUCED_S, dtype="fp32", preset=f"{name}-cpu"
         )
-    for name, (L, h, a, kv, ffn, V, s, tied) in _LLAMA.items():
+    for name, (L, h, a, kv, ffn, V, s, tied) in (*_LLAMA.items(), *_QWEN.items()):
         llama = ModelSpec(
             L=L, h=h, a=a, kv_heads=kv, ffn_hidden=ffn, V=V, s=s, tied_embeddings=tied, architecture="llama",
-            position="rotary", dtype="bf16", preset=name,
+            position="rotary", dtype="bf16", preset=name, qkv_bias=name in _QWEN,
         )  # fmt: skip
         out[name] = llama
         # the MLP keeps its ratio to h (the head dimension shrinks to 8, so ffn by the same factor)
@@ -173,10 +185,19 @@ def inventory(m: ModelSpec, *, experts: int = 0, moe_every: int = 1) -> tuple[Pa
     if m.position == "learned":
         out.append(ParamTensor(name="embed.position.weight", shape=(m.s, h), shard=Shard.REPLICATED, block="embedding"))
 
-    def linear(t: Callable[..., None], name: str, n_out: int, n_in: int, shard: Shard, expert: bool = False) -> None:
+    def linear(
+        t: Callable[..., None],
+        name: str,
+        n_out: int,
+        n_in: int,
+        shard: Shard,
+        expert: bool = False,
+        *,
+        biased: bool = bias,
+    ) -> None:
         shard = Shard.REPLICATED if expert else shard  # an expert is whole on the ranks that hold it
         t(f"{name}.weight", (n_out, n_in), shard, expert)
-        if bias:  # a row-parallel layer's bias stays whole on each tensor-parallel rank
+        if biased:  # a row-parallel layer's bias stays whole on each tensor-parallel rank
             t(f"{name}.bias", (n_out,), Shard.REPLICATED if shard is Shard.ROW else shard, expert)
 
     def mlp(t: Callable[..., None], prefix: str, expert: bool = False) -> None:
@@ -201,9 +222,9 @@ def inventory(m: ModelSpec, *, experts: int = 0, moe_every: int = 1) -> tuple[Pa
 
         norm(t, "input_norm")
         if m.llama:
-            linear(t, "attention.q", h, h, Shard.COLUMN)
-            linear(t, "attention.k", kv, h, Shard.COLUMN)
-            linear(t, "attention.v", kv, h, Shard.COLUMN)
+            linear(t, "attention.q", h, h, Shard.COLUMN, biased=m.qkv_bias)
+            linear(t, "attention.k", kv, h, Shard.COLUMN, biased=m.qkv_bias)
+            linear(t, "attention.v", kv, h, Shard.COLUMN, biased=m.qkv_bias)
         else:
             linear(t, "attention.qkv", 3 * h, h, Shard.COLUMN)
         linear(t, "attention.dense", h, h, Shard.ROW)

@@ -41,7 +41,10 @@ def beyond_eq1(ctx: Context, *, term: str, factor: Fraction, counted: int) -> Re
         if ctx.expert_param_count
         else ""
     )
-    if m.llama:
+    if m.llama and m.qkv_bias:
+        bias = m.h + 2 * m.kv * (m.h // m.a)
+        why = f" each layer's Q, K and V biases (Qwen2) are h + 2*kv_heads*h/a = {bias:,}, the counterpart has none."
+    elif m.llama:
         why = ""
     else:
         why = (

@@ -62,14 +62,14 @@ class Attention(nn.Module):
 
 class GroupedQueryAttention(nn.Module):
     """Llama's attention: separate Q, K and V projections, ``kv_heads`` key/value heads each shared by
-    a/kv_heads query heads, rotary positions, no biases."""
+    a/kv_heads query heads, rotary positions, no biases (but Qwen2's on Q, K and V: ``qkv_bias``)."""
 
     def __init__(self, m: ModelSpec) -> None:
         super().__init__()
         self.head_dim = m.h // m.a
-        self.q = nn.Linear(m.h, m.h, bias=False)
-        self.k = nn.Linear(m.h, m.kv * self.head_dim, bias=False)
-        self.v = nn.Linear(m.h, m.kv * self.head_dim, bias=False)
+        self.q = nn.Linear(m.h, m.h, bias=m.qkv_bias)
+        self.k = nn.Linear(m.h, m.kv * self.head_dim, bias=m.qkv_bias)
+        self.v = nn.Linear(m.h, m.kv * self.head_dim, bias=m.qkv_bias)
         self.dense = nn.Linear(m.h, m.h, bias=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
