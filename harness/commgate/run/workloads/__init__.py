@@ -125,8 +125,8 @@ def skip_reason(scenario: Scenario, *, gpus: bool) -> str | None:
         return "needs GPUs (marker gpu or backend nccl); this machine has none"
     if scenario.workload is not None:
         return None
-    if scenario.model.tied_embeddings and (par.pp > 1 or par.tp > 1):
-        return "the tensor- and pipeline-parallel workloads do not tie embeddings yet (`commgate predict` models it)"
+    if scenario.model.tied_embeddings and par.pp > 1:
+        return "the pipeline-parallel workloads do not tie embeddings yet (`commgate predict` models it)"
     cpu = not gpus or scenario.backend == "gloo"
     if SCHEMES[par.scheme].deepspeed and scenario.model.dtype == "fp16" and cpu:
         return "DeepSpeed's fp16 runs on GPUs only (its CPU accelerator supports bf16 and fp32)"

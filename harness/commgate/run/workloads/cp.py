@@ -23,14 +23,14 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.experimental import context_parallel
-from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
 from commgate.core.errors import CommgateError
 from commgate.model.scenario import Scenario
 from commgate.run.interpose import optimizer_phase
 from commgate.run.workloads.gpt import DTYPES, GPT, batch
-from commgate.run.workloads.tp import localize, plan
+from commgate.run.workloads.tp import localize, parallelize
 
 SEQ_DIM = 2
 """The sequence dimension of attention's (batch, heads, seq, head_dim) tensors, which torch's ring shards."""
@@ -122,8 +122,6 @@ def sequence_split(mesh: DeviceMesh, tokens: torch.Tensor) -> Iterator[tuple[tor
 class CPWorkload:
     def __init__(self, scenario: Scenario, *, rank: int, device: torch.device) -> None:
         par, m = scenario.parallelism, scenario.model
-        if scenario.model.tied_embeddings and par.tp > 1:
-            raise CommgateError("tensor parallelism with tied embeddings is not supported by this workload")
         self.s, self.device = scenario, device
         self.dp_rank = rank // (par.cp * par.tp)  # the ranks of a context-parallel group read the same sequences
         use_ring(device, par.cp_rotate)
@@ -132,7 +130,7 @@ class CPWorkload:
         torch.manual_seed(0)
         model = GPT(m, checkpointing=par.activation_checkpointing).to(device=device, dtype=DTYPES[m.dtype])
         if par.tp > 1:
-            parallelize_module(model, mesh["tp"], plan(model))
+            parallelize(model, mesh["tp"])
             localize(model)
         data = mesh["dp", "cp"]._flatten("dp_cp")
         self.engine = DistributedDataParallel(model, process_group=data.get_group(), bucket_cap_mb=par.ddp_bucket_mb)

@@ -15,14 +15,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import loss_parallel
 
 from commgate.model.scenario import Scenario
 from commgate.run.interpose import optimizer_phase
 from commgate.run.workloads.cp import sequence_split, use_ring
 from commgate.run.workloads.gpt import DTYPES, GPT, batch, build
 from commgate.run.workloads.torchpp import TorchPipelineWorkload
-from commgate.run.workloads.tp import plan
+from commgate.run.workloads.tp import parallelize
 
 
 class FSDPWorkload:
@@ -48,14 +48,14 @@ class FSDPWorkload:
             mesh_3d = init_device_mesh(device.type, (par.dp, par.cp, par.tp), mesh_dim_names=("dp", "cp", "tp"))
             use_ring(device, par.cp_rotate)
             if par.tp > 1:
-                parallelize_module(model, mesh_3d["tp"], plan(model))
+                parallelize(model, mesh_3d["tp"])
             self.cp_mesh = mesh_3d["cp"]
             mesh = mesh_3d["dp", "cp"]._flatten("dp_cp")
         elif par.dp_replicate > 1:  # HSDP: replicate over the first dimension, shard over the second
             mesh = init_device_mesh(device.type, (par.dp_replicate, par.dp), mesh_dim_names=("replicate", "shard"))
         elif par.tp > 1:  # 2-D, as torchtitan: DTensor tensor parallelism inside, FSDP2 over the data-parallel ranks
             mesh_2d = init_device_mesh(device.type, (par.dp, par.tp), mesh_dim_names=("dp", "tp"))
-            parallelize_module(model, mesh_2d["tp"], plan(model, sequence_parallel=par.sequence_parallel))
+            parallelize(model, mesh_2d["tp"], sequence_parallel=par.sequence_parallel)
             mesh = mesh_2d["dp"]
         else:
             mesh = init_device_mesh(device.type, (par.dp,))

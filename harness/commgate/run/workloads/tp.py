@@ -17,7 +17,7 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -104,6 +104,24 @@ def plan(model: GPT, *, sequence_parallel: bool = False) -> dict[str, ParallelSt
     return out
 
 
+def parallelize(model: GPT, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
+    """``model`` sharded over ``mesh`` by ``plan``. A tied output layer is Megatron's: a column-parallel head
+    whose weight is the vocabulary-parallel word embedding's, both sharded on the vocabulary (one DTensor,
+    distributed once; each use adds to its gradient on the rank, so the shared weight costs no collective
+    of its own within the tensor-parallel group)."""
+    styles = plan(model, sequence_parallel=sequence_parallel)
+    head = styles.pop("head")
+    parallelize_module(model, mesh, styles)
+    if model.head is not None:
+        parallelize_module(model, mesh, {"head": head})
+        return
+    tied = nn.Linear(model.spec.h, model.spec.V, bias=False, device="meta")
+    tied.weight = model.embed.word.weight  # a DTensor sharded as the head wants it: not distributed again
+    model.head = tied
+    parallelize_module(model, mesh, {"head": head})
+    tied.weight = model.embed.word.weight  # the style wrapped it in a Parameter of its own: tie it back
+
+
 class TPWorkload:
     """tp ranks per model replica; with dp > 1, ``DistributedDataParallel`` over the replicas (a
     (dp, tp) device mesh, tensor-parallel ranks adjacent), reducing each rank's local shards."""
@@ -116,20 +134,18 @@ class TPWorkload:
         self.dp_rank = rank // par.tp
         torch.manual_seed(0)
         model = GPT(scenario.model).to(device=device, dtype=DTYPES[scenario.model.dtype])
-        if scenario.model.tied_embeddings:
-            raise CommgateError("tensor parallelism with tied embeddings is not supported by this workload")
         for layer in model.layers:
             layer.checkpointed = par.activation_checkpointing  # type: ignore[assignment]
         if par.dp > 1:
             mesh = init_device_mesh(device.type, (par.dp, par.tp), mesh_dim_names=("dp", "tp"))
-            parallelize_module(model, mesh["tp"], plan(model, sequence_parallel=par.sequence_parallel))
+            parallelize(model, mesh["tp"], sequence_parallel=par.sequence_parallel)
             localize(model)
             self.engine: nn.Module = DistributedDataParallel(
                 model, process_group=mesh["dp"].get_group(), bucket_cap_mb=par.ddp_bucket_mb
             )
         else:
             mesh_tp = init_device_mesh(device.type, (par.tp,))
-            parallelize_module(model, mesh_tp, plan(model, sequence_parallel=par.sequence_parallel))
+            parallelize(model, mesh_tp, sequence_parallel=par.sequence_parallel)
             self.engine = model
         self.optimizer = torch.optim.AdamW(self.engine.parameters(), lr=1e-4, foreach=False)
 
@@ -158,10 +174,11 @@ def localize(module: nn.Module) -> None:
     the module reads it (``_FromLocal``), so the engine reduces the shards' gradients. (torch's own
     transform for DDP, ``_pre_dp_module_transform``, swaps in new parameter objects at every forward, so
     an engine holding the first ones never sees their gradients.)"""
+    shards: dict[int, nn.Parameter] = {}  # a tied parameter: one local shard for every module holding it
     for sub in module.modules():
-        for name, param in list(sub.named_parameters(recurse=False)):
+        for name, param in list(sub.named_parameters(recurse=False, remove_duplicate=False)):
             if isinstance(param, DTensor):
-                _localize(sub, name, param)
+                _localize(sub, name, param, shards)
 
 
 class _FromLocal(nn.Module):
@@ -179,9 +196,11 @@ class _FromLocal(nn.Module):
         )
 
 
-def _localize(module: nn.Module, name: str, param: DTensor) -> None:
+def _localize(module: nn.Module, name: str, param: DTensor, shards: dict[int, nn.Parameter]) -> None:
     from torch.nn.utils import parametrize
 
     delattr(module, name)
-    module.register_parameter(name, nn.Parameter(param.to_local().detach().clone()))
+    if id(param) not in shards:
+        shards[id(param)] = nn.Parameter(param.to_local().detach().clone())
+    module.register_parameter(name, shards[id(param)])
     parametrize.register_parametrization(module, name, _FromLocal(param), unsafe=True)  # shapes differ
