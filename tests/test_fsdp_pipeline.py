@@ -80,7 +80,6 @@ def test_the_stages_send_in_fsdp2s_param_dtype() -> None:
         (scenario(", fsdp: {reshard_after_forward: 2}"), "an int in pipeline stages is not modelled yet"),
         (scenario(", cp: 2"), "context parallelism in pipeline stages is not modelled yet"),
         (scenario(", tp: 2, sequence_parallel: true"), "sequence_parallel: true: not modelled in pipeline stages"),
-        (scenario(", activation_checkpointing: true"), "not modelled with torch.distributed.pipelining yet"),
         (
             scenario(schedule="interleaved-1f1b").replace("1f1b}", "1f1b, virtual_stages: 2}"),
             "modelled under gpipe and 1f1b",
@@ -95,8 +94,12 @@ def test_what_fsdp2_in_pipeline_stages_refuses_is_one_line(text: str, message: s
 
 @pytest.mark.parametrize(
     ("par", "schedule"),
-    [(", fsdp: {param_dtype: bf16, reduce_dtype: fp32}", "gpipe"), (", tp: 2", "1f1b")],
-    ids=["2-D-gpipe-mixed-precision", "3-D-1f1b"],
+    [
+        (", fsdp: {param_dtype: bf16, reduce_dtype: fp32}", "gpipe"),
+        (", tp: 2", "1f1b"),
+        (", tp: 2, activation_checkpointing: true", "gpipe"),
+    ],
+    ids=["2-D-gpipe-mixed-precision", "3-D-1f1b", "3-D-gpipe-checkpointing"],
 )
 def test_a_real_run_reconciles_to_zero(par: str, schedule: str, tmp_path: Path) -> None:
     (s,) = load_text(scenario(par, schedule, "{preset: 19M-cpu, L: 4, s: 64}"))

@@ -7,6 +7,7 @@ the generator's draws."""
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from commgate.core.errors import ScenarioError
@@ -75,3 +76,20 @@ def test_what_torch_pipelining_refuses_is_one_line(text: str, message: str) -> N
     with pytest.raises(ScenarioError, match=message) as info:
         load_text(text)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "pipeline",
+    ["schedule: 1f1b", "schedule: interleaved-1f1b, virtual_stages: 2", "schedule: zero-bubble, virtual_stages: 2"],
+)
+def test_activation_checkpointing_in_torchs_stages_reconciles(pipeline: str, tmp_path: Path) -> None:
+    """torch.utils.checkpoint (non-reentrant) around each layer of a stage: the recompute runs inside the
+    stage's backward and sends nothing across the boundaries; the runs reconcile as modelled."""
+    from commgate.judge.reconcile import reconcile
+    from commgate.run.launcher import launch_local
+
+    model = "{architecture: llama, L: 4, h: 32, a: 4, kv_heads: 2, ffn_hidden: 88, V: 128, s: 32}"
+    (s,) = load_text(scenario(pipeline, ", activation_checkpointing: true", model) + "steps: 2\n")
+    rec = reconcile(predict(s), launch_local(s, workdir=tmp_path))
+    assert not rec.mismatches, rec.mismatches
+    assert all(o.unexplained_bytes == 0 for o in rec.ops) and rec.traffic_measured == rec.traffic_predicted

@@ -388,8 +388,6 @@ def torch_engine(c: Check) -> None:
     if par.dp > 1 and not rule.optional_pipeline:
         fsdp = c.names(lambda r: r.fsdp)
         c.bad([P, "dp"], f"{par.dp}: data parallelism inside torch's stages is FSDP2's: use scheme {fsdp}")
-    if par.activation_checkpointing:
-        c.bad([P, "activation_checkpointing"], "true: not modelled with torch.distributed.pipelining yet")
 
 
 def torch_schedule(c: Check) -> None:

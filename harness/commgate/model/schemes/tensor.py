@@ -90,7 +90,7 @@ class TensorParallel:
             else:
                 row(2 * per_stage, forward, "TP forward all-reduce (row-parallel attention and MLP outputs)")
                 if par.activation_checkpointing:
-                    recompute = "TP recompute all-reduce " + _RECOMPUTE[par.pp > 1]
+                    recompute = "TP recompute all-reduce " + _RECOMPUTE[_recomputed(ctx) == 2]
                     row(per_stage * _recomputed(ctx), Phase.BACKWARD, recompute)
                 row(2 * per_stage, Phase.BACKWARD, "TP backward all-reduce (column-parallel input gradients)")
                 if stage == par.pp - 1:
@@ -185,9 +185,11 @@ _RECOMPUTE = {
 
 def _recomputed(ctx: Context) -> int:
     """Forward all-reduces each layer repeats in the backward when checkpointed: torch.utils.checkpoint
-    (non-reentrant) stops once the saved tensors are rebuilt, before the MLP's all-reduce (1); DeepSpeed's
-    pipeline engine checkpoints with its own reentrant function, which re-runs the layer whole (2)."""
-    return 2 if ctx.scenario.parallelism.pp > 1 else 1
+    (non-reentrant; torch.distributed.pipelining's stages use it too) stops once the saved tensors are
+    rebuilt, before the MLP's all-reduce (1); DeepSpeed's pipeline engine checkpoints with its own reentrant
+    function, which re-runs the layer whole (2)."""
+    par = ctx.scenario.parallelism
+    return 2 if par.pp > 1 and par.pipeline.engine == "deepspeed" else 1
 
 
 def activation_dtype(ctx: Context) -> str:

@@ -37,7 +37,10 @@ class _Stage(nn.Module):
         if self.embed is not None:
             x = self.embed(x)
         for layer in self.layers:
-            x = layer(x)
+            if layer.checkpointed and torch.is_grad_enabled():  # as GPT.logits: torch's non-reentrant checkpoint
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
         if self.final_norm is not None and self.head is not None:
             x = self.head(self.final_norm(x))
         return x
@@ -69,7 +72,7 @@ class TorchPipelineWorkload:
         par, m = scenario.parallelism, scenario.model
         self.s, self.rank, self.device = scenario, rank, device
         torch.manual_seed(0)
-        model = GPT(m).to(device=device, dtype=DTYPES[m.dtype])
+        model = GPT(m, checkpointing=par.activation_checkpointing).to(device=device, dtype=DTYPES[m.dtype])
         n = par.pp * par.pipeline.virtual_stages
         # what the stages compute in, so what crosses their boundaries: FSDP2's param_dtype, else the model's
         b, dtype = par.micro_batch, DTYPES[activation_dtype(Context(scenario=scenario))]
