@@ -46,29 +46,36 @@ def failure(scenario_id: str, exits: Exits, tmp: Path) -> str | None:
     rank whose exception was written first, a peer's connection error ("connection reset by peer")
     only if no rank raised anything else. The other ranks' errors are listed after it as consequences.
     """
-    failed = [(rank, code) for rank, code in exits.items() if code is not None and code != 0]
+    failed = [(rank, code) for rank, code in exits.items() if code]
     if not failed:
         return None
     paths = {r: e for r in exits if (e := tmp / f"rank{r}.err").exists()}
     errors = {r: e.read_text(errors="replace").rstrip() for r, e in paths.items()}
-    silent = [(rank, code) for rank, code in failed if rank not in errors]
     last = {r: _exception_line(text) for r, text in errors.items()}
-    cause: int | None = None
-    if signalled := [(rank, code) for rank, code in silent if code < 0]:  # with what it printed last
-        rank, code = signalled[0]
-        head = f"{scenario_id}: rank {rank} died by signal {signal.Signals(-code).name}" + _log_tail(tmp, rank)
-        cause = rank
-    elif silent:
-        rank, code = silent[0]
-        head = f"{scenario_id}: rank {rank} exited with status {code} without raising" + _log_tail(tmp, rank)
-        cause = rank
+    if silent := [(rank, code) for rank, code in failed if rank not in errors]:
+        cause, head = _silent_cause(scenario_id, silent, tmp)
     else:
-        first = sorted((e.stat().st_mtime_ns, r) for r, e in paths.items())
-        own = [r for _, r in first if not any(c in errors[r] for c in CONSEQUENCES)]
-        cause = own[0] if own else first[0][1]
+        cause = _first_raised(paths, errors)
         head = f"{scenario_id}: rank {cause} raised {last[cause]}\n{errors[cause]}"
     after = [f"rank {r} then raised {last[r]}" for r in sorted(errors) if r != cause]
     return head + ("\n(consequences: " + "; ".join(after) + ")" if after else "")
+
+
+def _silent_cause(scenario_id: str, silent: list[tuple[int, int]], tmp: Path) -> tuple[int, str]:
+    """(rank, what happened to it) of the cause among the ranks that failed without raising: the first killed
+    by a signal, else the first that exited with a status; with what it printed last."""
+    signalled = [(rank, code) for rank, code in silent if code < 0]
+    rank, code = (signalled or silent)[0]
+    how = f"died by signal {signal.Signals(-code).name}" if code < 0 else f"exited with status {code} without raising"
+    return rank, f"{scenario_id}: rank {rank} {how}" + _log_tail(tmp, rank)
+
+
+def _first_raised(paths: dict[int, Path], errors: dict[int, str]) -> int:
+    """The rank whose exception was written first, a peer's connection error only if no rank raised
+    anything else."""
+    first = sorted((e.stat().st_mtime_ns, r) for r, e in paths.items())
+    own = [r for _, r in first if not any(c in errors[r] for c in CONSEQUENCES)]
+    return own[0] if own else first[0][1]
 
 
 _HEADER = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)\b.*")
@@ -143,15 +150,8 @@ class Watchdog:
 def stall_report(scenario_id: str, tmp: Path, exits: Exits, waited: float) -> str:
     """The stall: the first place the ranks' call sequences part (from every rank's issued calls, which
     it asks them for), then each rank's state."""
-    (tmp / "dump.request").touch()
     running = [r for r, code in exits.items() if code is None]
-    until = time.monotonic() + 3
-    while time.monotonic() < until and not all((tmp / f"rank{r}.calls.json").exists() for r in running):
-        time.sleep(POLL_S)
-    dumps: dict[int, dict[str, Any]] = {}
-    for r in running:
-        with contextlib.suppress(OSError, ValueError):
-            dumps[r] = json.loads((tmp / f"rank{r}.calls.json").read_text())
+    dumps = _ask_for_calls(tmp, running)
     outside = [r for r in running if not _in_call(_beat(tmp, r))]
     who = (
         f"rank(s) {', '.join(map(str, outside))} outside any call (a rendezvous, a process group its peers do "
@@ -163,18 +163,34 @@ def stall_report(scenario_id: str, tmp: Path, exits: Exits, waited: float) -> st
     parted = divergence({r: d["calls"] for r, d in dumps.items()})
     lines.append(f"  first divergence: {parted}" if parted else "  the ranks issued the same calls (a peer is slow?)")
     lines.append("  each rank:")
-    for r, code in exits.items():
-        text = _status(tmp, r)
-        if r not in running:
-            state = f"exited ({code})"
-        elif dumps.get(r, {}).get("teardown"):
-            state = f"finished its steps, in teardown (waiting for its peers); last call {text or 'none'}"
-        else:
-            state = f"in {text}" if text else "no call issued yet"
-            if r in outside and text:
-                state = f"outside any call; its last, completed: {text}"
-        lines.append(f"    rank {r}: {state}")
+    lines += [f"    rank {r}: {_state(tmp, r, code, dumps.get(r, {}), r in outside)}" for r, code in exits.items()]
     return "\n".join(lines)
+
+
+def _ask_for_calls(tmp: Path, running: list[int]) -> dict[int, dict[str, Any]]:
+    """The calls each running rank issued so far, as its heartbeat writes them when asked
+    (``dump.request``); a rank that has not answered within 3 s is left out."""
+    (tmp / "dump.request").touch()
+    until = time.monotonic() + 3
+    while time.monotonic() < until and not all((tmp / f"rank{r}.calls.json").exists() for r in running):
+        time.sleep(POLL_S)
+    dumps: dict[int, dict[str, Any]] = {}
+    for r in running:
+        with contextlib.suppress(OSError, ValueError):
+            dumps[r] = json.loads((tmp / f"rank{r}.calls.json").read_text())
+    return dumps
+
+
+def _state(tmp: Path, rank: int, code: int | None, dump: dict[str, Any], outside: bool) -> str:
+    """What a stalled run's ``rank`` is doing: exited, in its teardown, in a call, or outside any."""
+    text = _status(tmp, rank)
+    if code is not None:
+        return f"exited ({code})"
+    if dump.get("teardown"):
+        return f"finished its steps, in teardown (waiting for its peers); last call {text or 'none'}"
+    if outside and text:
+        return f"outside any call; its last, completed: {text}"
+    return f"in {text}" if text else "no call issued yet"
 
 
 def _beat(tmp: Path, rank: int) -> dict[str, Any]:
@@ -191,7 +207,11 @@ def _in_call(beat: dict[str, Any]) -> bool:
     return bool(beat.get("open", 0) > 0 or beat.get("teardown"))
 
 
-def _call_key(rank: int, call: dict[str, Any]) -> tuple[tuple[Any, ...], tuple[int, ...], Any]:
+_Key = tuple[Any, ...]
+"""A call's sequence: ("group", member ranks) for a collective, ("p2p", src, dst) for a send or recv."""
+
+
+def _call_key(rank: int, call: dict[str, Any]) -> tuple[_Key, tuple[int, ...], Any]:
     """(key, member ranks, entry) of a call: a collective by its group and (op, bytes); a send or recv by
     its direction, so that one rank's send meets the other's receive."""
     peer = call.get("peer")
@@ -206,39 +226,55 @@ def divergence(calls: dict[int, list[dict[str, Any]]]) -> str | None:
     """Where the ranks' call sequences first part: for each step in order, each group's (or send/recv
     pair's) calls on its member ranks compared in issue order. None if they never do."""
     for step in sorted({c["step"] for cs in calls.values() for c in cs}):
-        seqs: dict[tuple[Any, ...], dict[int, list[Any]]] = {}
-        members: dict[tuple[Any, ...], tuple[int, ...]] = {}
-        for r, cs in calls.items():
-            for c in cs:
-                if c["step"] == step:
-                    key, ranks, entry = _call_key(r, c)
-                    members[key] = ranks
-                    seqs.setdefault(key, {}).setdefault(r, []).append(entry)
+        seqs, members = _sequences(calls, step)
         for key in sorted(seqs, key=str):
             lists = {r: seqs[key].get(r, []) for r in members[key] if r in calls}
-            if len({tuple(v) for v in lists.values()}) <= 1:
-                continue
-            where = f"send/recv {key[1]} -> {key[2]}" if key[0] == "p2p" else f"group {list(key[1])}"
-            for i in range(max(len(v) for v in lists.values())):
-                at = {r: v[i] if i < len(v) else None for r, v in lists.items()}
-                if len(set(at.values())) == 1:
-                    continue
-                short = [r for r, e in at.items() if e is None]
-                full = next(r for r, e in at.items() if e is not None)
-                op, nbytes = lists[full][i]
-                if short:
-                    r = short[0]
-                    return (
-                        f"rank {r} issued {len(lists[r])} call(s) in step {step} on {where}, rank {full} issued "
-                        f"{len(lists[full])}: rank {r} never issued {op} #{i + 1} ({nbytes} B, {where})"
-                    )
-                other = next(r for r, e in at.items() if e != at[full])
-                their_op, their_bytes = lists[other][i]
-                return (
-                    f"in step {step}, call #{i + 1} on {where}: rank {full} issued {op} ({nbytes} B), rank {other} "
-                    f"issued {their_op} ({their_bytes} B)"
-                )
+            if len({tuple(v) for v in lists.values()}) > 1:
+                return _parting(step, key, lists)
     return None
+
+
+def _sequences(
+    calls: dict[int, list[dict[str, Any]]], step: int
+) -> tuple[dict[_Key, dict[int, list[Any]]], dict[_Key, tuple[int, ...]]]:
+    """Step ``step``'s calls of each rank by sequence (key -> rank -> entries in issue order), and each
+    sequence's member ranks."""
+    seqs: dict[_Key, dict[int, list[Any]]] = {}
+    members: dict[_Key, tuple[int, ...]] = {}
+    for r, cs in calls.items():
+        for c in cs:
+            if c["step"] == step:
+                key, ranks, entry = _call_key(r, c)
+                members[key] = ranks
+                seqs.setdefault(key, {}).setdefault(r, []).append(entry)
+    return seqs, members
+
+
+def _parting(step: int, key: _Key, lists: dict[int, list[Any]]) -> str:
+    """Where the member ranks' differing ``lists`` of one sequence first part: a rank that never issued a
+    call its peer did, or two ranks that issued different ones."""
+    where = f"send/recv {key[1]} -> {key[2]}" if key[0] == "p2p" else f"group {list(key[1])}"
+    i = next(i for i in range(max(map(len, lists.values()))) if len(set(_column(lists, i).values())) > 1)
+    at = _column(lists, i)
+    full = next(r for r, e in at.items() if e is not None)
+    op, nbytes = lists[full][i]
+    if short := [r for r, e in at.items() if e is None]:
+        r = short[0]
+        return (
+            f"rank {r} issued {len(lists[r])} call(s) in step {step} on {where}, rank {full} issued "
+            f"{len(lists[full])}: rank {r} never issued {op} #{i + 1} ({nbytes} B, {where})"
+        )
+    other = next(r for r, e in at.items() if e != at[full])
+    their_op, their_bytes = lists[other][i]
+    return (
+        f"in step {step}, call #{i + 1} on {where}: rank {full} issued {op} ({nbytes} B), rank {other} "
+        f"issued {their_op} ({their_bytes} B)"
+    )
+
+
+def _column(lists: dict[int, list[Any]], i: int) -> dict[int, Any]:
+    """Each rank's ``i``-th entry, None past the end of its list."""
+    return {r: v[i] if i < len(v) else None for r, v in lists.items()}
 
 
 def _status(tmp: Path, rank: int) -> str:
