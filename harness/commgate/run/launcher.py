@@ -186,81 +186,113 @@ def launch_local(
     temporary directory) and removed afterwards. With ``network`` (``commgate.run.links.shaped``) the
     ranks run in its two namespaces, half on each side of its shaped link.
     """
-    world = scenario.world_size
     # an emulated run starts rank 0 alone, or one rank per pipeline stage and tensor shard, at the declared
     # world size (commgate.run.emulate)
     ran = started_ranks(scenario)
-    if len(ran) > (limit := local_rank_limit()):
-        raise RunError(
-            f"{scenario.id}: world size {world} is more local ranks than this machine holds (at most {limit}: "
-            f"{os.cpu_count()} cores, about {RANK_MEMORY >> 20} MiB a rank); run it under torchrun on a cluster "
-            "(commgate run under torchrun), or see its prediction with commgate predict"
-        )
-    if too_big := budget.refusal(scenario, RANK_MEMORY):
-        raise RunError(too_big)
     deadline = deadline_s if deadline_s is not None else scenario.deadline_s
-    cpu = scenario.backend == "gloo" or (scenario.backend == "auto" and not gpu_visible())
-    if cpu and (too_slow := budget.slow(scenario, deadline)):
-        raise RunError(too_slow)
+    _admit(scenario, ran, deadline)
     _sweep_orphans(Path(workdir or tempfile.gettempdir()))
     tmp = Path(tempfile.mkdtemp(prefix=f"commgate-{os.getpid()}-", dir=workdir))
     procs: list[BaseProcess] = []
     started = time.monotonic()
     try:
-        spec = tmp / "scenario.pickle"
-        faults = faults or Faults()
-        with open(spec, "wb") as f:
-            pickle.dump(faults.apply(scenario), f)  # what runs; the caller predicts from what was declared
-        ctx = _context()
-        for rank in ran:
-            # what torchrun sets (DeepSpeed insists on LOCAL_RANK)
-            env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
-            # nothing a local run opens is reachable from another machine (nor, shaped, from the host)
-            env |= network.env(rank, world) if network is not None else loopback_env()
-            args = (
-                str(spec),
-                rank,
-                world,
-                str(tmp / "store"),
-                str(tmp),
-                env | {"OMP_NUM_THREADS": "1"},
-                started,
-                faults,
-            )
-            p = ctx.Process(target=child, args=args, name=f"commgate-rank{rank}", daemon=False)
-            p.start()
-            procs.append(p)
-        watchdog = Watchdog(tmp, ran, scenario.stall_s)
-        while any(p.exitcode is None for p in procs):
-            if failure(scenario.id, _exits(procs), tmp):  # let the others settle, then name the cause
-                settle = time.monotonic() + GRACE_S
-                while any(p.exitcode is None for p in procs) and time.monotonic() < settle:
-                    time.sleep(POLL_S)
-                raise RunError(str(failure(scenario.id, _exits(procs), tmp)))
-            if time.monotonic() - started > deadline:
-                raise RunError(hang_report(scenario.id, tmp, ran, deadline))
-            if (stalled := watchdog.stalled([p.exitcode is None for p in procs])) is not None:
-                raise RunError(stall_report(scenario.id, tmp, _exits(procs), stalled))
-            time.sleep(POLL_S)
-        reason = failure(scenario.id, _exits(procs), tmp)
-        if reason:
-            raise RunError(reason)
+        _start(scenario, ran, tmp, procs, launched=started, faults=faults or Faults(), network=network)
+        _wait(scenario, ran, tmp, procs, started=started, deadline=deadline)
         if progress:
+            world = scenario.world_size
             done = f"{len(ran)} of {world} ranks (the others emulated)" if scenario.emulate else f"{world} ranks"
             progress(f"{scenario.id}: {done} done in {time.monotonic() - started:.1f} s")
-        meta = json.loads((tmp / "rank0.meta.json").read_text())
-        return merge(
-            [tmp / f"rank{r}.json" for r in ran],
-            world_size=world,
-            ranks=ran if scenario.emulate else None,
-            scenario=scenario.id,
-            warmup_steps=scenario.warmup_steps,
-            steps=scenario.steps,
-            backend=meta["backend"],  # as the ranks resolved it (auto: nccl on GPUs)
-            timeline=timeline(meta["marks"] | {"done": time.monotonic()}),  # finish: up to the merge
-            stack=meta["stack"],
-        )
+        return _merged(scenario, ran, tmp)
     finally:
         _kill(procs)
         with contextlib.suppress(OSError):
             shutil.rmtree(tmp)
+
+
+def _admit(scenario: Scenario, ran: tuple[int, ...], deadline: float) -> None:
+    """Refuse with ``RunError``, before anything starts, a run this machine cannot hold or finish: more
+    ranks than it holds, more memory than it has, CPU steps that cannot end before the deadline."""
+    if len(ran) > (limit := local_rank_limit()):
+        raise RunError(
+            f"{scenario.id}: world size {scenario.world_size} is more local ranks than this machine holds (at most "
+            f"{limit}: {os.cpu_count()} cores, about {RANK_MEMORY >> 20} MiB a rank); run it under torchrun on a "
+            "cluster (commgate run under torchrun), or see its prediction with commgate predict"
+        )
+    if too_big := budget.refusal(scenario, RANK_MEMORY):
+        raise RunError(too_big)
+    cpu = scenario.backend == "gloo" or (scenario.backend == "auto" and not gpu_visible())
+    if cpu and (too_slow := budget.slow(scenario, deadline)):
+        raise RunError(too_slow)
+
+
+def _start(
+    scenario: Scenario,
+    ran: tuple[int, ...],
+    tmp: Path,
+    procs: list[BaseProcess],
+    *,
+    launched: float,
+    faults: Faults,
+    network: Network | None,
+) -> None:
+    """Start a process for each rank of ``ran``, forked from the forkserver, each appended to ``procs`` as it
+    starts (so that the caller kills the ones started when a later one fails to start)."""
+    spec = tmp / "scenario.pickle"
+    with open(spec, "wb") as f:
+        pickle.dump(faults.apply(scenario), f)  # what runs; the caller predicts from what was declared
+    ctx = _context()
+    world = scenario.world_size
+    for rank in ran:
+        env = _rank_env(rank, world, network)
+        args = (str(spec), rank, world, str(tmp / "store"), str(tmp), env, launched, faults)
+        p = ctx.Process(target=child, args=args, name=f"commgate-rank{rank}", daemon=False)
+        p.start()
+        procs.append(p)
+
+
+def _rank_env(rank: int, world: int, network: Network | None) -> dict[str, str]:
+    """What a local rank adds to its environment: what torchrun sets (DeepSpeed insists on LOCAL_RANK), the
+    sockets' interface, one thread."""
+    env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
+    # nothing a local run opens is reachable from another machine (nor, shaped, from the host)
+    env |= network.env(rank, world) if network is not None else loopback_env()
+    return env | {"OMP_NUM_THREADS": "1"}
+
+
+def _wait(
+    scenario: Scenario, ran: tuple[int, ...], tmp: Path, procs: list[BaseProcess], *, started: float, deadline: float
+) -> None:
+    """Wait until every rank has exited; raise ``RunError`` with the reason ``commgate.run.diagnose`` gives
+    once a rank has failed (after GRACE_S for its peers to settle), when the ranks stall, or ``deadline``
+    seconds after ``started``."""
+    watchdog = Watchdog(tmp, ran, scenario.stall_s)
+    while any(p.exitcode is None for p in procs):
+        if failure(scenario.id, _exits(procs), tmp):  # let the others settle, then name the cause
+            settle = time.monotonic() + GRACE_S
+            while any(p.exitcode is None for p in procs) and time.monotonic() < settle:
+                time.sleep(POLL_S)
+            raise RunError(str(failure(scenario.id, _exits(procs), tmp)))
+        if time.monotonic() - started > deadline:
+            raise RunError(hang_report(scenario.id, tmp, ran, deadline))
+        if (stalled := watchdog.stalled([p.exitcode is None for p in procs])) is not None:
+            raise RunError(stall_report(scenario.id, tmp, _exits(procs), stalled))
+        time.sleep(POLL_S)
+    if reason := failure(scenario.id, _exits(procs), tmp):
+        raise RunError(reason)
+
+
+def _merged(scenario: Scenario, ran: tuple[int, ...], tmp: Path) -> Capture:
+    """The ranks' calls merged into the run's capture, with the backend and stack rank 0 saw and the run's
+    timeline."""
+    meta = json.loads((tmp / "rank0.meta.json").read_text())
+    return merge(
+        [tmp / f"rank{r}.json" for r in ran],
+        world_size=scenario.world_size,
+        ranks=ran if scenario.emulate else None,
+        scenario=scenario.id,
+        warmup_steps=scenario.warmup_steps,
+        steps=scenario.steps,
+        backend=meta["backend"],  # as the ranks resolved it (auto: nccl on GPUs)
+        timeline=timeline(meta["marks"] | {"done": time.monotonic()}),  # finish: up to the merge
+        stack=meta["stack"],
+    )
