@@ -16,7 +16,6 @@ The issue path costs about 10 us a call (``benchmarks/capture_cost.py``).
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -168,14 +167,7 @@ class CapturingProcessGroup(ProcessGroup):
         return self._recorded(Op.SEND, tensors, lambda: self._real.send(tensors, dst, tag), self.global_ranks[dst])
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
-        def post() -> Any:
-            rec = RECORDER
-            if rec is not None and rec.delay_first_recv_s and rec.step == 0:
-                time.sleep(rec.delay_first_recv_s)  # planted fault: once, counted in this recv's latency
-                rec.delay_first_recv_s = 0.0
-            return self._real.recv(tensors, src, tag)
-
-        return self._recorded(Op.RECV, tensors, post, self.global_ranks[src])
+        return self._recorded(Op.RECV, tensors, lambda: self._real.recv(tensors, src, tag), self.global_ranks[src])
 
     def barrier(self, opts: Any = None) -> Any:
         return self._recorded(
@@ -284,13 +276,16 @@ REAL_RANKS: frozenset[int] = frozenset()
 gloo."""
 
 
-def install(inner: str, rank: int, real: Sequence[int] = ()) -> Recorder:
+def install(
+    inner: str, rank: int, real: Sequence[int] = (), *, recorder: Callable[[int], Recorder] = Recorder
+) -> Recorder:
     """Register the ``commgate`` backend over ``inner`` (gloo, nccl, or emulated with the ``real`` ranks
-    started) and start recording."""
+    started) and start recording with ``recorder(rank)`` (a rank with planted faults on its calls hands in
+    ``commgate.run.planted.recorder``'s)."""
     global RECORDER, REAL_RANKS
     REAL_RANKS = frozenset(real)
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND_NAME, _creator(inner), extended_api=True, devices=[_INNER[inner][0]])
     global INSTALLED
-    RECORDER = INSTALLED = Recorder(rank)
+    RECORDER = INSTALLED = recorder(rank)
     return RECORDER

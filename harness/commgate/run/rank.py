@@ -76,7 +76,7 @@ def run_rank(
     import torch
     import torch.distributed as dist
 
-    from commgate.run import interpose
+    from commgate.run import interpose, planted
     from commgate.run.workloads import resolve
 
     backend = resolve_backend(scenario)
@@ -89,10 +89,8 @@ def run_rank(
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     functional = dict(vars(torch.nn.functional))  # restored after the scenario (see _forget_deepspeed_state)
-    rec = interpose.install(backend, rank, started_ranks(scenario))
     faults = faults or Faults()
-    rec.delay_first_recv_s = faults.delay_first_recv_ms / 1000
-    rec.slow = dict(faults.slow)
+    rec = interpose.install(backend, rank, started_ranks(scenario), recorder=planted.recorder(faults))
     dist.init_process_group(
         interpose.BACKEND_NAME,
         init_method=init_method,
@@ -109,13 +107,11 @@ def run_rank(
     for k in range(scenario.warmup_steps + scenario.steps):
         rec.poll()
         rec.step, rec.phase = k, "forward"
-        if k == 0 and faults.late_rank_ms and rank == world_size - 1:  # planted: the last rank is late
-            time.sleep(faults.late_rank_ms / 1000)
+        planted.before_step(faults, k, rank=rank, world_size=world_size)
         busy = clock.busy_ns() if clock else None
         begun = rec.now()
         workload.step(k)
-        if faults.extra_collective:  # planted fault
-            dist.all_reduce(torch.zeros(1, device=device))
+        planted.after_step(faults, device)
         if device.type == "cuda":
             torch.cuda.synchronize()  # the step's kernels are inside its window
         rec.poll()

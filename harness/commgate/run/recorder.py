@@ -33,15 +33,15 @@ def _dtype(dtype: torch.dtype) -> str:
     return name
 
 
-_FIELDS = ("seq", "step", "phase", "op", "group", "peer", "dtype", "elements", "bytes", "tensors", "start_ns", "root")
+FIELDS = ("seq", "step", "phase", "op", "group", "peer", "dtype", "elements", "bytes", "tensors", "start_ns", "root")
 """The order of a call's open record (a tuple: the cheapest record to make on the issue path)."""
-_SEQ, _STEP, _PHASE, _OP, _GROUP, _PEER, _DTYPE, _ELEMENTS, _BYTES, _TENSORS, _START, _ROOT = range(len(_FIELDS))
+_SEQ, _STEP, _PHASE, _OP, _GROUP, _PEER, _DTYPE, _ELEMENTS, _BYTES, _TENSORS, _START, _ROOT = range(len(FIELDS))
 
 _graph_task_id = torch._C._current_graph_task_id
 
 
 def _call(rank: int, rec: tuple[Any, ...], duration_ns: int | None) -> CapturedCall:
-    return CapturedCall(rank=rank, duration_ns=duration_ns, **dict(zip(_FIELDS, rec, strict=True)))
+    return CapturedCall(rank=rank, duration_ns=duration_ns, **dict(zip(FIELDS, rec, strict=True)))
 
 
 class Recorder:
@@ -66,13 +66,6 @@ class Recorder:
         """The open record of the call issued last (the launcher's hang report reads it)."""
         self.windows: list[StepWindow] = []
         """Step boundaries (``commgate.run.rank`` stamps them around each step)."""
-        self.delay_first_recv_s = 0.0
-        """A planted fault (``commgate.run.inject``): the first recv of step 0 waits this long."""
-        self.slow: dict[str, float] = {}
-        """A planted fault: op -> factor; a call of that op waits, once issued and before it is posted,
-        factor - 1 times what this rank's earlier calls of the same op and size took without the wait."""
-        self._unslowed: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
-        self._injected: dict[int, tuple[tuple[str, tuple[int, ...], int], int]] = {}
         self.poller = Poller(self)
 
     def now(self) -> int:
@@ -96,8 +89,6 @@ class Recorder:
         self._open[seq] = self.last = (
             seq, self.step, phase, op, group, peer, dtype, elements, nbytes, len(tensors), start, root,
         )  # fmt: skip
-        if self.slow and str(op) in self.slow:
-            self._slow_down(seq, (str(op), group, nbytes), self.slow[str(op)])
         return seq
 
     def describe_last(self) -> str:
@@ -108,27 +99,18 @@ class Recorder:
         where = f"peer {r[_PEER]}" if r[_PEER] is not None else f"group {list(r[_GROUP])}"
         return f"{r[_OP]} ({where}, {r[_BYTES]} B, step {r[_STEP]}, {r[_PHASE]})"
 
-    def _slow_down(self, seq: int, key: tuple[str, tuple[int, ...], int], factor: float) -> None:
-        """The planted ``slow`` fault: wait (factor - 1) x the median of this key's earlier unslowed
-        times (nothing on its first call), counted in this call's latency."""
-        earlier = sorted(self._unslowed.get(key, ()))
-        wait = int((factor - 1) * earlier[len(earlier) // 2]) if earlier else 0
-        self._injected[seq] = (key, wait)
-        if wait:
-            time.sleep(wait / 1e9)
-
-    def complete(self, seq: int, end: int | None = None) -> None:
-        """Stamp ``seq`` completed at ``end`` (now by default), unless it already was."""
+    def complete(self, seq: int, end: int | None = None) -> tuple[tuple[Any, ...], int] | None:
+        """Stamp ``seq`` completed at ``end`` (now by default), unless it already was. Returns (its open
+        record, its end) when this stamped it, None when it already was."""
         rec = self._open.pop(seq, None)
         self._works.pop(seq, None)
         if rec is None:
-            return
+            return None
         if end is None:
             end = time.perf_counter_ns() - self._t0
-        self._done.append((rec, end))
-        if self._injected and seq in self._injected:
-            key, wait = self._injected.pop(seq)
-            self._unslowed.setdefault(key, []).append(end - rec[_START] - wait)
+        done = (rec, end)
+        self._done.append(done)
+        return done
 
     def watch(self, seq: int, work: Any) -> None:
         """Have the poller stamp ``work``'s completion, unless the caller's wait does it first."""
@@ -178,7 +160,7 @@ class Recorder:
         """Every call issued so far, in issue order, as plain records (``open``: not completed): what the
         launcher aligns across ranks when they stall."""
         keys = ("seq", "step", "phase", "op", "group", "peer", "bytes")
-        index = [_FIELDS.index(k) for k in keys]
+        index = [FIELDS.index(k) for k in keys]
 
         def plain(r: tuple[Any, ...], open_: bool) -> dict[str, Any]:
             return {k: r[i] for k, i in zip(keys, index, strict=True)} | {"open": open_}
