@@ -16,7 +16,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from commgate.core.fsutil import atomic_write_json
 from commgate.model.scenario import Scenario
@@ -25,6 +25,9 @@ from commgate.run.capture import CapturedCall, StepWindow, write_rank_calls
 from commgate.run.emulate import started_ranks
 from commgate.run.inject import Faults
 from commgate.run.threadclock import ThreadClock
+
+if TYPE_CHECKING:
+    import torch
 
 STATUS_WIDTH = 240
 
@@ -80,14 +83,7 @@ def run_rank(
     from commgate.run.workloads import resolve
 
     backend = resolve_backend(scenario)
-    if backend in ("gloo", "emulated"):
-        # one core a rank; an emulated run is one process, which may use them all
-        torch.set_num_threads(len(os.sched_getaffinity(0)) if backend == "emulated" else 1)
-        device = torch.device("cpu")
-    else:
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
+    device = _device(backend, rank)
     functional = dict(vars(torch.nn.functional))  # restored after the scenario (see _forget_deepspeed_state)
     faults = faults or Faults()
     rec = interpose.install(backend, rank, started_ranks(scenario), recorder=planted.recorder(faults))
@@ -144,6 +140,19 @@ def run_rank(
     # else the launcher's rank process exits at once (os._exit), with no teardown at all
     marks["done"] = time.monotonic()
     return gathered
+
+
+def _device(backend: str, rank: int) -> torch.device:
+    """The device ``rank`` computes on, made current: a CPU rank's threads (one core a rank; an emulated run
+    is one process, which may use them all), or its local GPU."""
+    import torch
+
+    if backend in ("gloo", "emulated"):
+        torch.set_num_threads(len(os.sched_getaffinity(0)) if backend == "emulated" else 1)
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
 
 
 def torchrun_store(scenario_index: int) -> Any:
