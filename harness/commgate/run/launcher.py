@@ -9,8 +9,8 @@ temporary directory: no port to collide with; their gloo sockets listen on the l
 The launcher fails a run when a rank raises or dies (the other ranks are killed at once), when the
 ranks stall, or at the deadline, with the reason ``commgate.run.diagnose`` reads from the ranks (the rank
 to blame, where their call sequences part, what each last issued), and in every case leaves no rank
-process behind. A launcher killed outright takes its forkserver with
-it, and the kernel then kills the ranks (``PR_SET_PDEATHSIG``).
+process behind. A launcher killed outright takes its forkserver with it, and the kernel then kills the
+ranks (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -115,15 +115,10 @@ GRACE_S = 1.0
 rank that died can be reaped a moment after its peers have raised)."""
 
 
-def _ranked(procs: Sequence[BaseProcess]) -> list[tuple[int, BaseProcess]]:
-    """(rank, process) of each rank process started (named ``commgate-rank{r}``; an emulated run starts some
-    ranks of the job only)."""
-    return [(int((p.name or "").removeprefix("commgate-rank")), p) for p in procs]
-
-
 def _exits(procs: Sequence[BaseProcess]) -> Exits:
-    """Each started rank's exit status, None while it runs."""
-    return {rank: p.exitcode for rank, p in _ranked(procs)}
+    """Each started rank's exit status, None while it runs (a rank's process is named ``commgate-rank{r}``;
+    an emulated run starts some ranks of the job only)."""
+    return {int((p.name or "").removeprefix("commgate-rank")): p.exitcode for p in procs}
 
 
 def loopback_env() -> dict[str, str]:
