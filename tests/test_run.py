@@ -160,7 +160,7 @@ def test_a_rank_stuck_outside_any_call_is_a_stall_too(tmp_path: Path) -> None:
 
 
 def test_the_divergence_of_call_sequences() -> None:
-    from commgate.run.launcher import divergence
+    from commgate.run.diagnose import divergence
 
     def call(step: int, op: str, nbytes: int, group: tuple[int, ...] = (0, 1), peer: int | None = None) -> dict:  # type: ignore[type-arg]
         return {"step": step, "op": op, "bytes": nbytes, "group": list(group), "peer": peer}
@@ -428,7 +428,7 @@ def test_cli_run_gate_judges_against_baselines_like_pytest(tmp_path: Path, capsy
 
 
 def test_a_stale_extension_build_lock_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from commgate.run.launcher import stale_build_locks
+    from commgate.run.diagnose import stale_build_locks
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert stale_build_locks() == []

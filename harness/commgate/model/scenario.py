@@ -280,7 +280,7 @@ class Scenario:
     warmup_steps: int = 1
     deadline_s: float = 300.0
     stall_s: float | None = None
-    """The stall watchdog's limit (``commgate.run.launcher``); None: derived from the steps seen."""
+    """The stall watchdog's limit (``commgate.run.diagnose``); None: derived from the steps seen."""
     markers: tuple[str, ...] = ()
     trainer: str = "commgate"
     """Who builds, parallelizes and steps the job: a name in ``commgate.model.trainers.TRAINERS``."""

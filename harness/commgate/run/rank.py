@@ -16,7 +16,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from commgate.core.fsutil import atomic_write_json
 from commgate.model.scenario import Scenario
@@ -25,6 +25,9 @@ from commgate.run.capture import CapturedCall, StepWindow, write_rank_calls
 from commgate.run.emulate import started_ranks
 from commgate.run.inject import Faults
 from commgate.run.threadclock import ThreadClock
+
+if TYPE_CHECKING:
+    import torch
 
 STATUS_WIDTH = 240
 
@@ -76,23 +79,14 @@ def run_rank(
     import torch
     import torch.distributed as dist
 
-    from commgate.run import interpose
+    from commgate.run import interpose, planted
     from commgate.run.workloads import resolve
 
     backend = resolve_backend(scenario)
-    if backend in ("gloo", "emulated"):
-        # one core a rank; an emulated run is one process, which may use them all
-        torch.set_num_threads(len(os.sched_getaffinity(0)) if backend == "emulated" else 1)
-        device = torch.device("cpu")
-    else:
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
+    device = _device(backend, rank)
     functional = dict(vars(torch.nn.functional))  # restored after the scenario (see _forget_deepspeed_state)
-    rec = interpose.install(backend, rank, started_ranks(scenario))
     faults = faults or Faults()
-    rec.delay_first_recv_s = faults.delay_first_recv_ms / 1000
-    rec.slow = dict(faults.slow)
+    rec = interpose.install(backend, rank, started_ranks(scenario), recorder=planted.recorder(faults))
     dist.init_process_group(
         interpose.BACKEND_NAME,
         init_method=init_method,
@@ -109,13 +103,11 @@ def run_rank(
     for k in range(scenario.warmup_steps + scenario.steps):
         rec.poll()
         rec.step, rec.phase = k, "forward"
-        if k == 0 and faults.late_rank_ms and rank == world_size - 1:  # planted: the last rank is late
-            time.sleep(faults.late_rank_ms / 1000)
+        planted.before_step(faults, k, rank=rank, world_size=world_size)
         busy = clock.busy_ns() if clock else None
         begun = rec.now()
         workload.step(k)
-        if faults.extra_collective:  # planted fault
-            dist.all_reduce(torch.zeros(1, device=device))
+        planted.after_step(faults, device)
         if device.type == "cuda":
             torch.cuda.synchronize()  # the step's kernels are inside its window
         rec.poll()
@@ -148,6 +140,19 @@ def run_rank(
     # else the launcher's rank process exits at once (os._exit), with no teardown at all
     marks["done"] = time.monotonic()
     return gathered
+
+
+def _device(backend: str, rank: int) -> torch.device:
+    """The device ``rank`` computes on, made current: a CPU rank's threads (one core a rank; an emulated run
+    is one process, which may use them all), or its local GPU."""
+    import torch
+
+    if backend in ("gloo", "emulated"):
+        torch.set_num_threads(len(os.sched_getaffinity(0)) if backend == "emulated" else 1)
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
 
 
 def torchrun_store(scenario_index: int) -> Any:

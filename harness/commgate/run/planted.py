@@ -1,0 +1,95 @@
+"""Planted faults at work inside a rank (``--commgate-fault``; ``commgate.run.inject`` parses them).
+
+The faults on calls, ``delay-first-recv`` and ``slow``, are a ``DelayingRecorder``: a rank installs it
+instead of the plain ``Recorder`` only when one of them is planted, so that the capture's issue path never
+asks whether a fault is planted. The faults on steps, ``late-rank`` and ``extra-collective``, are
+``before_step`` and ``after_step``, which the rank calls around each step. Configuration faults
+(``ddp-bucket-mb``, ``zero-stage``) change the scenario before it runs (``Faults.apply``).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commgate.model.collectives import Op
+from commgate.run.inject import Faults
+from commgate.run.recorder import FIELDS, Recorder
+
+_BYTES, _START = FIELDS.index("bytes"), FIELDS.index("start_ns")
+
+_Key = tuple[str, tuple[int, ...], int]
+"""(op, group, bytes): the calls a ``slow`` fault compares with one another."""
+
+
+class DelayingRecorder(Recorder):
+    """A ``Recorder`` that delays calls as the planted faults say, once a call is recorded and before it
+    is posted, so that the delay is counted in the call's latency:
+
+    * ``delay-first-recv``: the first recv of step 0 waits ``delay_first_recv_s``, once;
+    * ``slow``: op -> factor; a call of that op waits factor - 1 times the median of what this rank's
+      earlier calls of the same op, group and size took without the wait (a key's first call is not
+      slowed).
+    """
+
+    def __init__(self, rank: int, faults: Faults) -> None:
+        super().__init__(rank)
+        self.delay_first_recv_s = faults.delay_first_recv_ms / 1000
+        self.slow = dict(faults.slow)
+        self._unslowed: dict[_Key, list[int]] = {}
+        """Each key's calls' durations without the wait."""
+        self._waits: dict[int, tuple[_Key, int]] = {}
+        """seq -> (key, the wait it was given), until the call completes."""
+
+    def issue(
+        self, op: Op, group: tuple[int, ...], tensors: Sequence[torch.Tensor], peer: int | None, root: int | None
+    ) -> int:
+        seq = super().issue(op, group, tensors, peer, root)
+        if str(op) in self.slow:
+            self._slow_down(seq, (str(op), group, self._open[seq][_BYTES]), self.slow[str(op)])
+        if op is Op.RECV and self.delay_first_recv_s and self.step == 0:
+            time.sleep(self.delay_first_recv_s)  # once
+            self.delay_first_recv_s = 0.0
+        return seq
+
+    def _slow_down(self, seq: int, key: _Key, factor: float) -> None:
+        """Wait (factor - 1) x the median of this key's earlier unslowed times (nothing on its first call)."""
+        earlier = sorted(self._unslowed.get(key, ()))
+        wait = int((factor - 1) * earlier[len(earlier) // 2]) if earlier else 0
+        self._waits[seq] = (key, wait)
+        if wait:
+            time.sleep(wait / 1e9)
+
+    def complete(self, seq: int, end: int | None = None) -> tuple[tuple[Any, ...], int] | None:
+        done = super().complete(seq, end)
+        if done is not None and seq in self._waits:
+            key, wait = self._waits.pop(seq)
+            rec, stamped = done
+            self._unslowed.setdefault(key, []).append(stamped - rec[_START] - wait)
+        return done
+
+
+def recorder(faults: Faults) -> Callable[[int], Recorder]:
+    """What makes a rank's recorder (``commgate.run.interpose.install``): the plain ``Recorder`` unless a
+    fault on calls is planted."""
+    if not faults.delay_first_recv_ms and not faults.slow:
+        return Recorder
+    return functools.partial(DelayingRecorder, faults=faults)
+
+
+def before_step(faults: Faults, step: int, *, rank: int, world_size: int) -> None:
+    """``late-rank``: the last rank sleeps before step 0, so that its peers wait for it in step 0's first
+    collective."""
+    if step == 0 and faults.late_rank_ms and rank == world_size - 1:
+        time.sleep(faults.late_rank_ms / 1000)
+
+
+def after_step(faults: Faults, device: torch.device) -> None:
+    """``extra-collective``: one more all-reduce (1 fp32, whole world) after the step."""
+    if faults.extra_collective:
+        dist.all_reduce(torch.zeros(1, device=device))

@@ -1,0 +1,231 @@
+"""What the capture records of each call, and when the call ended.
+
+A ``Recorder`` holds the calls of this process, with the step and phase the runner is in: the capturing
+process group (``commgate.run.interpose``) hands it each call as it is issued and each work it posts. A
+call's duration runs from its issue to its completion, stamped by whoever sees it first: the caller's
+``wait()`` (exact for blocking calls), a completion query, or the ``Poller`` thread, which checks the works
+in flight at a tick of a tenth of their age (20 us to 1 ms), so a call nobody waits on (DDP's buckets,
+ZeRO's and FSDP's overlapped calls) ends within that bound of its true end, not at the next call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from commgate.model.collectives import Op
+from commgate.model.transformer import dtype_name
+from commgate.run.capture import INIT_STEP, CapturedCall, StepWindow
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype_name(dtype)
+    return name
+
+
+FIELDS = ("seq", "step", "phase", "op", "group", "peer", "dtype", "elements", "bytes", "tensors", "start_ns", "root")
+"""The order of a call's open record (a tuple: the cheapest record to make on the issue path)."""
+_SEQ, _STEP, _PHASE, _OP, _GROUP, _PEER, _DTYPE, _ELEMENTS, _BYTES, _TENSORS, _START, _ROOT = range(len(FIELDS))
+
+_graph_task_id = torch._C._current_graph_task_id
+
+
+def _call(rank: int, rec: tuple[Any, ...], duration_ns: int | None) -> CapturedCall:
+    return CapturedCall(rank=rank, duration_ns=duration_ns, **dict(zip(FIELDS, rec, strict=True)))
+
+
+class Recorder:
+    """The calls of this process, with the step and phase the runner is in.
+
+    The issue path (``issue``, ``watch``, ``complete``) takes no lock: each step is one dictionary or
+    list operation, atomic under the GIL, and a call's open record is popped exactly once, by whoever
+    first sees it completed (the caller's ``wait``, or the ``Poller``)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.step = INIT_STEP
+        self.phase = "init"
+        self._seq = itertools.count()
+        self._t0 = time.perf_counter_ns()
+        self._open: dict[int, tuple[Any, ...]] = {}
+        self._works: dict[int, tuple[Any, int]] = {}
+        """seq -> (the backend's work, its issue time): what the poller watches."""
+        self._done: list[tuple[tuple[Any, ...], int]] = []
+        self.calls: list[CapturedCall] = []
+        self.last: tuple[Any, ...] | None = None
+        """The open record of the call issued last (the launcher's hang report reads it)."""
+        self.windows: list[StepWindow] = []
+        """Step boundaries (``commgate.run.rank`` stamps them around each step)."""
+        self.poller = Poller(self)
+
+    def now(self) -> int:
+        return time.perf_counter_ns() - self._t0
+
+    def issue(
+        self, op: Op, group: tuple[int, ...], tensors: Sequence[torch.Tensor], peer: int | None, root: int | None
+    ) -> int:
+        start = time.perf_counter_ns() - self._t0
+        if len(tensors) == 1:
+            t = tensors[0]
+            elements = t.numel()
+            nbytes = elements * t.element_size()
+            dtype = _dtype(t.dtype)
+        else:
+            elements = sum(t.numel() for t in tensors)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            dtype = _dtype(tensors[0].dtype) if tensors else "none"
+        phase = "backward" if _graph_task_id() != -1 else self.phase
+        seq = next(self._seq)
+        self._open[seq] = self.last = (
+            seq, self.step, phase, op, group, peer, dtype, elements, nbytes, len(tensors), start, root,
+        )  # fmt: skip
+        return seq
+
+    def describe_last(self) -> str:
+        """The call issued last, in a line ("" before the first)."""
+        r = self.last
+        if r is None:
+            return ""
+        where = f"peer {r[_PEER]}" if r[_PEER] is not None else f"group {list(r[_GROUP])}"
+        return f"{r[_OP]} ({where}, {r[_BYTES]} B, step {r[_STEP]}, {r[_PHASE]})"
+
+    def complete(self, seq: int, end: int | None = None) -> tuple[tuple[Any, ...], int] | None:
+        """Stamp ``seq`` completed at ``end`` (now by default), unless it already was. Returns (its open
+        record, its end) when this stamped it, None when it already was."""
+        rec = self._open.pop(seq, None)
+        self._works.pop(seq, None)
+        if rec is None:
+            return None
+        if end is None:
+            end = time.perf_counter_ns() - self._t0
+        done = (rec, end)
+        self._done.append(done)
+        return done
+
+    def watch(self, seq: int, work: Any) -> None:
+        """Have the poller stamp ``work``'s completion, unless the caller's wait does it first."""
+        rec = self._open.get(seq)
+        if rec is not None:
+            self._works[seq] = (work, rec[_START])
+            if not self.poller.awake.is_set():
+                self.poller.wake()
+
+    def poll(self) -> int:
+        """Stamp the watched calls whose work has completed (the poller does this on its own; the runner
+        calls it at step boundaries so that a step's window holds its completions). Returns the issue
+        time of the youngest call still in flight, -1 when none is."""
+        youngest = -1
+        for seq, (work, start) in list(self._works.items()):
+            if work.is_completed():
+                self.complete(seq)
+            elif start > youngest:
+                youngest = start
+        return youngest
+
+    def _completed(self) -> list[CapturedCall]:
+        """``calls`` with the records of the calls completed since the last look."""
+        done, self._done = self._done, []
+        self.calls += [_call(self.rank, rec, end - rec[_START]) for rec, end in done]
+        return self.calls
+
+    def take(self) -> list[CapturedCall]:
+        """The completed calls so far, forgotten here (the microbenchmarks read them point by point)."""
+        done = sorted(self._completed(), key=lambda c: c.seq)
+        self.calls = []
+        return done
+
+    def drain(self) -> list[CapturedCall]:
+        """All calls, the never-completed ones with ``duration_ns=None``, in issue order."""
+        self.poller.stop()
+        pending = [_call(self.rank, rec, None) for rec in list(self._open.values())]
+        return sorted(self._completed() + pending, key=lambda c: c.seq)
+
+    def progress(self) -> tuple[int, int, int]:
+        """(issued, completed, open) calls so far: the launcher's stall watchdog reads them."""
+        open_ = len(self._open)
+        done = len(self.calls) + len(self._done)
+        return done + open_, done, open_
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Every call issued so far, in issue order, as plain records (``open``: not completed): what the
+        launcher aligns across ranks when they stall."""
+        keys = ("seq", "step", "phase", "op", "group", "peer", "bytes")
+        index = [FIELDS.index(k) for k in keys]
+
+        def plain(r: tuple[Any, ...], open_: bool) -> dict[str, Any]:
+            return {k: r[i] for k, i in zip(keys, index, strict=True)} | {"open": open_}
+
+        done = [{k: getattr(c, k) for k in keys} | {"open": False} for c in list(self.calls)]
+        done += [plain(r, False) for r, _ in list(self._done)]
+        pending = [plain(r, True) for r in list(self._open.values())]
+        return sorted(done + pending, key=lambda r: r["seq"])
+
+
+class Poller:
+    """A thread that stamps the completion of asynchronous calls nobody waits on (DDP's buckets,
+    ZeRO's overlapped reductions, FSDP's prefetches), with a bounded cost.
+
+    While calls are in flight it checks them (``Work.is_completed``, a C++ query) every
+    ``max(MIN_TICK_NS, age / RESOLUTION)`` of the youngest call's age, at most every ``MAX_TICK_NS``;
+    with none in flight it sleeps on an event. So a call's end is stamped late by at most
+    ``max(MIN_TICK_NS, duration / RESOLUTION)`` (plus the wait for the GIL), and a call of duration D
+    costs about ``RESOLUTION x ln(D / MIN_TICK_NS)`` checks, each a few microseconds off the training
+    thread. No Python runs on the backend's own threads; the thread's timer slack is cut to 1 us (Linux)
+    so that its short sleeps are short.
+    """
+
+    MIN_TICK_NS = 20_000
+    MAX_TICK_NS = 1_000_000
+    RESOLUTION = 10
+
+    def __init__(self, rec: Recorder) -> None:
+        self._rec = rec
+        self.awake = self._event = threading.Event()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def wake(self) -> None:
+        if not self._event.is_set():
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="commgate-poller", daemon=True)
+                self._thread.start()
+            self._event.set()
+
+    def stop(self) -> None:
+        """Stop the thread and wait for it, so that no completion is stamped after this returns."""
+        self._stopped = True
+        self._event.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        _short_timer_slack()
+        rec = self._rec
+        while not self._stopped:
+            if not rec._works:
+                self._event.clear()
+                if not rec._works:
+                    self._event.wait()
+                continue
+            youngest = rec.poll()
+            if youngest >= 0:
+                age = rec.now() - youngest
+                time.sleep(min(max(self.MIN_TICK_NS, age // self.RESOLUTION), self.MAX_TICK_NS) / 1e9)
+
+
+def _short_timer_slack() -> None:
+    """1 us of timer slack for the calling thread (Linux ``prctl(PR_SET_TIMERSLACK)``; else nothing)."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(29, 1000, 0, 0, 0)
