@@ -563,16 +563,20 @@ class DeepSpeedZero3(Zero3):
                 )
             )
         groups = sub_groups(ctx)
+        # offloaded, the optimizer sums its norms on the CPU into a FloatTensor
+        # (complete_grad_norm_calculation_for_cpu_offload); else get_grad_norm_direct's norm dtype, float64
+        offloaded = dsconfig.offloads_optimizer(ctx.scenario.deepspeed_config)
+        norm = "fp32" if offloaded else "float64"
         rows.append(
             replace(
                 step,
                 op=Op.ALL_REDUCE,
-                dtype="float64",
+                dtype=norm,
                 elements=1,
                 calls=groups,
                 phase=Phase.OPTIMIZER,
                 paper_term=None,
-                source="ZeRO-3 gradient-norm all-reduce (float64)"
+                source=f"ZeRO-3 gradient-norm all-reduce ({norm}{', optimizer offloaded' if offloaded else ''})"
                 + (f", one per optimizer sub-group ({groups})" if groups > 1 else ""),
             )
         )

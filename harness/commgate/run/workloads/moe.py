@@ -12,7 +12,7 @@ from torch import nn
 
 from commgate.model.scenario import Scenario
 from commgate.run.workloads.gpt import DTYPES, GPT, batch, mlp
-from commgate.run.workloads.zero import ZeroWorkload, ds_config
+from commgate.run.workloads.zero import ZeroWorkload, client_optimizer, ds_config
 
 
 class _MoEMLP(nn.Module):
@@ -62,7 +62,8 @@ class MoEWorkload(ZeroWorkload):
         groups = split_params_into_different_moe_groups_for_optimizer(
             {"name": "parameters", "params": list(model.parameters())}
         )
-        optimizer = torch.optim.AdamW(groups, lr=1e-4)
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(scenario))
+        config = ds_config(scenario)
+        optimizer = client_optimizer(groups, config)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=groups, config=config)
         m, b = scenario.model, scenario.parallelism.micro_batch
         self.inputs = lambda seed: (batch(m, b, seed=seed, device=device),)

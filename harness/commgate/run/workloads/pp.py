@@ -20,7 +20,7 @@ from commgate.core.errors import CommgateError
 from commgate.model.scenario import ModelSpec, Scenario
 from commgate.run.interpose import phase
 from commgate.run.workloads.gpt import DTYPES, GPT, batch
-from commgate.run.workloads.zero import ds_config
+from commgate.run.workloads.zero import client_optimizer, ds_config
 
 
 class _Head(nn.Module):
@@ -73,8 +73,11 @@ class PipelineWorkload:
         )
         if par.tp > 1:
             _shard_stage(self.module, scenario.model, device)
-        optimizer = torch.optim.AdamW([p for p in self.module.parameters()], lr=1e-4)
-        self.engine, *_ = deepspeed.initialize(model=self.module, optimizer=optimizer, config=ds_config(scenario))
+        config, params = ds_config(scenario), list(self.module.parameters())
+        optimizer = client_optimizer(params, config)
+        self.engine, *_ = deepspeed.initialize(
+            model=self.module, optimizer=optimizer, model_parameters=params, config=config
+        )
 
     def _data(self, k: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         par = self.s.parallelism

@@ -1,8 +1,9 @@
 """DeepSpeed ZeRO stages 1-3 (``deepspeed.initialize`` with a real ZeRO config) around the GPT decoder.
 
 The process group is already initialised (through the capturing backend); DeepSpeed's comm layer
-adopts it. The client optimizer is torch's AdamW, which ZeRO partitions (DeepSpeed's fused Adam
-needs a GPU build).
+adopts it. The optimizer is the config's own where it names one, else a client optimizer
+(``client_optimizer``): torch's AdamW, which ZeRO partitions, or DeepSpeedCPUAdam under ZeRO-Offload.
+DeepSpeed's own optimizers are C++ ops it compiles on first use (minutes, once per environment).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from commgate.model import dsconfig
 from commgate.model.scenario import Scenario
 from commgate.model.schemes.deepspeed_zero import built_partitioned
 from commgate.run.interpose import optimizer_phase, phase
@@ -61,6 +63,20 @@ def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def client_optimizer(params: Any, config: dict[str, Any]) -> torch.optim.Optimizer | None:
+    """The optimizer of ``params`` (parameters or groups) handed to ``deepspeed.initialize``: none where the
+    config names its own (DeepSpeed builds it, as for the user's job: FusedAdam, or DeepSpeedCPUAdam under
+    ZeRO-Offload), DeepSpeedCPUAdam under ZeRO-Offload (DeepSpeed refuses another client optimizer
+    there), else torch's AdamW."""
+    if "optimizer" in config:
+        return None
+    if dsconfig.offloads_optimizer(config):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, lr=1e-4)
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
 class ZeroWorkload:
     def __init__(self, scenario: Scenario, *, rank: int, device: torch.device) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu" if device.type == "cpu" else "cuda")
@@ -81,8 +97,9 @@ class ZeroWorkload:
             self.inputs = lambda seed: (batch(scenario.model, b, seed=seed, device=device),)
         else:
             model, self.inputs = build(scenario, device, checkpointing=scenario.parallelism.activation_checkpointing)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        params = list(model.parameters())
+        optimizer = client_optimizer(params, config)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=params, config=config)
 
     def step(self, k: int) -> float:
         par = self.s.parallelism
