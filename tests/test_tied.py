@@ -31,10 +31,13 @@ def scenario(scheme: str, par: str, model: str = "preset: 19M-cpu"):  # type: ig
         ("tp", "dp: 1, tp: 2, sequence_parallel: true", LLAMA),
         ("fsdp", "dp: 2, tp: 2", "preset: 19M-cpu"),
         ("cp", "dp: 1, cp: 2, tp: 2", LLAMA),
+        ("pp", "dp: 2, pp: 2, micro_batches: 2", "preset: 19M-cpu, dtype: bf16"),
+        ("pp", "dp: 1, pp: 3, micro_batches: 3, activation_checkpointing: true", "preset: 19M-cpu"),
+        ("3d", "dp: 1, tp: 2, pp: 2, micro_batches: 2", LLAMA.replace("L: 2", "L: 4")),
     ],
-    ids=["tp-ddp", "tp-sp", "fsdp-tp", "cp-tp"],
+    ids=["tp-ddp", "tp-sp", "fsdp-tp", "cp-tp", "pp-dp-bf16", "pp3-checkpointing", "3d"],
 )
-def test_tied_embeddings_under_tensor_parallelism_reconcile(scheme: str, par: str, model: str, tmp_path: Path) -> None:
+def test_tied_embeddings_reconcile(scheme: str, par: str, model: str, tmp_path: Path) -> None:
     from commgate.run.launcher import launch_local
 
     s = scenario(scheme, par, model)
@@ -65,3 +68,8 @@ def test_the_tied_head_holds_the_embeddings_parameter() -> None:
         assert torch.equal(model.head.weight.full_tensor(), model.embed.word.weight.full_tensor())
     finally:
         dist.destroy_process_group()
+
+
+def test_tied_embeddings_in_torchs_pipeline_stages_are_skipped_with_the_reason() -> None:
+    s = scenario("pp", "dp: 1, pp: 2, micro_batches: 2, pipeline: {engine: torch, schedule: gpipe}")
+    assert "torch.distributed.pipelining ties no weights across stages" in (skip_reason(s, gpus=False) or "")

@@ -125,6 +125,19 @@ class PipelineParallel:
             rows.append(replace(norm, dtype="uint8", source="PP gradient overflow check over the model-parallel group"))
         if m.tied_embeddings:
             ends = tuple((g[0], g[-1]) for g in pipes)
+            rows.append(  # _synchronize_tied_weights: the first stage's copy, whole (DTensor shards it after)
+                replace(
+                    step,
+                    op=Op.BROADCAST,
+                    groups=ends,
+                    dtype=m.dtype,
+                    elements=m.V * m.h,
+                    phase=Phase.INIT,
+                    once=True,
+                    source="PP tied-embedding broadcast from the first stage (construction; the whole weight, "
+                    "tensor parallelism shards the stages after)",
+                )
+            )
             rows.append(
                 replace(
                     step,

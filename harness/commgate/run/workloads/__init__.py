@@ -125,8 +125,9 @@ def skip_reason(scenario: Scenario, *, gpus: bool) -> str | None:
         return "needs GPUs (marker gpu or backend nccl); this machine has none"
     if scenario.workload is not None:
         return None
-    if scenario.model.tied_embeddings and par.pp > 1:
-        return "the pipeline-parallel workloads do not tie embeddings yet (`commgate predict` models it)"
+    if scenario.model.tied_embeddings and par.pp > 1 and par.pipeline.engine == "torch":
+        why = "torch.distributed.pipelining ties no weights across stages; DeepSpeed's engine does (engine: deepspeed)"
+        return f"{why} (`commgate predict` models it)"
     cpu = not gpus or scenario.backend == "gloo"
     if SCHEMES[par.scheme].deepspeed and scenario.model.dtype == "fp16" and cpu:
         return "DeepSpeed's fp16 runs on GPUs only (its CPU accelerator supports bf16 and fp32)"

@@ -13,10 +13,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
-from commgate.core.errors import CommgateError
 from commgate.model.scenario import ModelSpec, Scenario
 from commgate.run.interpose import phase
 from commgate.run.workloads.gpt import DTYPES, GPT, batch
@@ -29,8 +28,56 @@ class _Head(nn.Module):
         self.final_norm, self.head = model.final_norm, model.head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.head is not None
-        return self.head(self.final_norm(x))
+        return self.head(self.final_norm(x)) if self.head is not None else self.final_norm(x)
+
+
+class _Word(nn.Module):
+    """The word embedding alone, the module a tied pipeline holds on its first and its last stage
+    (DeepSpeed's ``TiedLayerSpec``, as GPT-NeoX and Megatron tie them)."""
+
+    def __init__(self, m: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.word = nn.Embedding(m.V, m.h, dtype=dtype, device=device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.word(tokens)
+
+
+class _Positions(nn.Module):
+    """A tied pipeline's learned positions, on the first stage after the word embedding."""
+
+    def __init__(self, position: nn.Embedding) -> None:
+        super().__init__()
+        self.position = position
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.position(torch.arange(x.shape[1], device=x.device))
+
+
+def _tied_logits(word: _Word, x: torch.Tensor) -> torch.Tensor:
+    """The last stage's output layer: the tied word embedding's weight; sharded on the vocabulary (3-D),
+    Megatron's parallel logits: the input replicated over the tensor-parallel group (its gradient
+    all-reduced there in the backward), the logits sharded on the vocabulary for ``loss_parallel``."""
+    weight = word.word.weight
+    if isinstance(weight, DTensor):
+        x = DTensor.from_local(x, weight.device_mesh, [Replicate()], run_check=False)
+    return x @ weight.t()
+
+
+def _layers(model: GPT, device: torch.device) -> list[Any]:
+    """The pipeline's layers: the embedding, the transformer layers, the final norm and the output layer;
+    tied, the word embedding is one ``TiedLayerSpec`` on both ends (the engine broadcasts its weight at
+    construction and all-reduces its gradient between the two stages every step)."""
+    from deepspeed.pipe import TiedLayerSpec
+
+    m = model.spec
+    if not m.tied_embeddings:
+        return [model.embed, *model.layers, _Head(model)]
+    dtype = model.final_norm.weight.dtype
+    word = TiedLayerSpec("embed", _Word, m, dtype, device, tied_weight_attr="word.weight")
+    positions = [_Positions(model.embed.position)] if model.embed.position is not None else []
+    head = TiedLayerSpec("embed", _Word, m, dtype, device, forward_fn=_tied_logits, tied_weight_attr="word.weight")
+    return [word, *positions, *model.layers, _Head(model), head]
 
 
 def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -53,16 +100,13 @@ class PipelineWorkload:
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
         par = scenario.parallelism
-        if scenario.model.tied_embeddings:
-            raise CommgateError("the pipeline workload does not tie embeddings across stages")
         self.s, self.rank, self.device = scenario, rank, device
         # deepspeed.comm adopts the process group already initialised through the capturing backend
         deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl", auto_mpi_discovery=False)
         torch.manual_seed(0)
         model = GPT(scenario.model).to(device=device, dtype=DTYPES[scenario.model.dtype])
-        layers = [model.embed, *model.layers, _Head(model)]
         self.module = PipelineModule(
-            layers=layers,
+            layers=_layers(model, device),
             topology=PipeModelDataParallelTopology(num_pp=par.pp, num_mp=par.tp, num_dp=par.dp),
             loss_fn=_loss,
             partition_method="type:Layer",
@@ -107,9 +151,13 @@ def _shard_stage(module: Any, m: ModelSpec, device: torch.device) -> None:  # a 
             parallelize_module(layer, mesh, layer_plan(m))
         elif isinstance(layer, Embedding):
             parallelize_module(layer, mesh, embedding_plan())
-        elif isinstance(layer, _Head):
+        elif isinstance(layer, _Head) and layer.head is not None:
             parallelize_module(layer, mesh, head_plan())
+    for word in module.tied_modules.values():  # the tied word embedding, vocabulary-parallel on both ends
+        parallelize_module(word, mesh, embedding_plan())
     localize(module)
+    for comm in module.tied_comms.values():  # the engine all-reduces the local shard's gradient, not the view
+        comm["weight_attr"] = ["word.parametrizations.weight.original"]
 
 
 def pipeline_workload(scenario: Scenario, *, rank: int, device: torch.device) -> Any:
