@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from commgate.judge.gate import UPDATE_FLAG, Finding, judge, model_findings
+from commgate.judge.finding import Finding
+from commgate.judge.gate import UPDATE_FLAG, judge, model_findings
 from commgate.judge.reconcile import reconcile
 from commgate.model.predict import predict
 from commgate.model.scenario import Backend, Scenario
@@ -78,7 +79,8 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
     # an emulated run's calls complete without a peer: no communication time to model
     timed = None if capture.ranks is not None else assess(prediction, capture, options.baseline_dir)
     gate_time = timed.finding(scenario.expectations.time_max_error) if timed is not None else None
-    findings = (*findings, *(Finding("config", False, w) for w in scenario.warnings), *filter(None, [gate_time]))
+    warned = (Finding(kind="config", fail=False, title=w) for w in scenario.warnings)
+    findings = (*findings, *warned, *filter(None, [gate_time]))
     failing = [f for f in findings if f.fail]
     return result(
         status="failed" if failing else "passed",

@@ -25,8 +25,8 @@ from commgate.core.errors import DocumentError, Problem
 from commgate.core.fsutil import atomic_write_json, read_json
 from commgate.core.provenance import commit as provenance_commit
 from commgate.core.provenance import cpu_fingerprint, environment
-from commgate.core.units import shown
 from commgate.judge.drift import RunLatency, key_text, summarize
+from commgate.judge.finding import Difference
 from commgate.judge.reconcile import Reconciliation, call_label
 from commgate.model.scenario import Tolerance
 from commgate.run.capture import Capture
@@ -247,21 +247,6 @@ def provenance(capture: Capture, world_size: int) -> dict[str, Any]:
         "commit": commit,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-
-
-@dataclass(frozen=True, slots=True)
-class Difference:
-    """One thing that differs from the baseline: what, obtained, expected."""
-
-    what: str
-    obtained: Fraction | int
-    expected: Fraction | int
-
-    def text(self, labels: tuple[str, str] = ("obtained", "expected")) -> str:
-        delta = Fraction(self.obtained) - Fraction(self.expected)
-        sign = "+" if delta > 0 else ""
-        now, then = labels
-        return f"{self.what}: {now} {shown(self.obtained)}, {then} {shown(self.expected)} ({sign}{shown(delta)})"
 
 
 def compare(now: Baseline, stored: Baseline, *, bytes_tol: Tolerance, calls_tol: Tolerance) -> list[Difference]:

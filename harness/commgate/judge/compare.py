@@ -23,6 +23,7 @@ from commgate.core.errors import CommgateError
 from commgate.core.fsutil import read_json
 from commgate.judge import baseline as bl
 from commgate.judge.drift import Assessment, shifts
+from commgate.judge.finding import Difference
 from commgate.model.scenario import LatencyRule, Tolerance
 from commgate.run.capture import Capture
 
@@ -91,7 +92,7 @@ def _load_report(path: Path) -> dict[str, bl.Baseline]:
 @dataclass
 class ScenarioChange:
     scenario: str
-    volume: list[bl.Difference] = field(default_factory=list)
+    volume: list[Difference] = field(default_factory=list)
     latency: Assessment = field(default_factory=Assessment)
     only: str = ""
     """'before' or 'after' when the scenario ran on one side only."""

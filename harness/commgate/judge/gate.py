@@ -1,5 +1,6 @@
 """The regression gate's verdict on one run: the three kinds of assertion and the drift checks, each a
-``Finding`` that shows only what differs (obtained / expected / difference), bounded in length.
+``Finding`` (``commgate.judge.finding``) that shows only what differs (obtained / expected / difference),
+bounded in length.
 
 1. Model: every (window, op, group, dtype, size, phase) call count and every op's bytes per step
    against the per-collective model (exact unless the scenario declares tolerances), and the traffic
@@ -19,36 +20,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
-from typing import Literal
 
-from commgate.core.units import human_bytes, shown
+from commgate.core.units import human_bytes, shown, signed
 from commgate.judge.baseline import Baseline, compare, write
 from commgate.judge.drift import Assessment, RunLatency, cold_starts, shifts, summarize
+from commgate.judge.finding import Difference, Finding
 from commgate.judge.reconcile import Reconciliation
 from commgate.model.expectation import Prediction
 from commgate.model.scenario import Scenario
 from commgate.run.capture import Capture
 
-MAX_LINES = 12
 UPDATE_FLAG = "--commgate-update-baselines"
-
-Kind = Literal["model", "paper", "baseline", "cold-start", "latency", "config", "time"]
-
-
-@dataclass(frozen=True, slots=True)
-class Finding:
-    kind: Kind
-    fail: bool
-    title: str
-    lines: tuple[str, ...] = ()
-    hint: str = ""
-
-    def text(self) -> str:
-        shown = list(self.lines[:MAX_LINES])
-        if len(self.lines) > MAX_LINES:
-            shown.append(f"... and {len(self.lines) - MAX_LINES} more (report.json has them all)")
-        body = "".join(f"\n    {line}" for line in shown)
-        return f"[{self.kind}] {self.title}{body}" + (f"\n    {self.hint}" if self.hint else "")
 
 
 @dataclass(kw_only=True)
@@ -60,37 +42,39 @@ class Verdict:
 
 def against_model(s: Scenario, rec: Reconciliation) -> Finding | None:
     e = s.expectations
-    lines = [
-        f"{k.label}: obtained {k.measured_calls}, expected {k.predicted_calls} ({k.source})"
+    diffs = [
+        Difference(k.label, k.measured_calls, k.predicted_calls, detail=k.source)
         for k in rec.keys
         if not e.model_calls.allows(k.measured_calls, k.predicted_calls)
     ]
     for o in rec.ops:
         expected = o.predicted_bytes + sum((b for _, b in o.residuals), Fraction(0))
         if not e.model_bytes.allows(o.measured_bytes, expected):
-            lines.append(
-                f"bytes per step, {o.op}: obtained {shown(o.measured_bytes)}, expected {shown(expected)} "
-                f"({'+' if o.unexplained_bytes > 0 else ''}{shown(o.unexplained_bytes)} unexplained)"
-            )
+            unexplained = f"{signed(o.unexplained_bytes)} unexplained"
+            diffs.append(Difference(f"bytes per step, {o.op}", o.measured_bytes, expected, detail=unexplained))
     exact = e.model_calls.rtol == e.model_calls.atol == e.model_bytes.rtol == e.model_bytes.atol == 0
     if exact and rec.traffic_measured != rec.traffic_predicted:
         pairs = sorted(set(rec.traffic_measured) | set(rec.traffic_predicted))
         for src, dst in pairs:
             a, b = rec.traffic_measured.get((src, dst), Fraction(0)), rec.traffic_predicted.get((src, dst), Fraction(0))
             if a != b:
-                delta = ("+" if a > b else "") + shown(a - b)
-                lines.append(f"traffic {src} -> {dst}: obtained {shown(a)}, expected {shown(b)} B/step ({delta})")
-    if not lines:
+                diffs.append(Difference(f"traffic {src} -> {dst}", a, b, unit="B/step"))
+    if not diffs:
         return None
-    return Finding("model", True, "measured communication differs from the per-collective model", tuple(lines))
+    return Finding(
+        kind="model",
+        fail=True,
+        title="measured communication differs from the per-collective model",
+        differences=tuple(diffs),
+    )
 
 
 def unchecked() -> Finding:
     """What the baseline-only mode says instead of the model's verdict (never a failure)."""
     return Finding(
-        "model",
-        False,
-        "the model was not checked (expectations.model.check: false): only the baseline and drift gate this run",
+        kind="model",
+        fail=False,
+        title="the model was not checked (expectations.model.check: false): only the baseline and drift gate this run",
     )
 
 
@@ -103,19 +87,25 @@ def model_findings(s: Scenario, rec: Reconciliation) -> tuple[Finding, ...]:
 
 
 def against_paper(s: Scenario, prediction: Prediction) -> Finding | None:
+    e = s.expectations
     lines = []
     for c in prediction.comparison():
-        paper = c.term.bytes
-        if abs(c.unexplained_bytes) > s.expectations.paper_rtol * paper:
+        term = c.term.bytes
+        if abs(c.unexplained_bytes) > e.paper_rtol * term:
             named = ", ".join(f"{r.name} {human_bytes(r.bytes)}" for r in c.residuals) or "none"
             lines.append(
-                f"{c.term.equation}: model {human_bytes(c.model_bytes)}, paper {human_bytes(paper)}, "
+                f"{c.term.equation}: model {human_bytes(c.model_bytes)}, paper {human_bytes(term)}, "
                 f"named terms: {named}; unexplained {shown(c.unexplained_bytes)} B "
-                f"(> rtol {s.expectations.paper_rtol:g})"
+                f"(> rtol {e.paper_rtol:g})"
             )
     if not lines:
         return None
-    return Finding("paper", True, "the model differs from the paper's equations beyond the named terms", tuple(lines))
+    return Finding(
+        kind="paper",
+        fail=True,
+        title="the model differs from the paper's equations beyond the named terms",
+        notes=tuple(lines),
+    )
 
 
 def against_baseline(s: Scenario, now: Baseline, stored: Baseline, update_flag: str = UPDATE_FLAG) -> list[Finding]:
@@ -126,12 +116,12 @@ def against_baseline(s: Scenario, now: Baseline, stored: Baseline, update_flag: 
         taken = stored.provenance
         out.append(
             Finding(
-                "baseline",
-                True,
-                f"communication differs from the baseline (taken {taken.get('date')} at {taken.get('commit')}, "
-                f"torch {taken.get('torch')}, deepspeed {taken.get('deepspeed')})",
-                tuple(d.text() for d in diffs),
-                f"if the change is intended, accept it with {update_flag}",
+                kind="baseline",
+                fail=True,
+                title=f"communication differs from the baseline (taken {taken.get('date')} at "
+                f"{taken.get('commit')}, torch {taken.get('torch')}, deepspeed {taken.get('deepspeed')})",
+                differences=tuple(diffs),
+                hint=f"if the change is intended, accept it with {update_flag}",
             )
         )
     return out
@@ -170,11 +160,11 @@ def against_latency(
         return None, note
     return (
         Finding(
-            "latency",
-            rule.action == "fail" and a.slower and not unconfirmed,
-            f"latency shifted against {len(history)} stored run(s) on {hw}{unconfirmed}",
-            tuple(m.text() for m in moved),
-            f"if this machine is now the reference, store this run with {update_flag} --commgate-refresh-latency",
+            kind="latency",
+            fail=rule.action == "fail" and a.slower and not unconfirmed,
+            title=f"latency shifted against {len(history)} stored run(s) on {hw}{unconfirmed}",
+            notes=tuple(m.text() for m in moved),
+            hint=f"if this machine is now the reference, store this run with {update_flag} --commgate-refresh-latency",
         ),
         note,
     )
@@ -191,11 +181,11 @@ def cold_start(s: Scenario, capture: Capture) -> Finding | None:
     if not spikes:
         return None
     return Finding(
-        "cold-start",
-        rule.action == "fail",
-        f"first-step latency spikes (> {rule.factor:g}x the steady median, or the time expected for the size, "
-        f"and > {rule.min_excess_ms:g} ms slower)",
-        tuple(c.text() for c in spikes),
+        kind="cold-start",
+        fail=rule.action == "fail",
+        title=f"first-step latency spikes (> {rule.factor:g}x the steady median, or the time expected for the "
+        f"size, and > {rule.min_excess_ms:g} ms slower)",
+        notes=tuple(c.text() for c in spikes),
     )
 
 
@@ -261,9 +251,8 @@ def settle_baseline(
     write(path, now)
     if stored is None:
         if not update:
-            findings.append(
-                Finding("baseline", True, f"no baseline yet: wrote {path}", hint="rerun to compare against it")
-            )
+            wrote = f"no baseline yet: wrote {path}"
+            findings.append(Finding(kind="baseline", fail=True, title=wrote, hint="rerun to compare against it"))
         return findings, f"{path} written"
     if changed:
         return findings, f"{path} updated: " + "; ".join(line for f in changed for line in f.lines[:3])

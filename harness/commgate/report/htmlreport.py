@@ -13,14 +13,13 @@ drawn inline by ``commgate.report.detail``.
 from __future__ import annotations
 
 import html
-import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from commgate.core.fsutil import atomic_write_bytes, atomic_write_json, atomic_write_text
-from commgate.core.units import human_bytes
+from commgate.core.units import human_bytes, shown, signed
 from commgate.report import detail, timemodel
 from commgate.report.detail import OP_COLORS
 
@@ -438,20 +437,22 @@ def _findings(doc: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-_DIFF = re.compile(r"^(?P<what>.+): obtained (?P<now>\S+), expected (?P<then>\S+?)(?: B/step)? \((?P<delta>[^)]*)\)$")
-
-
 def _diff_table(s: dict[str, Any]) -> str:
-    """The failing findings' obtained / expected / difference lines (against the baseline or the model)
-    as a table: what, now, expected, difference."""
+    """The failing findings' differences (against the baseline, the model or the time model's allowance) as
+    a table: against, what, now, expected, and the difference (or what the finding says in its place)."""
     rows = []
     for f in s.get("findings", []):
         if not f["fail"]:
             continue
-        for line in f["lines"]:
-            if m := _DIFF.match(line):
-                cells = [f["kind"], m["what"], m["now"], m["then"], m["delta"]]
-                rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+        for d in f.get("differences", []):  # reports written before findings carried them have none
+            cells = [
+                f["kind"],
+                d["what"],
+                shown(d["obtained"]),
+                shown(d["expected"]),
+                d["detail"] or signed(d["difference"]),
+            ]
+            rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
     if not rows:
         return ""
     head = "".join(f"<th>{h}</th>" for h in ("against", "what", "now", "expected", "difference"))

@@ -17,7 +17,7 @@ from commgate.core.fsutil import atomic_write_text, dumps
 from commgate.core.provenance import environment
 from commgate.core.units import human_bytes, number, shown
 from commgate.judge.drift import cold_starts
-from commgate.judge.gate import Finding
+from commgate.judge.finding import Finding
 from commgate.judge.reconcile import Reconciliation
 from commgate.model.expectation import Prediction
 from commgate.report.render import prediction_document
@@ -71,10 +71,7 @@ class ScenarioResult:
             "world_size": s.world_size,
             "status": self.status,
             "reason": self.reason,
-            "findings": [
-                {"kind": f.kind, "fail": f.fail, "title": f.title, "lines": list(f.lines), "hint": f.hint}
-                for f in self.findings
-            ],
+            "findings": [f.to_json() for f in self.findings],
             "wall_s": round(self.wall_s, 3),
             "latency_note": self.latency_note,
             "prediction": prediction_document(self.prediction),

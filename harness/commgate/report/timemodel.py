@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from commgate.core.errors import CommgateError
-from commgate.judge.gate import Finding
+from commgate.judge.finding import Difference, Finding
 from commgate.model import transformer
 from commgate.model.expectation import ExpectedCollective, Phase, Prediction
 from commgate.model.scenario import Parallelism, Scenario
@@ -311,20 +311,27 @@ class TimeAssessment:
             return None
         why = self.domain or (self.note if self.predicted is None or self.measured is None else None)
         if why:
-            return Finding("time", False, f"time model not judged (expectations.time.max_error): {why}")
+            return Finding(kind="time", fail=False, title=f"time model not judged (expectations.time.max_error): {why}")
         err = self.fraction_error or 0.0
         if abs(err) <= max_error:
             return None
         p, m = self.predicted, self.measured
         assert p is not None and m is not None
-        lines = (
-            f"comm fraction: obtained {m.comm_fraction:.3f}, expected {p.in_flight_fraction:.3f} "
-            f"(error {err:+.3f}, allowed {max_error:g})",
-            f"T_iter: obtained {m.t_iter * 1e3:.1f} ms, expected {p.t_iter * 1e3:.1f} ms; "
-            f"T_comm: obtained {m.t_comm * 1e3:.1f} ms, expected {p.t_comm * 1e3:.1f} ms",
+        fraction = Difference(
+            "comm fraction", m.comm_fraction, p.in_flight_fraction, detail=f"error {err:+.3f}, allowed {max_error:g}"
         )
-        hint = "recalibrate on other scenarios (commgate calibrate REPORT), or raise expectations.time.max_error"
-        return Finding("time", True, "the iteration-time model misses the measured communication fraction", lines, hint)
+        times = (
+            f"T_iter: obtained {m.t_iter * 1e3:.1f} ms, expected {p.t_iter * 1e3:.1f} ms; "
+            f"T_comm: obtained {m.t_comm * 1e3:.1f} ms, expected {p.t_comm * 1e3:.1f} ms"
+        )
+        return Finding(
+            kind="time",
+            fail=True,
+            title="the iteration-time model misses the measured communication fraction",
+            differences=(fraction,),
+            notes=(times,),
+            hint="recalibrate on other scenarios (commgate calibrate REPORT), or raise expectations.time.max_error",
+        )
 
 
 def curve_key(stack: dict[str, str | None]) -> str:
