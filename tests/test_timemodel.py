@@ -90,6 +90,7 @@ def test_flops_follow_megatron_and_checkpointing_adds_a_forward() -> None:
 
 
 def test_assess_names_a_missing_or_bad_curve_instead_of_failing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from commgate.judge.store import BaselineStore
     from commgate.report.timemodel import assess
 
     pred = predict(scenario("{scheme: ddp, dp: 2}"))  # type: ignore[arg-type]
@@ -98,10 +99,10 @@ def test_assess_names_a_missing_or_bad_curve_instead_of_failing(tmp_path) -> Non
         scenario="s", world_size=2, warmup_steps=1, steps=1, backend="gloo", calls=(call(0, 1, 10, 20),),
         stack={"hardware": "cpu"}, step_windows=windows,
     )  # fmt: skip
-    t = assess(pred, cap, tmp_path)
+    t = assess(pred, cap, BaselineStore(tmp_path))
     assert t.predicted is None and t.measured is not None and "no bandwidth curve" in t.note
     (tmp_path / "bandwidth-gloo.json").write_text("{")
-    t = assess(pred, cap, tmp_path)
+    t = assess(pred, cap, BaselineStore(tmp_path))
     assert t.predicted is None and t.note.startswith("no time model:") and "not valid JSON" in t.note
     assert t.document()["comm_fraction_error"] is None
 

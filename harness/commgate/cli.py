@@ -235,6 +235,7 @@ def _load_report(path: Path) -> dict[str, Any]:
 
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
+    from commgate.judge.store import BaselineStore
     from commgate.report import bandwidth
     from commgate.report.timemodel import calibrate
 
@@ -256,7 +257,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
         for key, seconds in sorted(fit.host_s.items()):
             print(f"  host time per layer pass, {key:<12} {seconds * 1e3:8.3f} ms")
         how = f"fitted to {fit.scenarios} scenarios of the report created {doc['created']}"
-        path = bandwidth.path_for(a.baseline_dir, backend)
+        path = BaselineStore(a.baseline_dir).curve_path(backend)
         bandwidth.calibrate(path, hardware, fit.utilization, how, fit.host_s, fit.lag)
         for key, lag in sorted(fit.lag.items()):
             print(f"  in flight beyond the curve, {key:<12} {lag:8.3f} s per s of compute")

@@ -15,6 +15,7 @@ from pathlib import Path
 from commgate.judge.finding import Finding
 from commgate.judge.gate import UPDATE_FLAG, judge, model_findings
 from commgate.judge.reconcile import reconcile
+from commgate.judge.store import BaselineStore
 from commgate.model.predict import predict
 from commgate.model.scenario import Backend, Scenario
 from commgate.report.report import ScenarioResult
@@ -27,7 +28,7 @@ from commgate.run.runners import Runner
 @dataclass(frozen=True, kw_only=True)
 class Options:
     baseline_dir: Path = Path("baselines")
-    """Baselines (``{backend}/{id}.json``) and bandwidth curves (``bandwidth-{backend}.json``)."""
+    """The baseline directory: baselines and bandwidth curves (laid out by ``commgate.judge.store``)."""
     gate: bool = True
     """Judge as the regression gate does (model, paper, baseline, drift); else against the model only."""
     update_baselines: bool = False
@@ -60,6 +61,7 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
     if capture is None:
         return None
     rec = reconcile(prediction, capture)
+    store = BaselineStore(options.baseline_dir)
     baseline, written, latency_note = None, None, ""
     if options.gate:
         j = judge(
@@ -67,7 +69,7 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
             prediction,
             capture,
             rec,
-            options.baseline_dir,
+            store,
             update=options.update_baselines,
             refresh_latency=options.refresh_latency,
             update_flag=options.update_flag,
@@ -77,7 +79,7 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
     else:
         findings = model_findings(scenario, rec)
     # an emulated run's calls complete without a peer: no communication time to model
-    timed = None if capture.ranks is not None else assess(prediction, capture, options.baseline_dir)
+    timed = None if capture.ranks is not None else assess(prediction, capture, store)
     gate_time = timed.finding(scenario.expectations.time_max_error) if timed is not None else None
     warned = (Finding(kind="config", fail=False, title=w) for w in scenario.warnings)
     findings = (*findings, *warned, *filter(None, [gate_time]))

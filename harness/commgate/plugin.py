@@ -271,7 +271,9 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
                 terminalreporter.write_line(line)
     whole = all(Path(a).is_dir() for a in config.args)  # no file or node id selected
     if state.used and whole and not config.getoption("keyword") and not config.getoption("markexpr"):
-        unused = sorted(p for p in state.options.baseline_dir.glob("*/*.json") if str(p.resolve()) not in state.used)
+        from commgate.judge.store import BaselineStore
+
+        unused = BaselineStore(state.options.baseline_dir).unused(state.used)
         if unused:
             terminalreporter.section("commgate: baselines no scenario used")
             for p in unused:

@@ -29,3 +29,11 @@ def scenario_file(pytester: pytest.Pytester) -> Callable[..., Path]:
         return pytester.makefile(".yaml", **{name: SCENARIO.format(name=name, scheme=scheme, extra=extra) + tail})
 
     return write
+
+
+@pytest.fixture
+def accepted(pytester: pytest.Pytester, scenario_file: Callable[..., Path]) -> Path:
+    """Scenario ``g`` (``scenario_file``) with its baseline written by a first run; the baseline file."""
+    scenario_file("g")
+    pytester.runpytest("--commgate-update-baselines").assert_outcomes(passed=1)
+    return pytester.path / "baselines" / "gloo" / "g.json"

@@ -6,11 +6,12 @@ bounded in length.
    against the per-collective model (exact unless the scenario declares tolerances), and the traffic
    matrix when both are exact.
 2. Paper: each equation against the model, after the named residual terms, within ``paper.rtol``.
-3. Baseline: counts, bytes and the message-size histogram exactly (``commgate.judge.baseline``); latency
-   against the stored runs by ``commgate.judge.drift.shifts``, a slowdown confirmed by rerunning the
-   scenario (warn, or fail where the scenario says so); not where the run had more ranks on a host than
-   it has cores (gloo) or GPUs: there the calls' times are the scheduler's (on this project's 2-core CI
-   machine, 4-rank runs of the unchanged suite came out x1.6-x2.9 slower on some days than on others).
+3. Baseline: counts, bytes and the message-size histogram exactly (``commgate.judge.baseline``, stored by
+   ``commgate.judge.store``); latency against the stored runs by ``commgate.judge.drift.shifts``, a
+   slowdown confirmed by rerunning the scenario (warn, or fail where the scenario says so); not where the
+   run had more ranks on a host than it has cores (gloo) or GPUs: there the calls' times are the
+   scheduler's (on this project's 2-core CI machine, 4-rank runs of the unchanged suite came out
+   x1.6-x2.9 slower on some days than on others).
 Plus the cold-start check within the run. Torch-free.
 """
 
@@ -22,10 +23,11 @@ from fractions import Fraction
 from pathlib import Path
 
 from commgate.core.units import human_bytes, shown, signed
-from commgate.judge.baseline import Baseline, compare, write
+from commgate.judge.baseline import Baseline, compare, provenance
 from commgate.judge.drift import Assessment, RunLatency, cold_starts, shifts, summarize
 from commgate.judge.finding import Difference, Finding
 from commgate.judge.reconcile import Reconciliation
+from commgate.judge.store import BaselineStore
 from commgate.model.expectation import Prediction
 from commgate.model.scenario import Scenario
 from commgate.run.capture import Capture
@@ -225,17 +227,27 @@ def evaluate(
 
 
 def settle_baseline(
-    v: Verdict, now: Baseline, stored: Baseline | None, path: Path, *, update: bool, refresh_latency: bool = False
+    v: Verdict,
+    now: Baseline,
+    stored: Baseline | None,
+    store: BaselineStore,
+    *,
+    update: bool,
+    refresh_latency: bool = False,
 ) -> tuple[list[Finding], str | None]:
     """The baseline policy. A missing baseline is written and the test fails (nothing passes silently);
     with ``update`` a baseline whose communication changed is rewritten (this machine's latency history
     restarting with this run, other machines' kept) and what changed is reported instead of failing, one
     whose communication did not is left as it is, so that ``git diff`` shows only real changes, unless
     ``refresh_latency`` asks to add this run to this machine's latency history; a run that fails the
-    model or the paper is never stored. Returns the findings that stand and, when a file was written or
-    left alone, a line saying so."""
+    model or the paper is never stored. Without ``update``, a run whose communication differs from the
+    baseline leaves what it sent beside it (``BaselineStore.save_obtained``: copying it over the baseline
+    accepts it, as ``update`` would) and its finding names the file; any other run removes a stale one.
+    Returns the findings that stand and, when a file was written or left alone, a line saying so."""
+    path = store.path(now.backend, now.scenario)
     if stored is not None and not update:
-        return v.findings, None
+        return _obtained(v.findings, now, stored, store), None
+    store.discard_obtained(now.backend, now.scenario)
     changed = [f for f in v.findings if f.kind in ("baseline", "latency")]
     findings = [f for f in v.findings if f.kind not in ("baseline", "latency")]
     if any(f.fail for f in findings):
@@ -244,19 +256,42 @@ def settle_baseline(
     if stored is not None and not communication and not refresh_latency:
         kept = "; latency history kept (--commgate-refresh-latency adds this run)" if changed else ""
         return findings, f"{path} left as it is: communication unchanged{kept}"
-    if stored is not None and not communication:  # refreshed: this run joins the history
-        now = now.with_history(stored)
-    elif stored is not None:  # other traffic: this machine's history restarts with this run
-        now = replace(now, latency={**stored.latency, **now.latency})
-    write(path, now)
+    store.save(_accepted(now, stored, refresh=not communication))
     if stored is None:
         if not update:
-            wrote = f"no baseline yet: wrote {path}"
-            findings.append(Finding(kind="baseline", fail=True, title=wrote, hint="rerun to compare against it"))
+            findings.append(
+                Finding(
+                    kind="baseline",
+                    fail=True,
+                    title=f"no baseline yet: wrote {path}",
+                    hint="rerun to compare against it",
+                )
+            )
         return findings, f"{path} written"
     if changed:
         return findings, f"{path} updated: " + "; ".join(line for f in changed for line in f.lines[:3])
     return findings, f"{path} rewritten: this run added to the latency history"
+
+
+def _accepted(now: Baseline, stored: Baseline | None, *, refresh: bool) -> Baseline:
+    """What accepting this run stores: with the same communication (``refresh``) this run joins the
+    latency history; with other traffic this machine's history restarts with it (other machines' kept)."""
+    if stored is None:
+        return now
+    if refresh:
+        return now.with_history(stored)
+    return replace(now, latency={**stored.latency, **now.latency})
+
+
+def _obtained(findings: list[Finding], now: Baseline, stored: Baseline, store: BaselineStore) -> list[Finding]:
+    """``findings``, the communication difference's naming the obtained file it left (what accepting the
+    run would store); without such a difference, a stale obtained file removed."""
+    if not any(f.kind == "baseline" and f.fail for f in findings):
+        store.discard_obtained(now.backend, now.scenario)
+        return findings
+    obtained = store.save_obtained(_accepted(now, stored, refresh=False))
+    accept = f"; or copy {obtained} over {store.path(now.backend, now.scenario).name}"
+    return [replace(f, hint=f.hint + accept) if f.kind == "baseline" and f.fail else f for f in findings]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -279,7 +314,7 @@ def judge(
     prediction: Prediction,
     capture: Capture,
     rec: Reconciliation,
-    root: Path,
+    store: BaselineStore,
     *,
     update: bool = False,
     update_flag: str = UPDATE_FLAG,
@@ -287,21 +322,15 @@ def judge(
     rerun: Rerun | None = None,
 ) -> Judgement:
     """The whole gate for one run (the pytest plugin's and ``commgate run --gate``'s): its baseline from
-    ``root/{backend}/{id}.json``, the verdict, and the baseline policy (``settle_baseline``). A failure
-    names ``update_flag`` as the way to accept a change; ``rerun`` runs the scenario again to confirm
-    a latency slowdown."""
-    from commgate.judge import baseline as bl
-
-    now = bl.Baseline.from_run(capture, rec, bl.provenance(capture, s.world_size))
-    path = bl.path_for(root, capture.backend, s.id)
-    stored = bl.load(path, scenario=s.id) if path.exists() else None
+    ``store``, the verdict, and the baseline policy (``settle_baseline``). A failure names ``update_flag``
+    as the way to accept a change; ``rerun`` runs the scenario again to confirm a latency slowdown."""
+    now = Baseline.from_run(capture, rec, provenance(capture, s.world_size))
+    stored = store.load(capture.backend, s.id)
     verdict = evaluate(s, prediction, capture, rec, now, stored, update_flag, rerun)
-    findings, written = settle_baseline(
-        verdict,
-        now,
-        stored,
-        path,
-        update=update,
-        refresh_latency=refresh_latency,
+    findings, written = settle_baseline(verdict, now, stored, store, update=update, refresh_latency=refresh_latency)
+    return Judgement(
+        findings=tuple(findings),
+        baseline=store.path(capture.backend, s.id),
+        written=written,
+        latency_note=verdict.latency_note,
     )
-    return Judgement(findings=tuple(findings), baseline=path, written=written, latency_note=verdict.latency_note)

@@ -27,16 +27,15 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from commgate.core.errors import CommgateError
 from commgate.judge.finding import Difference, Finding
+from commgate.judge.store import BaselineStore
 from commgate.model import transformer
 from commgate.model.expectation import ExpectedCollective, Phase, Prediction
 from commgate.model.scenario import Parallelism, Scenario
-from commgate.report import bandwidth
-from commgate.report.bandwidth import Curve
+from commgate.report.bandwidth import Curve, lookup
 from commgate.run.capture import Capture, busy_ns
 
 AXIS_TERM = {"tp": "T_TP", "mp": "T_TP", "pp": "T_PP", "dp": "T_DP", "hpz": "T_DP", "ep": "T_EP"}
@@ -341,14 +340,14 @@ def curve_key(stack: dict[str, str | None]) -> str:
     return f"{hardware} | link {stack['link']}" if stack.get("link") else hardware
 
 
-def assess(prediction: Prediction, capture: Capture, curves: Path) -> TimeAssessment:
-    """The model with the bandwidth curve of the capture's hardware from the baseline directory ``curves``."""
+def assess(prediction: Prediction, capture: Capture, store: BaselineStore) -> TimeAssessment:
+    """The model with the bandwidth curve of the capture's hardware from the baseline directory ``store``."""
     measured = measure(capture)
     hardware = curve_key(capture.stack)
     crowded = capture.stack.get("oversubscribed")
     domain = f"out of the model's domain: {crowded}" if crowded else None
     try:
-        curve, note = bandwidth.lookup(bandwidth.path_for(curves, capture.backend), hardware)
+        curve, note = lookup(store.curve_path(capture.backend), hardware)
         if curve is None:
             return TimeAssessment(predicted=None, measured=measured, note=note, domain=domain)
         u = curve.utilization
