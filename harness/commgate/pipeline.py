@@ -12,14 +12,17 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from commgate.core.errors import CommgateError
 from commgate.judge.finding import Finding
-from commgate.judge.gate import UPDATE_FLAG, judge, model_findings
+from commgate.judge.gate import UPDATE_FLAG, against_time, judge, model_findings
 from commgate.judge.reconcile import reconcile
 from commgate.judge.store import BaselineStore
+from commgate.model.expectation import Prediction
 from commgate.model.predict import predict
 from commgate.model.scenario import Backend, Scenario
+from commgate.report import bandwidth
 from commgate.report.report import ScenarioResult
-from commgate.report.timemodel import assess
+from commgate.report.timemodel import TimeAssessment, assess, curve_key
 from commgate.run.capture import Capture
 from commgate.run.launcher import RunError
 from commgate.run.runners import Runner
@@ -62,11 +65,12 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
         return None
     rec = reconcile(prediction, capture)
     store = BaselineStore(options.baseline_dir)
+    e = scenario.expectations
     baseline, written, latency_note = None, None, ""
     if options.gate:
         j = judge(
-            scenario,
-            prediction,
+            e,
+            prediction.comparison(),
             capture,
             rec,
             store,
@@ -77,10 +81,10 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
         )
         findings, baseline, written, latency_note = j.findings, j.baseline, j.written, j.latency_note
     else:
-        findings = model_findings(scenario, rec)
+        findings = model_findings(e, rec)
     # an emulated run's calls complete without a peer: no communication time to model
-    timed = None if capture.ranks is not None else assess(prediction, capture, store)
-    gate_time = timed.finding(scenario.expectations.time_max_error) if timed is not None else None
+    timed = None if capture.ranks is not None else time_model(prediction, capture, store)
+    gate_time = _against_time(e.time_max_error, timed) if timed is not None else None
     warned = (Finding(kind="config", fail=False, title=w) for w in scenario.warnings)
     findings = (*findings, *warned, *filter(None, [gate_time]))
     failing = [f for f in findings if f.fail]
@@ -94,6 +98,28 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
         capture=capture,
         reconciliation=rec,
         time_model=timed,
+    )
+
+
+def time_model(prediction: Prediction, capture: Capture, store: BaselineStore) -> TimeAssessment:
+    """The time model of a run, with the bandwidth curve of its hardware (and link) read from the store;
+    a curve file that cannot be read leaves the model out of the report, saying why."""
+    try:
+        curve, note = bandwidth.lookup(store.curve_path(capture.backend), curve_key(capture.stack))
+    except CommgateError as exc:
+        curve, note = None, f"no time model: {exc}"
+    return assess(prediction, capture, curve, note)
+
+
+def _against_time(max_error: float | None, timed: TimeAssessment) -> Finding | None:
+    """The time gate (``commgate.judge.gate.against_time``) on the numbers of the assessment."""
+    p, m = timed.predicted, timed.measured
+    return against_time(
+        max_error,
+        predicted=p.step() if p is not None else None,
+        measured=m.step() if m is not None else None,
+        domain=timed.domain,
+        note=timed.note,
     )
 
 

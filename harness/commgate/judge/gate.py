@@ -12,12 +12,15 @@ bounded in length.
    run had more ranks on a host than it has cores (gloo) or GPUs: there the calls' times are the
    scheduler's (on this project's 2-core CI machine, 4-rank runs of the unchanged suite came out
    x1.6-x2.9 slower on some days than on others).
-Plus the cold-start check within the run. Torch-free.
+Plus the cold-start check within the run, and the time model's communication fraction against
+``expectations.time.max_error`` (``against_time``). The gate takes what it judges: the scenario's
+``Expectations``, the run's capture and reconciliation, the prediction's paper comparison; the scenario
+and backend a baseline belongs to are the capture's. Torch-free.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
@@ -28,8 +31,8 @@ from commgate.judge.drift import Assessment, RunLatency, cold_starts, shifts, su
 from commgate.judge.finding import Difference, Finding
 from commgate.judge.reconcile import Reconciliation
 from commgate.judge.store import BaselineStore
-from commgate.model.expectation import Prediction
-from commgate.model.scenario import Scenario
+from commgate.model.expectation import TermComparison
+from commgate.model.scenario import Expectations
 from commgate.run.capture import Capture
 
 UPDATE_FLAG = "--commgate-update-baselines"
@@ -42,8 +45,7 @@ class Verdict:
     """How latency was judged (or why it was not), for the summary."""
 
 
-def against_model(s: Scenario, rec: Reconciliation) -> Finding | None:
-    e = s.expectations
+def against_model(e: Expectations, rec: Reconciliation) -> Finding | None:
     diffs = [
         Difference(k.label, k.measured_calls, k.predicted_calls, detail=k.source)
         for k in rec.keys
@@ -80,18 +82,18 @@ def unchecked() -> Finding:
     )
 
 
-def model_findings(s: Scenario, rec: Reconciliation) -> tuple[Finding, ...]:
+def model_findings(e: Expectations, rec: Reconciliation) -> tuple[Finding, ...]:
     """The model's verdict alone (``commgate run`` without ``--gate``)."""
-    if not s.expectations.model_check:
+    if not e.model_check:
         return (unchecked(),)
-    f = against_model(s, rec)
+    f = against_model(e, rec)
     return (f,) if f else ()
 
 
-def against_paper(s: Scenario, prediction: Prediction) -> Finding | None:
-    e = s.expectations
+def against_paper(e: Expectations, paper: Sequence[TermComparison]) -> Finding | None:
+    """Each of the paper's equations against the model (``Prediction.comparison()``), after the named terms."""
     lines = []
-    for c in prediction.comparison():
+    for c in paper:
         term = c.term.bytes
         if abs(c.unexplained_bytes) > e.paper_rtol * term:
             named = ", ".join(f"{r.name} {human_bytes(r.bytes)}" for r in c.residuals) or "none"
@@ -110,8 +112,7 @@ def against_paper(s: Scenario, prediction: Prediction) -> Finding | None:
     )
 
 
-def against_baseline(s: Scenario, now: Baseline, stored: Baseline, update_flag: str = UPDATE_FLAG) -> list[Finding]:
-    e = s.expectations
+def against_baseline(e: Expectations, now: Baseline, stored: Baseline, update_flag: str = UPDATE_FLAG) -> list[Finding]:
     out = []
     diffs = compare(now, stored, bytes_tol=e.baseline_bytes, calls_tol=e.baseline_calls)
     if diffs:
@@ -134,13 +135,13 @@ Rerun = Callable[[], Capture | None]
 
 
 def against_latency(
-    s: Scenario, now: Baseline, stored: Baseline, rerun: Rerun | None = None, update_flag: str = UPDATE_FLAG
+    e: Expectations, now: Baseline, stored: Baseline, rerun: Rerun | None = None, update_flag: str = UPDATE_FLAG
 ) -> tuple[Finding | None, str]:
     """This run's latency against the stored runs on the same hardware (``commgate.judge.drift.shifts``).
     An op that looks slower (or faster) is confirmed by up to ``latency.confirm`` reruns (``rerun``): it
     stays *slower* only if every run is. Returns the finding (a speed-up is reported, never a failure) and a
     line saying how latency was judged."""
-    rule = s.expectations.latency
+    rule = e.latency
     hw = now.provenance["hardware"]
     history = stored.latency.get(hw, ())
     runs: list[RunLatency] = list(now.latency.get(hw, ()))
@@ -177,8 +178,8 @@ def _judged(a: Assessment, stored: int, reruns: int) -> str:
     return f"latency judged against {stored} stored run(s){confirmed}: {a.summary()}"
 
 
-def cold_start(s: Scenario, capture: Capture) -> Finding | None:
-    rule = s.expectations.cold_start
+def cold_start(e: Expectations, capture: Capture) -> Finding | None:
+    rule = e.cold_start
     spikes = cold_starts(capture, rule)
     if not spikes:
         return None
@@ -191,9 +192,55 @@ def cold_start(s: Scenario, capture: Capture) -> Finding | None:
     )
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepTime:
+    """Rank 0's step as the time gate compares it, modelled or measured (``commgate.report.timemodel``
+    computes both sides): the share of the step with a call in flight, the step and the time in flight."""
+
+    comm_fraction: float
+    t_iter: float
+    """Seconds per step."""
+    t_comm: float
+    """Seconds per step with a call in flight."""
+
+
+def against_time(
+    max_error: float | None, *, predicted: StepTime | None, measured: StepTime | None, domain: str | None, note: str
+) -> Finding | None:
+    """The ``expectations.time`` gate: a failure when the measured comm fraction is off the model's by more
+    than ``max_error``; a note (not a failure) when the run cannot be judged: outside the model's ``domain``,
+    or a side missing (``note`` says why)."""
+    if max_error is None:
+        return None
+    why = domain or (note if predicted is None or measured is None else None)
+    if why:
+        return Finding(kind="time", fail=False, title=f"time model not judged (expectations.time.max_error): {why}")
+    if predicted is None or measured is None:
+        return None
+    err = predicted.comm_fraction - measured.comm_fraction
+    if abs(err) <= max_error:
+        return None
+    p, m = predicted, measured
+    fraction = Difference(
+        "comm fraction", m.comm_fraction, p.comm_fraction, detail=f"error {err:+.3f}, allowed {max_error:g}"
+    )
+    times = (
+        f"T_iter: obtained {m.t_iter * 1e3:.1f} ms, expected {p.t_iter * 1e3:.1f} ms; "
+        f"T_comm: obtained {m.t_comm * 1e3:.1f} ms, expected {p.t_comm * 1e3:.1f} ms"
+    )
+    return Finding(
+        kind="time",
+        fail=True,
+        title="the iteration-time model misses the measured communication fraction",
+        differences=(fraction,),
+        notes=(times,),
+        hint="recalibrate on other scenarios (commgate calibrate REPORT), or raise expectations.time.max_error",
+    )
+
+
 def evaluate(
-    s: Scenario,
-    prediction: Prediction,
+    e: Expectations,
+    paper: Sequence[TermComparison],
     capture: Capture,
     rec: Reconciliation,
     now: Baseline,
@@ -202,13 +249,13 @@ def evaluate(
     rerun: Rerun | None = None,
 ) -> Verdict:
     v = Verdict()
-    checks = (against_model(s, rec), against_paper(s, prediction)) if s.expectations.model_check else (unchecked(),)
+    checks = (against_model(e, rec), against_paper(e, paper)) if e.model_check else (unchecked(),)
     emulated = capture.ranks is not None  # rank 0 alone: its calls complete at once, no latencies
-    for f in (*checks, None if emulated else cold_start(s, capture)):
+    for f in (*checks, None if emulated else cold_start(e, capture)):
         if f is not None:
             v.findings.append(f)
     if stored is not None:
-        v.findings += against_baseline(s, now, stored, update_flag)
+        v.findings += against_baseline(e, now, stored, update_flag)
         if emulated:
             v.latency_note = (
                 f"latency not judged: an emulated run (rank 0 of {capture.world_size}), whose calls complete "
@@ -220,7 +267,7 @@ def evaluate(
                 "communication (each rank needs a core, or a GPU, of its own)"
             )
         else:
-            latency, v.latency_note = against_latency(s, now, stored, rerun, update_flag)
+            latency, v.latency_note = against_latency(e, now, stored, rerun, update_flag)
             if latency is not None:
                 v.findings.append(latency)
     return v
@@ -310,8 +357,8 @@ class Judgement:
 
 
 def judge(
-    s: Scenario,
-    prediction: Prediction,
+    e: Expectations,
+    paper: Sequence[TermComparison],
     capture: Capture,
     rec: Reconciliation,
     store: BaselineStore,
@@ -321,16 +368,17 @@ def judge(
     refresh_latency: bool = False,
     rerun: Rerun | None = None,
 ) -> Judgement:
-    """The whole gate for one run (the pytest plugin's and ``commgate run --gate``'s): its baseline from
-    ``store``, the verdict, and the baseline policy (``settle_baseline``). A failure names ``update_flag``
-    as the way to accept a change; ``rerun`` runs the scenario again to confirm a latency slowdown."""
-    now = Baseline.from_run(capture, rec, provenance(capture, s.world_size))
-    stored = store.load(capture.backend, s.id)
-    verdict = evaluate(s, prediction, capture, rec, now, stored, update_flag, rerun)
+    """The whole gate for one run (the pytest plugin's and ``commgate run --gate``'s): the baseline of the
+    capture's scenario and backend from ``store``, the verdict, and the baseline policy
+    (``settle_baseline``). A failure names ``update_flag`` as the way to accept a change; ``rerun`` runs
+    the scenario again to confirm a latency slowdown."""
+    now = Baseline.from_run(capture, rec, provenance(capture, capture.world_size))
+    stored = store.load(capture.backend, capture.scenario)
+    verdict = evaluate(e, paper, capture, rec, now, stored, update_flag, rerun)
     findings, written = settle_baseline(verdict, now, stored, store, update=update, refresh_latency=refresh_latency)
     return Judgement(
         findings=tuple(findings),
-        baseline=store.path(capture.backend, s.id),
+        baseline=store.path(capture.backend, capture.scenario),
         written=written,
         latency_note=verdict.latency_note,
     )
