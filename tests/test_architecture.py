@@ -1,9 +1,10 @@
 """The package's tree draws its architecture, and a test keeps it so.
 
-Layers, lowest first: ``core`` < ``model`` < ``run`` < ``judge`` < ``report`` < ``pipeline`` < the entry
-points (``cli``, ``plugin``, ``__main__``). A module may import its own layer and the layers below it,
-never a higher one, and no modules import each other in a cycle. Every import counts, the ones inside
-functions too; only imports under ``if TYPE_CHECKING:`` (annotations, never executed) are exempt.
+Layers, lowest first: ``core`` < ``model`` < ``run`` < ``judge`` < ``report`` < ``pipeline`` (with
+``session``) < the entry points (``cli``, ``plugin``, ``__main__``). A module may import its own layer and
+the layers below it, never a higher one, and no modules import each other in a cycle. Every import counts,
+the ones inside functions too; only imports under ``if TYPE_CHECKING:`` (annotations, never executed) are
+exempt.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "harness" / "commgate"
 LAYERS = ("core", "model", "run", "judge", "report", "pipeline", "entry")
 ENTRY = {"cli", "plugin", "__main__", "__init__", "examples"}
 """The entry points, and ``examples`` (what a user hands commgate: it may use all of it)."""
+PIPELINE = {"pipeline", "session"}
+"""The pipeline layer's modules: a scenario's life (``pipeline``), and a run of scenarios (``session``)."""
 
 
 def module_name(path: Path) -> str:
@@ -31,7 +34,7 @@ def layer(module: str) -> int:
     if len(parts) == 1:  # the package itself: only __version__
         return 0
     top = parts[1]
-    return LAYERS.index("entry" if top in ENTRY else top)
+    return LAYERS.index("entry" if top in ENTRY else "pipeline" if top in PIPELINE else top)
 
 
 def _type_checking(node: ast.If) -> bool:
