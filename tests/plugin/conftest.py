@@ -6,14 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import commgate.report.htmlreport
+import commgate.report.plots
 
 # Imported here, so that pytester's inline runs (which forget modules they import) share one launcher
 # and its forkserver instead of starting one per run.
 import commgate.run.launcher
 import pytest
 
-commgate.report.htmlreport._plt()  # matplotlib and numpy too: C extensions cannot be imported twice in a process
+commgate.report.plots.pyplot()  # matplotlib and numpy too: C extensions cannot be imported twice in a process
 
 SCENARIO = (
     "schema_version: 1\nname: {name}\nmodel: {{preset: 19M-cpu}}\n"
