@@ -80,6 +80,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         tr.write_line(f"largest harness/bare ratio: {worst:.3f} (goal <= 1.1)")
     curve_dir = config.getoption("--commgate-curve-dir")
     if curve_dir is not None:
+        from commgate.judge.store import BaselineStore
         from commgate.report import bandwidth
         from commgate.report.benchreport import samples
 
@@ -89,6 +90,6 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
             return
         backend = config.getoption("--commgate-bench-backend")
         curve = bandwidth.fit(samples(rows), backend=backend, hardware=hardware(backend), compute_flops=compute)
-        path = bandwidth.store(bandwidth.path_for(curve_dir, backend), curve)
+        path = bandwidth.store(BaselineStore(curve_dir).curve_path(backend), curve)
         tr.write_line(f"bandwidth curve for {curve.hardware!r}: {len(curve.samples)} points -> {path}")
         tr.write_line("the time model's u is reset to 1 for it: calibrate with `commgate calibrate REPORT.json`")

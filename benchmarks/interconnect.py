@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from commgate.judge.store import BaselineStore
 from commgate.model.loader import load_paths, load_text
 from commgate.model.scenario import Scenario
 from commgate.pipeline import Options, run_scenario
@@ -80,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     scenarios: list[Scenario] = load_paths(a.paths) if a.paths else [s for t in DEFAULT for s in load_text(t)]
     a.out.mkdir(parents=True, exist_ok=True)
-    curves = bandwidth.path_for(a.out, "gloo")
-    shutil.copy(bandwidth.path_for(a.baselines, "gloo"), curves)
+    curves = BaselineStore(a.out).curve_path("gloo")
+    shutil.copy(BaselineStore(a.baselines).curve_path("gloo"), curves)
     options = Options(baseline_dir=a.out, gate=False)
     report = Report(a.out / "report.json")
     start = time.monotonic()

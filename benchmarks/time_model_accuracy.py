@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from commgate.judge.store import BaselineStore
 from commgate.model.loader import load_paths
 from commgate.model.predict import predict
 from commgate.model.scenario import Scenario
@@ -106,14 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     if both := {what(s) for s in cal} & {what(s) for s in judged}:
         ap.error(f"{len(both)} scenario(s) in both the calibration and the judged set")
     curves = Path(tempfile.mkdtemp(prefix="commgate-accuracy-"))
-    shutil.copy(bandwidth.path_for(a.baselines, "gloo"), curves)
+    shutil.copy(BaselineStore(a.baselines).curve_path("gloo"), curves)
     if cal:
         fit = timemodel.calibrate([r for r in run(cal, curves, show=False)])
         if fit is None:
             ap.error("no calibration scenario inside the model's domain ran")
-        hardware = next(iter(bandwidth.load_all(bandwidth.path_for(curves, "gloo"))))
+        hardware = next(iter(bandwidth.load_all(BaselineStore(curves).curve_path("gloo"))))
         bandwidth.calibrate(
-            bandwidth.path_for(curves, "gloo"), hardware, fit.utilization, "benchmark", fit.host_s, fit.lag
+            BaselineStore(curves).curve_path("gloo"), hardware, fit.utilization, "benchmark", fit.host_s, fit.lag
         )
         host = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(fit.host_s.items()))
         print(f"calibrated on {fit.scenarios} scenarios: u = {fit.utilization:.3f}")

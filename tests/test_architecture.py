@@ -1,10 +1,10 @@
 """The package's tree draws its architecture, and a test keeps it so.
 
-Layers, lowest first: ``core`` < ``model`` < ``run`` < ``judge`` < ``report`` < ``pipeline`` < the entry
-points (``cli``, ``plugin``, ``__main__``). A module may import its own layer and the layers below it,
-never a higher one, and no modules import each other in a cycle. Every import counts: the ones inside
-functions, and the ones under ``if TYPE_CHECKING:`` (a type-only import still ties the two modules: a circle of
-them is a design that cannot be split).
+Layers, lowest first: ``core`` < ``model`` < ``run`` < ``judge`` < ``report`` < ``pipeline`` (with
+``session``) < the entry points (``cli``, ``plugin``, ``__main__``). A module may import its own layer and
+the layers below it, never a higher one, and no modules import each other in a cycle. Every import counts:
+the ones inside functions, and the ones under ``if TYPE_CHECKING:`` (a type-only import still ties the two
+modules: a circle of them is a design that cannot be split).
 
 A scheme is one record (``commgate.model.schemes.SCHEMES``) and a trainer another (``TRAINERS``): no module
 outside the records compares a scheme's name as a string or spells one in a hint, and each record has its
@@ -26,6 +26,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "harness" / "commgate"
 LAYERS = ("core", "model", "run", "judge", "report", "pipeline", "entry")
 ENTRY = {"cli", "plugin", "__main__", "__init__", "examples"}
 """The entry points, and ``examples`` (what a user hands commgate: it may use all of it)."""
+PIPELINE = {"pipeline", "session"}
+"""The pipeline layer's modules: a scenario's life (``pipeline``), and a run of scenarios (``session``)."""
 
 
 def module_name(path: Path) -> str:
@@ -38,7 +40,7 @@ def layer(module: str) -> int:
     if len(parts) == 1:  # the package itself: only __version__
         return 0
     top = parts[1]
-    return LAYERS.index("entry" if top in ENTRY else top)
+    return LAYERS.index("entry" if top in ENTRY else "pipeline" if top in PIPELINE else top)
 
 
 def imports(path: Path) -> set[str]:

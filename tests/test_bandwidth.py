@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from commgate.core.errors import CommgateError
+from commgate.judge.store import BaselineStore
 from commgate.report import bandwidth
 from commgate.report.bandwidth import Curve, Sample, fit
 
@@ -59,7 +60,7 @@ def test_fit_keeps_the_least_disturbed_repeat_and_rejects_unknown_ops() -> None:
 
 
 def test_curves_are_stored_per_hardware_and_round_trip(tmp_path: Path) -> None:
-    path = bandwidth.path_for(tmp_path, "gloo")
+    path = BaselineStore(tmp_path).curve_path("gloo")
     assert path.name == "bandwidth-gloo.json"
     a = curve(sample(nbytes=64, median_s=0.5), flops={2: 3e9, 8: 1e9})
     bandwidth.store(path, a)
@@ -90,7 +91,7 @@ def test_bad_files_are_one_line_errors(tmp_path: Path) -> None:
 
 def test_the_committed_curve_is_valid_and_monotone_enough() -> None:
     """The curve this repository ships (this machine's sweep) loads, and latency grows with size overall."""
-    path = bandwidth.path_for(Path(__file__).parents[1] / "baselines", "gloo")
+    path = BaselineStore(Path(__file__).parents[1] / "baselines").curve_path("gloo")
     curves = bandwidth.load_all(path)
     assert curves
     for c in curves.values():
@@ -102,7 +103,7 @@ def test_the_committed_curve_is_valid_and_monotone_enough() -> None:
 
 
 def test_a_partial_sweep_refits_its_points_and_keeps_the_rest(tmp_path: Path) -> None:
-    path = bandwidth.path_for(tmp_path, "gloo")
+    path = BaselineStore(tmp_path).curve_path("gloo")
     bandwidth.store(
         path, curve(sample(nbytes=4, median_s=1.0), sample(nbytes=64, median_s=2.0), flops={2: 1e9, 8: 3e8})
     )

@@ -258,7 +258,7 @@ def test_a_shift_is_confirmed_by_reruns_and_a_speed_up_is_never_a_failure() -> N
 
     def judged(now_ms: float, rerun_ms: float) -> tuple[object, str]:
         now = replace(stored, latency={hw: (summarize(_capture(now_ms)),)})
-        return against_latency(s, now, stored, lambda: rerun(rerun_ms))
+        return against_latency(s.expectations, now, stored, lambda: rerun(rerun_ms))
 
     finding, note = judged(12.0, 12.0)
     assert finding is not None and finding.fail and reruns == [12.0, 12.0]  # type: ignore[attr-defined]
@@ -307,7 +307,8 @@ def test_latency_is_not_judged_where_a_host_has_more_ranks_than_cores() -> None:
     for crowded in (None, "4 ranks on 2 cores"):
         cap = replace(_capture(12.0), stack={"hardware": hw, "oversubscribed": crowded})
         now = replace(stored, latency={hw: (summarize(cap),)})
-        v = evaluate(s, predict(s), cap, reconcile(predict(s), cap), now, stored, rerun=lambda cap=cap: cap)
+        e, paper = s.expectations, predict(s).comparison()
+        v = evaluate(e, paper, cap, reconcile(predict(s), cap), now, stored, rerun=lambda cap=cap: cap)
         latency = [f for f in v.findings if f.kind == "latency"]
         if crowded is None:
             assert latency and latency[0].fail and "latency slower: all_reduce" in latency[0].lines[0]

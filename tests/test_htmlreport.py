@@ -125,6 +125,16 @@ def test_a_failing_scenario_shows_why_and_no_success_badge(out: Path) -> None:
             "title": "communication differs from the baseline",
             "lines": ["calls [steps] all_reduce fp32 4 B forward group [0, 1]: obtained 4, expected 0 (+4)"],
             "hint": "if the change is intended, accept it with --commgate-update-baselines",
+            "differences": [
+                {
+                    "what": "calls [steps] all_reduce fp32 4 B forward group [0, 1]",
+                    "obtained": 4,
+                    "expected": 0,
+                    "unit": "",
+                    "difference": 4,
+                    "detail": "",
+                }
+            ],
         }
     ]
     skipped.update(status="skipped", reason="needs a GPU (NCCL/RCCL); skipped where none is present")

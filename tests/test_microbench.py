@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from commgate.judge.store import BaselineStore
 from commgate.report import bandwidth
 
 ROOT = Path(__file__).parents[1]
@@ -41,7 +42,7 @@ def test_sweep_save_compare_and_curve(tmp_path: Path) -> None:
     assert ar["busbw_GBps"] == ar["algbw_GBps"]  # all-reduce on 2 ranks: 2(n-1)/n = 1
     ab = points["test_harness_overhead[w2-send_recv-4B]"]["extra_info"]
     assert ab["ratio"] == ab["harness_p50_s"] / ab["bare_p50_s"] and ab["captured_p50_s"] > 0
-    curves = bandwidth.load_all(bandwidth.path_for(tmp_path, "gloo"))
+    curves = bandwidth.load_all(BaselineStore(tmp_path).curve_path("gloo"))
     (curve,) = curves.values()
     assert {(s.op, s.nbytes) for s in curve.samples} == {(op, n) for op in ("all_reduce", "send_recv") for n in (4, 64)}
     assert set(curve.compute_flops) == {2}

@@ -90,7 +90,8 @@ def test_flops_follow_megatron_and_checkpointing_adds_a_forward() -> None:
 
 
 def test_assess_names_a_missing_or_bad_curve_instead_of_failing(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from commgate.report.timemodel import assess
+    from commgate.judge.store import BaselineStore
+    from commgate.pipeline import time_model
 
     pred = predict(scenario("{scheme: ddp, dp: 2}"))  # type: ignore[arg-type]
     windows = (StepWindow(rank=0, step=1, start_ns=0, end_ns=100),)
@@ -98,10 +99,10 @@ def test_assess_names_a_missing_or_bad_curve_instead_of_failing(tmp_path) -> Non
         scenario="s", world_size=2, warmup_steps=1, steps=1, backend="gloo", calls=(call(0, 1, 10, 20),),
         stack={"hardware": "cpu"}, step_windows=windows,
     )  # fmt: skip
-    t = assess(pred, cap, tmp_path)
+    t = time_model(pred, cap, BaselineStore(tmp_path))
     assert t.predicted is None and t.measured is not None and "no bandwidth curve" in t.note
     (tmp_path / "bandwidth-gloo.json").write_text("{")
-    t = assess(pred, cap, tmp_path)
+    t = time_model(pred, cap, BaselineStore(tmp_path))
     assert t.predicted is None and t.note.startswith("no time model:") and "not valid JSON" in t.note
     assert t.document()["comm_fraction_error"] is None
 
@@ -182,18 +183,23 @@ def test_an_uncalibrated_kind_takes_the_median_host_time() -> None:
 
 
 def test_the_time_gate_fails_past_max_error_and_is_silent_out_of_domain() -> None:
-    from commgate.report.timemodel import MeasuredTime, TimeAssessment
+    from commgate.judge.finding import Finding
+    from commgate.judge.gate import against_time
+    from commgate.report.timemodel import MeasuredTime
 
     pred = predict_time(predict(scenario("{scheme: ddp, dp: 2}")), flat_curve(1e-3))  # type: ignore[arg-type]
     close = MeasuredTime(t_iter=pred.t_iter, t_comm=pred.t_comm, comm_fraction=pred.in_flight_fraction + 0.05, steps=3)
     far = MeasuredTime(t_iter=pred.t_iter, t_comm=pred.t_comm, comm_fraction=pred.in_flight_fraction + 0.3, steps=3)
-    assert TimeAssessment(predicted=pred, measured=close, note="").finding(0.15) is None
-    f = TimeAssessment(predicted=pred, measured=far, note="").finding(0.15)
+
+    def judged(measured: MeasuredTime, max_error: float | None = 0.15, domain: str | None = None) -> Finding | None:
+        return against_time(max_error, predicted=pred.step(), measured=measured.step(), domain=domain, note="")
+
+    assert judged(close) is None
+    f = judged(far)
     assert f is not None and f.fail and f.kind == "time" and "error -0.300, allowed 0.15" in f.text()
     assert "commgate calibrate" in f.text()
-    assert TimeAssessment(predicted=pred, measured=far, note="").finding(None) is None
-    crowded = TimeAssessment(predicted=pred, measured=far, note="", domain="out of the model's domain: 4 ranks")
-    out = crowded.finding(0.15)
+    assert judged(far, None) is None
+    out = judged(far, domain="out of the model's domain: 4 ranks")
     assert out is not None and not out.fail and "4 ranks" in out.title
 
 

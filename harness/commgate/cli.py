@@ -22,8 +22,8 @@ from commgate.model.schemes import SCHEMES
 
 if TYPE_CHECKING:
     from commgate.model.scenario import Scenario
-    from commgate.report.report import Report
     from commgate.run.runners import Runner
+    from commgate.session import Session
 
 DEFAULT_SUITE = "scenarios"
 
@@ -149,13 +149,18 @@ def cmd_run(a: argparse.Namespace) -> int:
     from commgate.model.loader import load_paths
     from commgate.run import links
     from commgate.run.runners import LocalRanks, TorchrunRank, under_torchrun
+    from commgate.session import Session, options
 
     # A CI runner's cancel (SIGTERM) unwinds like Ctrl-C, so that rank processes are killed on the way out.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    if a.update_baselines and not a.gate:
-        raise UsageError("--update-baselines needs --gate")
-    if a.refresh_latency and not a.update_baselines:
-        raise UsageError("--refresh-latency works with --update-baselines; add it")
+    checked = options(
+        lambda name: f"--{name}",
+        baseline_dir=a.baseline_dir,
+        gate=a.gate,
+        update=a.update_baselines,
+        refresh_latency=a.refresh_latency,
+        deadline=a.deadline,
+    )
     scenarios = load_paths(a.paths or [DEFAULT_SUITE])
     if a.select:
         scenarios = [s for s in scenarios if any(k in s.id for k in a.select)]
@@ -172,49 +177,45 @@ def cmd_run(a: argparse.Namespace) -> int:
         lead, how = rank.lead, " (torchrun)"
     else:
         runner, lead, how = LocalRanks(deadline_s=a.deadline), True, ""
+    whole = all(Path(p).is_dir() for p in a.paths) and not a.select  # the suite of its directories, all of it
     with contextlib.ExitStack() as stack:
         if link is not None:
             runner = LocalRanks(deadline_s=a.deadline, network=stack.enter_context(links.shaped(link)))
             how = f" over a {link} link"
-        return _run_all(scenarios, runner, lead, how, a)
+        session = Session(options=checked, runner=runner, report_dir=a.report_dir if lead else None)
+        return _run_all(session, scenarios, how, whole=whole) if lead else _run_rank(session, scenarios)
 
 
-def _run_all(scenarios: list[Scenario], runner: Runner, lead: bool, how: str, a: argparse.Namespace) -> int:
-    from commgate.pipeline import Options, run_scenario
-    from commgate.report.report import Report
-
-    options = Options(
-        baseline_dir=a.baseline_dir,
-        gate=a.gate,
-        update_baselines=a.update_baselines,
-        update_flag="--update-baselines",
-        refresh_latency=a.refresh_latency,
-    )
-    report = Report(a.report_dir / "report.json" if a.report_dir and lead else None)
+def _run_all(session: Session, scenarios: list[Scenario], how: str, *, whole: bool) -> int:
+    """Every scenario with its progress and summary lines, then ``_finish``."""
     for i, s in enumerate(scenarios, 1):
-        if lead:
-            print(f"[{i}/{len(scenarios)}] {s.id}: {s.parallelism.scheme} on {s.world_size} ranks{how} ...", flush=True)
-        result = run_scenario(s, runner, options)
-        if result is not None and lead:
-            report.add(result)
+        print(f"[{i}/{len(scenarios)}] {s.id}: {s.parallelism.scheme} on {s.world_size} ranks{how} ...", flush=True)
+        if (result := session.run(s)) is not None:
             print(result.summary(), flush=True)
-    return _finish(report) if lead else 0
+    return _finish(session, whole=whole)
 
 
-def _finish(report: Report) -> int:
-    """The summary line, the HTML page beside report.json, and the exit status."""
-    doc = report.document()
-    counts = doc["summary"]
-    where = ""
-    if report.path is not None:
-        from commgate.report.htmlreport import write
+def _run_rank(session: Session, scenarios: list[Scenario]) -> int:
+    """A torchrun rank other than rank 0: it runs every scenario with the others and reports nothing."""
+    for s in scenarios:
+        session.run(s)
+    return 0
 
+
+def _finish(session: Session, *, whole: bool) -> int:
+    """The baselines a ``whole`` suite did not use, the HTML page beside report.json, the time model's
+    accuracy, the summary line, and the exit status."""
+    if whole and (unused := session.unused_baselines()):
+        print("baselines no scenario used:", *unused, sep="\n    ")
+    if session.report.path is not None:
         print("writing the HTML report ...", flush=True)
-        where = f"; report: {report.path}, {write(report.path.parent, doc)}"
+    page = session.finish()
+    where = f"; report: {session.report.path}, {page}" if page is not None else ""
     from commgate.report.timemodel import accuracy_line
 
-    if line := accuracy_line(s["time_model"] for s in doc["scenarios"] if s.get("time_model")):
+    if line := accuracy_line(s["time_model"] for s in session.report.scenarios if s.get("time_model")):
         print(line)
+    counts = session.counts
     print(", ".join(f"{n} {k}" for k, n in counts.items()) + where)
     return 1 if counts["failed"] or counts["error"] else 0
 
@@ -236,6 +237,7 @@ def _load_report(path: Path) -> dict[str, Any]:
 
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
+    from commgate.judge.store import BaselineStore
     from commgate.report import bandwidth
     from commgate.report.timemodel import calibrate
 
@@ -257,7 +259,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
         for key, seconds in sorted(fit.host_s.items()):
             print(f"  host time per layer pass, {key:<12} {seconds * 1e3:8.3f} ms")
         how = f"fitted to {fit.scenarios} scenarios of the report created {doc['created']}"
-        path = bandwidth.path_for(a.baseline_dir, backend)
+        path = BaselineStore(a.baseline_dir).curve_path(backend)
         bandwidth.calibrate(path, hardware, fit.utilization, how, fit.host_s, fit.lag)
         for key, lag in sorted(fit.lag.items()):
             print(f"  in flight beyond the curve, {key:<12} {lag:8.3f} s per s of compute")

@@ -12,12 +12,17 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from commgate.judge.gate import UPDATE_FLAG, Finding, judge, model_findings
+from commgate.core.errors import CommgateError
+from commgate.judge.finding import Finding
+from commgate.judge.gate import UPDATE_FLAG, against_time, judge, model_findings
 from commgate.judge.reconcile import reconcile
+from commgate.judge.store import BaselineStore
+from commgate.model.expectation import Prediction
 from commgate.model.predict import predict
 from commgate.model.scenario import Backend, Scenario
+from commgate.report import bandwidth
 from commgate.report.report import ScenarioResult
-from commgate.report.timemodel import assess
+from commgate.report.timemodel import TimeAssessment, assess, curve_key
 from commgate.run.capture import Capture
 from commgate.run.launcher import RunError
 from commgate.run.runners import Runner
@@ -26,7 +31,7 @@ from commgate.run.runners import Runner
 @dataclass(frozen=True, kw_only=True)
 class Options:
     baseline_dir: Path = Path("baselines")
-    """Baselines (``{backend}/{id}.json``) and bandwidth curves (``bandwidth-{backend}.json``)."""
+    """The baseline directory: baselines and bandwidth curves (laid out by ``commgate.judge.store``)."""
     gate: bool = True
     """Judge as the regression gate does (model, paper, baseline, drift); else against the model only."""
     update_baselines: bool = False
@@ -59,14 +64,16 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
     if capture is None:
         return None
     rec = reconcile(prediction, capture)
+    store = BaselineStore(options.baseline_dir)
+    e = scenario.expectations
     baseline, written, latency_note = None, None, ""
     if options.gate:
         j = judge(
-            scenario,
-            prediction,
+            e,
+            prediction.comparison(),
             capture,
             rec,
-            options.baseline_dir,
+            store,
             update=options.update_baselines,
             refresh_latency=options.refresh_latency,
             update_flag=options.update_flag,
@@ -74,11 +81,12 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
         )
         findings, baseline, written, latency_note = j.findings, j.baseline, j.written, j.latency_note
     else:
-        findings = model_findings(scenario, rec)
+        findings = model_findings(e, rec)
     # an emulated run's calls complete without a peer: no communication time to model
-    timed = None if capture.ranks is not None else assess(prediction, capture, options.baseline_dir)
-    gate_time = timed.finding(scenario.expectations.time_max_error) if timed is not None else None
-    findings = (*findings, *(Finding("config", False, w) for w in scenario.warnings), *filter(None, [gate_time]))
+    timed = None if capture.ranks is not None else time_model(prediction, capture, store)
+    gate_time = _against_time(e.time_max_error, timed) if timed is not None else None
+    warned = (Finding(kind="config", fail=False, title=w) for w in scenario.warnings)
+    findings = (*findings, *warned, *filter(None, [gate_time]))
     failing = [f for f in findings if f.fail]
     return result(
         status="failed" if failing else "passed",
@@ -90,6 +98,28 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
         capture=capture,
         reconciliation=rec,
         time_model=timed,
+    )
+
+
+def time_model(prediction: Prediction, capture: Capture, store: BaselineStore) -> TimeAssessment:
+    """The time model of a run, with the bandwidth curve of its hardware (and link) read from the store;
+    a curve file that cannot be read leaves the model out of the report, saying why."""
+    try:
+        curve, note = bandwidth.lookup(store.curve_path(capture.backend), curve_key(capture.stack))
+    except CommgateError as exc:
+        curve, note = None, f"no time model: {exc}"
+    return assess(prediction, capture, curve, note)
+
+
+def _against_time(max_error: float | None, timed: TimeAssessment) -> Finding | None:
+    """The time gate (``commgate.judge.gate.against_time``) on the numbers of the assessment."""
+    p, m = timed.predicted, timed.measured
+    return against_time(
+        max_error,
+        predicted=p.step() if p is not None else None,
+        measured=m.step() if m is not None else None,
+        domain=timed.domain,
+        note=timed.note,
     )
 
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import commgate.report.htmlreport
+import commgate.report.plots
 
 # Imported here, so that pytester's inline runs (which forget modules they import) share one launcher
 # and its forkserver instead of starting one per run.
 import commgate.run.launcher
 import pytest
 
-commgate.report.htmlreport._plt()  # matplotlib and numpy too: C extensions cannot be imported twice in a process
+commgate.report.plots.pyplot()  # matplotlib and numpy too: C extensions cannot be imported twice in a process
 
 SCENARIO = (
     "schema_version: 1\nname: {name}\nmodel: {{preset: 19M-cpu}}\n"
@@ -29,3 +29,11 @@ def scenario_file(pytester: pytest.Pytester) -> Callable[..., Path]:
         return pytester.makefile(".yaml", **{name: SCENARIO.format(name=name, scheme=scheme, extra=extra) + tail})
 
     return write
+
+
+@pytest.fixture
+def accepted(pytester: pytest.Pytester, scenario_file: Callable[..., Path]) -> Path:
+    """Scenario ``g`` (``scenario_file``) with its baseline written by a first run; the baseline file."""
+    scenario_file("g")
+    pytester.runpytest("--commgate-update-baselines").assert_outcomes(passed=1)
+    return pytester.path / "baselines" / "gloo" / "g.json"

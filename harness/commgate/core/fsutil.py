@@ -55,6 +55,26 @@ def read_json(
     return doc
 
 
+_BOMS = (
+    (b"\xff\xfe\x00\x00", "utf-32"),
+    (b"\x00\x00\xfe\xff", "utf-32"),
+    (b"\xff\xfe", "utf-16"),
+    (b"\xfe\xff", "utf-16"),
+)
+
+
+def text_head(path: Path, limit: int) -> str | None:
+    """The first ``limit`` bytes of a text file, decoded as UTF-8 or, after their byte-order mark, as
+    UTF-16/32 (undecodable bytes replaced, no byte-order mark left); None when it cannot be read."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(limit)
+    except OSError:
+        return None
+    codec = next((codec for bom, codec in _BOMS if head.startswith(bom)), "utf-8")
+    return head.decode(codec, errors="replace").lstrip("\ufeff")
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     """Write ``data`` to ``path`` via a temporary file in the same directory, fsync, then ``os.replace``."""
     path = Path(path)

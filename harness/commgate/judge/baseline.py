@@ -1,5 +1,5 @@
 """Stored baselines: what a scenario sent last time it was accepted, one JSON file per scenario and
-backend (``baselines/{backend}/{scenario id}.json``), validated by a published schema.
+backend (where: ``commgate.judge.store``), validated by a published schema.
 
 Volumes and counts (calls per (window, op, group, dtype, size, phase), bytes per step per op, the
 message-size histogram) are hardware-independent and compared exactly; latency is kept per hardware
@@ -12,7 +12,6 @@ one-line ``BaselineError`` naming the file.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -25,8 +24,8 @@ from commgate.core.errors import DocumentError, Problem
 from commgate.core.fsutil import atomic_write_json, read_json
 from commgate.core.provenance import commit as provenance_commit
 from commgate.core.provenance import cpu_fingerprint, environment
-from commgate.core.units import shown
 from commgate.judge.drift import RunLatency, key_text, summarize
+from commgate.judge.finding import Difference
 from commgate.judge.reconcile import Reconciliation, call_label
 from commgate.model.scenario import Tolerance
 from commgate.run.capture import Capture
@@ -182,12 +181,6 @@ def exact(x: Fraction | int) -> int | str:
     return f.numerator if f.denominator == 1 else f"{f.numerator}/{f.denominator}"
 
 
-def path_for(root: Path, backend: str, scenario_id: str) -> Path:
-    """``root/backend/<id>.json``, the id made file-name safe (``tp[s=128]`` -> ``tp[s=128]`` stays readable)."""
-    safe = re.sub(r"[^A-Za-z0-9_.=,\[\]+-]", "_", scenario_id)
-    return root / backend / f"{safe}.json"
-
-
 def validate(doc: Any) -> None:
     """Raise ``jsonschema.ValidationError`` unless ``doc`` is a valid current-version baseline."""
     schemas.validate("baseline", doc)
@@ -225,6 +218,7 @@ def load(path: Path, *, scenario: str | None = None) -> Baseline:
 
 
 def write(path: Path, baseline: Baseline) -> Path:
+    """``baseline`` as canonical JSON at ``path``, atomically."""
     return atomic_write_json(path, baseline.to_json())
 
 
@@ -247,21 +241,6 @@ def provenance(capture: Capture, world_size: int) -> dict[str, Any]:
         "commit": commit,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-
-
-@dataclass(frozen=True, slots=True)
-class Difference:
-    """One thing that differs from the baseline: what, obtained, expected."""
-
-    what: str
-    obtained: Fraction | int
-    expected: Fraction | int
-
-    def text(self, labels: tuple[str, str] = ("obtained", "expected")) -> str:
-        delta = Fraction(self.obtained) - Fraction(self.expected)
-        sign = "+" if delta > 0 else ""
-        now, then = labels
-        return f"{self.what}: {now} {shown(self.obtained)}, {then} {shown(self.expected)} ({sign}{shown(delta)})"
 
 
 def compare(now: Baseline, stored: Baseline, *, bytes_tol: Tolerance, calls_tol: Tolerance) -> list[Difference]:

@@ -3,9 +3,10 @@
 Each side is a run report (``report.json`` from ``commgate run`` or ``--commgate-report-dir``), a
 directory of several runs' reports (``*/report.json``: ``ci/pre-upgrade.sh`` writes ``before/1..N`` and
 ``after/1..N``, interleaved so that a drifting machine weighs on both sides alike), or a baseline
-directory (``baselines/``, one file per scenario and backend, with its stored runs). Per scenario present
-on both sides: calls per (window, op, group, dtype, size, phase), bytes per step per op and the
-message-size histogram, exactly (``commgate.judge.baseline.compare``; the first run of a side stands for
+directory (``baselines/``, one file per scenario and backend, with its stored runs, as
+``commgate.judge.store`` lays it out; obtained files are not baselines). Per scenario present on both
+sides: calls per (window, op, group, dtype, size, phase), bytes per step per op and the message-size
+histogram, exactly (``commgate.judge.baseline.compare``; the first run of a side stands for
 it, and a side whose runs disagree in volume is itself a change); latency per op by
 ``commgate.judge.drift.shifts``, the after runs against the before runs, once each side has
 ``min_runs``. A change in volume, a scenario on one side only, or a slowdown in every run is a change.
@@ -23,6 +24,8 @@ from commgate.core.errors import CommgateError
 from commgate.core.fsutil import read_json
 from commgate.judge import baseline as bl
 from commgate.judge.drift import Assessment, shifts
+from commgate.judge.finding import Difference
+from commgate.judge.store import BaselineStore
 from commgate.model.scenario import LatencyRule, Tolerance
 from commgate.run.capture import Capture
 
@@ -56,7 +59,7 @@ def load_side(path: Path) -> dict[str, bl.Baseline]:
                     out[name] = _join(first, b)
         return out
     if path.is_dir():
-        files = sorted(path.glob("*/*.json")) or sorted(path.glob("*.json"))
+        files = BaselineStore(path).query()
         if not files:
             raise CommgateError(f"{path}: no baseline files (expected {path}/<backend>/<scenario>.json)")
         loaded = [bl.load(f) for f in files]
@@ -91,7 +94,7 @@ def _load_report(path: Path) -> dict[str, bl.Baseline]:
 @dataclass
 class ScenarioChange:
     scenario: str
-    volume: list[bl.Difference] = field(default_factory=list)
+    volume: list[Difference] = field(default_factory=list)
     latency: Assessment = field(default_factory=Assessment)
     only: str = ""
     """'before' or 'after' when the scenario ran on one side only."""

@@ -1,54 +1,41 @@
 """The regression gate's verdict on one run: the three kinds of assertion and the drift checks, each a
-``Finding`` that shows only what differs (obtained / expected / difference), bounded in length.
+``Finding`` (``commgate.judge.finding``) that shows only what differs (obtained / expected / difference),
+bounded in length.
 
 1. Model: every (window, op, group, dtype, size, phase) call count and every op's bytes per step
    against the per-collective model (exact unless the scenario declares tolerances), and the traffic
    matrix when both are exact.
 2. Paper: each equation against the model, after the named residual terms, within ``paper.rtol``.
-3. Baseline: counts, bytes and the message-size histogram exactly (``commgate.judge.baseline``); latency
-   against the stored runs by ``commgate.judge.drift.shifts``, a slowdown confirmed by rerunning the
-   scenario (warn, or fail where the scenario says so); not where the run had more ranks on a host than
-   it has cores (gloo) or GPUs: there the calls' times are the scheduler's (on this project's 2-core CI
-   machine, 4-rank runs of the unchanged suite came out x1.6-x2.9 slower on some days than on others).
-Plus the cold-start check within the run. Torch-free.
+3. Baseline: counts, bytes and the message-size histogram exactly (``commgate.judge.baseline``, stored by
+   ``commgate.judge.store``); latency against the stored runs by ``commgate.judge.drift.shifts``, a
+   slowdown confirmed by rerunning the scenario (warn, or fail where the scenario says so); not where the
+   run had more ranks on a host than it has cores (gloo) or GPUs: there the calls' times are the
+   scheduler's (on this project's 2-core CI machine, 4-rank runs of the unchanged suite came out
+   x1.6-x2.9 slower on some days than on others).
+Plus the cold-start check within the run, and the time model's communication fraction against
+``expectations.time.max_error`` (``against_time``). The gate takes what it judges: the scenario's
+``Expectations``, the run's capture and reconciliation, the prediction's paper comparison; the scenario
+and backend a baseline belongs to are the capture's. Torch-free.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
-from typing import Literal
 
-from commgate.core.units import human_bytes, shown
-from commgate.judge.baseline import Baseline, compare, write
+from commgate.core.units import human_bytes, shown, signed
+from commgate.judge.baseline import Baseline, compare, provenance
 from commgate.judge.drift import Assessment, RunLatency, cold_starts, shifts, summarize
+from commgate.judge.finding import Difference, Finding
 from commgate.judge.reconcile import Reconciliation
-from commgate.model.expectation import Prediction
-from commgate.model.scenario import Scenario
+from commgate.judge.store import BaselineStore
+from commgate.model.expectation import TermComparison
+from commgate.model.scenario import Expectations
 from commgate.run.capture import Capture
 
-MAX_LINES = 12
 UPDATE_FLAG = "--commgate-update-baselines"
-
-Kind = Literal["model", "paper", "baseline", "cold-start", "latency", "config", "time"]
-
-
-@dataclass(frozen=True, slots=True)
-class Finding:
-    kind: Kind
-    fail: bool
-    title: str
-    lines: tuple[str, ...] = ()
-    hint: str = ""
-
-    def text(self) -> str:
-        shown = list(self.lines[:MAX_LINES])
-        if len(self.lines) > MAX_LINES:
-            shown.append(f"... and {len(self.lines) - MAX_LINES} more (report.json has them all)")
-        body = "".join(f"\n    {line}" for line in shown)
-        return f"[{self.kind}] {self.title}{body}" + (f"\n    {self.hint}" if self.hint else "")
 
 
 @dataclass(kw_only=True)
@@ -58,80 +45,86 @@ class Verdict:
     """How latency was judged (or why it was not), for the summary."""
 
 
-def against_model(s: Scenario, rec: Reconciliation) -> Finding | None:
-    e = s.expectations
-    lines = [
-        f"{k.label}: obtained {k.measured_calls}, expected {k.predicted_calls} ({k.source})"
+def against_model(e: Expectations, rec: Reconciliation) -> Finding | None:
+    diffs = [
+        Difference(k.label, k.measured_calls, k.predicted_calls, detail=k.source)
         for k in rec.keys
         if not e.model_calls.allows(k.measured_calls, k.predicted_calls)
     ]
     for o in rec.ops:
         expected = o.predicted_bytes + sum((b for _, b in o.residuals), Fraction(0))
         if not e.model_bytes.allows(o.measured_bytes, expected):
-            lines.append(
-                f"bytes per step, {o.op}: obtained {shown(o.measured_bytes)}, expected {shown(expected)} "
-                f"({'+' if o.unexplained_bytes > 0 else ''}{shown(o.unexplained_bytes)} unexplained)"
-            )
+            unexplained = f"{signed(o.unexplained_bytes)} unexplained"
+            diffs.append(Difference(f"bytes per step, {o.op}", o.measured_bytes, expected, detail=unexplained))
     exact = e.model_calls.rtol == e.model_calls.atol == e.model_bytes.rtol == e.model_bytes.atol == 0
     if exact and rec.traffic_measured != rec.traffic_predicted:
         pairs = sorted(set(rec.traffic_measured) | set(rec.traffic_predicted))
         for src, dst in pairs:
             a, b = rec.traffic_measured.get((src, dst), Fraction(0)), rec.traffic_predicted.get((src, dst), Fraction(0))
             if a != b:
-                delta = ("+" if a > b else "") + shown(a - b)
-                lines.append(f"traffic {src} -> {dst}: obtained {shown(a)}, expected {shown(b)} B/step ({delta})")
-    if not lines:
+                diffs.append(Difference(f"traffic {src} -> {dst}", a, b, unit="B/step"))
+    if not diffs:
         return None
-    return Finding("model", True, "measured communication differs from the per-collective model", tuple(lines))
+    return Finding(
+        kind="model",
+        fail=True,
+        title="measured communication differs from the per-collective model",
+        differences=tuple(diffs),
+    )
 
 
 def unchecked() -> Finding:
     """What the baseline-only mode says instead of the model's verdict (never a failure)."""
     return Finding(
-        "model",
-        False,
-        "the model was not checked (expectations.model.check: false): only the baseline and drift gate this run",
+        kind="model",
+        fail=False,
+        title="the model was not checked (expectations.model.check: false): only the baseline and drift gate this run",
     )
 
 
-def model_findings(s: Scenario, rec: Reconciliation) -> tuple[Finding, ...]:
+def model_findings(e: Expectations, rec: Reconciliation) -> tuple[Finding, ...]:
     """The model's verdict alone (``commgate run`` without ``--gate``)."""
-    if not s.expectations.model_check:
+    if not e.model_check:
         return (unchecked(),)
-    f = against_model(s, rec)
+    f = against_model(e, rec)
     return (f,) if f else ()
 
 
-def against_paper(s: Scenario, prediction: Prediction) -> Finding | None:
+def against_paper(e: Expectations, paper: Sequence[TermComparison]) -> Finding | None:
+    """Each of the paper's equations against the model (``Prediction.comparison()``), after the named terms."""
     lines = []
-    for c in prediction.comparison():
-        paper = c.term.bytes
-        if abs(c.unexplained_bytes) > s.expectations.paper_rtol * paper:
+    for c in paper:
+        term = c.term.bytes
+        if abs(c.unexplained_bytes) > e.paper_rtol * term:
             named = ", ".join(f"{r.name} {human_bytes(r.bytes)}" for r in c.residuals) or "none"
             lines.append(
-                f"{c.term.equation}: model {human_bytes(c.model_bytes)}, paper {human_bytes(paper)}, "
+                f"{c.term.equation}: model {human_bytes(c.model_bytes)}, paper {human_bytes(term)}, "
                 f"named terms: {named}; unexplained {shown(c.unexplained_bytes)} B "
-                f"(> rtol {s.expectations.paper_rtol:g})"
+                f"(> rtol {e.paper_rtol:g})"
             )
     if not lines:
         return None
-    return Finding("paper", True, "the model differs from the paper's equations beyond the named terms", tuple(lines))
+    return Finding(
+        kind="paper",
+        fail=True,
+        title="the model differs from the paper's equations beyond the named terms",
+        notes=tuple(lines),
+    )
 
 
-def against_baseline(s: Scenario, now: Baseline, stored: Baseline, update_flag: str = UPDATE_FLAG) -> list[Finding]:
-    e = s.expectations
+def against_baseline(e: Expectations, now: Baseline, stored: Baseline, update_flag: str = UPDATE_FLAG) -> list[Finding]:
     out = []
     diffs = compare(now, stored, bytes_tol=e.baseline_bytes, calls_tol=e.baseline_calls)
     if diffs:
         taken = stored.provenance
         out.append(
             Finding(
-                "baseline",
-                True,
-                f"communication differs from the baseline (taken {taken.get('date')} at {taken.get('commit')}, "
-                f"torch {taken.get('torch')}, deepspeed {taken.get('deepspeed')})",
-                tuple(d.text() for d in diffs),
-                f"if the change is intended, accept it with {update_flag}",
+                kind="baseline",
+                fail=True,
+                title=f"communication differs from the baseline (taken {taken.get('date')} at "
+                f"{taken.get('commit')}, torch {taken.get('torch')}, deepspeed {taken.get('deepspeed')})",
+                differences=tuple(diffs),
+                hint=f"if the change is intended, accept it with {update_flag}",
             )
         )
     return out
@@ -142,13 +135,13 @@ Rerun = Callable[[], Capture | None]
 
 
 def against_latency(
-    s: Scenario, now: Baseline, stored: Baseline, rerun: Rerun | None = None, update_flag: str = UPDATE_FLAG
+    e: Expectations, now: Baseline, stored: Baseline, rerun: Rerun | None = None, update_flag: str = UPDATE_FLAG
 ) -> tuple[Finding | None, str]:
     """This run's latency against the stored runs on the same hardware (``commgate.judge.drift.shifts``).
     An op that looks slower (or faster) is confirmed by up to ``latency.confirm`` reruns (``rerun``): it
     stays *slower* only if every run is. Returns the finding (a speed-up is reported, never a failure) and a
     line saying how latency was judged."""
-    rule = s.expectations.latency
+    rule = e.latency
     hw = now.provenance["hardware"]
     history = stored.latency.get(hw, ())
     runs: list[RunLatency] = list(now.latency.get(hw, ()))
@@ -170,11 +163,11 @@ def against_latency(
         return None, note
     return (
         Finding(
-            "latency",
-            rule.action == "fail" and a.slower and not unconfirmed,
-            f"latency shifted against {len(history)} stored run(s) on {hw}{unconfirmed}",
-            tuple(m.text() for m in moved),
-            f"if this machine is now the reference, store this run with {update_flag} --commgate-refresh-latency",
+            kind="latency",
+            fail=rule.action == "fail" and a.slower and not unconfirmed,
+            title=f"latency shifted against {len(history)} stored run(s) on {hw}{unconfirmed}",
+            notes=tuple(m.text() for m in moved),
+            hint=f"if this machine is now the reference, store this run with {update_flag} --commgate-refresh-latency",
         ),
         note,
     )
@@ -185,23 +178,69 @@ def _judged(a: Assessment, stored: int, reruns: int) -> str:
     return f"latency judged against {stored} stored run(s){confirmed}: {a.summary()}"
 
 
-def cold_start(s: Scenario, capture: Capture) -> Finding | None:
-    rule = s.expectations.cold_start
+def cold_start(e: Expectations, capture: Capture) -> Finding | None:
+    rule = e.cold_start
     spikes = cold_starts(capture, rule)
     if not spikes:
         return None
     return Finding(
-        "cold-start",
-        rule.action == "fail",
-        f"first-step latency spikes (> {rule.factor:g}x the steady median, or the time expected for the size, "
-        f"and > {rule.min_excess_ms:g} ms slower)",
-        tuple(c.text() for c in spikes),
+        kind="cold-start",
+        fail=rule.action == "fail",
+        title=f"first-step latency spikes (> {rule.factor:g}x the steady median, or the time expected for the "
+        f"size, and > {rule.min_excess_ms:g} ms slower)",
+        notes=tuple(c.text() for c in spikes),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepTime:
+    """Rank 0's step as the time gate compares it, modelled or measured (``commgate.report.timemodel``
+    computes both sides): the share of the step with a call in flight, the step and the time in flight."""
+
+    comm_fraction: float
+    t_iter: float
+    """Seconds per step."""
+    t_comm: float
+    """Seconds per step with a call in flight."""
+
+
+def against_time(
+    max_error: float | None, *, predicted: StepTime | None, measured: StepTime | None, domain: str | None, note: str
+) -> Finding | None:
+    """The ``expectations.time`` gate: a failure when the measured comm fraction is off the model's by more
+    than ``max_error``; a note (not a failure) when the run cannot be judged: outside the model's ``domain``,
+    or a side missing (``note`` says why)."""
+    if max_error is None:
+        return None
+    why = domain or (note if predicted is None or measured is None else None)
+    if why:
+        return Finding(kind="time", fail=False, title=f"time model not judged (expectations.time.max_error): {why}")
+    if predicted is None or measured is None:
+        return None
+    err = predicted.comm_fraction - measured.comm_fraction
+    if abs(err) <= max_error:
+        return None
+    p, m = predicted, measured
+    fraction = Difference(
+        "comm fraction", m.comm_fraction, p.comm_fraction, detail=f"error {err:+.3f}, allowed {max_error:g}"
+    )
+    times = (
+        f"T_iter: obtained {m.t_iter * 1e3:.1f} ms, expected {p.t_iter * 1e3:.1f} ms; "
+        f"T_comm: obtained {m.t_comm * 1e3:.1f} ms, expected {p.t_comm * 1e3:.1f} ms"
+    )
+    return Finding(
+        kind="time",
+        fail=True,
+        title="the iteration-time model misses the measured communication fraction",
+        differences=(fraction,),
+        notes=(times,),
+        hint="recalibrate on other scenarios (commgate calibrate REPORT), or raise expectations.time.max_error",
     )
 
 
 def evaluate(
-    s: Scenario,
-    prediction: Prediction,
+    e: Expectations,
+    paper: Sequence[TermComparison],
     capture: Capture,
     rec: Reconciliation,
     now: Baseline,
@@ -210,13 +249,13 @@ def evaluate(
     rerun: Rerun | None = None,
 ) -> Verdict:
     v = Verdict()
-    checks = (against_model(s, rec), against_paper(s, prediction)) if s.expectations.model_check else (unchecked(),)
+    checks = (against_model(e, rec), against_paper(e, paper)) if e.model_check else (unchecked(),)
     emulated = capture.ranks is not None  # rank 0 alone: its calls complete at once, no latencies
-    for f in (*checks, None if emulated else cold_start(s, capture)):
+    for f in (*checks, None if emulated else cold_start(e, capture)):
         if f is not None:
             v.findings.append(f)
     if stored is not None:
-        v.findings += against_baseline(s, now, stored, update_flag)
+        v.findings += against_baseline(e, now, stored, update_flag)
         if emulated:
             v.latency_note = (
                 f"latency not judged: an emulated run (rank 0 of {capture.world_size}), whose calls complete "
@@ -228,24 +267,34 @@ def evaluate(
                 "communication (each rank needs a core, or a GPU, of its own)"
             )
         else:
-            latency, v.latency_note = against_latency(s, now, stored, rerun, update_flag)
+            latency, v.latency_note = against_latency(e, now, stored, rerun, update_flag)
             if latency is not None:
                 v.findings.append(latency)
     return v
 
 
 def settle_baseline(
-    v: Verdict, now: Baseline, stored: Baseline | None, path: Path, *, update: bool, refresh_latency: bool = False
+    v: Verdict,
+    now: Baseline,
+    stored: Baseline | None,
+    store: BaselineStore,
+    *,
+    update: bool,
+    refresh_latency: bool = False,
 ) -> tuple[list[Finding], str | None]:
     """The baseline policy. A missing baseline is written and the test fails (nothing passes silently);
     with ``update`` a baseline whose communication changed is rewritten (this machine's latency history
     restarting with this run, other machines' kept) and what changed is reported instead of failing, one
     whose communication did not is left as it is, so that ``git diff`` shows only real changes, unless
     ``refresh_latency`` asks to add this run to this machine's latency history; a run that fails the
-    model or the paper is never stored. Returns the findings that stand and, when a file was written or
-    left alone, a line saying so."""
+    model or the paper is never stored. Without ``update``, a run whose communication differs from the
+    baseline leaves what it sent beside it (``BaselineStore.save_obtained``: copying it over the baseline
+    accepts it, as ``update`` would) and its finding names the file; any other run removes a stale one.
+    Returns the findings that stand and, when a file was written or left alone, a line saying so."""
+    path = store.path(now.backend, now.scenario)
     if stored is not None and not update:
-        return v.findings, None
+        return _obtained(v.findings, now, stored, store), None
+    store.discard_obtained(now.backend, now.scenario)
     changed = [f for f in v.findings if f.kind in ("baseline", "latency")]
     findings = [f for f in v.findings if f.kind not in ("baseline", "latency")]
     if any(f.fail for f in findings):
@@ -254,20 +303,42 @@ def settle_baseline(
     if stored is not None and not communication and not refresh_latency:
         kept = "; latency history kept (--commgate-refresh-latency adds this run)" if changed else ""
         return findings, f"{path} left as it is: communication unchanged{kept}"
-    if stored is not None and not communication:  # refreshed: this run joins the history
-        now = now.with_history(stored)
-    elif stored is not None:  # other traffic: this machine's history restarts with this run
-        now = replace(now, latency={**stored.latency, **now.latency})
-    write(path, now)
+    store.save(_accepted(now, stored, refresh=not communication))
     if stored is None:
         if not update:
             findings.append(
-                Finding("baseline", True, f"no baseline yet: wrote {path}", hint="rerun to compare against it")
+                Finding(
+                    kind="baseline",
+                    fail=True,
+                    title=f"no baseline yet: wrote {path}",
+                    hint="rerun to compare against it",
+                )
             )
         return findings, f"{path} written"
     if changed:
         return findings, f"{path} updated: " + "; ".join(line for f in changed for line in f.lines[:3])
     return findings, f"{path} rewritten: this run added to the latency history"
+
+
+def _accepted(now: Baseline, stored: Baseline | None, *, refresh: bool) -> Baseline:
+    """What accepting this run stores: with the same communication (``refresh``) this run joins the
+    latency history; with other traffic this machine's history restarts with it (other machines' kept)."""
+    if stored is None:
+        return now
+    if refresh:
+        return now.with_history(stored)
+    return replace(now, latency={**stored.latency, **now.latency})
+
+
+def _obtained(findings: list[Finding], now: Baseline, stored: Baseline, store: BaselineStore) -> list[Finding]:
+    """``findings``, the communication difference's naming the obtained file it left (what accepting the
+    run would store); without such a difference, a stale obtained file removed."""
+    if not any(f.kind == "baseline" and f.fail for f in findings):
+        store.discard_obtained(now.backend, now.scenario)
+        return findings
+    obtained = store.save_obtained(_accepted(now, stored, refresh=False))
+    accept = f"; or copy {obtained} over {store.path(now.backend, now.scenario).name}"
+    return [replace(f, hint=f.hint + accept) if f.kind == "baseline" and f.fail else f for f in findings]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -286,33 +357,28 @@ class Judgement:
 
 
 def judge(
-    s: Scenario,
-    prediction: Prediction,
+    e: Expectations,
+    paper: Sequence[TermComparison],
     capture: Capture,
     rec: Reconciliation,
-    root: Path,
+    store: BaselineStore,
     *,
     update: bool = False,
     update_flag: str = UPDATE_FLAG,
     refresh_latency: bool = False,
     rerun: Rerun | None = None,
 ) -> Judgement:
-    """The whole gate for one run (the pytest plugin's and ``commgate run --gate``'s): its baseline from
-    ``root/{backend}/{id}.json``, the verdict, and the baseline policy (``settle_baseline``). A failure
-    names ``update_flag`` as the way to accept a change; ``rerun`` runs the scenario again to confirm
-    a latency slowdown."""
-    from commgate.judge import baseline as bl
-
-    now = bl.Baseline.from_run(capture, rec, bl.provenance(capture, s.world_size))
-    path = bl.path_for(root, capture.backend, s.id)
-    stored = bl.load(path, scenario=s.id) if path.exists() else None
-    verdict = evaluate(s, prediction, capture, rec, now, stored, update_flag, rerun)
-    findings, written = settle_baseline(
-        verdict,
-        now,
-        stored,
-        path,
-        update=update,
-        refresh_latency=refresh_latency,
+    """The whole gate for one run (the pytest plugin's and ``commgate run --gate``'s): the baseline of the
+    capture's scenario and backend from ``store``, the verdict, and the baseline policy
+    (``settle_baseline``). A failure names ``update_flag`` as the way to accept a change; ``rerun`` runs
+    the scenario again to confirm a latency slowdown."""
+    now = Baseline.from_run(capture, rec, provenance(capture, capture.world_size))
+    stored = store.load(capture.backend, capture.scenario)
+    verdict = evaluate(e, paper, capture, rec, now, stored, update_flag, rerun)
+    findings, written = settle_baseline(verdict, now, stored, store, update=update, refresh_latency=refresh_latency)
+    return Judgement(
+        findings=tuple(findings),
+        baseline=store.path(capture.backend, capture.scenario),
+        written=written,
+        latency_note=verdict.latency_note,
     )
-    return Judgement(findings=tuple(findings), baseline=path, written=written, latency_note=verdict.latency_note)

@@ -1,6 +1,6 @@
 """The effective-bandwidth curve C(bytes, group size, backend) that the APNet time model divides volumes
 by, fitted from the collective microbenchmarks (``benchmarks/test_collectives.py``) and stored per
-hardware fingerprint in ``baselines/bandwidth-{backend}.json``.
+hardware fingerprint in the baseline directory (``commgate.judge.store.BaselineStore.curve_path``).
 
 A curve is a table of measured median latencies per (op, world size, group size) over message sizes,
 plus the compute rate one rank reaches while ``world`` ranks share the machine (a GEMM). Between
@@ -196,11 +196,6 @@ def samples(calls: Iterable[Any], *, world: int, rank: int = 0) -> list[Sample]:
             Sample(op=op, world=world, group_size=world, nbytes=nbytes, median_s=statistics.median(times), p99_s=p99)
         )
     return out
-
-
-def path_for(root: Path, backend: str) -> Path:
-    """``{root}/bandwidth-{backend}.json``: beside the baselines' backend folders, not in them."""
-    return root / f"bandwidth-{backend}.json"
 
 
 def validate(doc: Any) -> None:

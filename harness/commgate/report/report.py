@@ -17,7 +17,7 @@ from commgate.core.fsutil import atomic_write_text, dumps
 from commgate.core.provenance import environment
 from commgate.core.units import human_bytes, number, shown
 from commgate.judge.drift import cold_starts
-from commgate.judge.gate import Finding
+from commgate.judge.finding import Finding
 from commgate.judge.reconcile import Reconciliation
 from commgate.model.expectation import Prediction
 from commgate.report.render import prediction_document
@@ -71,10 +71,7 @@ class ScenarioResult:
             "world_size": s.world_size,
             "status": self.status,
             "reason": self.reason,
-            "findings": [
-                {"kind": f.kind, "fail": f.fail, "title": f.title, "lines": list(f.lines), "hint": f.hint}
-                for f in self.findings
-            ],
+            "findings": [f.to_json() for f in self.findings],
             "wall_s": round(self.wall_s, 3),
             "latency_note": self.latency_note,
             "prediction": prediction_document(self.prediction),
@@ -106,6 +103,27 @@ class ScenarioResult:
         return doc
 
     def summary(self) -> str:
+        """What the console shows of the result: the head line, then per op the bytes measured (and
+        predicted, when the model is checked), the model's mismatches and the other findings."""
+        head, view = self._head()
+        r = self.reconciliation
+        if r is None:
+            return f"{head}: {self.reason}" if self.reason else head
+        lines = [head]
+        if not self.prediction.scenario.expectations.model_check:
+            lines += [f"    {o.op:<15} measured {human_bytes(o.measured_bytes):>11}/step ({view})" for o in r.ops]
+            lines += [f"    {line}" for f in self.findings for line in f.text().splitlines()]
+            return "\n".join(lines)
+        lines += self._model_lines(r, view)
+        for f in self.findings:
+            if not (f.kind == "model" and f.fail):  # the model's differences are the lines above
+                lines += [f"    {line}" for line in f.text().splitlines()]
+        lines += [f"    {note}" for note in (self.latency_note, self.baseline_written) if note]
+        return "\n".join(lines)
+
+    def _head(self) -> tuple[str, str]:
+        """The summary's first line (status, id, scheme, ranks, times, comm fraction), and whose view the
+        measured bytes are (all ranks, or those an emulated run started)."""
         s = self.prediction.scenario
         started = self.capture.ranks if self.capture is not None else None
         ranks, view = f"{s.world_size} ranks", "all ranks"
@@ -125,14 +143,12 @@ class ScenarioResult:
             if tm.domain:  # "out of the model's domain: 4 ranks on 2 cores"
                 pred += f"; {tm.domain.replace('out of the model', 'outside the model')}"
             head += f" comm fraction {tm.measured.comm_fraction:.0%} (model {pred})"
-        r = self.reconciliation
-        if r is None:
-            return f"{head}: {self.reason}" if self.reason else head
-        lines = [head]
-        if not s.expectations.model_check:
-            lines += [f"    {o.op:<15} measured {human_bytes(o.measured_bytes):>11}/step ({view})" for o in r.ops]
-            lines += [f"    {line}" for f in self.findings for line in f.text().splitlines()]
-            return "\n".join(lines)
+        return head, view
+
+    @staticmethod
+    def _model_lines(r: Reconciliation, view: str) -> list[str]:
+        """Per op measured, predicted and unexplained bytes, then the first call counts that differ."""
+        lines = []
         for o in r.ops:
             extra = f" + {human_bytes(sum((b for _, b in o.residuals), Fraction(0)))} named" if o.residuals else ""
             lines.append(
@@ -145,14 +161,7 @@ class ScenarioResult:
             lines.append(f"    ... and {len(r.mismatches) - 10} more mismatches (see report.json)")
         if r.traffic_measured != r.traffic_predicted:
             lines.append("    traffic matrix differs from the prediction (see report.json)")
-        for f in self.findings:
-            if not (f.kind == "model" and f.fail):  # the model's differences are the lines above
-                lines += [f"    {line}" for line in f.text().splitlines()]
-        if self.latency_note:
-            lines.append(f"    {self.latency_note}")
-        if self.baseline_written:
-            lines.append(f"    {self.baseline_written}")
-        return "\n".join(lines)
+        return lines
 
 
 STATUSES: tuple[Status, ...] = ("passed", "failed", "error", "skipped")
@@ -200,3 +209,14 @@ class Report:
 _SLOT = "\x00scenarios\x00"
 """Where the encoded scenarios go in the head's text (encoded as ``"\\u0000scenarios\\u0000"``, which no
 other value of the head can spell)."""
+
+
+def ran(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The scenarios of a report document that ran (those with a reconciliation)."""
+    return [s for s in doc["scenarios"] if "collectives" in s]
+
+
+def modelled(op_row: dict[str, Any]) -> float:
+    """The model's bytes per step for one op of a report: its steady rows plus the named once-per-run
+    terms the reconciliation attributes to the measured steps (e.g. DDP's bucket-rebuild broadcast)."""
+    return float(op_row["predicted_bytes"]) + sum(float(r["bytes"]) for r in op_row["residuals"])

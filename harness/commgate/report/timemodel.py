@@ -19,7 +19,10 @@ Measured, on rank 0's measured steps: T_iter is the median step window; communic
 union of the intervals in which at least one of its calls was in flight (so overlapped asynchronous
 calls count once), and comm_fraction the median over steps of that union / the step. A pipeline rank
 waits out its bubble inside a recv, so the measurement is compared with the model's in-flight fraction
-(T_comm + T_bubble) / T_iter; without a pipeline the two are the paper's comm fraction. Torch-free.
+(T_comm + T_bubble) / T_iter; without a pipeline the two are the paper's comm fraction.
+
+This module computes; it neither reads the curve (the caller looks it up: ``commgate.pipeline``) nor
+judges (``expectations.time.max_error`` is the gate's: ``commgate.judge.gate.against_time``). Torch-free.
 """
 
 from __future__ import annotations
@@ -27,16 +30,14 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from commgate.core.errors import CommgateError
-from commgate.judge.gate import Finding
+from commgate.judge.gate import StepTime
 from commgate.model import transformer
 from commgate.model.expectation import ExpectedCollective, Phase, Prediction
 from commgate.model.scenario import Parallelism, Scenario
 from commgate.model.schemes import SCHEMES
-from commgate.report import bandwidth
 from commgate.report.bandwidth import Curve
 from commgate.run.capture import Capture, busy_ns
 
@@ -125,6 +126,10 @@ class PredictedTime:
     def bubble_ratio(self) -> float:
         return self.t_bubble / self.t_iter if self.t_iter else 0.0
 
+    def step(self) -> StepTime:
+        """The modelled step as the time gate compares it: the share with a call in flight."""
+        return StepTime(comm_fraction=self.in_flight_fraction, t_iter=self.t_iter, t_comm=self.t_comm)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MeasuredTime:
@@ -138,6 +143,10 @@ class MeasuredTime:
     t_exposed: float | None = None
     """Median per step of the time rank 0's training thread was blocked (``StepWindow.blocked_ns``):
     the communication it waited on, the exposed part of ``t_comm``; None where not measured."""
+
+    def step(self) -> StepTime:
+        """The measured step as the time gate compares it."""
+        return StepTime(comm_fraction=self.comm_fraction, t_iter=self.t_iter, t_comm=self.t_comm)
 
 
 def bubble_factor(par: Parallelism) -> float:
@@ -295,28 +304,6 @@ class TimeAssessment:
         doc["domain"] = self.domain
         return doc
 
-    def finding(self, max_error: float | None) -> Finding | None:
-        """The ``expectations.time`` gate: a failure when the comm fraction is off by more than
-        ``max_error``; a note (not a failure) when the run cannot be judged."""
-        if max_error is None:
-            return None
-        why = self.domain or (self.note if self.predicted is None or self.measured is None else None)
-        if why:
-            return Finding("time", False, f"time model not judged (expectations.time.max_error): {why}")
-        err = self.fraction_error or 0.0
-        if abs(err) <= max_error:
-            return None
-        p, m = self.predicted, self.measured
-        assert p is not None and m is not None
-        lines = (
-            f"comm fraction: obtained {m.comm_fraction:.3f}, expected {p.in_flight_fraction:.3f} "
-            f"(error {err:+.3f}, allowed {max_error:g})",
-            f"T_iter: obtained {m.t_iter * 1e3:.1f} ms, expected {p.t_iter * 1e3:.1f} ms; "
-            f"T_comm: obtained {m.t_comm * 1e3:.1f} ms, expected {p.t_comm * 1e3:.1f} ms",
-        )
-        hint = "recalibrate on other scenarios (commgate calibrate REPORT), or raise expectations.time.max_error"
-        return Finding("time", True, "the iteration-time model misses the measured communication fraction", lines, hint)
-
 
 def curve_key(stack: dict[str, str | None]) -> str:
     """The bandwidth curve a run's time is modelled with: its hardware's, or that hardware's over the
@@ -325,20 +312,19 @@ def curve_key(stack: dict[str, str | None]) -> str:
     return f"{hardware} | link {stack['link']}" if stack.get("link") else hardware
 
 
-def assess(prediction: Prediction, capture: Capture, curves: Path) -> TimeAssessment:
-    """The model with the bandwidth curve of the capture's hardware from the baseline directory ``curves``."""
+def assess(prediction: Prediction, capture: Capture, curve: Curve | None, note: str) -> TimeAssessment:
+    """The model with ``curve`` (the capture's hardware's, ``curve_key``; None: no model, ``note`` says why)
+    next to what the capture measured."""
     measured = measure(capture)
-    hardware = curve_key(capture.stack)
     crowded = capture.stack.get("oversubscribed")
     domain = f"out of the model's domain: {crowded}" if crowded else None
+    if curve is None:
+        return TimeAssessment(predicted=None, measured=measured, note=note, domain=domain)
+    u = curve.utilization
+    note += f"; u = {u:.3g}" + (" (calibrated)" if curve.calibrated else " (not calibrated: `commgate calibrate`)")
     try:
-        curve, note = bandwidth.lookup(bandwidth.path_for(curves, capture.backend), hardware)
-        if curve is None:
-            return TimeAssessment(predicted=None, measured=measured, note=note, domain=domain)
-        u = curve.utilization
-        note += f"; u = {u:.3g}" + (" (calibrated)" if curve.calibrated else " (not calibrated: `commgate calibrate`)")
         predicted = predict_time(prediction, curve, note=note, utilization=u)
-    except CommgateError as exc:  # a bad or partial curve leaves the model out of this report, saying why
+    except CommgateError as exc:  # a partial curve leaves the model out of this report, saying why
         return TimeAssessment(predicted=None, measured=measured, note=f"no time model: {exc}", domain=domain)
     return TimeAssessment(predicted=predicted, measured=measured, note=note, domain=domain)
 

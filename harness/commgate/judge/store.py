@@ -1,0 +1,75 @@
+"""The baseline directory (``--commgate-baseline-dir``, ``--baseline-dir``; ``baselines/`` by default): the
+one module that knows its layout.
+
+    {root}/{backend}/{scenario id}.json            a scenario's baseline (``commgate.judge.baseline``)
+    {root}/{backend}/{scenario id}.obtained.json   what the last run that differed from it sent, in the same
+                                                   schema: copy it over the baseline to accept it
+    {root}/bandwidth-{backend}.json                the backend's bandwidth curves (``commgate.report.bandwidth``)
+
+As pytest-benchmark's ``storage/file.py``: ``save``, ``load`` and ``query``; as pytest-regressions'
+``*.obtained`` files: a mismatch leaves what was obtained beside what was expected, for a person to diff
+or accept, and a run that matches removes it. Every file is written atomically.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from commgate.judge import baseline as bl
+
+OBTAINED = ".obtained.json"
+
+
+@dataclass(frozen=True, slots=True)
+class BaselineStore:
+    """The baselines and bandwidth curves under ``root``."""
+
+    root: Path
+
+    def path(self, backend: str, scenario_id: str) -> Path:
+        """``{root}/{backend}/{id}.json``, the id made file-name safe (``tp[s=128]`` stays readable)."""
+        return self.root / backend / f"{_safe(scenario_id)}.json"
+
+    def obtained_path(self, backend: str, scenario_id: str) -> Path:
+        """``{root}/{backend}/{id}.obtained.json``, beside the baseline."""
+        return self.root / backend / f"{_safe(scenario_id)}{OBTAINED}"
+
+    def curve_path(self, backend: str) -> Path:
+        """``{root}/bandwidth-{backend}.json``: beside the backends' folders, not in them."""
+        return self.root / f"bandwidth-{backend}.json"
+
+    def load(self, backend: str, scenario_id: str) -> bl.Baseline | None:
+        """The scenario's stored baseline (None when there is none); a file that is malformed, or another
+        scenario's, is a one-line ``BaselineError``."""
+        path = self.path(backend, scenario_id)
+        return bl.load(path, scenario=scenario_id) if path.exists() else None
+
+    def save(self, baseline: bl.Baseline) -> Path:
+        """Store ``baseline`` as its scenario's on its backend (atomically); returns the file."""
+        return bl.write(self.path(baseline.backend, baseline.scenario), baseline)
+
+    def save_obtained(self, baseline: bl.Baseline) -> Path:
+        """Leave ``baseline`` (what a run that differed sent) beside the scenario's baseline."""
+        return bl.write(self.obtained_path(baseline.backend, baseline.scenario), baseline)
+
+    def discard_obtained(self, backend: str, scenario_id: str) -> None:
+        """Remove the scenario's obtained file, if a run left one (it no longer differs, or was accepted)."""
+        self.obtained_path(backend, scenario_id).unlink(missing_ok=True)
+
+    def query(self) -> list[Path]:
+        """Every baseline file, sorted (obtained files are not baselines). A folder that holds one backend's
+        baselines (``baselines/gloo``) is read as such."""
+        return self._baselines("*/*.json") or self._baselines("*.json")
+
+    def unused(self, used: set[str]) -> list[Path]:
+        """The baseline files whose resolved path is not among ``used`` (those a whole run judged against)."""
+        return [p for p in self._baselines("*/*.json") if str(p.resolve()) not in used]
+
+    def _baselines(self, pattern: str) -> list[Path]:
+        return sorted(p for p in self.root.glob(pattern) if not p.name.endswith(OBTAINED))
+
+
+def _safe(scenario_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=,\[\]+-]", "_", scenario_id)

@@ -1,0 +1,194 @@
+"""One run of scenarios, whichever entry point drives it: the pytest plugin's hooks and ``commgate run``
+each hold a ``Session`` and only adapt to it (as syrupy's ``SnapshotSession`` and pytest-benchmark's
+``BenchmarkSession`` own a check's whole life).
+
+The session checks the entry point's options once (``options``: contradictory flags are a one-line
+``UsageError`` naming them), runs each scenario through ``commgate.pipeline.run_scenario`` and records its
+result: report.json, rewritten after every scenario (so an interrupted run leaves a complete report of
+what ran), the baselines judged against and those written, the warnings; at the end the HTML page beside
+the report, and the baselines no scenario used. Under pytest-xdist each worker's session hands its part
+to the controller's (``part``, ``merge``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from commgate.core.errors import UsageError
+from commgate.judge.store import BaselineStore
+from commgate.model.scenario import Backend, Scenario
+from commgate.pipeline import Options, run_scenario
+from commgate.report.report import Report, ScenarioResult
+from commgate.run.inject import Faults, parse
+from commgate.run.runners import LocalRanks, Runner
+
+if TYPE_CHECKING:
+    import pytest
+
+
+def options(
+    flag: Callable[[str], str],
+    *,
+    baseline_dir: Path,
+    gate: bool = True,
+    update: bool = False,
+    refresh_latency: bool = False,
+    backend: Backend | None = None,
+    deadline: float | None = None,
+    faulty: bool = False,
+) -> Options:
+    """The pipeline's options from an entry point's flags, checked; ``flag(name)`` is how the entry point
+    spells the option ``name`` (``--commgate-update-baselines``, ``--update-baselines``)."""
+    if update and not gate:
+        raise UsageError(f"{flag('update-baselines')} needs {flag('gate')}")
+    if update and faulty:
+        raise UsageError(
+            f"{flag('update-baselines')} with {flag('fault')} would store a faulty run as the baseline; use one"
+        )
+    if refresh_latency and not update:
+        raise UsageError(f"{flag('refresh-latency')} works with {flag('update-baselines')}; add it")
+    if deadline is not None and deadline <= 0:
+        raise UsageError(f"{flag('deadline')} {deadline:g}: expected a positive number of seconds")
+    return Options(
+        baseline_dir=baseline_dir,
+        gate=gate,
+        update_baselines=update,
+        refresh_latency=refresh_latency,
+        update_flag=flag("update-baselines"),
+        backend=backend,
+    )
+
+
+@dataclass(kw_only=True)
+class Session:
+    """The scenarios one command (or one pytest session) runs, with one runner and one set of options."""
+
+    options: Options
+    runner: Runner
+    report_dir: Path | None = None
+    """Where report.json and the HTML page go (None: nowhere; a pytest-xdist worker hands its part on)."""
+    by_name: bool = False
+    """Order report.json's scenarios by name (the pytest gate, whose xdist workers finish in any order)
+    rather than as they finished."""
+    faults: Faults = field(default_factory=Faults)
+    """Faults planted in every run (``--commgate-fault``), named with each failure."""
+    report: Report = field(init=False)
+    updated: list[str] = field(default_factory=list)
+    """``<id>: <what was written to its baseline>``, for the end of the run."""
+    warnings: list[str] = field(default_factory=list)
+    """``<id>: <finding>`` of every finding that did not fail its scenario."""
+    used: set[str] = field(default_factory=set)
+    """Resolved paths of the baseline files the scenarios were judged against."""
+    html: Path | None = None
+    """The HTML page, once ``finish`` wrote it."""
+
+    def __post_init__(self) -> None:
+        self.report = Report(self.report_dir / "report.json" if self.report_dir is not None else None)
+
+    @classmethod
+    def for_pytest(cls, config: pytest.Config) -> Session:
+        """The pytest gate's session, from its ``--commgate-*`` options (on local ranks; a pytest-xdist
+        worker's writes no report: it hands its part to the controller)."""
+
+        import pytest
+
+        def option(name: str) -> Any:
+            return config.getoption(f"commgate_{name}", None)
+
+        try:  # contradictory flags are pytest's usage errors (exit status 4)
+            checked = options(
+                lambda name: f"--commgate-{name}",
+                baseline_dir=option("baseline_dir") or config.rootpath / "baselines",
+                update=bool(option("update_baselines")),
+                refresh_latency=bool(option("refresh_latency")),
+                backend=option("backend"),
+                deadline=option("deadline"),
+                faulty=bool(option("fault")),
+            )
+            faults = parse(option("fault") or [])
+        except UsageError as exc:
+            raise pytest.UsageError(str(exc)) from None
+        worker = hasattr(config, "workeroutput")
+        runner = LocalRanks(deadline_s=option("deadline"), faults=faults)
+        return cls(
+            options=checked,
+            runner=runner,
+            report_dir=None if worker else option("report_dir"),
+            by_name=True,
+            faults=faults,
+        )
+
+    def run(self, scenario: Scenario) -> ScenarioResult | None:
+        """Run ``scenario`` and record its result (None: a torchrun rank that does not report)."""
+        result = run_scenario(scenario, self.runner, self.options)
+        if result is not None:
+            self.record(result)
+        return result
+
+    def record(self, result: ScenarioResult) -> None:
+        sid = result.prediction.scenario.id
+        self.report.add(result)
+        if result.baseline is not None:
+            self.used.add(str(result.baseline.resolve()))
+        if result.baseline_written:
+            self.updated.append(f"{sid}: {result.baseline_written}")
+        self.warnings += [f"{sid}: {f.text()}" for f in result.findings if not f.fail]
+
+    def failure(self, result: ScenarioResult) -> str:
+        """``<id>: why it failed``, the faults planted to make it fail first."""
+        planted = f"(planted fault: {self.faults.describe()})\n" if self.faults else ""
+        return f"{result.prediction.scenario.id}: {planted}{result.reason}"
+
+    def part(self) -> dict[str, Any]:
+        """What a pytest-xdist worker hands the controller (plain JSON values, as ``workeroutput`` carries)."""
+        return {
+            "scenarios": self.report.scenarios,
+            "updated": self.updated,
+            "warnings": self.warnings,
+            "used": sorted(self.used),
+        }
+
+    def merge(self, part: dict[str, Any]) -> None:
+        """A worker's ``part``, added to this (the controller's) session."""
+        self.report.scenarios += part["scenarios"]
+        self.report.write()
+        self.updated += part["updated"]
+        self.warnings += part["warnings"]
+        self.used.update(part["used"])
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Scenarios per status (passed, failed, error, skipped)."""
+        counts: dict[str, int] = self.report.document()["summary"]
+        return counts
+
+    def finish(self) -> Path | None:
+        """report.json in its final order and the HTML page beside it; the page (None without a report
+        directory, or when no scenario ran)."""
+        path = self.report.path
+        if path is None or not self.report.scenarios:
+            return None
+        from commgate.report import htmlreport
+
+        if self.by_name:
+            ordered = sorted(self.report.scenarios, key=lambda s: str(s["name"]))
+            self.report = Report(path, ordered, started=self.report.started)
+        self.report.write()
+        self.html = htmlreport.write(path.parent, self.report.document())
+        return self.html
+
+    def sections(self, *, whole: bool) -> dict[str, list[str]]:
+        """The end of the run, by title: the baselines written, the warnings and, after a ``whole`` suite
+        ran, the baselines no scenario used (only those with lines)."""
+        unused = [str(p) for p in self.unused_baselines()] if whole else []
+        sections = {"commgate baselines": self.updated, "commgate warnings": self.warnings}
+        sections["commgate: baselines no scenario used"] = unused
+        return {title: lines for title, lines in sections.items() if lines}
+
+    def unused_baselines(self) -> list[Path]:
+        """The baselines no scenario was judged against (none when no scenario was judged against any);
+        meaningful after a whole suite ran: the entry point says when that was."""
+        return BaselineStore(self.options.baseline_dir).unused(self.used) if self.used else []

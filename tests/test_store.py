@@ -1,0 +1,50 @@
+"""The baseline store: one layout for baselines, obtained files and bandwidth curves; obtained files are never
+read as baselines (``commgate compare`` of a baseline directory, the unused-baselines listing)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from commgate.cli import main
+from commgate.judge import baseline as bl
+from commgate.judge.store import BaselineStore
+
+DATA = Path(__file__).parent / "data" / "baselines"
+
+
+def test_the_layout(tmp_path: Path) -> None:
+    store = BaselineStore(tmp_path)
+    assert store.path("gloo", "tp[s=128]") == tmp_path / "gloo" / "tp[s=128].json"
+    assert store.path("gloo", "a/b c") == tmp_path / "gloo" / "a_b_c.json"
+    assert store.obtained_path("gloo", "tp[s=128]") == tmp_path / "gloo" / "tp[s=128].obtained.json"
+    assert store.curve_path("gloo") == tmp_path / "bandwidth-gloo.json"
+
+
+def test_save_load_and_the_obtained_file(tmp_path: Path) -> None:
+    store = BaselineStore(tmp_path)
+    b = bl.load(DATA / "ddp.json")
+    assert store.load("gloo", b.scenario) is None
+    path = store.save(b)
+    assert path == store.path("gloo", b.scenario) and store.load("gloo", b.scenario) == b
+    obtained = store.save_obtained(bl.load(DATA / "ddp-split-bucket.json"))
+    assert obtained == store.obtained_path("gloo", b.scenario)
+    assert store.load("gloo", b.scenario) == b  # the baseline stays what it was
+    assert store.query() == [path]
+    assert store.unused(set()) == [path] and store.unused({str(path.resolve())}) == []
+    store.discard_obtained("gloo", b.scenario)
+    store.discard_obtained("gloo", b.scenario)  # none left: nothing to do
+    assert not obtained.exists()
+
+
+def test_compare_of_a_baseline_directory_ignores_obtained_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for side in ("before", "after"):
+        (tmp_path / side / "gloo").mkdir(parents=True)
+        shutil.copy(DATA / "ddp.json", tmp_path / side / "gloo" / "ddp-19m-dp4.json")
+    other = tmp_path / "after" / "gloo" / "ddp-19m-dp4.obtained.json"
+    shutil.copy(DATA / "ddp-split-bucket.json", other)  # a run that differed, not yet accepted
+    assert main(["compare", str(tmp_path / "before"), str(tmp_path / "after")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("0 of 1 scenario(s) changed")
