@@ -99,10 +99,11 @@ def option_blocks(c: Check) -> None:
 def autocast(c: Check) -> None:
     m, s = c.model, c.scheme.name
     if m.autocast is not None and (not c.scheme.autocast or m.dtype != "fp32"):
+        ddp = ", ".join(n for n, r in c.schemes.items() if r.autocast)
         c.bad(
             ["model", "autocast"],
-            f"{m.autocast}: autocast is run under scheme {c.names(lambda r: r.autocast)} with fp32 parameters "
-            f"(the model's dtype {m.dtype!r}, scheme {s!r}); for 16-bit parameters set model.dtype instead",
+            f"{m.autocast}: autocast is run under scheme {ddp} with fp32 parameters (the model's dtype "
+            f"{m.dtype!r}, scheme {s!r}); for 16-bit parameters set model.dtype instead",
         )
 
 
