@@ -20,6 +20,7 @@ from commgate.judge.store import BaselineStore
 from commgate.model.expectation import Prediction
 from commgate.model.predict import predict
 from commgate.model.scenario import Backend, Scenario
+from commgate.model.trainers import TRAINERS
 from commgate.report import bandwidth
 from commgate.report.report import ScenarioResult
 from commgate.report.timemodel import TimeAssessment, assess, curve_key
@@ -55,6 +56,8 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
     def result(**kw: object) -> ScenarioResult:
         return ScenarioResult(prediction=prediction, wall_s=time.monotonic() - started, **kw)  # type: ignore[arg-type]
 
+    if reason := TRAINERS[scenario.trainer].unavailable():  # an error, not a skip: the gate did not run
+        return result(status="error", reason=reason)
     if reason := runner.skip_reason(scenario):
         return result(status="skipped", reason=reason)
     try:

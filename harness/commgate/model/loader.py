@@ -24,7 +24,7 @@ import jsonschema
 import yaml
 
 from commgate.core import schemas
-from commgate.core.errors import Problem, ScenarioError
+from commgate.core.errors import CommgateError, Problem, ScenarioError
 from commgate.core.fsutil import json_path
 from commgate.model import dsconfig, rules, trainers
 from commgate.model.scenario import (
@@ -52,10 +52,12 @@ SCENARIO_SUFFIXES = (".yaml", ".yml")
 @functools.cache
 def schema() -> dict[str, Any]:
     """The published scenario JSON Schema (draft 2020-12), with the enums of ``parallelism.scheme`` and
-    ``trainer`` filled in from their registries (``SCHEMES``, ``TRAINERS``: the one list of each)."""
+    ``trainer`` filled in from their registries (``SCHEMES``, ``TRAINERS``: the one list of each), and each
+    trainer's options block from its record."""
     doc = copy.deepcopy(schemas.load("scenario"))
     doc["properties"]["parallelism"]["properties"]["scheme"]["enum"] = list(SCHEMES)
     doc["properties"]["trainer"]["enum"] = list(TRAINERS)
+    doc["properties"] |= {name: dict(t.options) for name, t in TRAINERS.items() if t.options is not None}
     return doc
 
 
@@ -275,6 +277,7 @@ def load_document(doc: Any, *, file: str, where: _Located | None = None) -> list
     where = where or _Located(None)
     if doc is None:
         raise ScenarioError([Problem(file=file, path="$", message="the file is empty; expected a scenario mapping")])
+    doc = _derived(doc, file, where)
     problems = _schema_problems(doc, file, where)
     if problems:
         raise ScenarioError(problems)
@@ -290,6 +293,20 @@ def load_document(doc: Any, *, file: str, where: _Located | None = None) -> list
     if problems:
         raise ScenarioError(problems)
     return scenarios
+
+
+def _derived(doc: Any, file: str, where: _Located) -> Any:
+    """The document completed by its trainer from the trainer's own configuration (``Trainer.derive``:
+    Hugging Face's "auto" values resolved as its Trainer resolves them), or as it is."""
+    name = doc.get("trainer", "commgate") if isinstance(doc, Mapping) else None
+    trainer = TRAINERS.get(name) if isinstance(name, str) else None
+    if trainer is None or trainer.derive is None:
+        return doc  # (an unknown trainer is the schema's problem)
+    try:
+        trainer.require()
+        return trainer.derive(doc, file)
+    except CommgateError as exc:
+        raise ScenarioError([Problem(file=file, path=f"$.{name}", message=str(exc), line=where.line([name]))]) from None
 
 
 MAX_FILE_BYTES = 1 << 20
@@ -475,11 +492,18 @@ def _scenario(
         stall_s=float(doc["stall_s"]) if "stall_s" in doc else None,
         markers=markers,
         trainer=doc.get("trainer", "commgate"),
+        trainer_options=json.dumps(doc.get(doc.get("trainer", "commgate"), {}), sort_keys=True),
         workload=doc.get("workload"),
         expectations=_build_expectations(doc.get("expectations", {})),
         deepspeed=json.dumps(ds, sort_keys=True),
-        warnings=tuple(dsconfig.unknown_keys(ds)),
+        warnings=tuple(dsconfig.unknown_keys(ds)) + _unavailable(doc.get("trainer", "commgate")),
     )
+
+
+def _unavailable(trainer: str) -> tuple[str, ...]:
+    """A warning where the scenario's trainer is not installed: it predicts, but does not run, here."""
+    why = TRAINERS[trainer].unavailable()
+    return (f"{why} (predict works; a run is refused)",) if why else ()
 
 
 def _from_deepspeed(

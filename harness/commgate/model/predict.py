@@ -7,6 +7,7 @@ from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, P
 from commgate.model.paper import eq1_param_count
 from commgate.model.scenario import Scenario
 from commgate.model.schemes import SCHEMES
+from commgate.model.trainers import components
 
 
 def predict(scenario: Scenario) -> Prediction:
@@ -15,7 +16,7 @@ def predict(scenario: Scenario) -> Prediction:
     rows: list[ExpectedCollective] = []
     terms: list[PaperTerm] = []
     residuals: list[Residual] = []
-    for component in SCHEMES[scenario.parallelism.scheme].components:
+    for component in components(scenario, SCHEMES[scenario.parallelism.scheme]):
         rows += component.collectives(ctx)
         terms += component.paper_terms(ctx)
         residuals += component.residuals(ctx)

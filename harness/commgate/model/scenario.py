@@ -284,6 +284,8 @@ class Scenario:
     markers: tuple[str, ...] = ()
     trainer: str = "commgate"
     """Who builds, parallelizes and steps the job: a name in ``commgate.model.trainers.TRAINERS``."""
+    trainer_options: str = "{}"
+    """The trainer's options block (the scenario's key named after the trainer) as canonical JSON."""
     workload: str | None = None
     expectations: Expectations = field(default_factory=Expectations)
     deepspeed: str = "{}"
@@ -294,6 +296,11 @@ class Scenario:
     @property
     def world_size(self) -> int:
         return self.parallelism.world_size
+
+    @property
+    def trainer_config(self) -> dict[str, Any]:
+        loaded: dict[str, Any] = json.loads(self.trainer_options)
+        return loaded
 
     @property
     def deepspeed_config(self) -> dict[str, Any]:

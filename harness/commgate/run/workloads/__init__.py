@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 from commgate.model.rules import emulation_refusal
 from commgate.model.scenario import TORCH_SCHEDULES, Scenario
 from commgate.model.schemes import SCHEMES
+from commgate.model.trainers import TRAINERS
 
 if TYPE_CHECKING:
     import torch
@@ -109,6 +110,7 @@ TRAINER_WORKLOADS: dict[str, Callable[[Scenario], WorkloadFactory]] = {"commgate
 def resolve(scenario: Scenario) -> WorkloadFactory:
     """What builds and steps ``scenario`` on a rank: the user's ``workload:`` function, or its trainer's
     workload for its scheme."""
+    TRAINERS[scenario.trainer].require()
     if scenario.workload is not None:
         module, _, attr = scenario.workload.partition(":")
         factory: WorkloadFactory = getattr(importlib.import_module(module), attr)

@@ -1,0 +1,65 @@
+"""What a trainer is: who builds, parallelizes and steps the job (commgate's own workloads, torchtitan,
+Hugging Face's Trainer, Megatron-core), the record everything else derives from, beside the scheme's
+(``commgate.model.schemes.scheme``). The registry, ``TRAINERS``, is ``commgate.model.trainers``; what runs
+a trainer's job on a rank is the run layer's (``commgate.run.workloads.TRAINER_WORKLOADS``).
+
+A trainer may take options in a block of the scenario named after it (``torchtitan: {...}``, as
+``deepspeed:`` holds DeepSpeed's), complete the scenario document from its own configuration before it is
+validated (``derive``: Hugging Face's "auto" values resolved as Trainer resolves them), and model what
+it sends with components of its own (``components``: torchtitan's FSDP2 groups are not commgate's).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from commgate.core.errors import CommgateError
+from commgate.model.scenario import Scenario
+from commgate.model.schemes.scheme import Component, Rule, Scheme
+
+Derive = Callable[[Mapping[str, Any], str], dict[str, Any]]
+"""(the scenario document, its file) -> the document completed from the trainer's own configuration
+(model, parallelism, deepspeed); raises ``CommgateError`` (one line) on what it cannot read."""
+Components = Callable[[Scenario, Scheme], tuple[Component, ...]]
+"""(the scenario, its scheme) -> the components whose collectives model what the trainer sends."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Trainer:
+    name: str
+    summary: str
+    """One line for ``--help`` and the docs."""
+    schemes: tuple[str, ...] | None = None
+    """The schemes (``SCHEMES`` names) it runs; None: every one."""
+    extra: str | None = None
+    """``pip install 'commgate[EXTRA]'`` installs it; None: it comes with commgate."""
+    packages: tuple[str, ...] = ()
+    """The modules it imports (to run, and to ``derive``): all must be importable."""
+    options: Mapping[str, Any] | None = None
+    """The JSON Schema of its options, the scenario's top-level block named after it (None: it takes none);
+    the scenario schema holds it as that property."""
+    derive: Derive | None = None
+    components: Components | None = None
+    """None: the scheme's own components model it (commgate's workloads are the schemes')."""
+    rules: tuple[Rule, ...] = ()
+    """Its own consistency rules, beside the schemes'."""
+
+    def missing(self) -> tuple[str, ...]:
+        """The packages it needs that this environment cannot import."""
+        return tuple(p for p in self.packages if importlib.util.find_spec(p) is None)
+
+    def unavailable(self) -> str | None:
+        """Why this environment cannot run it (in one line, naming the extra that installs what is missing),
+        or None."""
+        if not (missing := self.missing()):
+            return None
+        how = f"pip install 'commgate[{self.extra}]'" if self.extra else f"pip install {' '.join(missing)}"
+        return f"trainer {self.name!r} needs {', '.join(missing)}, which this environment cannot import: {how}"
+
+    def require(self) -> None:
+        """Raise ``unavailable()`` as a one-line ``CommgateError``."""
+        if why := self.unavailable():
+            raise CommgateError(why)
