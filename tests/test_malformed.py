@@ -56,3 +56,13 @@ def test_problems_of_several_files_are_reported_together(tmp_path: Path) -> None
     proc = subprocess.run([sys.executable, "-m", "commgate", "validate", str(tmp_path)], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "bad_scheme.yaml" in proc.stderr and "zero_steps.yaml" in proc.stderr
+
+
+def test_each_problem_is_reported_once(tmp_path: Path) -> None:
+    """A file holding only ``a: 1`` lacks four required fields and has one unknown: five lines, not one per
+    (missing field x error jsonschema raised)."""
+    path = tmp_path / "a.yaml"
+    path.write_text("a: 1\n")
+    proc = subprocess.run([sys.executable, "-m", "commgate", "validate", str(path)], capture_output=True, text=True)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == len(set(lines)) == 5, lines

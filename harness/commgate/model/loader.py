@@ -132,7 +132,8 @@ def _schema_problems(doc: Any, file: str, where: _Located, context: str = "") ->
             problems.append(
                 Problem(file=file, path=json_path(parts), message=message + context, line=where.line(parts))
             )
-    return problems
+    # each "required" error is described with every field the object lacks: one line per problem
+    return list(dict.fromkeys(problems))
 
 
 def _describe(err: jsonschema.ValidationError) -> Iterator[tuple[list[Any], str]]:
