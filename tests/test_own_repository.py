@@ -71,3 +71,28 @@ def test_the_quick_start_in_a_repository_of_your_own(tmp_path: Path) -> None:
     )
     assert ci.returncode == 0, ci.stdout + ci.stderr
     assert (repo / "out" / "pr-gate" / "junit.xml").is_file() and (repo / "out" / "pr-gate" / "index.html").is_file()
+
+
+def test_your_own_module_imports_from_the_directory_you_run_in(tmp_path: Path) -> None:
+    """The console scripts (``commgate``, ``pytest``) import a scenario's ``model.module`` from the
+    directory they run in, as ``python -m`` does, with no PYTHONPATH; from elsewhere the error says what
+    to do."""
+    repo = tmp_path / "myrepo"
+    (repo / "comm").mkdir(parents=True)
+    (repo / "mynet.py").write_text(MODULE)
+    (repo / "comm" / "ddp.yaml").write_text(SCENARIO)
+    (repo / "pytest.ini").write_text("[pytest]\ncommgate_scenario_dirs = comm\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    bin_dir = Path(sys.executable).parent
+
+    def run(tool: str, *args: str, cwd: Path = repo) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(bin_dir / tool), *args], cwd=cwd, capture_output=True, text=True, env=env)
+
+    ok = run("commgate", "validate", "comm/ddp.yaml")
+    assert ok.returncode == 0 and "ok  my-ddp" in ok.stdout, ok.stderr
+    collected = run("pytest", "-p", "no:cacheprovider", "--collect-only", "-q", "comm")
+    assert collected.returncode == 0 and "my-ddp" in collected.stdout, collected.stdout + collected.stderr
+    elsewhere = run("commgate", "validate", str(repo / "comm" / "ddp.yaml"), cwd=tmp_path)
+    assert elsewhere.returncode == 2 and len(elsewhere.stderr.strip().splitlines()) == 1
+    assert "No module named 'mynet'" in elsewhere.stderr
+    assert "run commgate from the directory that holds mynet" in elsewhere.stderr and "PYTHONPATH" in elsewhere.stderr

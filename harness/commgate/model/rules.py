@@ -136,9 +136,9 @@ def user_workload(c: Check) -> None:
     if not isinstance(spec, str):
         return
     try:
-        fn = resolve(spec)
+        fn = resolve(spec, "workload")
     except CommgateError as exc:
-        c.bad(["workload"], str(exc).removeprefix(f"model.module {spec!r}: "))
+        c.bad(["workload"], str(exc).removeprefix(f"workload {spec!r}: "))
         return
     if not callable(fn):
         c.bad(["workload"], f"{spec!r} is a {type(fn).__name__}, not a callable")

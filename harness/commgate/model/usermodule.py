@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -66,12 +68,27 @@ class Described:
     not gathered then) is that module's from the first such read on (``register_external_parameter``)."""
 
 
-def resolve(spec: str) -> Callable[..., Any]:
+def resolve(spec: str, what: str = "model.module") -> Callable[..., Any]:
+    """The callable ``package.module:attribute`` names, imported as ``python -m`` would from the directory
+    commgate runs in (the user's repository: its own modules need no install); a one-line ``CommgateError``
+    naming ``what`` (the scenario's field) and the fix otherwise."""
     module, _, attr = spec.partition(":")
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
     try:
         fn: Callable[..., Any] = getattr(importlib.import_module(module), attr)
+    except ModuleNotFoundError as exc:
+        top = module.split(".")[0]
+        fix = (
+            f"; run commgate from the directory that holds {top} (it is {here} now), or add that directory to "
+            "PYTHONPATH"
+            if exc.name == top
+            else ""
+        )
+        raise CommgateError(f"{what} {spec!r}: cannot be imported ({exc}){fix}") from None
     except (ImportError, AttributeError) as exc:
-        raise CommgateError(f"model.module {spec!r}: cannot be imported ({exc})") from None
+        raise CommgateError(f"{what} {spec!r}: cannot be imported ({exc})") from None
     return fn
 
 

@@ -12,7 +12,6 @@ scenario runs.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -20,6 +19,7 @@ from commgate.model.rules import emulation_refusal
 from commgate.model.scenario import TORCH_SCHEDULES, Scenario
 from commgate.model.schemes import SCHEMES
 from commgate.model.trainers import TRAINERS
+from commgate.model.usermodule import resolve as user_callable
 
 if TYPE_CHECKING:
     import torch
@@ -112,8 +112,7 @@ def resolve(scenario: Scenario) -> WorkloadFactory:
     workload for its scheme."""
     TRAINERS[scenario.trainer].require()
     if scenario.workload is not None:
-        module, _, attr = scenario.workload.partition(":")
-        factory: WorkloadFactory = getattr(importlib.import_module(module), attr)
+        factory: WorkloadFactory = user_callable(scenario.workload, "workload")
         return factory
     return TRAINER_WORKLOADS[scenario.trainer](scenario)
 
