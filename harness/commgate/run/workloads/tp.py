@@ -110,11 +110,11 @@ def parallelize(model: GPT, mesh: DeviceMesh, *, sequence_parallel: bool = False
     distributed once; each use adds to its gradient on the rank, so the shared weight costs no collective
     of its own within the tensor-parallel group)."""
     styles = plan(model, sequence_parallel=sequence_parallel)
+    if model.head is not None:  # untied: the plan as it is (embedding, head, layers: their distribution order)
+        parallelize_module(model, mesh, styles)
+        return
     head = styles.pop("head")
     parallelize_module(model, mesh, styles)
-    if model.head is not None:
-        parallelize_module(model, mesh, {"head": head})
-        return
     tied = nn.Linear(model.spec.h, model.spec.V, bias=False, device="meta")
     tied.weight = model.embed.word.weight  # a DTensor sharded as the head wants it: not distributed again
     model.head = tied
