@@ -120,3 +120,33 @@ def test_a_value_that_is_not_a_number_is_one_line(tmp_path: Path, capsys: pytest
     err = capsys.readouterr().err
     assert "deepspeed zero_optimization.stage: 'x' is not a whole number" in err and "Traceback" not in err
     assert not out.exists()
+
+
+def test_nothing_imported_is_silent(tmp_path: Path) -> None:
+    """What the configs set that the scenario does not take as such is in the written file (as comments
+    and its ``notes`` field), in the loaded scenario's remarks and in a run's findings; a DeepSpeed key the
+    model does not follow is kept, and the scenario gates against its baseline only, saying why."""
+    from commgate.pipeline import Options, run_scenario
+    from test_pipeline import Stub, silent
+
+    hf = tmp_path / "config.json"
+    hf.write_text(json.dumps({
+        "model_type": "gpt_neox", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "intermediate_size": 256, "vocab_size": 512, "max_position_embeddings": 128, "rotary_pct": 0.25,
+    }))  # fmt: skip
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_use_all_reduce_for_fetch_params": True}}))
+    out = tmp_path / "s.yaml"
+    assert main(["import", "--hf", str(hf), "--deepspeed", str(ds), "--dp", "2", "-o", str(out)]) == 0
+    text = out.read_text()
+    doc = yaml.safe_load(text)
+    assert doc["deepspeed"]["zero_optimization"]["stage3_use_all_reduce_for_fetch_params"] is True
+    assert doc["expectations"] == {"model": {"check": False}}
+    kept = next(n for n in doc["notes"] if "stage3_use_all_reduce_for_fetch_params" in n)
+    assert "not modelled yet" in kept and f"#   {kept}" in text
+    assert any("rotary_pct ignored" in n for n in doc["notes"])
+    (s,) = load_file(out)
+    assert [f"imported: {n}" for n in doc["notes"]] == list(s.remarks[len(s.warnings) :])
+    result = run_scenario(s, Stub(capture=silent(s)), Options(baseline_dir=tmp_path, gate=False))
+    assert result is not None
+    assert {f"imported: {n}" for n in doc["notes"]} <= {f.title for f in result.findings if f.kind == "config"}

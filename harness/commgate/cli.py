@@ -273,7 +273,7 @@ def cmd_validate(a: argparse.Namespace) -> int:
     scenarios = load_paths(a.paths or [DEFAULT_SUITE])
     for s in scenarios:
         print(f"ok  {s.id}  ({s.file}; {s.parallelism.scheme}, world {s.world_size})")
-        for w in s.warnings:
+        for w in s.remarks:
             print(f"    warning: {w}")
     print(f"{len(scenarios)} scenario(s) valid.")
     return 0
@@ -433,8 +433,9 @@ def cmd_import(a: argparse.Namespace) -> int:
     scenarios = load_document(got.doc, file=str(a.out))  # the result validates ...
     for s in scenarios:
         predict(s)  # ... and predicts
-    text = "# written by commgate import; the notes it printed list what was ignored or left out\n"
-    atomic_write_text(a.out, text + yaml.safe_dump(got.doc, sort_keys=False))
+    head = ["# written by commgate import; what the configs set that this scenario does not take as such:"]
+    head += [f"#   {note}" for note in got.notes] or ["#   nothing"]
+    atomic_write_text(a.out, "\n".join(head) + "\n" + yaml.safe_dump(got.doc, sort_keys=False))
     print(f"wrote {a.out}: {scenarios[0].id} ({scenarios[0].parallelism.scheme}, world {scenarios[0].world_size})")
     return 0
 

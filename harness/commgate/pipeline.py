@@ -88,7 +88,7 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
     # an emulated run's calls complete without a peer: no communication time to model
     timed = None if capture.ranks is not None else time_model(prediction, capture, store)
     gate_time = _against_time(e.time_max_error, timed) if timed is not None else None
-    warned = (Finding(kind="config", fail=False, title=w) for w in scenario.warnings)
+    warned = (Finding(kind="config", fail=False, title=w) for w in scenario.remarks)
     findings = (*findings, *warned, *filter(None, [gate_time]))
     failing = [f for f in findings if f.fail]
     return result(

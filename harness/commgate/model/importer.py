@@ -93,7 +93,7 @@ def build(
             model["dtype"] = key
     if cpu:
         _reduce(model, par, ds, out.notes)
-    _drop_unmodelled(ds, stage, out.notes)
+    baseline_only = _drop_unmodelled(ds, stage, out.notes)
     par.setdefault("tp", 1)
     par.setdefault("pp", 1)
     out.doc = {
@@ -106,6 +106,10 @@ def build(
     }
     if ds:
         out.doc["deepspeed"] = ds
+    if baseline_only:
+        out.doc["expectations"] = {"model": {"check": False}}
+    if out.notes:
+        out.doc["notes"] = list(out.notes)
     return out
 
 
@@ -250,19 +254,18 @@ def _reduce(model: dict[str, Any], par: dict[str, Any], ds: dict[str, Any], note
             ds.pop(key)
 
 
-def _drop_unmodelled(ds: dict[str, Any], stage: int, notes: list[str]) -> None:
+def _drop_unmodelled(ds: dict[str, Any], stage: int, notes: list[str]) -> bool:
+    """Leave out what DeepSpeed refuses (it would not run); keep what the model does not follow yet, noted.
+    Returns whether anything kept is not modelled (the scenario is then a baseline-only gate)."""
     for key, message in dsconfig.refused_keys(ds):
         del ds["zero_optimization"][key]
         notes.append(f"deepspeed zero_optimization.{key} left out: {message}")
-    for path, value, expected, what in dsconfig.violations(ds, stage):
-        parent: Any = ds
-        for part in path[:-1]:
-            parent = parent[part]
-        del parent[path[-1]]
+    unmodelled = dsconfig.violations(ds, stage)
+    for path, value, expected, what in unmodelled:
         notes.append(
-            f"deepspeed {'.'.join(path)} = {value!r} left out: {what} is not modelled yet "
-            f"(the model follows {expected})"
+            f"deepspeed {'.'.join(path)} = {value!r} kept: {what} is not modelled yet (the model follows "
+            f"{expected}), so the scenario gates against its baseline only (expectations.model.check: false)"
         )
-    if "train_batch_size" in ds:
-        ds.pop("train_batch_size")
-        notes.append("deepspeed train_batch_size left out (commgate derives it from dp, b and m)")
+    return bool(unmodelled)
+
+

@@ -497,7 +497,8 @@ def _scenario(
         workload=doc.get("workload"),
         expectations=_build_expectations(doc.get("expectations", {})),
         deepspeed=json.dumps(ds, sort_keys=True),
-        warnings=tuple(dsconfig.unknown_keys(ds)) + _unavailable(doc.get("trainer", "commgate")),
+        warnings=(*dsconfig.unknown_keys(ds), *_unavailable(doc.get("trainer", "commgate"))),
+        notes=tuple(doc.get("notes", ())),
     )
 
 

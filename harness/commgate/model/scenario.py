@@ -292,6 +292,14 @@ class Scenario:
     """The ``deepspeed:`` block as canonical JSON (merged over commgate's own DeepSpeed config)."""
     warnings: tuple[str, ...] = ()
     """What is suspicious but not wrong (e.g. a DeepSpeed key DeepSpeed does not know)."""
+    notes: tuple[str, ...] = ()
+    """What the configs the scenario was made from set that it does not take as such (``commgate
+    import``); shown as the warnings are."""
+
+    @property
+    def remarks(self) -> tuple[str, ...]:
+        """The warnings, then the notes: what a run's summary, report.json and ``commgate validate`` show."""
+        return (*self.warnings, *(f"imported: {note}" for note in self.notes))
 
     @property
     def world_size(self) -> int:
