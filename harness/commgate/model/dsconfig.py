@@ -281,6 +281,17 @@ def offloads_optimizer(cfg: Mapping[str, Any]) -> bool:
     return zo.get("cpu_offload") is True or (isinstance(off, Mapping) and off.get("device") == "cpu")
 
 
+def autos(cfg: Mapping[str, Any], path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The paths of the config's ``"auto"`` values (Hugging Face's placeholder for what the trainer fills in)."""
+    out: list[tuple[str, ...]] = []
+    for key, value in cfg.items():
+        if isinstance(value, Mapping):
+            out += autos(value, (*path, str(key)))
+        elif value == "auto":
+            out.append((*path, str(key)))
+    return out
+
+
 def given(value: Any) -> bool:
     """A value the config states (Hugging Face's ``"auto"`` leaves it to the trainer: here, the scenario)."""
     return bool(value != "auto")

@@ -497,8 +497,41 @@ def _scenario(
         workload=doc.get("workload"),
         expectations=_build_expectations(doc.get("expectations", {})),
         deepspeed=json.dumps(ds, sort_keys=True),
-        warnings=(*dsconfig.unknown_keys(ds), *_unavailable(doc.get("trainer", "commgate"))),
+        warnings=(
+            *dsconfig.unknown_keys(ds),
+            *_unavailable(doc.get("trainer", "commgate")),
+            *_filled(ds, model, par, doc.get("trainer", "commgate")),
+        ),
         notes=tuple(doc.get("notes", ())),
+    )
+
+
+def _filled(ds: dict[str, Any], model: ModelSpec, par: Parallelism, trainer: str) -> tuple[str, ...]:
+    """What the ``deepspeed:`` block's ``"auto"`` values become when commgate's own workloads run it (a
+    trainer that resolves them itself, such as Hugging Face's, has replaced them by then)."""
+    found = [".".join(path) for path in dsconfig.autos(ds)]
+    if not found:
+        return ()
+    z = par.zero
+    ours = {
+        "train_micro_batch_size_per_gpu": par.micro_batch,
+        "gradient_accumulation_steps": par.micro_batches,
+        "train_batch_size": par.dp * par.micro_batch * par.micro_batches,
+        "zero_optimization.stage": z.stage,
+        "zero_optimization.reduce_bucket_size": z.bucket_elements,
+        "zero_optimization.allgather_bucket_size": z.bucket_elements,
+        "bf16.enabled": model.dtype == "bf16",
+        "fp16.enabled": model.dtype == "fp16",
+    }
+    filled = ", ".join(f"{key} = {ours[key]}" for key in found if key in ours)
+    left = ", ".join(key for key in found if key not in ours)
+    parts = [
+        f"filled from the scenario: {filled}" if filled else "",
+        f"left to DeepSpeed's defaults: {left}" if left else "",
+    ]
+    return (
+        f'deepspeed "auto" values, as trainer {trainer!r} runs them: {"; ".join(p for p in parts if p)} '
+        "(a Hugging Face Trainer resolves them from its TrainingArguments and the model: trainer hf)",
     )
 
 
