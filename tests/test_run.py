@@ -587,3 +587,22 @@ def test_steps_that_cannot_finish_before_the_deadline_are_refused(
     assert "more than the deadline of 300 s" in str(info.value) and not any(tmp_path.iterdir())
     (small,) = load_text("schema_version: 1\nname: s\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: ddp, dp: 2}\n")
     assert budget.slow(small, 300) is None
+
+
+def test_the_orphan_sweep_removes_only_what_commgate_made(tmp_path: Path) -> None:
+    """A killed launcher's private directory (marked, its process gone) is swept; a user's directory of a
+    like name (``commgate-2024-backup``, no marker) and a live launcher's are left with their files."""
+    from commgate.run.launcher import MARKER, _sweep_orphans
+
+    backup = tmp_path / "commgate-2024-backup"
+    backup.mkdir()
+    (backup / "precious.txt").write_text("keep me")
+    gone = tmp_path / "commgate-999999999-abc"  # no such process: a PID beyond pid_max
+    gone.mkdir()
+    (gone / MARKER).write_text("999999999\n")
+    alive = tmp_path / f"commgate-{os.getppid()}-xyz"
+    alive.mkdir()
+    (alive / MARKER).write_text(f"{os.getppid()}\n")
+    _sweep_orphans(tmp_path)
+    assert (backup / "precious.txt").read_text() == "keep me"
+    assert not gone.exists() and alive.exists()

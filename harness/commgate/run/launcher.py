@@ -85,12 +85,24 @@ def _context() -> ForkServerContext:
     return _CONTEXT
 
 
+MARKER = ".commgate-launcher"
+"""The file a launcher leaves in its private directory: only a directory holding it is commgate's to sweep."""
+
+
+def _private_dir(workdir: Path | None) -> Path:
+    """This launcher's private directory for its ranks' files, marked as commgate's (``MARKER``)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"commgate-{os.getpid()}-", dir=workdir))
+    (tmp / MARKER).write_text(f"{os.getpid()}\n")
+    return tmp
+
+
 def _sweep_orphans(parent: Path) -> None:
     """Remove the private directories of launchers that were killed outright (SIGKILL leaves no chance
-    to clean up): ``commgate-{pid}-*`` whose launcher process no longer exists."""
+    to clean up): ``commgate-{pid}-*`` holding commgate's marker, whose launcher process no longer
+    exists. Anything else of that name is left alone (a user's ``commgate-2024-backup``)."""
     for d in parent.glob("commgate-*-*"):
         pid = d.name.split("-")[1]
-        if not pid.isdigit() or int(pid) == os.getpid():
+        if not pid.isdigit() or int(pid) == os.getpid() or not (d / MARKER).is_file():
             continue
         try:
             os.kill(int(pid), 0)
@@ -187,7 +199,7 @@ def launch_local(
     deadline = deadline_s if deadline_s is not None else scenario.deadline_s
     _admit(scenario, ran, deadline)
     _sweep_orphans(Path(workdir or tempfile.gettempdir()))
-    tmp = Path(tempfile.mkdtemp(prefix=f"commgate-{os.getpid()}-", dir=workdir))
+    tmp = _private_dir(workdir)
     procs: list[BaseProcess] = []
     started = time.monotonic()
     try:
