@@ -606,3 +606,20 @@ def test_the_orphan_sweep_removes_only_what_commgate_made(tmp_path: Path) -> Non
     _sweep_orphans(tmp_path)
     assert (backup / "precious.txt").read_text() == "keep me"
     assert not gone.exists() and alive.exists()
+
+
+@pytest.mark.parametrize(
+    ("value", "skipped"), [("0", False), ("false", False), ("No", False), ("1", True), ("yes", True)]
+)
+def test_the_memory_check_switch_means_what_it_says(value: str, skipped: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """COMMGATE_SKIP_MEMORY_CHECK=0 (false, no) keeps the check on (it used to turn it off); an unknown
+    value is a one-line refusal naming the variable."""
+    from commgate.run import budget
+
+    (big,) = load_text("schema_version: 1\nname: big\nmodel: {preset: 13B}\nparallelism: {scheme: ddp, dp: 2}\n")
+    monkeypatch.setenv("COMMGATE_SKIP_MEMORY_CHECK", value)
+    assert (budget.refusal(big, 0) is None) == skipped
+    monkeypatch.setenv("COMMGATE_SKIP_MEMORY_CHECK", "perhaps")
+    assert budget.refusal(big, 0) == (
+        "COMMGATE_SKIP_MEMORY_CHECK='perhaps': expected 1, true or yes to skip the memory check, or 0, false or no"
+    )

@@ -116,10 +116,17 @@ def available() -> int | None:
     return None
 
 
+SKIP = "COMMGATE_SKIP_MEMORY_CHECK"
+YES, NO = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
 def refusal(scenario: Scenario, runtime: int) -> str | None:
     """Why ``scenario`` cannot run on this machine's memory (one line), or None."""
+    skip = os.environ.get(SKIP, "")
+    if skip.strip().lower() not in YES + NO:
+        return f"{SKIP}={skip!r}: expected 1, true or yes to skip the memory check, or 0, false or no"
     have = available()
-    if have is None or os.environ.get("COMMGATE_SKIP_MEMORY_CHECK"):
+    if have is None or skip.strip().lower() in YES:
         return None
     one = per_rank(scenario, runtime)
     need = one.total * len(started_ranks(scenario))
