@@ -148,17 +148,18 @@ def test_the_known_zero_keys_are_deepspeeds() -> None:
 def test_a_hugging_face_style_zero2_config_runs_as_written(tmp_path: Path) -> None:
     """The shape of the ZeRO-2 template Hugging Face's Trainer documents ("auto" placeholders, 2e8 float
     buckets, overlap_comm, offload device none), written for this test: it validates, its buckets reach
-    the scenario, and the placeholders leave the scenario's own values alone, which its one warning names
-    (what each "auto" became: nothing silent)."""
+    the scenario, and the placeholders leave the scenario's own values alone, which a warning names (what
+    each "auto" became: nothing silent), as another names the optimizer commgate's workload steps."""
     data = Path(__file__).parent / "data" / "deepspeed" / "hf-zero2.json"
     (s,) = load_text(
         f"{HEAD}parallelism: {{scheme: zero2, dp: 2, micro_batches: 3}}\ndeepspeed: {data}\n",
         file=str(tmp_path / "s.yaml"),
     )
     assert (s.parallelism.micro_batches, s.parallelism.zero.bucket_elements, s.model.dtype) == (3, 200_000_000, "fp32")
-    (auto,) = s.warnings
+    auto, optimizer = s.warnings
     assert "gradient_accumulation_steps = 3" in auto and "train_batch_size = 6" in auto
     assert "left to DeepSpeed's defaults: gradient_clipping, optimizer.params.lr" in auto
+    assert optimizer.startswith("deepspeed optimizer 'AdamW': commgate's own workloads step torch's AdamW")
     ours = {"scheme": "zero1", "dp": 2}
     with pytest.raises(ScenarioError, match=r"stage: 2 contradicts scheme 'zero1'"):
         load_text(f"{HEAD}parallelism: {ours}\ndeepspeed: {data}\n".replace("'", ""))

@@ -267,5 +267,3 @@ def _drop_unmodelled(ds: dict[str, Any], stage: int, notes: list[str]) -> bool:
             f"{expected}), so the scenario gates against its baseline only (expectations.model.check: false)"
         )
     return bool(unmodelled)
-
-

@@ -501,6 +501,7 @@ def _scenario(
             *dsconfig.unknown_keys(ds),
             *_unavailable(doc.get("trainer", "commgate")),
             *_filled(ds, model, par, doc.get("trainer", "commgate")),
+            *_client_optimizer(ds),
         ),
         notes=tuple(doc.get("notes", ())),
     )
@@ -532,6 +533,19 @@ def _filled(ds: dict[str, Any], model: ModelSpec, par: Parallelism, trainer: str
     return (
         f'deepspeed "auto" values, as trainer {trainer!r} runs them: {"; ".join(p for p in parts if p)} '
         "(a Hugging Face Trainer resolves them from its TrainingArguments and the model: trainer hf)",
+    )
+
+
+def _client_optimizer(ds: dict[str, Any]) -> tuple[str, ...]:
+    """Where commgate's own DeepSpeed workloads step another optimizer than the config names (the one
+    optimizer substitution they make; it sends nothing of its own)."""
+    section = ds.get("optimizer")
+    if not isinstance(section, Mapping) or dsconfig.offloads_optimizer(ds):
+        return ()
+    return (
+        f"deepspeed optimizer {section.get('type', '?')!r}: commgate's own workloads step torch's AdamW as the "
+        "client optimizer, which DeepSpeed takes over the config's (an optimizer sends nothing of its own; "
+        "under ZeRO-Offload the config's optimizer is DeepSpeed's to build)",
     )
 
 

@@ -1,9 +1,9 @@
 """DeepSpeed ZeRO stages 1-3 (``deepspeed.initialize`` with a real ZeRO config) around the GPT decoder.
 
 The process group is already initialised (through the capturing backend); DeepSpeed's comm layer
-adopts it. The optimizer is the config's own where it names one, else a client optimizer
-(``client_optimizer``): torch's AdamW, which ZeRO partitions, or DeepSpeedCPUAdam under ZeRO-Offload.
-DeepSpeed's own optimizers are C++ ops it compiles on first use (minutes, once per environment).
+adopts it. The client optimizer (``client_optimizer``) is torch's AdamW, which ZeRO partitions, except
+under ZeRO-Offload, where DeepSpeed needs a CPU optimizer: the config's own or DeepSpeedCPUAdam (a C++
+op DeepSpeed compiles on first use, minutes, once per environment).
 """
 
 from __future__ import annotations
@@ -64,17 +64,18 @@ def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def client_optimizer(params: Any, config: dict[str, Any]) -> torch.optim.Optimizer | None:
-    """The optimizer of ``params`` (parameters or groups) handed to ``deepspeed.initialize``: none where the
-    config names its own (DeepSpeed builds it, as for the user's job: FusedAdam, or DeepSpeedCPUAdam under
-    ZeRO-Offload), DeepSpeedCPUAdam under ZeRO-Offload (DeepSpeed refuses another client optimizer
-    there), else torch's AdamW."""
+    """The optimizer of ``params`` (parameters or groups) handed to ``deepspeed.initialize``. Under
+    ZeRO-Offload DeepSpeed needs a CPU optimizer: the config's own where it names one (None here: DeepSpeed
+    builds it, DeepSpeedCPUAdam), else DeepSpeedCPUAdam. Otherwise torch's AdamW, which DeepSpeed takes
+    over a config's optimizer section (an optimizer sends nothing of its own; DeepSpeed's FusedAdam would
+    be a CPU op to build first, minutes: the scenario's warnings say so, ``loader``)."""
+    if not dsconfig.offloads_optimizer(config):
+        return torch.optim.AdamW(params, lr=1e-4)
     if "optimizer" in config:
         return None
-    if dsconfig.offloads_optimizer(config):
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(params, lr=1e-4)
-    return torch.optim.AdamW(params, lr=1e-4)
+    return DeepSpeedCPUAdam(params, lr=1e-4)
 
 
 class ZeroWorkload:
