@@ -2,8 +2,8 @@
 
 * ``delay-first-recv[=MS]``: the first recv of step 0 on every rank waits MS ms (default 2000) before it
   is posted: a cold-start spike like the paper's first pipeline recv.
-* ``late-rank[=MS]``: the last rank sleeps MS ms (default 400) before step 0, so that its peers wait for
-  it in step 0's first collective (DDP's single initial bucket has no steady-state twin).
+* ``late-rank[=MS]``: the last rank starts step 0 MS ms (default 400) after its peers issued their first
+  call of it, so that they wait for it there (DDP's single initial bucket has no steady-state twin).
 * ``extra-collective``: one extra all-reduce (1 fp32, whole world) after every step.
 * ``slow=OP[:FACTOR]``: every call of OP (e.g. ``all_reduce``) takes FACTOR times as long (default 2): once
   issued, before it is posted, it waits FACTOR - 1 times what the rank's earlier calls of the same op,

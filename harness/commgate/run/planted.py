@@ -9,9 +9,11 @@ asks whether a fault is planted. The faults on steps, ``late-rank`` and ``extra-
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -34,13 +36,17 @@ class DelayingRecorder(Recorder):
     * ``delay-first-recv``: the first recv of step 0 waits ``delay_first_recv_s``, once;
     * ``slow``: op -> factor; a call of that op waits factor - 1 times the median of what this rank's
       earlier calls of the same op, group and size took without the wait (a key's first call is not
-      slowed).
+      slowed);
+    * ``late-rank``: the first call of step 0 tells the late rank it was issued (``ARRIVED``), so that
+      the late rank's wait (``before_step``) starts once its peers wait for it, however late a loaded
+      machine started them.
     """
 
     def __init__(self, rank: int, faults: Faults) -> None:
         super().__init__(rank)
         self.delay_first_recv_s = faults.delay_first_recv_ms / 1000
         self.slow = dict(faults.slow)
+        self.announce = bool(faults.late_rank_ms)
         self._unslowed: dict[_Key, list[int]] = {}
         """Each key's calls' durations without the wait."""
         self._waits: dict[int, tuple[_Key, int]] = {}
@@ -50,6 +56,9 @@ class DelayingRecorder(Recorder):
         self, op: Op, group: tuple[int, ...], tensors: Sequence[torch.Tensor], peer: int | None, root: int | None
     ) -> int:
         seq = super().issue(op, group, tensors, peer, root)
+        if self.announce and self.step == 0:
+            self.announce = False
+            dist.distributed_c10d._get_default_store().set(ARRIVED.format(rank=self.rank), "1")
         if str(op) in self.slow:
             self._slow_down(seq, (str(op), group, self._open[seq][_BYTES]), self.slow[str(op)])
         if op is Op.RECV and self.delay_first_recv_s and self.step == 0:
@@ -77,15 +86,26 @@ class DelayingRecorder(Recorder):
 def recorder(faults: Faults) -> Callable[[int], Recorder]:
     """What makes a rank's recorder (``commgate.run.interpose.install``): the plain ``Recorder`` unless a
     fault on calls is planted."""
-    if not faults.delay_first_recv_ms and not faults.slow:
+    if not faults.delay_first_recv_ms and not faults.slow and not faults.late_rank_ms:
         return Recorder
     return functools.partial(DelayingRecorder, faults=faults)
 
 
+ARRIVED = "commgate/late-rank/arrived/{rank}"
+"""The store key a rank sets when it issues its first call of step 0 (``late-rank`` planted)."""
+ARRIVALS_WAIT = timedelta(seconds=120)
+"""How long the late rank waits for its peers' first calls (a scenario whose peers issue none in step 0
+sleeps from when the wait gives up)."""
+
+
 def before_step(faults: Faults, step: int, *, rank: int, world_size: int) -> None:
-    """``late-rank``: the last rank sleeps before step 0, so that its peers wait for it in step 0's first
-    collective."""
+    """``late-rank``: the last rank starts step 0 ``late_rank_ms`` after every other rank issued its first
+    call of it (not after its own start: on a loaded machine the ranks start far apart), so that they
+    wait for it in that call."""
     if step == 0 and faults.late_rank_ms and rank == world_size - 1:
+        store = dist.distributed_c10d._get_default_store()
+        with contextlib.suppress(RuntimeError):  # (a peer that issued nothing in step 0: no wait to time)
+            store.wait([ARRIVED.format(rank=r) for r in range(world_size - 1)], ARRIVALS_WAIT)
         time.sleep(faults.late_rank_ms / 1000)
 
 
