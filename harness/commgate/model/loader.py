@@ -496,14 +496,18 @@ def _scenario(
         workload=doc.get("workload"),
         expectations=_build_expectations(doc.get("expectations", {})),
         deepspeed=json.dumps(ds, sort_keys=True),
-        warnings=tuple(dsconfig.unknown_keys(ds)) + _unavailable(doc.get("trainer", "commgate")),
+        warnings=tuple(dsconfig.unknown_keys(ds)) + _trainer_warnings(doc),
     )
 
 
-def _unavailable(trainer: str) -> tuple[str, ...]:
-    """A warning where the scenario's trainer is not installed: it predicts, but does not run, here."""
-    why = TRAINERS[trainer].unavailable()
-    return (f"{why} (predict works; a run is refused)",) if why else ()
+def _trainer_warnings(doc: dict[str, Any]) -> tuple[str, ...]:
+    """What the scenario's trainer warns of: its options' own (``Trainer.warnings``) and, where it is not
+    installed, that it predicts but does not run here."""
+    name = doc.get("trainer", "commgate")
+    trainer = TRAINERS[name]
+    own = trainer.warnings(doc.get(name, {})) if trainer.warnings else ()
+    why = trainer.unavailable()
+    return own + ((f"{why} (predict works; a run is refused)",) if why else ())
 
 
 def _from_deepspeed(
