@@ -58,7 +58,7 @@ from commgate.model.transformer import WIRE_ITEMSIZE
 EQ5 = "Eq. 5"
 ACMode = Literal["none", "selective", "full"]
 LEFT_OFF = ("compile", "async_tp", "float8")
-"""What a torchtitan config may enable that a CPU run turns off (``torchtitan.left_off``)."""
+"""What a torchtitan config may enable that a CPU run turns off (``torchtitan.left_off``; ``LEFT_OFF_WHY``)."""
 DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
 """torchtitan's dtype names (``training.mixed_precision_param``) -> commgate's."""
 
@@ -176,6 +176,52 @@ OPTIONS: dict[str, Any] = {
         },
     },
 }
+
+
+# ----------------------------------------------------------------------------------------- flavors
+
+
+@dataclass(frozen=True, slots=True)
+class Flavor:
+    """A llama3 flavor of torchtitan's ``models/llama3/__init__.py`` (the same dimensions in 0.2.2's
+    ``llama3_args`` and 0.3.0's builders)."""
+
+    L: int
+    h: int
+    a: int
+    kv_heads: int
+    V: int
+    multiple_of: int
+    ffn_dim_multiplier: float | None
+    tied: bool = False
+
+    @property
+    def ffn_hidden(self) -> int:
+        """``compute_ffn_hidden_dim`` (``models/common/feed_forward.py:18-31``): int(8h/3), times the
+        multiplier, rounded up to a multiple of ``multiple_of``."""
+        hidden = int(2 * 4 * self.h / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return -(-hidden // self.multiple_of) * self.multiple_of
+
+
+LLAMA3_FLAVORS: dict[str, Flavor] = {
+    "debugmodel": Flavor(6, 256, 16, 16, 2048, 256, None),
+    "1B": Flavor(16, 2048, 32, 8, 128256, 1024, 1.5, tied=True),
+    "3B": Flavor(28, 3072, 24, 8, 128256, 1024, 1.0, tied=True),
+    "8B": Flavor(32, 4096, 32, 8, 128256, 1024, 1.3),
+    "70B": Flavor(80, 8192, 64, 8, 128256, 4096, 1.3),
+    "405B": Flavor(126, 16384, 128, 8, 128256, 4096, 1.2),
+}
+LLAMA3_CONFIGS = {"debugmodel": "llama3_debugmodel", "8B": "llama3_8b", "70B": "llama3_70b", "405B": "llama3_405b"}
+"""torchtitan 0.3.0's config function of each flavor a 0.2.2 TOML names (``models/llama3/config_registry.py``)."""
+
+
+def flavor_model(name: str) -> dict[str, Any]:
+    """A flavor's dimensions in commgate's names (a scenario's ``model`` block)."""
+    f = LLAMA3_FLAVORS[name]
+    return {"L": f.L, "h": f.h, "a": f.a, "kv_heads": f.kv_heads, "ffn_hidden": f.ffn_hidden, "V": f.V,
+            "tied_embeddings": f.tied}  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------- parameters
@@ -805,19 +851,32 @@ def torchtitans_args(c: Check) -> None:
 RULES: tuple[Rule, ...] = (torchtitans_model, torchtitans_axes, torchtitans_modes, torchtitans_args)
 
 
-LEFT_OFF_WHY = {
-    "compile": "the config compiles its blocks (compile.enable); torch 2.13's inductor fails on flex attention on "
-    "CPU, so a CPU run is eager, and the model assumes compile changes no collective",
-    "async_tp": "the config runs async TP (compile.enable_async_tensor_parallel, CUDA symmetric memory): it splits "
-    "the TP all-gathers and reduce-scatters into chunks, which the model does not hold; it predicts plain TP",
-    "float8": "the config converts its linear layers to float8 (torchao, SM89+ GPUs; emulate on CPU): under FSDP2 "
-    "it gathers in the parameter dtype as modelled, float8 all-gathers and TP amax all-reduces are not modelled",
+LEFT_OFF_WHY: dict[str, tuple[str, str]] = {
+    "compile": (
+        "compiles its blocks (compile.enable)",
+        "torch 2.13's inductor fails on flex attention on CPU: a CPU run is eager, and the model assumes "
+        "compiling changes no collective",
+    ),
+    "async_tp": (
+        "runs async TP (compile.enable_async_tensor_parallel)",
+        "it needs compile and CUDA symmetric memory, and splits the TP all-gathers and reduce-scatters into "
+        "chunks the model does not hold: the prediction is plain TP's",
+    ),
+    "float8": (
+        "converts its linear layers to float8",
+        "the converter needs torchao and an SM89+ GPU: a CPU run keeps them in bf16; under FSDP2 float8 layers "
+        "gather in the parameter dtype as modelled, float8 all-gathers and TP amax all-reduces are not modelled",
+    ),
 }
+"""What each ``torchtitan.left_off`` entry names: (what the config does, why a run and the model leave it out)."""
 
 
 def left_off_warnings(block: Mapping[str, Any]) -> tuple[str, ...]:
     """One line for each thing ``torchtitan.left_off`` names: the run and the model leave it out."""
-    return tuple(f"torchtitan.left_off {what}: {LEFT_OFF_WHY[what]}" for what in block.get("left_off", ()))
+    return tuple(
+        f"torchtitan.left_off {what}: the job {LEFT_OFF_WHY[what][0]}; {LEFT_OFF_WHY[what][1]}"
+        for what in block.get("left_off", ())
+    )
 
 
 TORCHTITAN = Trainer(

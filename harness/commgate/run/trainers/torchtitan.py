@@ -46,6 +46,7 @@ a test of each that fails when upstream changes so that it is no longer needed o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -55,11 +56,13 @@ import random
 import sys
 import tempfile
 import types
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from commgate.core.errors import CommgateError
+from commgate.model.importer import TitanJob
 from commgate.model.scenario import ModelSpec, Scenario
 from commgate.model.trainers.torchtitan import LEFT_OFF_WHY, Job
 from commgate.run import interpose
@@ -318,18 +321,59 @@ def overrides(scenario: Scenario, job: Job, *, tokenizer: Path, data: Path, dump
     ]  # fmt: skip
 
 
-def parse(scenario: Scenario, job: Job, argv: list[str]) -> Any:
-    """torchtitan's ``Trainer.Config`` of ``argv``, through its own ``ConfigManager``; one line if it cannot."""
-    from torchtitan.config import ConfigManager
+@contextlib.contextmanager
+def float8_disabled() -> Iterator[list[Any]]:
+    """While it lasts, torchtitan's float8 converter is built disabled (``Float8LinearConverter.convert``
+    returns the model config unchanged when ``enabled`` is false, ``components/quantization/float8.py``):
+    a config function that converts its model to float8 (``llama3_405b``) parses on a CPU, where the
+    converter itself refuses to be built (no SM89 GPU, ``float8.py:86-96``). Yields the converters' configs
+    built meanwhile: what the config asked for."""
+    from torchtitan.components.quantization import Float8LinearConverter
+
+    built: list[Any] = []
+    init = Float8LinearConverter.__init__
+
+    def disabled(self: Any, config: Any) -> None:
+        self.config, self.enabled = config, False
+        built.append(config)
+
+    Float8LinearConverter.__init__ = disabled
+    try:
+        yield built
+    finally:
+        Float8LinearConverter.__init__ = init
+
+
+def read(argv: list[str], where: str) -> tuple[Any, bool]:
+    """(torchtitan's ``Trainer.Config`` of ``argv`` through its own ``ConfigManager``, whether the config
+    converts its model to float8 (left unconverted)); one line if torchtitan cannot build it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from torchtitan.config import ConfigManager
 
     try:
-        return ConfigManager().parse_args(argv)
+        with warnings.catch_warnings():
+            # what torchtitan's imports warn of (deprecations in torch and its dependencies), not the job's
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            with float8_disabled() as float8:
+                return ConfigManager().parse_args(argv), bool(float8)
     except (Exception, SystemExit) as exc:  # tyro exits on a bad flag
         what = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CommgateError(f"torchtitan could not build config {where}: {type(exc).__name__}: {what}") from None
+
+
+def parse(scenario: Scenario, job: Job, argv: list[str]) -> Any:
+    """The scenario's job as torchtitan's config: float8 only where ``torchtitan.left_off`` names it (the run
+    and the model leave it out)."""
+    args = " ".join(job.args) or "(no torchtitan.args)"
+    config, float8 = read(argv, f"{job.module}:{job.config} with the scenario's overrides {args}")
+    if float8 and "float8" not in job.left_off:
         raise CommgateError(
-            f"torchtitan could not build config {job.module}:{job.config} with the scenario's overrides "
-            f"{' '.join(job.args) or '(no torchtitan.args)'}: {type(exc).__name__}: {what}"
-        ) from None
+            f"torchtitan config {job.module}:{job.config} {LEFT_OFF_WHY['float8'][0]} ({LEFT_OFF_WHY['float8'][1]}): "
+            "list float8 in torchtitan.left_off to run without it"
+        )
+    return config
 
 
 def model_dims(config: Any) -> dict[str, Any]:
@@ -406,7 +450,7 @@ def leave_off(config: Any, job: Job) -> None:
     for what, enabled in on.items():
         if enabled and what not in job.left_off:
             raise CommgateError(
-                f"torchtitan config {job.module}:{job.config} enables {what} ({LEFT_OFF_WHY[what].split(';')[0]}): "
+                f"torchtitan config {job.module}:{job.config} {LEFT_OFF_WHY[what][0]} ({LEFT_OFF_WHY[what][1]}): "
                 f"list {what} in torchtitan.left_off to run without it"
             )
     if "async_tp" in job.left_off:
@@ -553,3 +597,57 @@ class TorchtitanWorkload:
         self.trainer.step += 1  # train() does it before train_step (trainer.py:1036)
         self.trainer.train_step(self.data)
         return 0.0
+
+
+def read_config(module: str, config: str) -> TitanJob:
+    """A torchtitan 0.3.0 config function's job, as torchtitan's own ``ConfigManager`` builds it (no process
+    group, nothing trained): ``commgate import --torchtitan MODULE:CONFIG``."""
+    import logging
+
+    where = f"{module}:{config}"
+    without_triton()
+    device_type("cpu")  # before anything imports torchtitan
+    root = logging.getLogger()  # torchtitan's logger: its warnings about the job's assets, absent here
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        cfg, float8 = read(["--module", module, "--config", config], where)
+    finally:
+        root.setLevel(level)
+    from torchtitan.components.loss import ChunkedLossWrapper  # imported by the config by now
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    model = cfg.model_spec.model
+    if not hasattr(model, "layers") or not hasattr(model, "vocab_size"):
+        raise CommgateError(f"torchtitan config {where} builds {type(model).__qualname__}; commgate models llama3 only")
+    dims = model_dims(model)
+    par, training = cfg.parallelism, cfg.training
+    chunked = isinstance(cfg.loss, ChunkedLossWrapper.Config)
+    ac = cfg.activation_checkpoint
+    modes = {type(None): "none", FullAC.Config: "full", SelectiveAC.Config: "selective"}
+    if type(ac) not in modes:
+        raise CommgateError(f"torchtitan config {where} checkpoints with {type(ac).__qualname__}: not modelled")
+    return TitanJob(
+        source=where,
+        config=config,
+        module=module,
+        model=dims,
+        local_batch_size=training.local_batch_size,
+        seq_len=training.seq_len,
+        dp=par.data_parallel_shard_degree,
+        tp=par.tensor_parallel_degree,
+        pp=par.pipeline_parallel_degree,
+        cp=par.context_parallel_degree,
+        replicate=par.data_parallel_replicate_degree,
+        sequence_parallel=par.enable_sequence_parallel,
+        ac=modes[type(ac)],
+        loss="chunked" if chunked else "cross_entropy",
+        loss_chunks=cfg.loss.num_chunks if chunked else Job().loss_chunks,
+        log_freq=cfg.metrics.log_freq,
+        mixed_precision_param=training.mixed_precision_param,
+        reshard=par.fsdp_reshard_after_forward,
+        compile=cfg.compile.enable,
+        async_tp=cfg.compile.enable_async_tensor_parallel,
+        float8=float8 or bool(converted(model)),
+        notes=(f"{where}: read by torchtitan's own ConfigManager",),
+    )
