@@ -885,7 +885,7 @@ TORCHTITAN = Trainer(
     "parallelism) and train_step",
     schemes=("fsdp", "tp"),
     extra="torchtitan",
-    packages=("torchtitan", "tyro"),
+    packages=("torchtitan", "tyro", "tokenizers"),
     options=OPTIONS,
     components=components,
     rules=RULES,
