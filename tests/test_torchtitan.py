@@ -36,10 +36,10 @@ TINY_TP = TINY.replace("V: 385", "V: 386").replace("ffn_hidden: 195", "ffn_hidde
 """The same, with what tensor parallelism over 2 ranks splits even (each TP rank's 193 rows FSDP2 pads)."""
 
 
-def scenario(par: str, block: str = "log_freq: 1", model: str = TINY, steps: int = 2) -> Scenario:
+def scenario(par: str, block: str = "log_freq: 1", model: str = TINY, steps: int = 2, extra: str = "") -> Scenario:
     (s,) = load_text(
         f"schema_version: 1\nname: tt\ntrainer: torchtitan\ntorchtitan: {{{block}}}\nmodel: {{{model}}}\n"
-        f"parallelism: {{{par}}}\nsteps: {steps}\nwarmup_steps: 1\ndeadline_s: 900\n"
+        f"parallelism: {{{par}}}\nsteps: {steps}\nwarmup_steps: 1\ndeadline_s: 900\n{extra}"
     )
     return s
 
@@ -193,6 +193,11 @@ def test_what_torchtitan_refuses_is_one_line_naming_the_key(par: str, block: str
     with pytest.raises(ScenarioError, match=message) as err:
         scenario(par, block, model)
     assert all("\n" not in str(p) for p in err.value.problems)
+
+
+def test_an_emulated_torchtitan_run_is_refused() -> None:
+    with pytest.raises(ScenarioError, match=r"\$.emulate: true: torchtitan's ranks all run"):
+        scenario(FSDP, extra="emulate: true\n")
 
 
 def test_what_passes_through_args() -> None:

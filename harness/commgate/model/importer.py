@@ -45,12 +45,18 @@ class Imported:
 
 
 def _read(path: Path, what: str) -> dict[str, Any]:
+    """A config file as a mapping: JSON, TOML (Python >= 3.11's tomllib) or YAML, by its suffix."""
+    toml: Any = None
+    if path.suffix == ".toml":
+        if sys.version_info < (3, 11):
+            raise UsageError(f"{path}: reading a TOML needs Python 3.11 or later (tomllib)")
+        toml = importlib.import_module("tomllib")  # (commgate's types are Python 3.10's)
     try:
         text = path.read_text(encoding="utf-8")
-        doc = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        doc = json.loads(text) if path.suffix == ".json" else toml.loads(text) if toml else yaml.safe_load(text)
     except OSError as exc:
         raise UsageError(f"{path}: cannot be read ({exc.strerror})") from None
-    except (json.JSONDecodeError, yaml.YAMLError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, yaml.YAMLError, UnicodeDecodeError, ValueError) as exc:  # TOMLDecodeError too
         raise UsageError(f"{path}: not a {what} ({str(exc).splitlines()[0]})") from None
     if not isinstance(doc, dict):
         raise UsageError(f"{path}: a {what} is a mapping, found {type(doc).__name__}")
@@ -318,16 +324,7 @@ def torchtitan_toml(path: Path) -> TitanJob:
     the llama3 flavor's dimensions and the keys that change what the job sends; every other key is noted."""
     from commgate.model.trainers.torchtitan import LLAMA3_CONFIGS, flavor_model
 
-    if sys.version_info < (3, 11):
-        raise UsageError(f"{path}: reading a TOML needs Python 3.11 or later (tomllib)")
-    tomllib: Any = importlib.import_module("tomllib")  # (Python >= 3.11; commgate's types are 3.10's)
-
-    try:
-        doc = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot be read ({exc.strerror})") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise UsageError(f"{path}: not a torchtitan TOML ({exc})") from None
+    doc = _read(path, "torchtitan TOML")
     f = str(path)
 
     def get(section: str, key: str, default: Any) -> Any:

@@ -430,37 +430,29 @@ class TorchtitanFSDP:
 
 def _gather_terms(g: Groups, L: int, job: Job, per_element: Fraction) -> list[Residual]:
     """The all-gathers torchtitan issues beyond Eq. 3's one forward and one backward per parameter."""
-    out = []
-    if g.head.forward > 1:
-        out.append(
-            Residual(
-                term=EQ3,
-                name="chunked loss re-gathers [norm, lm_head]",
-                bytes=(g.head.forward - 1) * g.head.padded * per_element,
-                detail="ChunkedLossWrapper unshards the head group around its chunk loop and reshards it after "
-                "(components/loss.py:728-772): norm's post-forward frees it, the loss gathers it again",
-            )
-        )
-    if not g.head.backward:
-        out.append(
-            Residual(
-                term=EQ3,
-                name="[norm, lm_head] kept gathered for the backward",
-                bytes=-g.head.padded * per_element,
-                detail="torchtitan does not reshard the head group after the forward unless the policy is always "
-                "(distributed/fsdp.py:202-207): its backward gathers nothing",
-            )
-        )
-    if not g.block.backward:
-        out.append(
-            Residual(
-                term=EQ3,
-                name="fsdp_reshard_after_forward never",
-                bytes=-(L * g.block.padded + g.embedding.padded) * per_element,
-                detail="the blocks and the embedding stay gathered after the forward: their backward gathers nothing",
-            )
-        )
-    return out
+    terms = (
+        (
+            g.head.forward > 1,
+            "chunked loss re-gathers [norm, lm_head]",
+            (g.head.forward - 1) * g.head.padded,
+            "ChunkedLossWrapper unshards the head group around its chunk loop and reshards it after "
+            "(components/loss.py:728-772): norm's post-forward frees it, the loss gathers it again",
+        ),
+        (
+            not g.head.backward,
+            "[norm, lm_head] kept gathered for the backward",
+            -g.head.padded,
+            "torchtitan does not reshard the head group after the forward unless the policy is always "
+            "(distributed/fsdp.py:202-207): its backward gathers nothing",
+        ),
+        (
+            not g.block.backward,
+            "fsdp_reshard_after_forward never",
+            -(L * g.block.padded + g.embedding.padded),
+            "the blocks and the embedding stay gathered after the forward: their backward gathers nothing",
+        ),
+    )
+    return [Residual(term=EQ3, name=n, bytes=e * per_element, detail=d) for on, n, e, d in terms if on]
 
 
 # --------------------------------------------------------------------------------- tensor parallel
@@ -742,6 +734,8 @@ def torchtitans_axes(c: Check) -> None:
             "torchtitan's FSDP2 options are its own: torchtitan.fsdp_reshard_after_forward and "
             "torchtitan.mixed_precision_param (reduce is float32)",
         )
+    if c.doc.get("emulate"):
+        c.bad(["emulate"], "true: torchtitan's ranks all run (an emulated torchtitan run is not supported yet)")
     if c.scheme.tensor and par.dp > 1:
         c.bad(
             [P, "dp"],

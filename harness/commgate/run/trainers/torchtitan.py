@@ -463,13 +463,11 @@ def check_config(config: Any, scenario: Scenario, job: Job) -> None:
     """Stop in one line where the parsed job is not the scenario's (a config function, or torchtitan.args,
     that sets what the scenario gives)."""
     from torchtitan.components.loss import ChunkedLossWrapper
-    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
     par, m = scenario.parallelism, scenario.model
-    modes = {type(None): "none", FullAC.Config: "full", SelectiveAC.Config: "selective"}
     chunked = isinstance(config.loss, ChunkedLossWrapper.Config)
     got = {
-        "activation_checkpoint": modes.get(type(config.activation_checkpoint), "another mode"),
+        "activation_checkpoint": ac_mode(config) or type(config.activation_checkpoint).__qualname__,
         "loss": "chunked" if chunked else type(config.loss).__qualname__,
         "loss.num_chunks": config.loss.num_chunks if chunked else None,
     }
@@ -502,6 +500,15 @@ def check_config(config: Any, scenario: Scenario, job: Job) -> None:
                 f"torchtitan config {job.module}:{job.config} runs {key} = {built!r}, the scenario describes "
                 f"{value!r} ({field}): make them agree"
             )
+
+
+def ac_mode(config: Any) -> str | None:
+    """The activation-checkpointing mode of a parsed config (``none``, ``selective``, ``full``), or None for
+    another (``memory-budget``: not modelled)."""
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    modes = {type(None): "none", FullAC.Config: "full", SelectiveAC.Config: "selective"}
+    return modes.get(type(config.activation_checkpoint))
 
 
 def _attribute(config: Any, dotted: str) -> Any:
@@ -615,7 +622,6 @@ def read_config(module: str, config: str) -> TitanJob:
     finally:
         root.setLevel(level)
     from torchtitan.components.loss import ChunkedLossWrapper  # imported by the config by now
-    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
     model = cfg.model_spec.model
     if not hasattr(model, "layers") or not hasattr(model, "vocab_size"):
@@ -623,10 +629,10 @@ def read_config(module: str, config: str) -> TitanJob:
     dims = model_dims(model)
     par, training = cfg.parallelism, cfg.training
     chunked = isinstance(cfg.loss, ChunkedLossWrapper.Config)
-    ac = cfg.activation_checkpoint
-    modes = {type(None): "none", FullAC.Config: "full", SelectiveAC.Config: "selective"}
-    if type(ac) not in modes:
-        raise CommgateError(f"torchtitan config {where} checkpoints with {type(ac).__qualname__}: not modelled")
+    ac = ac_mode(cfg)
+    if ac is None:
+        kind = type(cfg.activation_checkpoint).__qualname__
+        raise CommgateError(f"torchtitan config {where} checkpoints with {kind}: not modelled")
     return TitanJob(
         source=where,
         config=config,
@@ -640,7 +646,7 @@ def read_config(module: str, config: str) -> TitanJob:
         cp=par.context_parallel_degree,
         replicate=par.data_parallel_replicate_degree,
         sequence_parallel=par.enable_sequence_parallel,
-        ac=modes[type(ac)],
+        ac=ac,
         loss="chunked" if chunked else "cross_entropy",
         loss_chunks=cfg.loss.num_chunks if chunked else Job().loss_chunks,
         log_freq=cfg.metrics.log_freq,
