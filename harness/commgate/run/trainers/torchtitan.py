@@ -406,8 +406,8 @@ def converted(config: Any) -> list[str]:
 
 def with_scenario_model(config: Any, scenario: Scenario, job: Job) -> None:
     """Replace the config's model by one of the scenario's dimensions, built with torchtitan's own llama3
-    builders (the config's RoPE kept), where the config's own model differs or was converted (float8 and
-    the like, which ``torchtitan.left_off`` must name)."""
+    builders (the config's RoPE kept), where the config's own model differs; a model converted to another
+    linear layer (MX, NVFP4) stops the run."""
     from torchtitan.models.common import Embedding, Linear, RMSNorm
     from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init
     from torchtitan.models.llama3.model import Llama3Model
@@ -416,13 +416,9 @@ def with_scenario_model(config: Any, scenario: Scenario, job: Job) -> None:
     where = f"torchtitan config {job.module}:{job.config}"
     if not isinstance(own, Llama3Model.Config):
         raise CommgateError(f"{where} builds {type(own).__qualname__}; commgate models torchtitan's llama3 model only")
-    if swapped := converted(own):
-        if "float8" not in job.left_off:
-            raise CommgateError(
-                f"{where} converts linear layers ({', '.join(swapped)}), which the model does not hold and a CPU run "
-                "cannot make: list float8 in torchtitan.left_off to run without"
-            )
-    elif model_dims(own) == scenario_dims(scenario.model):
+    if swapped := converted(own):  # (float8's converter was built disabled: MX, NVFP4)
+        raise CommgateError(f"{where} converts linear layers ({', '.join(swapped)}): not modelled, nor run on a CPU")
+    if model_dims(own) == scenario_dims(scenario.model):
         return  # the config's own model, unchanged
     m = scenario.model
     rope = dataclasses.replace(own.layers[0].attention.rope, dim=m.h // m.a)
