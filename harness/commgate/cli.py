@@ -21,6 +21,7 @@ from commgate.model.importer import HF_TYPES
 from commgate.model.schemes import SCHEMES
 
 if TYPE_CHECKING:
+    from commgate.model.importer import Imported, ImportedJob
     from commgate.model.scenario import Scenario
     from commgate.run.runners import Runner
     from commgate.session import Session
@@ -387,14 +388,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("presets", help="list the model presets")
     i = sub.add_parser(
         "import",
-        help="write a scenario from a GPT-NeoX config, a DeepSpeed JSON and/or a Hugging Face config.json",
+        help="write a scenario from a GPT-NeoX config, a DeepSpeed JSON and/or a Hugging Face config.json, or a "
+        "torchtitan job",
         description="Write a scenario from existing configs; every key ignored or left out is listed on stderr. "
         "The result validates and predicts.",
     )
     i.add_argument("--neox", type=Path, help="a GPT-NeoX YAML config (model, parallelism, ZeRO, precision)")
     i.add_argument("--deepspeed", type=Path, help="a DeepSpeed JSON config (becomes the deepspeed: block)")
     i.add_argument("--hf", type=Path, help=f"a Hugging Face config.json (model_type {', '.join(HF_TYPES)})")
-    i.add_argument("--dp", type=int, default=1, help="data-parallel degree (default 1)")
+    i.add_argument(
+        "--torchtitan",
+        metavar="TOML|MODULE:CONFIG",
+        help="a torchtitan job: a TOML of torchtitan <= 0.2.2 (train_configs/llama3_8b.toml), or a 0.3.0 config "
+        "function (llama3:llama3_8b, read by torchtitan's ConfigManager: needs commgate[torchtitan])",
+    )
+    i.add_argument("--dp", type=int, help="data-parallel degree (default: the config's, else 1)")
     i.add_argument("--tp", type=int, help="tensor-parallel degree (default: the config's, else 1)")
     i.add_argument("--pp", type=int, help="pipeline stages (default: the config's, else 1)")
     i.add_argument("--cpu", action="store_true", help="the reduced-scale variant for CPU runs")
@@ -427,17 +435,46 @@ def cmd_import(a: argparse.Namespace) -> int:
     from commgate.model.loader import load_document
     from commgate.model.predict import predict
 
-    got = build(neox=a.neox, deepspeed=a.deepspeed, hf=a.hf, dp=a.dp, tp=a.tp, pp=a.pp, cpu=a.cpu, name=a.name)
-    for note in got.notes:
+    comments: list[str] = []
+    got: Imported
+    if a.torchtitan:
+        job = _torchtitan_import(a)
+        got, comments = job, job.comments
+    else:
+        dp = a.dp if a.dp is not None else 1
+        got = build(neox=a.neox, deepspeed=a.deepspeed, hf=a.hf, dp=dp, tp=a.tp, pp=a.pp, cpu=a.cpu, name=a.name)
+    for note in got.notes + comments:
         print(f"note: {note}", file=sys.stderr)
     scenarios = load_document(got.doc, file=str(a.out))  # the result validates ...
     for s in scenarios:
         predict(s)  # ... and predicts
     head = ["# written by commgate import; what the configs set that this scenario does not take as such:"]
-    head += [f"#   {note}" for note in got.notes] or ["#   nothing"]
+    head += [f"#   {note}" for note in [*got.notes, *comments]] or ["#   nothing"]
     atomic_write_text(a.out, "\n".join(head) + "\n" + yaml.safe_dump(got.doc, sort_keys=False))
     print(f"wrote {a.out}: {scenarios[0].id} ({scenarios[0].parallelism.scheme}, world {scenarios[0].world_size})")
     return 0
+
+
+def _torchtitan_import(a: argparse.Namespace) -> ImportedJob:
+    """``--torchtitan``: a TOML read here, or a 0.3.0 config function read by torchtitan itself."""
+    from commgate.model.importer import torchtitan, torchtitan_toml
+    from commgate.model.trainers import TRAINERS
+
+    if a.neox or a.deepspeed or a.hf or a.pp is not None:
+        raise UsageError("--torchtitan imports a torchtitan job alone (no --neox, --deepspeed, --hf or --pp)")
+    source = str(a.torchtitan)
+    if source.endswith(".toml") or Path(source).is_file():
+        job = torchtitan_toml(Path(source))
+    elif ":" in source:
+        if why := TRAINERS["torchtitan"].unavailable():
+            raise UsageError(f"--torchtitan {source}: reading a config function needs torchtitan itself: {why}")
+        from commgate.run.trainers.torchtitan import read_config
+
+        module, _, config = source.partition(":")
+        job = read_config(module, config)
+    else:
+        raise UsageError(f"--torchtitan {source}: expected a .toml file or MODULE:CONFIG (llama3:llama3_8b)")
+    return torchtitan(job, dp=a.dp, tp=a.tp, cpu=a.cpu, name=a.name)
 
 
 COMMANDS = {

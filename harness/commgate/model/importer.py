@@ -18,7 +18,9 @@ heads, MLP expansion, embeddings and positions; head dimension 8, V = 1024, s = 
 from __future__ import annotations
 
 import copy
+import importlib
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,12 +45,18 @@ class Imported:
 
 
 def _read(path: Path, what: str) -> dict[str, Any]:
+    """A config file as a mapping: JSON, TOML (Python >= 3.11's tomllib) or YAML, by its suffix."""
+    toml: Any = None
+    if path.suffix == ".toml":
+        if sys.version_info < (3, 11):
+            raise UsageError(f"{path}: reading a TOML needs Python 3.11 or later (tomllib)")
+        toml = importlib.import_module("tomllib")  # (commgate's types are Python 3.10's)
     try:
         text = path.read_text(encoding="utf-8")
-        doc = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        doc = json.loads(text) if path.suffix == ".json" else toml.loads(text) if toml else yaml.safe_load(text)
     except OSError as exc:
         raise UsageError(f"{path}: cannot be read ({exc.strerror})") from None
-    except (json.JSONDecodeError, yaml.YAMLError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, yaml.YAMLError, UnicodeDecodeError, ValueError) as exc:  # TOMLDecodeError too
         raise UsageError(f"{path}: not a {what} ({str(exc).splitlines()[0]})") from None
     if not isinstance(doc, dict):
         raise UsageError(f"{path}: a {what} is a mapping, found {type(doc).__name__}")
@@ -266,4 +274,220 @@ def _drop_unmodelled(ds: dict[str, Any], stage: int, notes: list[str]) -> bool:
             f"deepspeed {'.'.join(path)} = {value!r} kept: {what} is not modelled yet (the model follows "
             f"{expected}), so the scenario gates against its baseline only (expectations.model.check: false)"
         )
+    if "train_batch_size" in ds:
+        ds.pop("train_batch_size")
+        notes.append("deepspeed train_batch_size left out (commgate derives it from dp, b and m)")
     return bool(unmodelled)
+
+
+# --------------------------------------------------------------------------------------------- torchtitan
+
+
+@dataclass(frozen=True, kw_only=True)
+class TitanJob:
+    """A torchtitan job as its config states it: a TOML of torchtitan <= 0.2.2 (``torchtitan_toml``), or a
+    0.3.0 config function read by torchtitan's own ``ConfigManager``
+    (``commgate.run.trainers.torchtitan.read_config``). Degrees as torchtitan writes them (dp -1: the rest)."""
+
+    source: str
+    config: str
+    """The torchtitan 0.3.0 config function the scenario runs (``torchtitan.config``)."""
+    module: str = "llama3"
+    model: dict[str, Any]
+    """L, h, a, kv_heads, ffn_hidden, V, tied_embeddings."""
+    local_batch_size: int
+    seq_len: int
+    dp: int = -1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    replicate: int = 1
+    sequence_parallel: bool = True
+    ac: str = "selective"
+    """none, selective or full."""
+    loss: str = "chunked"
+    loss_chunks: int = 8
+    log_freq: int = 10
+    mixed_precision_param: str = "bfloat16"
+    reshard: str = "default"
+    compile: bool = False
+    async_tp: bool = False
+    float8: bool = False
+    float8_all_gather: bool = False
+    notes: tuple[str, ...] = ()
+
+
+@dataclass
+class ImportedJob(Imported):
+    comments: list[str] = field(default_factory=list)
+    """What the written scenario's first lines say (as YAML comments): what it leaves out and why."""
+
+
+def torchtitan_toml(path: Path) -> TitanJob:
+    """A torchtitan TOML (the format of torchtitan <= 0.2.2, ``torchtitan/models/llama3/train_configs``):
+    the llama3 flavor's dimensions and the keys that change what the job sends; every other key is noted."""
+    from commgate.model.trainers.torchtitan import LLAMA3_CONFIGS, flavor_model
+
+    doc = _read(path, "torchtitan TOML")
+    f = str(path)
+
+    def get(section: str, key: str, default: Any) -> Any:
+        block = doc.get(section, {})
+        return block.get(key, default) if isinstance(block, dict) else default
+
+    name, flavor = get("model", "name", None), str(get("model", "flavor", ""))
+    if name != "llama3":
+        raise UsageError(f"{f}: [model] name {name!r}: commgate models torchtitan's llama3 only")
+    base = flavor.split("_")[0]  # debugmodel_flex_attn, 8B_varlen: the flavor's dimensions, another attention
+    if base not in LLAMA3_CONFIGS:
+        raise UsageError(f"{f}: [model] flavor {flavor!r}: commgate knows llama3's {', '.join(LLAMA3_CONFIGS)}")
+    notes = [
+        f"{f}: torchtitan {_TOML_VERSION} TOML; the scenario runs torchtitan 0.3.0's config {LLAMA3_CONFIGS[base]} "
+        "(0.3.0 has no TOML): its loss is ChunkedLossWrapper (0.2.2's was plain cross-entropy), its selective "
+        "checkpointing per-op"
+    ]
+    ac = get("activation_checkpoint", "mode", "selective")
+    option = str(get("activation_checkpoint", "selective_ac_option", "op"))
+    if ac == "selective" and option != "op":
+        notes.append(
+            f"{f}: activation_checkpoint.selective_ac_option {option!r} (every {option}th layer) has no 0.3.0 "
+            "counterpart: 0.3.0's per-op selective checkpointing is predicted"
+        )
+    par = {k: get("parallelism", k, d) for k, d in _TOML_PARALLELISM.items()}
+    converters = get("model", "converters", [])
+    float8 = "float8" in converters
+    used = {("model", k) for k in ("name", "flavor", "converters")} | {("parallelism", k) for k in _TOML_PARALLELISM}
+    used |= {("training", "local_batch_size"), ("training", "seq_len"), ("metrics", "log_freq"), ("compile", "enable")}
+    used |= {("activation_checkpoint", "mode"), ("activation_checkpoint", "selective_ac_option")}
+    used |= {("quantize.linear.float8", "enable_fsdp_float8_all_gather")}
+    float8_block = doc.get("quantize", {}).get("linear", {}).get("float8", {})
+    for section, block in _toml_sections(doc):
+        notes += [f"{f}: [{section}] {k} ignored" for k in block if (section, k) not in used]
+    return TitanJob(
+        source=f,
+        config=LLAMA3_CONFIGS[base],
+        model=flavor_model(base),
+        local_batch_size=_whole(get("training", "local_batch_size", 8), f"{f}: training.local_batch_size"),
+        seq_len=_whole(get("training", "seq_len", 2048), f"{f}: training.seq_len"),
+        dp=_whole(par["data_parallel_shard_degree"], f"{f}: parallelism.data_parallel_shard_degree"),
+        tp=_whole(par["tensor_parallel_degree"], f"{f}: parallelism.tensor_parallel_degree"),
+        pp=_whole(par["pipeline_parallel_degree"], f"{f}: parallelism.pipeline_parallel_degree"),
+        cp=_whole(par["context_parallel_degree"], f"{f}: parallelism.context_parallel_degree"),
+        replicate=_whole(par["data_parallel_replicate_degree"], f"{f}: parallelism.data_parallel_replicate_degree"),
+        ac=str(ac),
+        log_freq=_whole(get("metrics", "log_freq", 10), f"{f}: metrics.log_freq"),
+        reshard=str(par["fsdp_reshard_after_forward"]),
+        compile=bool(get("compile", "enable", False)),
+        async_tp=bool(par["enable_async_tensor_parallel"]),
+        float8=float8,
+        float8_all_gather=float8 and bool(float8_block.get("enable_fsdp_float8_all_gather", False)),
+        notes=tuple(notes),
+    )
+
+
+_TOML_VERSION = "<= 0.2.2"
+_TOML_PARALLELISM: dict[str, Any] = {
+    "data_parallel_shard_degree": -1,
+    "data_parallel_replicate_degree": 1,
+    "tensor_parallel_degree": 1,
+    "pipeline_parallel_degree": 1,
+    "context_parallel_degree": 1,
+    "fsdp_reshard_after_forward": "default",
+    "enable_async_tensor_parallel": False,
+}
+
+
+def _toml_sections(doc: dict[str, Any], prefix: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """(dotted section, its scalar keys) of every table of a TOML document."""
+    out = []
+    for key, value in doc.items():
+        if isinstance(value, dict):
+            name = f"{prefix}{key}"
+            out.append((name, {k: v for k, v in value.items() if not isinstance(v, dict)}))
+            out += _toml_sections(value, f"{name}.")
+    return out
+
+
+def torchtitan(job: TitanJob, *, dp: int | None, tp: int | None, cpu: bool, name: str | None) -> ImportedJob:
+    """The ``trainer: torchtitan`` scenario of ``job``: full size (``--cpu``: the reduced variant that runs).
+    What the job does that a CPU run cannot is named in ``torchtitan.left_off`` and in the scenario's first
+    lines; what the model cannot hold turns the model check off (baseline-only), saying why."""
+    f = job.source
+    for key, value, why in (
+        ("pipeline_parallel_degree", job.pp, "pipeline parallelism does not run on torch 2.13"),
+        ("context_parallel_degree", job.cp, "context parallelism under torchtitan is not modelled yet"),
+        ("data_parallel_replicate_degree", job.replicate, "HSDP under torchtitan is not modelled yet"),
+    ):
+        if value != 1:
+            raise UsageError(f"{f}: parallelism.{key} = {value}: {why}")
+    if job.model.get("tied_embeddings"):
+        raise UsageError(f"{f}: a tied llama3 (1B, 3B) is sharded as one group by torchtitan: not modelled yet")
+    dp = dp if dp is not None else job.dp
+    if dp < 1:
+        raise UsageError(f"{f}: data_parallel_shard_degree = {job.dp} (the rest of the ranks): give --dp")
+    tp = tp if tp is not None else job.tp
+    out = ImportedJob(doc={}, notes=list(job.notes))
+    model = {"architecture": "llama", **{k: v for k, v in job.model.items() if k != "tied_embeddings"}}
+    model |= {"s": job.seq_len, "dtype": "fp32"}
+    par: dict[str, Any] = {"dp": dp, "tp": tp}
+    if cpu:
+        _reduce(model, par, {}, out.notes)
+    parallelism: dict[str, Any] = {"scheme": "fsdp" if dp > 1 else "tp", "dp": dp, "tp": tp}
+    if tp > 1:
+        parallelism["sequence_parallel"] = job.sequence_parallel
+    parallelism |= {"micro_batch": job.local_batch_size, "activation_checkpointing": job.ac != "none"}
+    block = _torchtitan_block(job, out)
+    out.doc = {
+        "schema_version": 1,
+        "name": name or _name(Path(job.source)) if Path(job.source).suffix == ".toml" else name or job.config,
+        "description": f"Imported by commgate import from torchtitan {job.source}",
+        "trainer": "torchtitan",
+        "torchtitan": block,
+        "model": model,
+        "parallelism": parallelism,
+    }
+    unchecked = _not_modelled(job, tp)
+    if unchecked:
+        out.doc["expectations"] = {"model": {"check": False}}
+        out.comments.append(f"expectations.model.check false (baseline-only): {unchecked}")
+    return out
+
+
+def _torchtitan_block(job: TitanJob, out: ImportedJob) -> dict[str, Any]:
+    """The scenario's ``torchtitan:`` block: what the model needs beyond the model and parallelism blocks,
+    torchtitan's defaults left out; ``left_off`` what a CPU run cannot do, each named in a comment."""
+    from commgate.model.trainers.torchtitan import LEFT_OFF_WHY, Job
+
+    default = Job()
+    block: dict[str, Any] = {"module": job.module, "config": job.config}
+    if job.ac != "none":
+        block["activation_checkpoint"] = job.ac
+    for key, value, was in (
+        ("mixed_precision_param", job.mixed_precision_param, default.mixed_precision_param),
+        ("fsdp_reshard_after_forward", job.reshard, default.fsdp_reshard_after_forward),
+        ("loss", job.loss, default.loss),
+        ("loss_chunks", job.loss_chunks, default.loss_chunks),
+        ("log_freq", job.log_freq, default.log_freq),
+    ):
+        if value != was:
+            block[key] = value
+    left_off = [
+        what for what, on in (("compile", job.compile), ("async_tp", job.async_tp), ("float8", job.float8)) if on
+    ]
+    if left_off:
+        block["left_off"] = left_off
+    for what in left_off:
+        out.comments.append(f"torchtitan.left_off {what}: the job {LEFT_OFF_WHY[what][0]}; {LEFT_OFF_WHY[what][1]}")
+    return block
+
+
+def _not_modelled(job: TitanJob, tp: int) -> str:
+    """Why the model cannot be checked against this job (empty: it can)."""
+    why = []
+    if job.float8_all_gather:
+        why.append("float8 all-gathers (quantize.linear.float8.enable_fsdp_float8_all_gather) are not modelled")
+    if job.float8 and tp > 1:
+        why.append("float8 under tensor parallelism adds amax all-reduces the model does not hold")
+    if tp > 1 and not job.sequence_parallel:
+        why.append("TP without sequence parallelism is measured, not modelled")
+    return "; ".join(why)

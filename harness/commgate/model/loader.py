@@ -499,7 +499,7 @@ def _scenario(
         deepspeed=json.dumps(ds, sort_keys=True),
         warnings=(
             *dsconfig.unknown_keys(ds),
-            *_unavailable(doc.get("trainer", "commgate")),
+            *_trainer_warnings(doc),
             *_filled(ds, model, par, doc.get("trainer", "commgate")),
             *_client_optimizer(ds),
         ),
@@ -549,10 +549,14 @@ def _client_optimizer(ds: dict[str, Any]) -> tuple[str, ...]:
     )
 
 
-def _unavailable(trainer: str) -> tuple[str, ...]:
-    """A warning where the scenario's trainer is not installed: it predicts, but does not run, here."""
-    why = TRAINERS[trainer].unavailable()
-    return (f"{why} (predict works; a run is refused)",) if why else ()
+def _trainer_warnings(doc: dict[str, Any]) -> tuple[str, ...]:
+    """What the scenario's trainer warns of: its options' own (``Trainer.warnings``) and, where it is not
+    installed, that it predicts but does not run here."""
+    name = doc.get("trainer", "commgate")
+    trainer = TRAINERS[name]
+    own = trainer.warnings(doc.get(name, {})) if trainer.warnings else ()
+    why = trainer.unavailable()
+    return own + ((f"{why} (predict works; a run is refused)",) if why else ())
 
 
 def _from_deepspeed(

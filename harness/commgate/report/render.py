@@ -195,8 +195,9 @@ def _heading(p: Prediction) -> list[str]:
         f"{f' kv_heads={m.kv}' if m.llama else ''} V={m.V} s={m.s} ffn={m.ffn} {m.dtype}"
         f"{' tied' if m.tied_embeddings else ''} {m.position} positions; {p.param_count:,} parameters ({eq1})"
     )
+    by = f" by trainer {s.trainer}" if s.trainer != "commgate" else ""  # (commgate's own: as it always read)
     return [
-        f"{s.id}: {par.scheme} on {s.world_size} ranks ({axes or 'single rank'}), zero stage {par.zero.stage}, "
+        f"{s.id}: {par.scheme}{by} on {s.world_size} ranks ({axes or 'single rank'}), zero stage {par.zero.stage}, "
         f"b={par.micro_batch}, m={par.micro_batches}{', checkpointing' if par.activation_checkpointing else ''}",
         model,
     ]

@@ -23,6 +23,10 @@ from commgate.model.collectives import Op
 
 CAPTURE_VERSION = 1
 INIT_STEP = -1
+RUN_DIR = "COMMGATE_RUN_DIR"
+"""The environment variable naming a locally launched rank's private directory (the launcher's, where the
+rank writes its calls; removed after the run): where a workload makes what its run needs (a trainer's
+tokenizer and data)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

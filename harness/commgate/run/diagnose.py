@@ -56,7 +56,8 @@ def failure(scenario_id: str, exits: Exits, tmp: Path) -> str | None:
         cause, head = _silent_cause(scenario_id, silent, tmp)
     else:
         cause = _first_raised(paths, errors)
-        head = f"{scenario_id}: rank {cause} raised {last[cause]}\n{errors[cause]}"
+        head = f"{scenario_id}: rank {cause} raised {last[cause]}"
+        head += f"\n{errors[cause]}" if errors[cause] != last[cause] else ""  # a one-line error once
     after = [f"rank {r} then raised {last[r]}" for r in sorted(errors) if r != cause]
     return head + ("\n(consequences: " + "; ".join(after) + ")" if after else "")
 

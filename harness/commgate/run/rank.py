@@ -18,10 +18,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from commgate.core.errors import CommgateError
 from commgate.core.fsutil import atomic_write_json
 from commgate.model.scenario import Scenario
 from commgate.run import links
-from commgate.run.capture import CapturedCall, StepWindow, write_rank_calls
+from commgate.run.capture import RUN_DIR, CapturedCall, StepWindow, write_rank_calls
 from commgate.run.emulate import started_ranks
 from commgate.run.inject import Faults
 from commgate.run.threadclock import ThreadClock
@@ -276,6 +277,7 @@ def child(
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.environ.update(env)
+    os.environ[RUN_DIR] = out_s
     links.enter()  # a shaped-link run: this rank's node, before any socket is opened
     with open(spec, "rb") as f:
         scenario = pickle.load(f)
@@ -298,12 +300,14 @@ def child(
         local = len(started_ranks(scenario))  # rank processes on this host
         meta = {"backend": backend, "marks": marks, "stack": stack(backend, local) if rank == 0 else {}}
         atomic_write_json(out / f"rank{rank}.meta.json", meta)
-    except BaseException:
+    except BaseException as exc:
         from commgate.run import interpose
 
         if interpose.INSTALLED is not None:  # the call issued last, now (the heartbeat writes it late)
             _write_status(status, interpose.INSTALLED.describe_last())
-        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        # what the user got wrong (a CommgateError, one line), else the traceback
+        one_line = f"{type(exc).__name__}: {exc}" if isinstance(exc, CommgateError) else None
+        (out / f"rank{rank}.err").write_text(one_line or traceback.format_exc())
         code = 1  # at once: no process-group shutdown (which would fail the peers) before the launcher sees it
     sys.stdout.flush()
     sys.stderr.flush()

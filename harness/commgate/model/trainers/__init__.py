@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from commgate.model.scenario import Scenario
 from commgate.model.schemes.scheme import Check, Component, Rule, Scheme
+from commgate.model.trainers.torchtitan import TORCHTITAN
 from commgate.model.trainers.trainer import Trainer
 
 __all__ = ["TRAINERS", "Trainer", "components", "rules"]
@@ -25,6 +26,7 @@ TRAINERS: dict[str, Trainer] = {
             name="commgate",
             summary="commgate's own workloads: its decoder (or your model.module) under each scheme's framework",
         ),
+        TORCHTITAN,
     )
 }
 

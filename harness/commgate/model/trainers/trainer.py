@@ -25,6 +25,8 @@ Derive = Callable[[Mapping[str, Any], str], dict[str, Any]]
 (model, parallelism, deepspeed); raises ``CommgateError`` (one line) on what it cannot read."""
 Components = Callable[[Scenario, Scheme], tuple[Component, ...]]
 """(the scenario, its scheme) -> the components whose collectives model what the trainer sends."""
+Warnings = Callable[[Mapping[str, Any]], tuple[str, ...]]
+"""(the trainer's options block) -> what a run of it leaves out or changes, one line each."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,6 +48,8 @@ class Trainer:
     """None: the scheme's own components model it (commgate's workloads are the schemes')."""
     rules: tuple[Rule, ...] = ()
     """Its own consistency rules, beside the schemes'."""
+    warnings: Warnings | None = None
+    """What its options leave out of a run (the scenario's warnings: every prediction and run names them)."""
 
     def missing(self) -> tuple[str, ...]:
         """The packages it needs that this environment cannot import."""

@@ -103,7 +103,13 @@ def _commgate(scenario: Scenario) -> WorkloadFactory:
     return WORKLOADS[scenario.parallelism.scheme]()
 
 
-TRAINER_WORKLOADS: dict[str, Callable[[Scenario], WorkloadFactory]] = {"commgate": _commgate}
+def _torchtitan(scenario: Scenario) -> WorkloadFactory:
+    from commgate.run.trainers.torchtitan import TorchtitanWorkload
+
+    return TorchtitanWorkload
+
+
+TRAINER_WORKLOADS: dict[str, Callable[[Scenario], WorkloadFactory]] = {"commgate": _commgate, "torchtitan": _torchtitan}
 """What runs a scenario of each trainer (every ``TRAINERS`` record has one)."""
 
 

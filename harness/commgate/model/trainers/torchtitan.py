@@ -1,0 +1,887 @@
+"""torchtitan 0.3.0 as a trainer: its llama3 model package, its own ``parallelize_llama`` (FSDP2 always,
+DTensor tensor parallelism with sequence parallelism inside) and its own ``Trainer.train_step``, under
+the gate (``commgate.run.trainers.torchtitan`` runs it). What it sends, read from torchtitan 0.3.0 and
+torch 2.13 and measured on CPU gloo ranks (paths under ``torchtitan/``):
+
+* FSDP2 groups (``distributed/fsdp.py:110-316``): ``tok_embeddings`` alone, each block, and
+  ``[norm, lm_head]`` (not resharded after the forward unless the policy is "always"); the root holds
+  nothing. Every parameter is padded on dim 0 to a multiple of d, the fused ``wqkv`` as one tensor.
+  Gathers in ``training.mixed_precision_param`` (bf16), reduce-scatters in fp32
+  (``mixed_precision_reduce``, its only value), summed: ``set_gradient_divide_factor(1.0)``; the loss is
+  normalised by the global token count instead (an int64 all-reduce over the batch ranks,
+  ``trainer.py:897-901``).
+* ``ChunkedLossWrapper`` (the loss of every llama3 config, ``components/loss.py:728-772``) unshards the
+  head group around its chunk loop and reshards it after: from the second step on (on every step with
+  "always") the group is gathered twice in the forward; the chunks' backward reduce-scatters
+  ``lm_head``'s gradient alone, the decoder's backward gathers the group again for ``norm`` and
+  reduce-scatters ``norm``'s gradient alone.
+* The optimizer part: ``clip_grad_norm_`` all-reduces the per-tensor partial norms (fp32, one per
+  parameter tensor) once per mesh dimension of more than one rank; the logging steps
+  (``metrics.log_freq``) all-reduce the loss's sum and max (fp32) and the tokens seen (int64).
+* Construction: rank 0's seed broadcast (8 bytes, ``distributed/utils.py:258-263``) unless
+  ``debug.seed`` is set; with tensor parallelism each layer's RoPE cache (a Replicate buffer, complex64
+  ``s x head_dim/2``) is broadcast over the tensor-parallel group.
+* Tensor parallelism with sequence parallelism (``models/common/decoder_sharding.py``): the
+  vocabulary-parallel embedding reduce-scatters its output, each block all-gathers its attention and
+  FFN inputs and reduce-scatters the outputs of ``wo`` and ``w2``, the final norm's output is gathered
+  for the column-parallel head; the backward mirrors them; the loss is vocabulary-parallel (three fp32
+  all-reduces per chunk, ``loss.py:69-80``); the norms' replicated weights all-reduce their gradients;
+  selective activation checkpointing saves reduce-scatter outputs but not all-gathers
+  (``distributed/activation_checkpoint.py:61-64``), full recomputes both. Activations move in the
+  mixed-precision dtype, FSDP2's policy applying even on a one-rank data-parallel mesh.
+
+Paper: Eq. 3 for the FSDP2 part, Eq. 5 for tensor parallelism, every difference a named term.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from typing import Any, Literal
+
+from commgate.model.collectives import Op
+from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
+from commgate.model.layout import Axis
+from commgate.model.layout import Group as Ranks
+from commgate.model.paper import eq5_tensor
+from commgate.model.scenario import Scenario
+from commgate.model.schemes._common import beyond_eq1, rank0_term, sharding
+from commgate.model.schemes.fsdp import Group
+from commgate.model.schemes.scheme import Check, Component, Rule, Scheme
+from commgate.model.schemes.zero3 import TERM as EQ3
+from commgate.model.schemes.zero3 import eq3_term
+from commgate.model.trainers.trainer import Trainer
+from commgate.model.transformer import WIRE_ITEMSIZE
+
+EQ5 = "Eq. 5"
+ACMode = Literal["none", "selective", "full"]
+LEFT_OFF = ("compile", "async_tp", "float8")
+"""What a torchtitan config may enable that a CPU run turns off (``torchtitan.left_off``; ``LEFT_OFF_WHY``)."""
+DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
+"""torchtitan's dtype names (``training.mixed_precision_param``) -> commgate's."""
+
+
+# ------------------------------------------------------------------------------------------ the job
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Job:
+    """A scenario's ``torchtitan:`` block, torchtitan's defaults filled in."""
+
+    module: str = "llama3"
+    """``--module``: a name of ``torchtitan.models`` or a fully qualified module of config functions."""
+    config: str = "llama3_debugmodel"
+    """``--config``: a ``config_registry`` function of the module."""
+    args: tuple[str, ...] = ()
+    """More of torchtitan's command-line overrides (``--optimizer.lr 1e-4``)."""
+    activation_checkpoint: Literal["selective", "full"] = "selective"
+    """The mode when ``parallelism.activation_checkpointing`` is on."""
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    loss: Literal["chunked", "cross_entropy"] = "chunked"
+    loss_chunks: int = 8
+    log_freq: int = 10
+    seed: int | None = None
+    left_off: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, scenario: Scenario) -> Job:
+        return cls.from_block(scenario.trainer_config)
+
+    @classmethod
+    def from_block(cls, block: Mapping[str, Any]) -> Job:
+        kw = dict(block)
+        for key in ("args", "left_off"):
+            if key in kw:
+                kw[key] = tuple(kw[key])
+        return cls(**kw)
+
+    def ac(self, activation_checkpointing: bool) -> ACMode:
+        """The activation-checkpointing mode torchtitan runs (``activation-checkpoint:<mode>``)."""
+        return self.activation_checkpoint if activation_checkpointing else "none"
+
+    @property
+    def param_dtype(self) -> str:
+        return DTYPES[self.mixed_precision_param]
+
+    @property
+    def chunks(self) -> int:
+        """Loss calls per step: the chunks of ``ChunkedLossWrapper``, or one."""
+        return self.loss_chunks if self.loss == "chunked" else 1
+
+    def logs(self, step: int) -> bool:
+        """Whether commgate's ``step`` (torchtitan's ``step + 1``) is a logging step (``metrics.py:362``)."""
+        n = step + 1
+        return n == 1 or n % self.log_freq == 0
+
+
+REDUCE_DTYPE = "fp32"
+"""``training.mixed_precision_reduce``: float32 is the only value torchtitan 0.3.0 takes (``configs.py:93``)."""
+
+OPTIONS: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "description": "torchtitan's job: its config function, overrides, and the settings commgate's model needs "
+    "that the scenario's model and parallelism blocks do not hold (torchtitan's names and defaults).",
+    "properties": {
+        "module": {
+            "type": "string",
+            "pattern": r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
+            "default": "llama3",
+            "description": "--module: llama3, or a fully qualified module holding config functions.",
+        },
+        "config": {
+            "type": "string",
+            "pattern": r"^[A-Za-z_][A-Za-z0-9_]*$",
+            "default": "llama3_debugmodel",
+            "description": "--config: a config_registry function of the module (llama3_8b ...).",
+        },
+        "args": {
+            "type": "array",
+            "items": {"type": "string"},
+            "maxItems": 64,
+            "description": "More ConfigManager overrides (--optimizer.lr 1e-4); what the scenario gives is refused.",
+        },
+        "activation_checkpoint": {
+            "enum": ["selective", "full"],
+            "description": "The mode when parallelism.activation_checkpointing is true (default selective).",
+        },
+        "mixed_precision_param": {"enum": ["bfloat16", "float32"], "default": "bfloat16"},
+        "fsdp_reshard_after_forward": {"enum": ["default", "always", "never"], "default": "default"},
+        "loss": {
+            "enum": ["chunked", "cross_entropy"],
+            "default": "chunked",
+            "description": "The config's loss: ChunkedLossWrapper (every llama3 config) or plain cross-entropy.",
+        },
+        "loss_chunks": {"type": "integer", "minimum": 1, "maximum": 4096, "default": 8},
+        "log_freq": {
+            "type": "integer",
+            "minimum": 1,
+            "maximum": 1000000,
+            "default": 10,
+            "description": "metrics.log_freq: the steps whose loss and token counts are all-reduced.",
+        },
+        "seed": {
+            "type": ["integer", "null"],
+            "description": "debug.seed; unset: rank 0's seed is broadcast at construction.",
+        },
+        "left_off": {
+            "type": "array",
+            "items": {"enum": list(LEFT_OFF)},
+            "uniqueItems": True,
+            "description": "What the config enables that a CPU run turns off and the model leaves out "
+            "(named in every run's summary).",
+        },
+    },
+}
+
+
+# ----------------------------------------------------------------------------------------- flavors
+
+
+@dataclass(frozen=True, slots=True)
+class Flavor:
+    """A llama3 flavor of torchtitan's ``models/llama3/__init__.py`` (the same dimensions in 0.2.2's
+    ``llama3_args`` and 0.3.0's builders)."""
+
+    L: int
+    h: int
+    a: int
+    kv_heads: int
+    V: int
+    multiple_of: int
+    ffn_dim_multiplier: float | None
+    tied: bool = False
+
+    @property
+    def ffn_hidden(self) -> int:
+        """``compute_ffn_hidden_dim`` (``models/common/feed_forward.py:18-31``): int(8h/3), times the
+        multiplier, rounded up to a multiple of ``multiple_of``."""
+        hidden = int(2 * 4 * self.h / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return -(-hidden // self.multiple_of) * self.multiple_of
+
+
+LLAMA3_FLAVORS: dict[str, Flavor] = {
+    "debugmodel": Flavor(6, 256, 16, 16, 2048, 256, None),
+    "1B": Flavor(16, 2048, 32, 8, 128256, 1024, 1.5, tied=True),
+    "3B": Flavor(28, 3072, 24, 8, 128256, 1024, 1.0, tied=True),
+    "8B": Flavor(32, 4096, 32, 8, 128256, 1024, 1.3),
+    "70B": Flavor(80, 8192, 64, 8, 128256, 4096, 1.3),
+    "405B": Flavor(126, 16384, 128, 8, 128256, 4096, 1.2),
+}
+LLAMA3_CONFIGS = {"debugmodel": "llama3_debugmodel", "8B": "llama3_8b", "70B": "llama3_70b", "405B": "llama3_405b"}
+"""torchtitan 0.3.0's config function of each flavor a 0.2.2 TOML names (``models/llama3/config_registry.py``)."""
+
+
+def flavor_model(name: str) -> dict[str, Any]:
+    """A flavor's dimensions in commgate's names (a scenario's ``model`` block)."""
+    f = LLAMA3_FLAVORS[name]
+    return {"L": f.L, "h": f.h, "a": f.a, "kv_heads": f.kv_heads, "ffn_hidden": f.ffn_hidden, "V": f.V,
+            "tied_embeddings": f.tied}  # fmt: skip
+
+
+# -------------------------------------------------------------------------------------- parameters
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    """One parameter as a tensor-parallel rank holds it: ``rows`` (dim 0, which FSDP2 pads) x ``rest``."""
+
+    name: str
+    rows: int
+    rest: int
+
+    def padded(self, d: int) -> int:
+        """Elements in its FSDP2 group's flat all-gather: dim 0 padded to a multiple of d."""
+        return -(-self.rows // d) * d * self.rest
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.rest
+
+
+def block_params(ctx: Context) -> tuple[Param, ...]:
+    """One block's parameters on a tensor-parallel rank (``decoder_sharding.py:70-116``): the fused
+    ``wqkv``, ``w1`` and ``w3`` column-parallel (dim 0 split), ``wo`` and ``w2`` row-parallel (dim 1
+    split), the two norms replicated."""
+    m, t = ctx.scenario.model, ctx.scenario.parallelism.tp
+    hd = m.h // m.a
+    return (
+        Param("attention.wqkv", (m.a + 2 * m.kv) * hd // t, m.h),
+        Param("attention.wo", m.h, m.a * hd // t),
+        Param("feed_forward.w1", m.ffn // t, m.h),
+        Param("feed_forward.w2", m.h, m.ffn // t),
+        Param("feed_forward.w3", m.ffn // t, m.h),
+        Param("attention_norm", m.h, 1),
+        Param("ffn_norm", m.h, 1),
+    )
+
+
+def vocab_param(ctx: Context, name: str) -> Param:
+    """The embedding's or the head's weight: the vocabulary split over the tensor-parallel ranks."""
+    m, t = ctx.scenario.model, ctx.scenario.parallelism.tp
+    return Param(name, -(-m.V // t), m.h)
+
+
+def param_tensors(ctx: Context) -> int:
+    """Parameter tensors with a gradient: 7 a block, the embedding, the final norm and the head."""
+    return len(block_params(ctx)) * ctx.scenario.model.L + 3
+
+
+# ---------------------------------------------------------------------------------------- FSDP2
+
+
+@dataclass(frozen=True, slots=True)
+class Groups:
+    """torchtitan's FSDP2 groups with their all-gathers per step (steady state: from the second step)."""
+
+    embedding: Group
+    block: Group
+    head: Group
+    norm_padded: int
+    """``norm``'s share of the head group (reduce-scattered alone under the chunked loss)."""
+
+    def all(self, L: int) -> tuple[tuple[Group, int], ...]:
+        """(group, how many of it) in the model."""
+        return (self.embedding, 1), (self.block, L), (self.head, 1)
+
+
+def groups(ctx: Context, job: Job) -> Groups:
+    d = ctx.scenario.parallelism.data_ranks
+    policy = job.fsdp_reshard_after_forward
+    blocks = policy != "never"  # fsdp.py:54-78: "default" reshards without PP
+    chunked = job.loss == "chunked"
+    emb, head, norm = (
+        vocab_param(ctx, "tok_embeddings"),
+        vocab_param(ctx, "lm_head"),
+        Param("norm", ctx.scenario.model.h, 1),
+    )
+    block = block_params(ctx)
+    return Groups(
+        embedding=Group("tok_embeddings", emb.padded(d), emb.numel, 1, int(blocks)),
+        block=Group("block", sum(p.padded(d) for p in block), sum(p.numel for p in block), 1, int(blocks)),
+        head=Group(
+            "[norm, lm_head]",
+            norm.padded(d) + head.padded(d),
+            norm.numel + head.numel,
+            1 + chunked,  # the chunked loss's unshard() gathers again (steady state)
+            int(chunked or policy == "always"),
+        ),
+        norm_padded=norm.padded(d),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TorchtitanFSDP:
+    """torchtitan's FSDP2 over the data-parallel ranks (``apply_fsdp_to_decoder``): what is gathered and
+    reduce-scattered, group by group; Eq. 3 with named terms."""
+
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        """The trainer's rules hold what torchtitan runs (``TORCHTITAN.rules``)."""
+        return ()
+
+    def collectives(self, ctx: Context) -> list[ExpectedCollective]:
+        if ctx.scenario.parallelism.data_ranks == 1:  # a one-rank mesh: torch skips the collectives
+            return []
+        job = Job.of(ctx.scenario)
+        g, L = groups(ctx, job), ctx.scenario.model.L
+        base = ExpectedCollective(
+            op=Op.ALL_GATHER,
+            axis="dp",
+            groups=ctx.layout.dp_groups(),
+            dtype=job.param_dtype,
+            elements=0,
+            calls=0,
+            phase=Phase.FORWARD,
+            source="",
+            paper_term=EQ3,
+            overlaps=True,
+        )
+
+        def gather(group: Group, calls: int, phase: Phase, why: str, **kw: Any) -> ExpectedCollective:
+            return replace(
+                base, elements=group.padded, calls=calls, phase=phase, source=f"FSDP2 all-gather, {why}", **kw
+            )
+
+        def scatter(elements: int, calls: int, why: str) -> ExpectedCollective:
+            return replace(
+                base,
+                op=Op.REDUCE_SCATTER,
+                dtype=REDUCE_DTYPE,
+                elements=elements,
+                calls=calls,
+                phase=Phase.BACKWARD,
+                source=f"FSDP2 gradient reduce-scatter (summed), {why}",
+            )
+
+        fwd, bwd = Phase.FORWARD, Phase.BACKWARD
+        rows = [
+            gather(g.embedding, 1, fwd, "tok_embeddings"),
+            gather(g.block, L, fwd, "each block"),
+            gather(g.head, 1, fwd, "[norm, lm_head] for norm's forward"),
+        ]
+        if job.loss == "chunked":
+            again = "[norm, lm_head] again: ChunkedLossWrapper's unshard() after norm's post-forward resharded it"
+            rows.append(gather(g.head, 1, fwd, again, from_step=0 if job.fsdp_reshard_after_forward == "always" else 1))
+            rows.append(scatter(g.head.padded - g.norm_padded, 1, "lm_head alone, at the loss's last chunk"))
+            rows.append(gather(g.head, 1, bwd, "[norm, lm_head] again for norm's backward (the loss resharded it)"))
+            rows.append(scatter(g.norm_padded, 1, "norm alone"))
+        else:
+            if g.head.backward:
+                rows.append(gather(g.head, 1, bwd, "[norm, lm_head] (resharded: policy always)"))
+            rows.append(scatter(g.head.padded, 1, "[norm, lm_head]"))
+        if g.block.backward:
+            rows.append(gather(g.block, L, bwd, "each block (resharded after forward)"))
+        rows.append(scatter(g.block.padded, L, "each block"))
+        if g.embedding.backward:
+            rows.append(gather(g.embedding, 1, bwd, "tok_embeddings (resharded after forward)"))
+        rows.append(scatter(g.embedding.padded, 1, "tok_embeddings"))
+        return rows
+
+    def paper_terms(self, ctx: Context) -> list[PaperTerm]:
+        return [eq3_term(ctx)] if ctx.scenario.parallelism.data_ranks > 1 else []
+
+    def residuals(self, ctx: Context) -> list[Residual]:
+        """Eq. 3 (a forward and a backward all-gather and a reduce-scatter of N parameters in the model's
+        dtype) to what torchtitan's FSDP2 sends on rank 0, term by term; their sum is exact."""
+        par, model = ctx.scenario.parallelism, ctx.scenario.model
+        d = par.data_ranks
+        if d == 1:
+            return []
+        job = Job.of(ctx.scenario)
+        g, isz, share = groups(ctx, job), model.itemsize, Fraction(d - 1, d)
+        every = g.all(model.L)
+        padded = sum(grp.padded * n for grp, n in every)
+        unpadded = sum(grp.unpadded * n for grp, n in every)
+        full = ctx.param_count
+        out = [beyond_eq1(ctx, term=EQ3, factor=3 * share, counted=full)]
+        if unpadded != full:
+            out.append(sharding(ctx, term=EQ3, factor=3 * share, full=full, rank0=unpadded))
+        out.append(
+            Residual(
+                term=EQ3,
+                name="dim-0 padding",
+                bytes=3 * share * (padded - unpadded) * isz,
+                detail=f"every parameter (the fused wqkv as one) is padded on dim 0 to a multiple of d={d}: "
+                f"{padded - unpadded:,} elements",
+            )
+        )
+        out += _gather_terms(g, model.L, job, share * isz)
+        p_isz, r_isz = WIRE_ITEMSIZE[job.param_dtype], WIRE_ITEMSIZE[REDUCE_DTYPE]
+        precision = share * sum(
+            n * grp.padded * ((grp.forward + grp.backward) * (p_isz - isz) + (r_isz - isz)) for grp, n in every
+        )
+        out.append(
+            Residual(
+                term=EQ3,
+                name="mixed precision",
+                bytes=precision,
+                detail=f"parameters gathered in {job.param_dtype} (training.mixed_precision_param), gradients "
+                f"reduce-scattered in {REDUCE_DTYPE}; Eq. 3 counts {model.dtype}",
+            )
+        )
+        return out
+
+
+def _gather_terms(g: Groups, L: int, job: Job, per_element: Fraction) -> list[Residual]:
+    """The all-gathers torchtitan issues beyond Eq. 3's one forward and one backward per parameter."""
+    terms = (
+        (
+            g.head.forward > 1,
+            "chunked loss re-gathers [norm, lm_head]",
+            (g.head.forward - 1) * g.head.padded,
+            "ChunkedLossWrapper unshards the head group around its chunk loop and reshards it after "
+            "(components/loss.py:728-772): norm's post-forward frees it, the loss gathers it again",
+        ),
+        (
+            not g.head.backward,
+            "[norm, lm_head] kept gathered for the backward",
+            -g.head.padded,
+            "torchtitan does not reshard the head group after the forward unless the policy is always "
+            "(distributed/fsdp.py:202-207): its backward gathers nothing",
+        ),
+        (
+            not g.block.backward,
+            "fsdp_reshard_after_forward never",
+            -(L * g.block.padded + g.embedding.padded),
+            "the blocks and the embedding stay gathered after the forward: their backward gathers nothing",
+        ),
+    )
+    return [Residual(term=EQ3, name=n, bytes=e * per_element, detail=d) for on, n, e, d in terms if on]
+
+
+# --------------------------------------------------------------------------------- tensor parallel
+
+
+@dataclass(frozen=True, slots=True)
+class TorchtitanTP:
+    """torchtitan's declarative tensor parallelism with sequence parallelism; Eq. 5 with named terms."""
+
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        return ()
+
+    def collectives(self, ctx: Context) -> list[ExpectedCollective]:
+        par, m = ctx.scenario.parallelism, ctx.scenario.model
+        if par.tp == 1 or not par.sequence_parallel:  # without SP: measured only (baseline-only, a rule says)
+            return []
+        job = Job.of(ctx.scenario)
+        L, ac = m.L, job.ac(par.activation_checkpointing)
+        tp = ctx.layout.tp_groups()
+        base = ExpectedCollective(
+            op=Op.ALL_GATHER,
+            axis="tp",
+            groups=tp,
+            dtype=job.param_dtype,
+            elements=ctx.bsh,
+            calls=0,
+            phase=Phase.FORWARD,
+            source="",
+            paper_term=EQ5,
+        )
+        ag, rs, fwd, bwd = Op.ALL_GATHER, Op.REDUCE_SCATTER, Phase.FORWARD, Phase.BACKWARD
+
+        def r(op: Op, calls: int, phase: Phase, source: str, term: str | None = EQ5) -> ExpectedCollective:
+            return replace(base, op=op, calls=calls, phase=phase, source=source, paper_term=term)
+
+        rows = [
+            r(rs, 1, fwd, "SP reduce-scatter of the vocabulary-parallel embedding's output (Partial -> Shard(1))"),
+            r(ag, 1, bwd, "SP all-gather of the embedding output's gradient"),
+            r(ag, 2 * L, fwd, "SP all-gather of each block's attention and FFN inputs"),
+            r(rs, 2 * L, fwd, "SP reduce-scatter of each block's wo and w2 outputs"),
+            r(ag, 2 * L, bwd, "SP all-gather of the wo and w2 outputs' gradients"),
+            r(rs, 2 * L, bwd, "SP reduce-scatter of the attention and FFN inputs' gradients"),
+            r(ag, 1, fwd, "SP all-gather of the final norm's output for the column-parallel head", None),
+            r(rs, 1, bwd, "SP reduce-scatter of the final norm output's gradient", None),
+        ]
+        if ac != "none":
+            rows.append(r(ag, 2 * L, bwd, f"SP all-gathers recomputed by {ac} activation checkpointing"))
+        if ac == "full":
+            rows.append(r(rs, 2 * L, bwd, "SP reduce-scatters recomputed by full activation checkpointing"))
+        tokens = par.micro_batch * m.s // job.chunks
+        rows.append(
+            replace(
+                base,
+                op=Op.ALL_REDUCE,
+                dtype="fp32",
+                elements=tokens,
+                calls=3 * job.chunks,
+                source="loss-parallel cross-entropy all-reduces (max, sum of exp, target logit) per loss chunk",
+                paper_term=None,
+                overlaps=False,
+            )
+        )
+        rows.append(
+            replace(
+                base,
+                op=Op.ALL_REDUCE,
+                elements=m.h,
+                calls=2 * L + 1,
+                phase=bwd,
+                source="SP norm-weight gradient all-reduce (Replicate weight, Partial gradient)",
+                paper_term=None,
+            )
+        )
+        hd = m.h // m.a
+        rows.append(
+            replace(
+                base,
+                op=Op.BROADCAST,
+                dtype="fp32",
+                elements=m.s * hd,  # complex64 s x hd/2, sent as its fp32 view
+                calls=L,
+                phase=Phase.INIT,
+                once=True,
+                source="RoPE cache broadcast (a Replicate buffer distributed), each layer",
+                paper_term=None,
+            )
+        )
+        return rows
+
+    def _units(self, ctx: Context) -> int:
+        """Rank 0's all-gathers and reduce-scatters of one activation under Eq. 5 (counted in ``paper_term``)."""
+        par, L = ctx.scenario.parallelism, ctx.scenario.model.L
+        ac = Job.of(ctx.scenario).ac(par.activation_checkpointing)
+        return 8 * L + 2 + {"none": 0, "selective": 2 * L, "full": 4 * L}[ac]
+
+    def paper_terms(self, ctx: Context) -> list[PaperTerm]:
+        par, m = ctx.scenario.parallelism, ctx.scenario.model
+        if par.tp == 1 or not par.sequence_parallel:
+            return []
+        eq5 = eq5_tensor(L=m.L, b=par.micro_batch, s=m.s, h=m.h, t=par.tp)
+        formula = f"(12L+2)*b*s*h*(t-1)/t, L={m.L}, b={par.micro_batch}, s={m.s}, h={m.h}, t={par.tp}"
+        return [rank0_term(ctx, equation=EQ5, formula=formula, elements=eq5)]
+
+    def residuals(self, ctx: Context) -> list[Residual]:
+        par, m = ctx.scenario.parallelism, ctx.scenario.model
+        if par.tp == 1 or not par.sequence_parallel:
+            return []
+        job = Job.of(ctx.scenario)
+        unit = Fraction(ctx.bsh * (par.tp - 1), par.tp)
+        units, eq5 = self._units(ctx), 12 * m.L + 2
+        ac = job.ac(par.activation_checkpointing)
+        why = {
+            "none": "no activation checkpointing: nothing is recomputed; Eq. 5 assumes 2 all-reduces a layer",
+            "selective": "torchtitan's selective checkpointing saves reduce-scatter outputs, not all-gathers "
+            "(activation_checkpoint.py:61-64): 2 all-gathers a layer recomputed, Eq. 5 assumes 2 all-reduces",
+            "full": "",
+        }[ac]
+        out = []
+        if why:
+            out.append(
+                Residual(term=EQ5, name=f"recomputation ({ac})", bytes=(units - eq5) * unit * m.itemsize, detail=why)
+            )
+        p_isz = WIRE_ITEMSIZE[job.param_dtype]
+        if p_isz != m.itemsize:
+            out.append(
+                Residual(
+                    term=EQ5,
+                    name="activations in a lower precision",
+                    bytes=units * unit * (p_isz - m.itemsize),
+                    detail=f"FSDP2's mixed-precision policy ({job.mixed_precision_param}) applies even on a one-rank "
+                    f"data-parallel mesh: the layers compute, and TP moves, {job.param_dtype} activations; Eq. 5 "
+                    f"counts {m.dtype}",
+                )
+            )
+        return out
+
+
+# ------------------------------------------------------------------------------- the step's others
+
+
+@dataclass(frozen=True, slots=True)
+class TorchtitanStep:
+    """What ``train_step`` and construction send besides FSDP2 and TP: the token count, the gradient
+    norm, the logging steps' metrics, the seed broadcast. None of it is in the paper."""
+
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        return ()
+
+    def collectives(self, ctx: Context) -> list[ExpectedCollective]:
+        s, par, lay = ctx.scenario, ctx.scenario.parallelism, ctx.layout
+        job = Job.of(s)
+        base = ExpectedCollective(
+            op=Op.ALL_REDUCE,
+            axis="dp",
+            groups=lay.dp_groups(),
+            dtype="int64",
+            elements=1,
+            calls=1,
+            phase=Phase.FORWARD,
+            source="global valid-token count all-reduce (the loss is normalised by it, trainer.py:897-901)",
+        )
+        rows = []
+        if s.world_size > 1 and job.seed is None:
+            rows.append(
+                replace(
+                    base,
+                    op=Op.BROADCAST,
+                    axis="world",
+                    groups=lay.world(),
+                    dtype="uint8",
+                    elements=8,
+                    phase=Phase.INIT,
+                    once=True,
+                    source="rank 0's RNG seed broadcast (debug.seed unset, distributed/utils.py:258-263)",
+                )
+            )
+        axes: list[tuple[Axis, tuple[Ranks, ...]]] = []
+        if par.data_ranks > 1:
+            rows.append(base)
+            axes.append(("dp", lay.dp_groups()))
+        if par.tp > 1:
+            axes.append(("tp", lay.tp_groups()))
+        for axis, grps in axes:
+            rows.append(
+                replace(
+                    base,
+                    axis=axis,
+                    groups=grps,
+                    dtype="fp32",
+                    elements=param_tensors(ctx),
+                    phase=Phase.OPTIMIZER,
+                    source=f"clip_grad_norm_: the per-tensor partial norms all-reduced over the {axis} mesh dimension",
+                )
+            )
+        if par.data_ranks > 1:
+            rows += _metrics(base, job, s.warmup_steps + s.steps)
+        return rows
+
+    def paper_terms(self, ctx: Context) -> list[PaperTerm]:
+        return []
+
+    def residuals(self, ctx: Context) -> list[Residual]:
+        return []
+
+
+def _metrics(base: ExpectedCollective, job: Job, steps: int) -> list[ExpectedCollective]:
+    """The logging steps' all-reduces over the loss mesh (the data-parallel ranks): the loss's sum and
+    max, the tokens seen (``trainer.py:957-985``); every step with ``log_freq`` 1, else once at each
+    logging step among the run's ``steps``."""
+    rows = [
+        replace(base, dtype="fp32", calls=2, source="metrics: the loss's sum and max all-reduced (logging steps)"),
+        replace(base, source="metrics: the tokens seen all-reduced (logging steps)"),
+    ]
+    rows = [replace(r, phase=Phase.OPTIMIZER) for r in rows]
+    if job.log_freq == 1:
+        return rows
+    return [replace(r, once=True, at_step=k) for k in range(steps) if job.logs(k) for r in rows]
+
+
+def components(scenario: Scenario, scheme: Scheme) -> tuple[Component, ...]:
+    """torchtitan's own model of what it sends, whichever scheme (fsdp or tp) names the scenario's axes."""
+    return (TorchtitanFSDP(), TorchtitanTP(), TorchtitanStep())
+
+
+# ------------------------------------------------------------------------------------------- rules
+
+P = "parallelism"
+TT = "torchtitan"
+
+
+def _block(c: Check) -> dict[str, Any]:
+    block = c.doc.get(TT, {})
+    return dict(block) if isinstance(block, Mapping) else {}
+
+
+def torchtitans_model(c: Check) -> None:
+    """torchtitan's llama3 package: a Llama-style decoder, untied, no biases, fp32 parameters."""
+    m = c.model
+    if m.module is not None:
+        c.bad(["model", "module"], f"{m.module!r}: torchtitan builds its own llama3 model; give its dimensions")
+        return
+    if not m.llama:
+        c.bad(["model", "architecture"], f"{m.architecture!r}: torchtitan's llama3 model: set architecture: llama")
+    if m.tied_embeddings:
+        c.bad(
+            ["model", "tied_embeddings"],
+            "true: torchtitan shards a tied model as one [tok_embeddings, norm, lm_head] group (fsdp.py:180-192): "
+            "not modelled yet",
+        )
+    if m.qkv_bias:
+        c.bad(["model", "qkv_bias"], "true: torchtitan's llama3 layers have no biases")
+    if m.dtype != "fp32":
+        c.bad(
+            ["model", "dtype"],
+            f"{m.dtype!r}: torchtitan trains fp32 parameters (training.dtype float32) under its mixed precision "
+            "(torchtitan.mixed_precision_param); full-bf16 training is not modelled: use fp32",
+        )
+
+
+def torchtitans_axes(c: Check) -> None:
+    """What torchtitan runs on torch 2.13 CPU and the model holds: FSDP2 over dp (scheme with FSDP), TP with
+    dp = 1 (the tensor scheme), no pipeline, context, replicas or gradient accumulation."""
+    par = c.par
+    refused = (
+        ("pp", par.pp, "pipeline parallelism does not run on torch 2.13: torchtitan's trainer.py:856 calls "
+         "pp_schedule.step(arg_mbs=...), which torch 2.13's schedules do not take"),
+        ("cp", par.cp, "context parallelism under torchtitan is not modelled yet"),
+        ("dp_replicate", par.dp_replicate, "HSDP (data_parallel_replicate_degree) under torchtitan is not modelled"),
+        ("micro_batches", par.micro_batches, "gradient accumulation under torchtitan is not modelled yet"),
+    )  # fmt: skip
+    for key, value, why in refused:
+        if value != 1:
+            c.bad([P, key], f"{value}: {why}")
+    if "fsdp" in c.declared:
+        c.bad(
+            [P, "fsdp"],
+            "torchtitan's FSDP2 options are its own: torchtitan.fsdp_reshard_after_forward and "
+            "torchtitan.mixed_precision_param (reduce is float32)",
+        )
+    if c.doc.get("emulate"):
+        c.bad(["emulate"], "true: torchtitan's ranks all run (an emulated torchtitan run is not supported yet)")
+    if c.scheme.tensor and par.dp > 1:
+        c.bad(
+            [P, "dp"],
+            f"{par.dp}: torchtitan shards over the data-parallel ranks with FSDP2: scheme {c.names(lambda r: r.fsdp)}",
+        )
+
+
+def torchtitans_modes(c: Check) -> None:
+    """What the model holds of torchtitan's modes: sequence parallelism under TP, no float8 under TP, an
+    activation-checkpointing mode only with checkpointing on, a sequence the chunks and TP divide."""
+    par, block = c.par, _block(c)
+    job = Job.from_block(block)
+    if par.tp > 1 and not par.sequence_parallel and c.checked:
+        c.bad(
+            [P, "sequence_parallel"],
+            "false: torchtitan's TP without sequence parallelism is measured, not modelled: set "
+            "expectations: {model: {check: false}} (baseline-only) or sequence_parallel: true",
+        )
+    if par.tp > 1 and "float8" in job.left_off and c.checked:
+        c.bad(
+            [TT, "left_off"],
+            "float8 with tensor parallelism adds amax all-reduces the model does not hold: set "
+            "expectations: {model: {check: false}} (baseline-only)",
+        )
+    if "activation_checkpoint" in block and not par.activation_checkpointing:
+        c.bad(
+            [TT, "activation_checkpoint"],
+            f"{block['activation_checkpoint']}: parallelism.activation_checkpointing is false; set it true",
+        )
+    s = c.model.s
+    if job.loss == "chunked" and s % job.loss_chunks:
+        c.bad(["model", "s"], f"{s}: ChunkedLossWrapper splits the sequence into loss_chunks={job.loss_chunks}")
+    if par.tp > 1 and s % par.tp:
+        c.bad(["model", "s"], f"{s}: sequence parallelism splits the sequence over tp={par.tp}")
+
+
+GIVEN: dict[str, str] = {
+    "module": "torchtitan.module",
+    "config": "torchtitan.config",
+    "parallelism.data_parallel_shard_degree": "parallelism.dp",
+    "parallelism.tensor_parallel_degree": "parallelism.tp",
+    "parallelism.enable_sequence_parallel": "parallelism.sequence_parallel",
+    "parallelism.fsdp_reshard_after_forward": "torchtitan.fsdp_reshard_after_forward",
+    "parallelism.spmd_backend": "the adapter (partial_dtensor: spmd_types fails in torch 2.13's fully_shard)",
+    "training.local_batch_size": "parallelism.micro_batch",
+    "training.global_batch_size": "parallelism.micro_batch x dp (gradient accumulation is not modelled)",
+    "training.seq_len": "model.s",
+    "training.dtype": "model.dtype",
+    "training.mixed_precision_param": "torchtitan.mixed_precision_param",
+    "training.mixed_precision_reduce": "torchtitan (float32, its only value)",
+    "metrics.log_freq": "torchtitan.log_freq",
+    "loss.num_chunks": "torchtitan.loss_chunks",
+    "debug.seed": "torchtitan.seed",
+    "hf_assets_path": "the run (a tokenizer made in its private directory)",
+    "dump_folder": "the run (its private directory)",
+    "dataloader": "the run (local data made in its private directory)",
+    "activation-checkpoint": "parallelism.activation_checkpointing and torchtitan.activation_checkpoint",
+}
+"""torchtitan's command-line keys the scenario (or the run) gives: refused in ``torchtitan.args``."""
+
+BLOCKED: dict[str, str] = {
+    "parallelism.pipeline_parallel_degree": "pipeline parallelism does not run on torch 2.13 (trainer.py:856 calls "
+    "pp_schedule.step(arg_mbs=...))",
+    "parallelism.context_parallel_degree": "context parallelism under torchtitan is not modelled yet",
+    "parallelism.data_parallel_replicate_degree": "HSDP under torchtitan is not modelled yet",
+    "parallelism.expert_parallel_degree": "llama3 has no experts",
+    "parallelism.enable_fsdp_symm_mem": "symmetric memory is CUDA-only",
+    "compile.enable": "compile does not run on torch 2.13 CPU (InductorError compiling a block with flex attention)",
+    "compile.enable_async_tensor_parallel": "async TP needs compile and CUDA symmetric memory",
+    "training.enable_cpu_offload": "FSDP2's CPU offload under torchtitan is not modelled yet",
+}
+"""torchtitan's command-line keys that do not run on torch 2.13 CPU or are not modelled (their negation,
+``--compile.no-enable``, passes)."""
+
+
+def arg_key(arg: str) -> tuple[str, bool] | None:
+    """(torchtitan's key, negated) of an override flag (``--parallelism.no-enable-sequence-parallel`` ->
+    ``parallelism.enable_sequence_parallel``, True), or None for a value; ``activation-checkpoint:full`` (a
+    tyro subcommand) -> ``activation-checkpoint``."""
+    if arg.startswith("activation-checkpoint") or arg.startswith("activation_checkpoint"):
+        return "activation-checkpoint", False
+    if not arg.startswith("--"):
+        return None
+    path = arg[2:].split("=", 1)[0].split(".")
+    last = path[-1]
+    negated = re.match(r"no[-_]", last) is not None
+    path[-1] = last[3:] if negated else last
+    return ".".join(p.replace("-", "_") for p in path), negated
+
+
+def torchtitans_args(c: Check) -> None:
+    """``torchtitan.args``: no key the scenario gives, nothing that does not run here."""
+    args = _block(c).get("args", [])
+    for i, arg in enumerate(args):
+        parsed = arg_key(arg)
+        if parsed is None:
+            continue
+        key, negated = parsed
+        section = key.split(".")[0]
+        given = GIVEN.get(key) or (GIVEN.get(section) if section in ("dataloader",) else None)
+        if given:
+            c.bad([TT, "args", i], f"{arg!r}: {key} is given by {given}; remove it")
+        elif key in BLOCKED and not negated:
+            c.bad([TT, "args", i], f"{arg!r}: {BLOCKED[key]}; remove it")
+
+
+RULES: tuple[Rule, ...] = (torchtitans_model, torchtitans_axes, torchtitans_modes, torchtitans_args)
+
+
+LEFT_OFF_WHY: dict[str, tuple[str, str]] = {
+    "compile": (
+        "compiles its blocks (compile.enable)",
+        "torch 2.13's inductor fails on flex attention on CPU: a CPU run is eager, and the model assumes "
+        "compiling changes no collective",
+    ),
+    "async_tp": (
+        "runs async TP (compile.enable_async_tensor_parallel)",
+        "it needs compile and CUDA symmetric memory, and splits the TP all-gathers and reduce-scatters into "
+        "chunks the model does not hold: the prediction is plain TP's",
+    ),
+    "float8": (
+        "converts its linear layers to float8",
+        "the converter needs torchao and an SM89+ GPU: a CPU run keeps them in bf16; under FSDP2 float8 layers "
+        "gather in the parameter dtype as modelled, float8 all-gathers and TP amax all-reduces are not modelled",
+    ),
+}
+"""What each ``torchtitan.left_off`` entry names: (what the config does, why a run and the model leave it out)."""
+
+
+def left_off_warnings(block: Mapping[str, Any]) -> tuple[str, ...]:
+    """One line for each thing ``torchtitan.left_off`` names: the run and the model leave it out."""
+    return tuple(
+        f"torchtitan.left_off {what}: the job {LEFT_OFF_WHY[what][0]}; {LEFT_OFF_WHY[what][1]}"
+        for what in block.get("left_off", ())
+    )
+
+
+TORCHTITAN = Trainer(
+    name="torchtitan",
+    summary="torchtitan 0.3.0's own Trainer: its llama3 model, parallelize_llama (FSDP2, TP with sequence "
+    "parallelism) and train_step",
+    schemes=("fsdp", "tp"),
+    extra="torchtitan",
+    packages=("torchtitan", "tyro", "tokenizers"),
+    options=OPTIONS,
+    components=components,
+    rules=RULES,
+    warnings=left_off_warnings,
+)

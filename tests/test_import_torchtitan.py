@@ -1,0 +1,158 @@
+"""``commgate import --torchtitan``: torchtitan's TOMLs (v0.2.2, ``tests/data/torchtitan``) and 0.3.0 config
+functions (read by torchtitan's own ConfigManager) become ``trainer: torchtitan`` scenarios that validate and
+predict at full size, and (``--cpu``) run and reconcile; what a CPU run cannot do is named in the scenario's
+``torchtitan.left_off`` and first lines, and in every run's warnings."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+from commgate.cli import main
+from commgate.model.loader import load_file
+from commgate.model.predict import predict
+from commgate.model.trainers import TRAINERS
+
+DATA = Path(__file__).parent / "data" / "torchtitan"
+
+
+def imported(tmp_path: Path, *args: str) -> tuple[dict[str, object], str]:
+    out = tmp_path / "imported.yaml"
+    assert main(["import", "--torchtitan", *args, "-o", str(out)]) == 0
+    text = out.read_text()
+    return yaml.safe_load(text), text
+
+
+def test_llama3_8b_toml_at_full_size_predicts_torchtitans_figures(tmp_path: Path) -> None:
+    doc, _ = imported(tmp_path, str(DATA / "llama3_8b.toml"), "--dp", "8")
+    assert doc["trainer"] == "torchtitan"
+    assert doc["torchtitan"] == {"module": "llama3", "config": "llama3_8b", "activation_checkpoint": "selective"}
+    assert doc["model"] == {
+        "architecture": "llama", "L": 32, "h": 4096, "a": 32, "kv_heads": 8, "ffn_hidden": 14336, "V": 128256,
+        "s": 8192, "dtype": "fp32",
+    }  # fmt: skip
+    assert doc["parallelism"] == {
+        "scheme": "fsdp", "dp": 8, "tp": 1, "micro_batch": 1, "activation_checkpointing": True
+    }  # fmt: skip
+    (s,) = load_file(tmp_path / "imported.yaml")
+    p = predict(s)
+    step1 = sum(c.bytes_per_call * c.calls_in(range(1, 2)) for c in p.collectives if c.issued_by(0))
+    assert step1 == 65_292_772_244  # as tests/test_torchtitan.py's hand-written 8B scenario
+    assert all(c.unexplained_bytes == 0 for c in p.comparison())
+
+
+def test_llama3_405b_toml_names_what_a_cpu_run_leaves_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """compile, async TP and float8 with float8 all-gathers: each in torchtitan.left_off, in a comment at the
+    top of the scenario and, when it is loaded, in its warnings; the model check off, saying why."""
+    doc, text = imported(tmp_path, str(DATA / "llama3_405b.toml"), "--dp", "8")
+    block = doc["torchtitan"]
+    assert isinstance(block, dict) and block["left_off"] == ["compile", "async_tp", "float8"]
+    assert doc["expectations"] == {"model": {"check": False}}
+    head = [line for line in text.splitlines() if line.startswith("#")]
+    assert [h.split(":")[0] for h in head[1:]] == [
+        "# torchtitan.left_off compile",
+        "# torchtitan.left_off async_tp",
+        "# torchtitan.left_off float8",
+        "# expectations.model.check false (baseline-only)",
+    ]
+    assert "float8 all-gathers (quantize.linear.float8.enable_fsdp_float8_all_gather)" in head[-1]
+    (s,) = load_file(tmp_path / "imported.yaml")
+    assert sum(w.startswith("torchtitan.left_off") for w in s.warnings) == 3
+    assert (s.world_size, s.parallelism.tp, s.model.L) == (64, 8, 126)
+    assert "[checkpoint] async_mode ignored" in capsys.readouterr().err
+
+
+def test_the_debug_model_toml_notes_what_0_3_0_runs_differently(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc, _ = imported(tmp_path, str(DATA / "debug_model.toml"), "--dp", "2")
+    assert doc["torchtitan"] == {
+        "module": "llama3", "config": "llama3_debugmodel", "activation_checkpoint": "selective", "log_freq": 1
+    }  # fmt: skip
+    err = capsys.readouterr().err
+    assert "selective_ac_option '2' (every 2th layer) has no 0.3.0 counterpart" in err
+    assert "its loss is ChunkedLossWrapper (0.2.2's was plain cross-entropy)" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["llama3_8b.toml"], "data_parallel_shard_degree = -1 (the rest of the ranks): give --dp"),
+        (["nope"], "--torchtitan nope: expected a .toml file or MODULE:CONFIG"),
+        (["llama3_8b.toml", "--dp", "2", "--pp", "2"], "--torchtitan imports a torchtitan job alone"),
+    ],
+)
+def test_what_it_cannot_import_is_one_line(
+    args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [str(DATA / a) if a.endswith(".toml") else a for a in args]
+    assert main(["import", "--torchtitan", *args, "-o", str(tmp_path / "x.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("commgate: error: ") and message in err[-1]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[model]\nname = "deepseek_v3"\nflavor = "16B"\n', "[model] name 'deepseek_v3': commgate models torchtitan"),
+        ('[model]\nname = "llama3"\nflavor = "13B"\n', "[model] flavor '13B': commgate knows llama3's debugmodel"),
+        ('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\npipeline_parallel_degree = 2\n',
+         "parallelism.pipeline_parallel_degree = 2: pipeline parallelism does not run on torch 2.13"),
+        ("[model\n", "not a torchtitan TOML"),
+    ],
+)  # fmt: skip
+def test_a_toml_it_cannot_import_is_one_line(
+    text: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    toml = tmp_path / "job.toml"
+    toml.write_text(text)
+    assert main(["import", "--torchtitan", str(toml), "--dp", "2", "-o", str(tmp_path / "x.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_a_config_function_needs_torchtitan_installed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(TRAINERS, "torchtitan", replace(TRAINERS["torchtitan"], packages=("no_such_package_x",)))
+    assert main(["import", "--torchtitan", "llama3:llama3_8b", "--dp", "8", "-o", str(tmp_path / "x.yaml")]) == 2
+    assert "pip install 'commgate[torchtitan]'" in capsys.readouterr().err
+
+
+needs_torchtitan = pytest.mark.skipif(
+    importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed (commgate[torchtitan])"
+)
+
+
+@needs_torchtitan
+@pytest.mark.parametrize(("toml", "config"), [("llama3_8b.toml", "llama3_8b"), ("llama3_70b.toml", "llama3_70b")])
+def test_a_config_function_and_its_toml_describe_the_same_job(toml: str, config: str, tmp_path: Path) -> None:
+    """torchtitan's own ConfigManager reads llama3_8b / llama3_70b as the v0.2.2 TOMLs state them."""
+    from_toml, _ = imported(tmp_path, str(DATA / toml), "--dp", "8")
+    from_function, _ = imported(tmp_path, f"llama3:{config}", "--dp", "8")
+    for key in ("trainer", "torchtitan", "model", "parallelism"):
+        assert from_function[key] == from_toml[key], key
+
+
+@needs_torchtitan
+def test_a_float8_config_function_is_read_on_a_cpu(tmp_path: Path) -> None:
+    """llama3_405b builds a float8 converter, which refuses a CPU: read with it disabled, and named."""
+    doc, _ = imported(tmp_path, "llama3:llama3_405b", "--dp", "8")
+    block = doc["torchtitan"]
+    assert isinstance(block, dict) and block["left_off"] == ["compile", "async_tp", "float8"]
+    assert doc["expectations"] == {"model": {"check": False}}
+
+
+@needs_torchtitan
+def test_the_cpu_variant_of_the_debug_model_runs_and_reconciles(tmp_path: Path) -> None:
+    from commgate.judge.reconcile import reconcile
+    from commgate.run.launcher import launch_local
+
+    imported(tmp_path, str(DATA / "debug_model.toml"), "--dp", "2", "--cpu")
+    (s,) = load_file(tmp_path / "imported.yaml")
+    assert (s.model.h, s.model.V, s.model.s, s.model.L) == (128, 1024, 128, 6)
+    rec = reconcile(predict(s), launch_local(s, workdir=tmp_path))
+    assert not rec.mismatches and all(o.unexplained_bytes == 0 for o in rec.ops)
