@@ -445,12 +445,14 @@ def cmd_import(a: argparse.Namespace) -> int:
         got = build(neox=a.neox, deepspeed=a.deepspeed, hf=a.hf, dp=dp, tp=a.tp, pp=a.pp, cpu=a.cpu, name=a.name)
     for note in got.notes + comments:
         print(f"note: {note}", file=sys.stderr)
+    if got.notes:  # written into the scenario, shown with its warnings: never on stderr alone
+        got.doc["notes"] = list(got.notes)
     scenarios = load_document(got.doc, file=str(a.out))  # the result validates ...
     for s in scenarios:
         predict(s)  # ... and predicts
-    head = ["# written by commgate import; what the configs set that this scenario does not take as such:"]
-    head += [f"#   {note}" for note in [*got.notes, *comments]] or ["#   nothing"]
-    atomic_write_text(a.out, "\n".join(head) + "\n" + yaml.safe_dump(got.doc, sort_keys=False))
+    text = "# written by commgate import; what the configs set that it does not take as such: its notes\n"
+    text += "".join(f"# {line}\n" for line in comments)
+    atomic_write_text(a.out, text + yaml.safe_dump(got.doc, sort_keys=False))
     print(f"wrote {a.out}: {scenarios[0].id} ({scenarios[0].parallelism.scheme}, world {scenarios[0].world_size})")
     return 0
 

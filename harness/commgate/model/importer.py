@@ -116,8 +116,6 @@ def build(
         out.doc["deepspeed"] = ds
     if baseline_only:
         out.doc["expectations"] = {"model": {"check": False}}
-    if out.notes:
-        out.doc["notes"] = list(out.notes)
     return out
 
 
