@@ -31,6 +31,7 @@ engines see it:
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 from collections.abc import Callable
@@ -310,10 +311,18 @@ def _flat(value: Any) -> list[Any]:
 
 
 def _replace(value: Any, swap: dict[int, Any]) -> Any:
+    """``value`` with the tensors ``swap`` names swapped, its containers rebuilt: a mapping keeps its own type
+    (a copy with the items replaced), since a module may read its output by attribute (Hugging Face's
+    ``ModelOutput``, an ``OrderedDict`` with fields: ``outputs.last_hidden_state``)."""
     if isinstance(value, tuple):
         return tuple(_replace(v, swap) for v in value)
     if isinstance(value, list):
         return [_replace(v, swap) for v in value]
-    if isinstance(value, dict):
+    if type(value) is dict:
         return {k: _replace(v, swap) for k, v in value.items()}
+    if isinstance(value, dict):
+        out = copy.copy(value)
+        for k in list(out):
+            out[k] = _replace(out[k], swap)
+        return out
     return swap.get(id(value), value)
