@@ -447,8 +447,10 @@ def _build(doc: dict[str, Any], *, file: str, where: _Located, label: str) -> tu
     par = _build_parallelism(par_doc, bad)
     if model is None:
         return None, problems
-    check = Check(doc=doc, model=model, par=par, ds=ds, scheme=SCHEMES[par.scheme], schemes=SCHEMES, bad=bad)
     trainer = TRAINERS[doc.get("trainer", "commgate")]
+    if trainer.model is not None and model.module is not None:  # the trainer builds the model it names
+        model = replace(model, builder=trainer.model)
+    check = Check(doc=doc, model=model, par=par, ds=ds, scheme=SCHEMES[par.scheme], schemes=SCHEMES, bad=bad)
     for rule in (*rules.RULES, *RULES, *trainers.rules(trainer)):
         rule(check)
     if problems:

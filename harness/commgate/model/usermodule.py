@@ -7,6 +7,9 @@ The hook (``model: {module: "package.module:build"}`` in a scenario)::
         '''The model, created on torch's current default device, and a function from a seed to one
         micro-batch's inputs; ``model(*inputs)`` returns the loss.'''
 
+A trainer that builds the job's model itself (Hugging Face's, from a ``config.json``) hands the same
+function through its record (``Trainer.model``; the scenario's ``model.builder``) instead of an import string.
+
 commgate calls it under ``torch.device("meta")`` to predict, and on each rank's device to run it
 (``commgate.run.workloads.gpt.build``, used by the DDP and ZeRO workloads) under the scheme's engine.
 One forward and backward on the meta device then gives what the models of those engines need, as the
@@ -84,7 +87,7 @@ def build(scenario: Scenario, device: Any) -> tuple[Any, Callable[[int], tuple[A
     spec = scenario.model.module
     with torch.device(device):
         try:
-            out = resolve(spec)(scenario)
+            out = (scenario.model.builder or resolve(spec))(scenario)
         except CommgateError:
             raise
         except Exception as exc:

@@ -16,7 +16,7 @@ from commgate.model.scenario import Scenario
 from commgate.model.schemes.scheme import Check, Component, Rule, Scheme
 from commgate.model.trainers.trainer import Trainer
 
-__all__ = ["TRAINERS", "Trainer", "components", "rules"]
+__all__ = ["TRAINERS", "Trainer", "components", "derived", "rules"]
 
 TRAINERS: dict[str, Trainer] = {
     t.name: t
@@ -52,3 +52,9 @@ def components(scenario: Scenario, scheme: Scheme) -> tuple[Component, ...]:
     """What models the collectives of ``scenario``: its trainer's components, or its scheme's."""
     trainer = TRAINERS[scenario.trainer]
     return trainer.components(scenario, scheme) if trainer.components else scheme.components
+
+
+def derived(scenario: Scenario) -> tuple[str, ...]:
+    """What its trainer decided for ``scenario``, one line each (``Trainer.derived``), for every output."""
+    trainer = TRAINERS[scenario.trainer]
+    return trainer.derived(scenario) if trainer.derived else ()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from commgate.core.errors import CommgateError
-from commgate.model.scenario import Scenario
+from commgate.model.scenario import ModelBuilder, Scenario
 from commgate.model.schemes.scheme import Component, Rule, Scheme
 
 Derive = Callable[[Mapping[str, Any], str], dict[str, Any]]
@@ -25,6 +25,8 @@ Derive = Callable[[Mapping[str, Any], str], dict[str, Any]]
 (model, parallelism, deepspeed); raises ``CommgateError`` (one line) on what it cannot read."""
 Components = Callable[[Scenario, Scheme], tuple[Component, ...]]
 """(the scenario, its scheme) -> the components whose collectives model what the trainer sends."""
+Derived = Callable[[Scenario], tuple[str, ...]]
+"""(the scenario) -> what the trainer decided for it, one line each (a resolved "auto" and what resolved it)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,6 +48,15 @@ class Trainer:
     """None: the scheme's own components model it (commgate's workloads are the schemes')."""
     rules: tuple[Rule, ...] = ()
     """Its own consistency rules, beside the schemes'."""
+    model: ModelBuilder | None = None
+    """Builds the job's model from the scenario (``commgate.model.usermodule``'s hook contract: on torch's
+    current device, with a function from a seed to one micro-batch's inputs), where the trainer's own
+    configuration names the model (a Hugging Face ``config.json``): the scenario's ``model.module`` then
+    names the model for people, and the model is read off this build on the meta device, as a user's
+    module is."""
+    derived: Derived | None = None
+    """What it decided for the scenario, shown with the prediction and the result (nothing it resolves is
+    silent); None: nothing beyond the document as written."""
 
     def missing(self) -> tuple[str, ...]:
         """The packages it needs that this environment cannot import."""
