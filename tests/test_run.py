@@ -104,6 +104,18 @@ def test_a_rank_that_raises_is_named_with_its_traceback(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_rank_that_refuses_is_named_with_its_one_line(tmp_path: Path) -> None:
+    """commgate's own one-line error raised in a rank is the reason, without a traceback; a peer raising the
+    same is a consequence, not a repetition."""
+    s = scenario(extra="workload: commgate.run.workloads.faults:refuse\n")
+    with pytest.raises(RunError) as info:
+        launch_local(s, workdir=tmp_path)
+    first, *rest = str(info.value).splitlines()
+    line = "commgate.core.errors.CommgateError: planted refusal on rank 1 at step 1: what a user can mend, in one line"
+    assert first == f"t: rank 1 raised {line}"
+    assert "Traceback" not in str(info.value) and all(line.startswith("(consequences: rank 0") for line in rest)
+
+
 def test_a_rank_killed_by_a_signal_is_named(tmp_path: Path) -> None:
     s = scenario(extra="workload: commgate.run.workloads.faults:die\n")
     with pytest.raises(RunError) as info:

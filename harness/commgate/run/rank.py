@@ -18,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from commgate.core.errors import CommgateError
 from commgate.core.fsutil import atomic_write_json
 from commgate.model.scenario import Scenario
 from commgate.run import links
@@ -291,12 +292,16 @@ def child(
         local = len(started_ranks(scenario))  # rank processes on this host
         meta = {"backend": backend, "marks": marks, "stack": stack(backend, local) if rank == 0 else {}}
         atomic_write_json(out / f"rank{rank}.meta.json", meta)
-    except BaseException:
+    except BaseException as exc:
         from commgate.run import interpose
 
         if interpose.INSTALLED is not None:  # the call issued last, now (the heartbeat writes it late)
             _write_status(status, interpose.INSTALLED.describe_last())
-        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        # commgate's own one-line errors (what the user can mend: a trainer's job that is not its scenario's)
+        # are their line alone; anything else, its traceback
+        one_line = isinstance(exc, CommgateError) and "\n" not in str(exc)
+        text = f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}" if one_line else traceback.format_exc()
+        (out / f"rank{rank}.err").write_text(text)
         code = 1  # at once: no process-group shutdown (which would fail the peers) before the launcher sees it
     sys.stdout.flush()
     sys.stderr.flush()
