@@ -4,6 +4,7 @@ import jsonschema
 from commgate.model.loader import schema
 from commgate.model.scenario import MoEConfig, Parallelism, Scenario, ZeroConfig, field_names
 from commgate.model.schemes import SCHEMES
+from commgate.model.trainers import TRAINERS
 from commgate.model.transformer import PRESETS
 
 
@@ -27,5 +28,7 @@ def test_schema_fields_are_record_fields() -> None:
     assert set(par) - {"zero", "moe"} <= set(field_names(Parallelism))
     assert set(par["zero"]["properties"]) == set(field_names(ZeroConfig))
     assert set(par["moe"]["properties"]) == set(field_names(MoEConfig))
-    top = set(props) - {"schema_version", "sweep", "sweep_limit", "world_size"}
+    blocks = {name for name, t in TRAINERS.items() if t.options is not None}  # held as Scenario.trainer_options
+    assert blocks <= set(props)
+    top = set(props) - {"schema_version", "sweep", "sweep_limit", "world_size"} - blocks
     assert top <= set(field_names(Scenario))

@@ -302,6 +302,16 @@ def _derived(doc: Any, file: str, where: _Located) -> Any:
     trainer = TRAINERS.get(name) if isinstance(name, str) else None
     if trainer is None or trainer.derive is None:
         return doc  # (an unknown trainer is the schema's problem)
+    block = trainer.name
+    if trainer.options is not None and block in doc:  # derive reads a block its schema holds, or nothing
+        validator = jsonschema.validators.validator_for(trainer.options)(trainer.options)
+        problems = [
+            Problem(file=file, path=json_path([block, *parts]), message=message, line=where.line([block, *parts]))
+            for err in validator.iter_errors(doc[block])
+            for parts, message in _describe(err)
+        ]
+        if problems:
+            raise ScenarioError(problems)
     try:
         trainer.require()
         return trainer.derive(doc, file)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from commgate.model.scenario import Scenario
 from commgate.model.schemes.scheme import Check, Component, Rule, Scheme
+from commgate.model.trainers import hf
 from commgate.model.trainers.trainer import Trainer
 
 __all__ = ["TRAINERS", "Trainer", "components", "derived", "rules"]
@@ -24,6 +25,19 @@ TRAINERS: dict[str, Trainer] = {
         Trainer(
             name="commgate",
             summary="commgate's own workloads: its decoder (or your model.module) under each scheme's framework",
+        ),
+        Trainer(
+            name="hf",
+            summary='Hugging Face transformers.Trainer: your config.json and DeepSpeed JSON ("auto" resolved as '
+            "Trainer resolves it), under DDP or DeepSpeed ZeRO-1/2/3",
+            schemes=tuple(hf.SCHEME_OF_STAGE.values()),
+            extra="hf",
+            packages=("transformers", "accelerate"),
+            options=hf.OPTIONS,
+            derive=hf.derive,
+            components=hf.components,
+            model=hf.model,
+            derived=hf.derived,
         ),
     )
 }

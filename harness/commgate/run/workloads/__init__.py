@@ -114,7 +114,13 @@ def _commgate(scenario: Scenario) -> WorkloadFactory:
     return WORKLOADS[scenario.parallelism.scheme]()
 
 
-TRAINER_WORKLOADS: dict[str, Callable[[Scenario], WorkloadFactory]] = {"commgate": _commgate}
+def _hf(scenario: Scenario) -> WorkloadFactory:
+    from commgate.run.trainers.hf import HFTrainerJob
+
+    return HFTrainerJob
+
+
+TRAINER_WORKLOADS: dict[str, Callable[[Scenario], WorkloadFactory]] = {"commgate": _commgate, "hf": _hf}
 """What runs a scenario of each trainer (every ``TRAINERS`` record has one)."""
 
 
