@@ -141,10 +141,17 @@ TINY_ARGS = {"per_device_train_batch_size": 1}
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        (scenario(TINY, None, TINY_ARGS).replace("model: {s: 32}", "model: {s: 32, dtype: bf16}"), "model.dtype"),
-        (scenario(TINY, None, TINY_ARGS).replace("{dp: 2}", "{dp: 2, scheme: ddp}"), "parallelism.scheme"),
+        (
+            scenario(TINY, None, TINY_ARGS).replace("model: {s: 32}", "model: {s: 32, dtype: bf16}"),
+            'model.dtype is "bf16" in the scenario, Trainer resolves "fp32" from hf; leave it out',
+        ),
+        (
+            scenario(TINY, SUITE / "hf" / "ds_zero3.json", TINY_ARGS).replace("{dp: 2}", "{dp: 2, scheme: zero2}"),
+            'parallelism.scheme is "zero2" in the scenario, Trainer resolves "zero3"',
+        ),
+        (scenario(TINY, None, TINY_ARGS).replace("model: {s: 32}", "model: {s: 32, L: 2}"), "model.L: trainer hf"),
         (scenario(TINY, None, TINY_ARGS).replace("model: {s: 32}", "model: {}"), "model.s: give the sequence"),
-        (scenario(TINY, None, TINY_ARGS, extra="deepspeed: {}\n"), "deepspeed: trainer hf derives it"),
+        (scenario(TINY, None, TINY_ARGS, extra="deepspeed: {}\n"), "deepspeed: trainer hf reads the DeepSpeed JSON"),
         (scenario(TINY, None, TINY_ARGS, extra="emulate: true\n"), "emulate: not supported"),
         (scenario(TINY, None, {"save_strategy": "steps"}), "save_strategy 'steps': checkpoint saving"),
         (scenario(TINY, None, {"eval_strategy": "steps"}), "eval_strategy 'steps': evaluation"),
@@ -160,6 +167,7 @@ TINY_ARGS = {"per_device_train_batch_size": 1}
     ids=[
         "model-dtype",
         "scheme",
+        "dimensions",
         "no-s",
         "deepspeed-block",
         "emulate",
@@ -402,3 +410,50 @@ def test_the_prediction_needs_no_run_and_names_trainers_own_calls() -> None:
     assert trainer and all(r.paper_term is None for r in trainer)
     logged = [r.at_step for r in trainer if r.source == "Trainer: logging (loss, flos)"]
     assert logged == [k for k in range(s.warmup_steps + s.steps) if (k + 1) % 2 == 0]
+
+
+# ------------------------------------------------------------------------------------------- import
+
+
+def test_commgate_import_writes_the_job_and_what_trainer_resolves(tmp_path: Path) -> None:
+    """``commgate import --hf config.json --deepspeed ds.json --trainer hf``: the inputs named as they are (paths
+    relative to the written file), a comment per resolved key, and the resolved fields themselves, which the
+    loader checks: the written file loads, and once the DeepSpeed JSON changes, names what no longer holds."""
+    from commgate.cli import main
+
+    ds = tmp_path / "configs" / "ds.json"
+    ds.parent.mkdir()
+    ds.write_text((DATA / "ds_config_zero3.json").read_text())
+    out = tmp_path / "scenarios" / "job.yaml"
+    argv = ["import", "--hf", str(TINY), "--deepspeed", str(ds), "--trainer", "hf", "--dp", "2", "-o", str(out)]
+    assert main(argv) == 0
+    text = out.read_text()
+    doc = yaml.safe_load(text)
+    assert (doc["trainer"], doc["hf"]["deepspeed"], doc["parallelism"]["scheme"]) == (
+        "hf",
+        "../configs/ds.json",
+        "zero3",
+    )
+    h = json.loads(TINY.read_text())["hidden_size"]
+    assert doc["deepspeed"]["zero_optimization"]["reduce_bucket_size"] == h * h
+    comments = [line for line in text.splitlines() if line.startswith("#   deepspeed.")]
+    assert {c.split(":")[0].removeprefix("#   deepspeed.") for c in comments} >= set(autos(json.loads(ds.read_text())))
+    (s,) = load_file(out)
+    assert s.deepspeed_config == doc["deepspeed"] and s.trainer_config["training_args"] == doc["hf"]["training_args"]
+    changed = json.loads(ds.read_text())
+    changed["zero_optimization"]["reduce_bucket_size"] = 1000
+    ds.write_text(json.dumps(changed))
+    with pytest.raises(
+        ScenarioError, match=r"deepspeed.zero_optimization.reduce_bucket_size is 4096 in the scenario, "
+    ):
+        load_file(out)
+
+
+def test_commgate_import_for_trainer_hf_refuses_what_it_does_not_take(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from commgate.cli import main
+
+    out = tmp_path / "job.yaml"
+    assert main(["import", "--hf", str(TINY), "--trainer", "hf", "--tp", "2", "-o", str(out)]) == 2
+    assert "--trainer hf takes --hf" in capsys.readouterr().err and not out.exists()

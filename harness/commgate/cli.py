@@ -399,6 +399,13 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--pp", type=int, help="pipeline stages (default: the config's, else 1)")
     i.add_argument("--cpu", action="store_true", help="the reduced-scale variant for CPU runs")
     i.add_argument("--name", help="scenario name (default: the config file's)")
+    i.add_argument(
+        "--trainer",
+        choices=("commgate", "hf"),
+        default="commgate",
+        help="commgate (default): a scenario of commgate's own workloads; hf: a Hugging Face Trainer job "
+        '(--hf and optionally --deepspeed, "auto" resolved as Trainer resolves it and written out)',
+    )
     i.add_argument("-o", "--out", type=Path, required=True, help="the scenario file to write")
     return parser
 
@@ -423,17 +430,25 @@ def cmd_import(a: argparse.Namespace) -> int:
     import yaml
 
     from commgate.core.fsutil import atomic_write_text
-    from commgate.model.importer import build
+    from commgate.model.importer import build, hf_trainer
     from commgate.model.loader import load_document
     from commgate.model.predict import predict
 
-    got = build(neox=a.neox, deepspeed=a.deepspeed, hf=a.hf, dp=a.dp, tp=a.tp, pp=a.pp, cpu=a.cpu, name=a.name)
+    if a.trainer == "hf":
+        if a.neox or a.tp or a.pp or a.cpu or not a.hf:
+            raise UsageError(
+                "--trainer hf takes --hf (a config.json), --deepspeed and --dp; not --neox, --tp, --pp, --cpu"
+            )
+        got = hf_trainer(hf=a.hf, deepspeed=a.deepspeed, dp=a.dp, out=a.out, name=a.name)
+    else:
+        got = build(neox=a.neox, deepspeed=a.deepspeed, hf=a.hf, dp=a.dp, tp=a.tp, pp=a.pp, cpu=a.cpu, name=a.name)
     for note in got.notes:
         print(f"note: {note}", file=sys.stderr)
     scenarios = load_document(got.doc, file=str(a.out))  # the result validates ...
     for s in scenarios:
         predict(s)  # ... and predicts
     text = "# written by commgate import; the notes it printed list what was ignored or left out\n"
+    text += "".join(f"# {line}\n" for line in got.comments)
     atomic_write_text(a.out, text + yaml.safe_dump(got.doc, sort_keys=False))
     print(f"wrote {a.out}: {scenarios[0].id} ({scenarios[0].parallelism.scheme}, world {scenarios[0].world_size})")
     return 0

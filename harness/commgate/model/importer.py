@@ -9,6 +9,12 @@
   last two as ``architecture: llama``): dimensions, heads, key/value heads, MLP width, tied embeddings,
   ``torch_dtype``.
 
+With ``--trainer hf`` the scenario is a Hugging Face ``Trainer`` job instead (``commgate.model.trainers.hf``):
+its ``hf:`` block names the ``config.json`` and the DeepSpeed JSON as they are (``"auto"`` and all, paths
+relative to the written file), and the file shows what Trainer resolves from them: a comment per decision
+(each ``"auto"`` and what filled it) and the resolved fields themselves (model, parallelism, the DeepSpeed
+block, ``TrainingArguments`` as Trainer holds them), which the loader checks against a fresh resolution.
+
 Every key that is not used is listed, and so is every DeepSpeed key left out because the model does not
 follow its value yet (``commgate.model.dsconfig``): the scenario written is one the model checks, and it
 validates and predicts. ``--cpu`` writes the reduced-scale variant (the presets' rule: the same layers,
@@ -40,6 +46,8 @@ class Imported:
     """The scenario document."""
     notes: list[str] = field(default_factory=list)
     """What was ignored or left out, one line each."""
+    comments: list[str] = field(default_factory=list)
+    """What the written file says in comments, one line each (a trainer's resolved values)."""
 
 
 def _read(path: Path, what: str) -> dict[str, Any]:
@@ -266,3 +274,43 @@ def _drop_unmodelled(ds: dict[str, Any], stage: int, notes: list[str]) -> None:
     if "train_batch_size" in ds:
         ds.pop("train_batch_size")
         notes.append("deepspeed train_batch_size left out (commgate derives it from dp, b and m)")
+
+
+def hf_trainer(*, hf: Path, deepspeed: Path | None, dp: int, out: Path, name: str | None = None) -> Imported:
+    """A ``trainer: hf`` scenario of the job ``hf`` (a ``config.json``) and ``deepspeed`` (its DeepSpeed JSON,
+    or None: DDP) describe on ``dp`` ranks, to be written at ``out``: the inputs named as they are, what
+    Trainer resolves from them written out (the fields, and a comment per decision)."""
+    import os
+
+    from commgate.core.errors import CommgateError
+    from commgate.model.loader import load_document
+    from commgate.model.trainers import hf as trainer
+
+    cfg = _read(hf, "Hugging Face config.json")
+    if deepspeed is not None:
+        _read(deepspeed, "DeepSpeed JSON config")
+    out.parent.mkdir(parents=True, exist_ok=True)  # the paths are relative to it
+    base = out.parent.resolve()
+    block: dict[str, Any] = {"config": os.path.relpath(hf.resolve(), base)}
+    if deepspeed is not None:
+        block["deepspeed"] = os.path.relpath(deepspeed.resolve(), base)
+    s = int(cfg.get("max_position_embeddings", 2048))
+    doc: dict[str, Any] = {
+        "schema_version": 1,
+        "name": name or _name(hf),
+        "description": "Imported by commgate import --trainer hf from "
+        + ", ".join(map(str, filter(None, (hf, deepspeed)))),
+        "trainer": "hf",
+        "hf": block,
+        "model": {"s": s},
+        "parallelism": {"dp": dp},
+    }
+    notes = [f"{hf}: s = max_position_embeddings = {s}; set model.s to the sequence length you train with"]
+    try:
+        derived = trainer.derive(doc, str(out))
+        (scenario,) = load_document(derived, file=str(out))
+    except CommgateError as exc:
+        raise UsageError(str(exc).replace("\n", "; ")) from None
+    comments = ["resolved by trainer hf (transformers' and accelerate's own code), checked when loaded:"]
+    comments += [f"  {line}" for line in trainer.derived(scenario)]
+    return Imported(doc=derived, notes=notes, comments=comments)

@@ -358,20 +358,20 @@ def finite(config: Mapping[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- derive
 
 
-DERIVED_MODEL = ("module", "dtype", "autocast", "preset", "L", "h", "a", "V", "architecture", "kv_heads", "x")
-"""What ``derive`` writes into ``model:`` (the scenario gives ``s`` only)."""
+FROM_CONFIG = ("preset", "L", "h", "a", "V", "architecture", "kv_heads", "x", "ffn_hidden", "qkv_bias", "position")
+"""The model's dimensions: a ``trainer: hf`` scenario's are its config.json's (read off the model itself)."""
 
 
 def derive(doc: Mapping[str, Any], file: str) -> dict[str, Any]:
     """The scenario of the job ``doc["hf"]`` describes (a block its schema holds: the loader checked it):
     every ``"auto"`` resolved as Trainer resolves it on ``parallelism.dp`` ranks, and the model, parallelism,
-    dtype and ``deepspeed:`` block filled in."""
+    dtype and ``deepspeed:`` block filled in. A document may state what is derived (``commgate import``
+    writes it, to show it): it must then be what Trainer resolves."""
     block = doc.get("hf")
     if not isinstance(block, Mapping):
         raise CommgateError("missing: trainer hf reads the job from an hf block (hf: {config: config.json, ...})")
     _refuse_written(doc)
-    par, model = dict(doc.get("parallelism") or {}), dict(doc.get("model") or {})
-    dp = par.get("dp")
+    dp = (doc.get("parallelism") or {}).get("dp")
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
         raise CommgateError(f"parallelism.dp {dp!r}: give the number of ranks the job runs on (a whole number >= 1)")
     _refuse_unmodelled_arguments(block.get("training_args", {}))
@@ -381,12 +381,17 @@ def derive(doc: Mapping[str, Any], file: str) -> dict[str, Any]:
         return dict(doc)  # the schema names them
     resolved = _resolution(block, file, dp, sum(counts))
     _refuse_unmodelled(block, resolved)
-    out = dict(doc)
-    out["hf"] = dict(block) | {"training_args": _jsonable(resolved.args)}
-    out["parallelism"] = par | _parallelism(resolved)
-    out["model"] = model | _model(path(file, block["config"]), resolved)
+    filled = {
+        "hf": {"training_args": _jsonable(resolved.args)},
+        "parallelism": _parallelism(resolved),
+        "model": _model(path(file, block["config"]), resolved),
+    }
     if resolved.config is not None:
-        out["deepspeed"] = finite(resolved.config)
+        filled["deepspeed"] = finite(resolved.config)
+    _agrees(doc, filled, block)
+    out = dict(doc)
+    for section, fields_ in filled.items():
+        out[section] = fields_ if section == "deepspeed" else dict(doc.get(section) or {}) | fields_
     return out
 
 
@@ -395,21 +400,43 @@ def _jsonable(args: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _refuse_written(doc: Mapping[str, Any]) -> None:
-    """What a ``trainer: hf`` scenario must leave to the trainer, and what it cannot be."""
+    """What a ``trainer: hf`` scenario cannot state (its model is its config.json) or be."""
     model: Mapping[str, Any] = doc["model"] if isinstance(doc.get("model"), Mapping) else {}
     par: Mapping[str, Any] = doc["parallelism"] if isinstance(doc.get("parallelism"), Mapping) else {}
-    written = [f"model.{k}" for k in DERIVED_MODEL if k in model]
-    written += [f"parallelism.{k}" for k in ("scheme", "micro_batch", "micro_batches", "zero") if k in par]
-    written += [k for k in ("deepspeed", "workload") if k in doc]
+    written = [f"model.{k}" for k in FROM_CONFIG if k in model]
+    written += [f"parallelism.{k}" for k in ("zero", "activation_checkpointing") if k in par]
+    written += [k for k in ("workload",) if k in doc]
     if written:
         raise CommgateError(
-            f"{', '.join(written)}: trainer hf derives it from hf (config, deepspeed, training_args); leave it out"
+            f"{', '.join(written)}: trainer hf derives the job from hf (config, deepspeed, training_args); leave it out"
         )
     for key, why in (("sweep", "write one scenario per configuration"), ("emulate", "it runs on real ranks only")):
         if doc.get(key):
             raise CommgateError(f"{key}: not supported with trainer hf ({why})")
     if not isinstance(model.get("s"), int):
         raise CommgateError("model.s: give the sequence length the job trains with (model: {s: N})")
+    if isinstance(doc.get("deepspeed"), str) or ("deepspeed" in doc and "deepspeed" not in doc["hf"]):
+        raise CommgateError("deepspeed: trainer hf reads the DeepSpeed JSON from hf.deepspeed; name the file there")
+
+
+def _agrees(doc: Mapping[str, Any], filled: Mapping[str, Mapping[str, Any]], block: Mapping[str, Any]) -> None:
+    """Every derived field the document states is the one Trainer resolves (a scenario written by ``commgate
+    import`` pins them: a change of the config files, or of transformers' resolution, is then named)."""
+    for section, fields_ in filled.items():
+        written = doc.get(section)
+        if section == "hf" or not isinstance(written, Mapping):  # hf: the job's inputs, completed
+            continue
+        ours, theirs = _flat(written), _flat(fields_)
+        keys = [k for k in ours if k in theirs] if section != "deepspeed" else sorted(ours.keys() | theirs.keys())
+        if wrong := [k for k in keys if ours.get(k, MISSING) != theirs.get(k, MISSING)]:
+            k = wrong[0]
+            source = f"hf.deepspeed {block['deepspeed']}" if section == "deepspeed" else "hf"
+            raise CommgateError(
+                f"{section}.{k} is {_show(ours.get(k, MISSING))} in the scenario, Trainer resolves "
+                f"{_show(theirs.get(k, MISSING))} from {source}"
+                + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "")
+                + "; leave it out, or write the scenario again (commgate import --trainer hf)"
+            )
 
 
 def _refuse_unmodelled_arguments(args: Mapping[str, Any]) -> None:
