@@ -282,5 +282,7 @@ def offloads_optimizer(cfg: Mapping[str, Any]) -> bool:
 
 
 def given(value: Any) -> bool:
-    """A value the config states (Hugging Face's ``"auto"`` leaves it to the trainer: here, the scenario)."""
+    """A value the config states (Hugging Face's ``"auto"`` leaves it to the trainer: for commgate's own
+    workloads, the scenario; a ``trainer: hf`` scenario has none left, its trainer resolved them as
+    Hugging Face's Trainer does, ``commgate.model.trainers.hf``)."""
     return bool(value != "auto")

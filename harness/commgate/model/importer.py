@@ -102,6 +102,12 @@ def build(
     if cpu:
         _reduce(model, par, ds, out.notes)
     _drop_unmodelled(ds, stage, out.notes)
+    if autos := _autos(ds):
+        out.notes.append(
+            f"deepspeed {', '.join(autos)}: \"auto\" is Hugging Face's placeholder; commgate's own workloads take "
+            "the scenario's value (or DeepSpeed's default) for it, Trainer its own: for a Trainer job, import "
+            "with --trainer hf"
+        )
     par.setdefault("tp", 1)
     par.setdefault("pp", 1)
     out.doc = {
@@ -314,3 +320,14 @@ def hf_trainer(*, hf: Path, deepspeed: Path | None, dp: int, out: Path, name: st
     comments = ["resolved by trainer hf (transformers' and accelerate's own code), checked when loaded:"]
     comments += [f"  {line}" for line in trainer.derived(scenario)]
     return Imported(doc=derived, notes=notes, comments=comments)
+
+
+def _autos(d: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys whose value is ``"auto"``."""
+    out = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out += _autos(v, f"{prefix}{k}.")
+        elif v == "auto":
+            out.append(prefix + k)
+    return out
