@@ -102,12 +102,6 @@ def build(
     if cpu:
         _reduce(model, par, ds, out.notes)
     _drop_unmodelled(ds, stage, out.notes)
-    if autos := _autos(ds):
-        out.notes.append(
-            f"deepspeed {', '.join(autos)}: \"auto\" is Hugging Face's placeholder; commgate's own workloads take "
-            "the scenario's value (or DeepSpeed's default) for it, Trainer its own: for a Trainer job, import "
-            "with --trainer hf"
-        )
     par.setdefault("tp", 1)
     par.setdefault("pp", 1)
     out.doc = {
@@ -280,6 +274,12 @@ def _drop_unmodelled(ds: dict[str, Any], stage: int, notes: list[str]) -> None:
     if "train_batch_size" in ds:
         ds.pop("train_batch_size")
         notes.append("deepspeed train_batch_size left out (commgate derives it from dp, b and m)")
+    if autos := _autos(ds):
+        notes.append(
+            f"deepspeed {', '.join(autos)}: \"auto\" is Hugging Face's placeholder; commgate's own workloads take "
+            "the scenario's value (or DeepSpeed's default) for it, Trainer its own: for a Trainer job, import "
+            "with --trainer hf"
+        )
 
 
 def hf_trainer(*, hf: Path, deepspeed: Path | None, dp: int, out: Path, name: str | None = None) -> Imported:

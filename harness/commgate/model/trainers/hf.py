@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from commgate.core.errors import CommgateError
+from commgate.core.fsutil import beside, read_json_object
 from commgate.model.collectives import Op
 from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
 from commgate.model.scenario import Scenario
@@ -103,24 +104,15 @@ OPTIONS: dict[str, Any] = {
 # ------------------------------------------------------------------------------------------ the inputs
 
 
-def path(file: str | None, name: str) -> Path:
-    """``name`` relative to the scenario ``file`` (as ``deepspeed:`` file names are), or as it is."""
-    p = Path(name)
-    if not p.is_absolute() and file and not file.startswith("<"):
-        return Path(file).parent / p
-    return p
+path = beside
+"""A file the ``hf:`` block names: relative to the scenario file."""
 
 
 def _read_json(p: Path, what: str, where: str) -> dict[str, Any]:
     try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise CommgateError(f"{where} {p}: cannot be read ({exc.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CommgateError(f"{where} {p}: not a {what} ({exc})") from None
-    if not isinstance(doc, dict):
-        raise CommgateError(f"{where} {p}: a {what} is a JSON object, found {type(doc).__name__}")
-    return doc
+        return read_json_object(p, what)
+    except ValueError as exc:
+        raise CommgateError(f"{where} {exc}") from None
 
 
 def fixed_arguments(steps: int) -> dict[str, Any]:
