@@ -162,6 +162,10 @@ TINY_ARGS = {"per_device_train_batch_size": 1}
         ("auto-allgather", "accelerate refuse it: `zero_optimization.allgather_bucket_size` not found in kwargs"),
         ("mismatch", "ds train_micro_batch_size_per_gpu=4 vs hf per_device_train_batch_size=1"),
         ("tied-zero3", "tie_word_embeddings under ZeRO-3"),
+        (
+            scenario(TINY, SUITE / "hf" / "ds_zero3.json", {"bf16": True}),
+            "hf.training_args.bf16: true under ZeRO-3 is not modelled yet",
+        ),
         (scenario(TINY, None, {"logging_strategy": "epoch"}), 'hf.training_args.logging_strategy: "epoch" is not'),
     ],
     ids=[
@@ -180,6 +184,7 @@ TINY_ARGS = {"per_device_train_batch_size": 1}
         "auto-allgather",
         "mismatch",
         "tied-zero3",
+        "bf16-zero3",
         "logging-epoch",
     ],
 )
@@ -379,6 +384,17 @@ def test_ddp_as_trainer_runs_it_reconciles(args: dict[str, Any], tmp_path: Path)
     without activation checkpointing: the initial buckets, the used-parameter map each step) or off (the
     bucket rebuild), the token counts gathered each step (and each micro-batch when they are tracked)."""
     reconciled(run(scenario(TINY, None, args), tmp_path))
+
+
+@pytest.mark.parametrize("ds", [SUITE / "hf" / "ds_zero2.json", None], ids=["zero2", "ddp"])
+def test_bf16_reconciles(ds: Path | None, tmp_path: Path) -> None:
+    """``bf16: true``: DeepSpeed's bf16 parameters under ZeRO-2 (with its overflow check); under DDP, autocast
+    over fp32 parameters, in buckets of ``ddp_bucket_cap_mb``."""
+    args = {"per_device_train_batch_size": 1, "logging_steps": 1, "bf16": True, "ddp_bucket_cap_mb": 1}
+    result = run(scenario(TINY, ds, args), tmp_path)
+    reconciled(result)
+    m = result.prediction.scenario.model
+    assert (m.dtype, m.autocast) == (("bf16", None) if ds else ("fp32", "bf16"))
 
 
 def test_zero3_with_accumulation_reconciles(tmp_path: Path) -> None:

@@ -492,6 +492,12 @@ def _model(config_path: Path, r: Resolution) -> dict[str, Any]:
     dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(str(getattr(cfg, "dtype", None)).removeprefix("torch."), "fp32")
     out: dict[str, Any] = {"module": f"transformers:{_model_class(cfg).__name__}", "dtype": dtype}
     half = "bf16" if r.args["bf16"] else "fp16" if r.args["fp16"] else None
+    if stage == 3 and half:
+        raise CommgateError(
+            f"hf.training_args.{half}: true under ZeRO-3 is not modelled yet (measured on CPU ranks: transformers' "
+            "zero.Init construction keeps the parameters fp32, gathered so, while the gradients are reduced in "
+            f"{half}); leave it out, or use ZeRO-1/2"
+        )
     if r.config is not None and half:
         out["dtype"] = half
     elif r.config is not None and dtype != "fp32":

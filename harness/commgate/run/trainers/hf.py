@@ -250,7 +250,7 @@ def _inventory(job: HFTrainerJob) -> list[str]:
     if run != job.inventory:
         first = next((f"{a} vs {b}" for a, b in zip(run, job.inventory, strict=False) if a != b), "their count")
         problems.append(f"the model's parameters differ from those read on the meta device ({first})")
-    dtypes = {p.dtype for p in job.model.parameters()}
+    dtypes = {getattr(p, "ds_tensor", p).dtype for p in job.model.parameters()}  # ZeRO-3: the partition's
     want = TORCH_DTYPES[job.s.model.dtype]
     if dtypes != {want}:
         problems.append(
