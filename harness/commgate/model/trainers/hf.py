@@ -6,7 +6,7 @@ The scenario names the job as its user runs it (``hf:``): the model's ``config.j
 ``AutoModelForCausalLM.from_config``), the DeepSpeed JSON handed to ``TrainingArguments(deepspeed=...)``
 with its ``"auto"`` values, and the ``TrainingArguments`` fields that change what is sent. ``derive``
 resolves every ``"auto"`` with transformers' and accelerate's own code, in the order Trainer runs it
-(``resolve``), and completes the document: the model (read off the Hugging Face model on the meta device,
+(``resolution``, ``LAYERS``), and completes the document: the model (read off the Hugging Face model on the meta device,
 ``model``), the scheme (DDP, or the ZeRO stage of the config), the batch, the dtype, the resolved
 ``deepspeed:`` block, and ``hf.training_args`` as Trainer holds them. ``derived`` lists what was decided,
 one line each, for the prediction and the result.
@@ -17,7 +17,7 @@ What it sends is the scheme's components fed by that model (DDP with Trainer's
 under ZeRO-3) and ``TrainerCalls`` (the token count, logging and token tracking gathers of Trainer itself).
 What is not modelled is refused in one line: checkpoint saving, evaluation, DeepSpeed without ZeRO or
 without an ``optimizer`` section (Trainer's own AdamW keeps two parameter groups, which the ZeRO models do
-not split yet), activation checkpointing, a tied embedding under ZeRO-3, sweeps and emulation.
+not split yet), activation checkpointing, a tied embedding or bf16/fp16 under ZeRO-3, sweeps and emulation.
 
 transformers, accelerate (and torch) are imported inside the functions that need them.
 """
@@ -117,8 +117,8 @@ def _read_json(p: Path, what: str, where: str) -> dict[str, Any]:
 
 def fixed_arguments(steps: int) -> dict[str, Any]:
     """What commgate sets in ``TrainingArguments`` whatever the scenario says: CPU ranks (W2: without
-    ``use_cpu`` a CPU-only host gets no distributed backend, accelerate ``state.py:800-815``), ``steps``
-    optimizer steps, nothing saved, evaluated or reported."""
+    ``use_cpu`` a CPU-only host gets no distributed backend, accelerate ``state.py:800-815``; a rank on a
+    GPU sets it off, not measured), ``steps`` optimizer steps, nothing saved, evaluated or reported."""
     return {
         "use_cpu": True,
         "max_steps": steps,

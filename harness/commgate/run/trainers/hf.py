@@ -148,7 +148,8 @@ class HFTrainerJob:
             _join_deepspeed()
         self.dir = tempfile.TemporaryDirectory(prefix="commgate-hf-")
         steps = scenario.warmup_steps + scenario.steps
-        self.args = TrainingArguments(output_dir=self.dir.name, deepspeed=ds, **arguments(block, steps))
+        kwargs = arguments(block, steps) | {"use_cpu": device.type == "cpu"}  # W2 on CPU ranks
+        self.args = TrainingArguments(output_dir=self.dir.name, deepspeed=ds, **kwargs)
         torch.manual_seed(self.args.seed)
         self.model = build(scenario)  # after the arguments, as a user builds it: ZeRO-3 partitions it as built
         self.partitioned = all(hasattr(p, "ds_id") for p in self.model.parameters())
