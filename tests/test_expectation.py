@@ -73,6 +73,37 @@ def test_the_bucket_assignment_is_torchs() -> None:
         assert [idx for _, idx in ours] == expected, (drawn, limits)
 
 
+def test_ddp_finding_unused_parameters_keeps_its_initial_buckets() -> None:
+    """DDP with ``find_unused_parameters`` (Hugging Face's Trainer turns it on; commgate's own workloads do not):
+    the same construction, no bucket rebuild, and from the first step on the initial buckets (torch's
+    assignment in registration order, 1 MiB first) and the used-parameter map (one int32 per parameter)."""
+    import torch
+    import torch.distributed as dist
+    from commgate.model.expectation import Context
+    from commgate.model.schemes.ddp import DistributedDataParallel
+
+    (s,) = load_document(
+        {"schema_version": 1, "name": "t", "model": {"preset": "19M-cpu"}, "parallelism": {"scheme": "ddp", "dp": 2}},
+        file="<test>",
+    )
+    ctx = Context(scenario=s)
+    plain, found = DistributedDataParallel().collectives(ctx), DistributedDataParallel(True).collectives(ctx)
+    assert [r for r in found if r.phase is Phase.INIT] == [r for r in plain if r.phase is Phase.INIT]
+    assert not [r for r in found if r.once and r.at_step is not None]  # no first iteration, no rebuild
+    (used,) = [r for r in found if r.dtype == "int32"]
+    assert (used.op, used.elements, used.phase, used.paper_term) == (
+        Op.ALL_REDUCE,
+        len(ctx.trainable),
+        Phase.BACKWARD,
+        None,
+    )
+    grads = [r for r in found if r.op is Op.ALL_REDUCE and r.dtype == "fp32"]
+    tensors = [torch.empty(p.shape) for p in ctx.trainable]
+    expected, _ = dist._compute_bucket_assignment_by_size(tensors, [1 << 20, 25 << 20])
+    assert sorted(r.elements for r in grads) == sorted(sum(tensors[i].numel() for i in idx) for idx in expected)
+    assert len(grads) > 1 and all(r.paper_term == "Eq. 2" and r.from_step == 0 for r in grads)
+
+
 def test_13b_zero3_reproduces_eq_3() -> None:
     # the paper's regime: each module's parameters gathered for its use and released (the coordinator inert)
     p = scenario("13B", scheme="zero3", dp=16, deepspeed={"zero_optimization": INERT})

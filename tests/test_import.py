@@ -57,7 +57,10 @@ def test_hugging_face_and_deepspeed_configs(tmp_path: Path, capsys: pytest.Captu
     assert doc["parallelism"]["scheme"] == "zero2" and doc["deepspeed"]["zero_optimization"]["overlap_comm"] is True
     (s,) = load_file(out)
     assert (s.model.h, s.model.ffn, s.parallelism.zero.bucket_elements) == (512, 2048, 200_000_000)
-    assert "rotary_pct ignored" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "rotary_pct ignored" in err
+    assert 'optimizer.params.eps, optimizer.params.weight_decay: "auto" is Hugging Face' in err
+    assert "import with --trainer hf" in err
     hf.write_text(json.dumps({"model_type": "llama", "hidden_size": 4096}))
     assert main(["import", "--hf", str(hf), "-o", str(out)]) == 2
     assert "num_attention_heads missing" in capsys.readouterr().err

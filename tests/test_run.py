@@ -104,6 +104,18 @@ def test_a_rank_that_raises_is_named_with_its_traceback(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_rank_that_refuses_is_named_with_its_one_line(tmp_path: Path) -> None:
+    """commgate's own one-line error raised in a rank is the reason, without a traceback; a peer raising the
+    same is a consequence, not a repetition."""
+    s = scenario(extra="workload: commgate.run.workloads.faults:refuse\n")
+    with pytest.raises(RunError) as info:
+        launch_local(s, workdir=tmp_path)
+    first, *rest = str(info.value).splitlines()
+    line = "CommgateError: planted refusal on rank 1 at step 1: what a user can mend, in one line"
+    assert first == f"t: rank 1 raised {line}"
+    assert "Traceback" not in str(info.value) and all(line.startswith("(consequences: rank 0") for line in rest)
+
+
 def test_a_rank_killed_by_a_signal_is_named(tmp_path: Path) -> None:
     s = scenario(extra="workload: commgate.run.workloads.faults:die\n")
     with pytest.raises(RunError) as info:
@@ -187,17 +199,18 @@ def test_ranks_die_with_a_launcher_killed_outright(tmp_path: Path) -> None:
     )
     launcher = subprocess.Popen([sys.executable, "-c", code])
     try:
-        for _ in range(600):  # wait (bounded) until both ranks are up
-            if len(rank_processes(tmp_path)) == 2:
-                break
+        # wait for the event (both ranks up), bounded generously: a loaded machine takes minutes to start
+        # ranks that import torch and DeepSpeed, and a launcher that exits early ends the wait at once
+        deadline = time.monotonic() + 600
+        while len(rank_processes(tmp_path)) < 2 and launcher.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert launcher.poll() is None, f"the launcher exited ({launcher.returncode}) before its ranks were up"
         assert len(rank_processes(tmp_path)) == 2
     finally:
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
-    for _ in range(200):
-        if not rank_processes(tmp_path):
-            break
+    deadline = time.monotonic() + 120  # the ranks see their launcher gone (bounded: none may be left)
+    while rank_processes(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert rank_processes(tmp_path) == []
     (orphan,) = tmp_path.iterdir()  # the killed launcher's private directory; the next launch removes it
@@ -540,8 +553,7 @@ def test_local_ranks_listen_on_loopback_only(tmp_path: Path, monkeypatch: pytest
     run = threading.Thread(target=hang, daemon=True)
     run.start()
     seen: set[str] = set()
-    until = time.monotonic() + 11  # a loaded CI machine starts the ranks slowly
-    while time.monotonic() < until and not seen:
+    while run.is_alive() and not seen:  # until the ranks listen, or the run ends (its deadline bounds it)
         time.sleep(0.2)
         seen = _listening(rank_processes(tmp_path))
     run.join(timeout=60)

@@ -29,5 +29,6 @@ def test_schema_fields_are_record_fields() -> None:
     assert set(par["zero"]["properties"]) == set(field_names(ZeroConfig))
     assert set(par["moe"]["properties"]) == set(field_names(MoEConfig))
     blocks = {name for name, t in TRAINERS.items() if t.options is not None}  # held as Scenario.trainer_options
+    assert blocks <= set(props)
     top = set(props) - {"schema_version", "sweep", "sweep_limit", "world_size"} - blocks
     assert top <= set(field_names(Scenario))

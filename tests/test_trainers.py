@@ -33,6 +33,21 @@ def derive(doc: Mapping[str, Any], file: str) -> dict[str, Any]:
     return out
 
 
+def tiny(scenario: Any) -> tuple[Any, Any]:
+    """The planted trainer's model, built by its record (``Trainer.model``), named by no import string."""
+    import torch
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).sum()
+
+    return Tiny(), lambda seed: (torch.ones(scenario.parallelism.micro_batch, 4),)
+
+
 @pytest.fixture
 def planted() -> Iterator[None]:
     """Two trainers planted in the registry: one with options, derive and its own components (the
@@ -47,12 +62,15 @@ def planted() -> Iterator[None]:
         components=lambda scenario, scheme: (ddp, ddp),
     )
     TRAINERS["absent"] = Trainer(name="absent", summary="not installed", extra="absent", packages=("no_such_pkg_x",))
+    TRAINERS["builds"] = Trainer(
+        name="builds", summary="builds its model", model=tiny, derived=lambda s: (f"b={s.parallelism.micro_batch}",)
+    )
     loader.schema.cache_clear()
     loader._validator.cache_clear()
     try:
         yield
     finally:
-        del TRAINERS["planted"], TRAINERS["absent"]
+        del TRAINERS["planted"], TRAINERS["absent"], TRAINERS["builds"]
         loader.schema.cache_clear()
         loader._validator.cache_clear()
 
@@ -103,3 +121,22 @@ def test_a_trainer_that_is_not_installed_is_a_warning_then_an_error_naming_the_e
     assert result.reason == (
         "trainer 'absent' needs no_such_pkg_x, which this environment cannot import: pip install 'commgate[absent]'"
     )
+
+
+@pytest.mark.usefixtures("planted")
+def test_a_trainer_builds_its_model_and_shows_what_it_decided() -> None:
+    """A trainer whose record builds the model (``Trainer.model``): the scenario's ``model.module`` names it for
+    people (here nothing importable), the model is read off the record's build on the meta device, and what
+    the trainer decided (``Trainer.derived``) is in the prediction's text and document."""
+    from commgate.report.render import prediction_document, prediction_text
+
+    (s,) = load_text(
+        BASE + "trainer: builds\nmodel: {module: 'nowhere.at_all:tiny'}\nparallelism: {scheme: ddp, dp: 2}\n"
+    )
+    p = predict(s)
+    assert p.param_count == 4 * 2 + 2
+    assert "nowhere.at_all:tiny (built by trainer builds, read on the meta device)" in prediction_text(p)
+    assert "  builds: b=1" in prediction_text(p).splitlines()
+    assert prediction_document(p)["trainer"]["derived"] == ["b=1"]
+    with pytest.raises(ScenarioError, match="cannot be imported"):  # trainer commgate imports what it names
+        load_text(BASE + "model: {module: 'nowhere.at_all:tiny'}\nparallelism: {scheme: ddp, dp: 2}\n")

@@ -107,6 +107,15 @@ def test_a_module_with_nothing_to_train_is_named() -> None:
         predict(s)
 
 
+def test_a_mapping_output_read_by_attribute_keeps_its_type() -> None:
+    """Hugging Face's ``ModelOutput`` is read by attribute (``tests/user_mapping.py``): the trace's marks
+    keep the mapping's type, so the module reads on the meta device and ZeRO-3 gathers each module's
+    parameters (before the fix: AttributeError, a one-line error)."""
+    (s,) = load_text(text("user_mapping:build", "scheme: zero3, dp: 2"))
+    gathers = [r for r in predict(s).collectives if r.source.startswith("ZeRO-3 module parameter all-gather")]
+    assert gathers and predict(s).param_count == 8 * 8 + 8 + 8 + 1
+
+
 def test_a_build_that_raises_is_one_line() -> None:
     (s,) = load_text(text("os:getcwd", "scheme: ddp, dp: 2"))  # callable, but not a build(scenario)
     with pytest.raises(CommgateError, match=r"^model.module 'os:getcwd': build\(scenario\) raised TypeError: ") as info:

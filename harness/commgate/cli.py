@@ -21,7 +21,7 @@ from commgate.model.importer import HF_TYPES
 from commgate.model.schemes import SCHEMES
 
 if TYPE_CHECKING:
-    from commgate.model.importer import Imported, ImportedJob
+    from commgate.model.importer import Imported
     from commgate.model.scenario import Scenario
     from commgate.run.runners import Runner
     from commgate.session import Session
@@ -407,6 +407,13 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--pp", type=int, help="pipeline stages (default: the config's, else 1)")
     i.add_argument("--cpu", action="store_true", help="the reduced-scale variant for CPU runs")
     i.add_argument("--name", help="scenario name (default: the config file's)")
+    i.add_argument(
+        "--trainer",
+        choices=("commgate", "hf"),
+        default="commgate",
+        help="commgate (default): a scenario of commgate's own workloads; hf: a Hugging Face Trainer job "
+        '(--hf and optionally --deepspeed, "auto" resolved as Trainer resolves it and written out)',
+    )
     i.add_argument("-o", "--out", type=Path, required=True, help="the scenario file to write")
     return parser
 
@@ -431,19 +438,24 @@ def cmd_import(a: argparse.Namespace) -> int:
     import yaml
 
     from commgate.core.fsutil import atomic_write_text
-    from commgate.model.importer import build
+    from commgate.model.importer import build, hf_trainer
     from commgate.model.loader import load_document
     from commgate.model.predict import predict
 
-    comments: list[str] = []
     got: Imported
     if a.torchtitan:
-        job = _torchtitan_import(a)
-        got, comments = job, job.comments
+        got = _torchtitan_import(a)
+    elif a.trainer == "hf":
+        if a.neox or a.tp or a.pp or a.cpu or not a.hf:
+            raise UsageError(
+                "--trainer hf takes --hf (a config.json), --deepspeed and --dp; not --neox, --tp, --pp, --cpu"
+            )
+        dp = a.dp if a.dp is not None else 1
+        got = hf_trainer(hf=a.hf, deepspeed=a.deepspeed, dp=dp, out=a.out, name=a.name)
     else:
         dp = a.dp if a.dp is not None else 1
         got = build(neox=a.neox, deepspeed=a.deepspeed, hf=a.hf, dp=dp, tp=a.tp, pp=a.pp, cpu=a.cpu, name=a.name)
-    for note in got.notes + comments:
+    for note in got.notes + got.comments:
         print(f"note: {note}", file=sys.stderr)
     if got.notes:  # written into the scenario, shown with its warnings: never on stderr alone
         got.doc["notes"] = list(got.notes)
@@ -451,13 +463,13 @@ def cmd_import(a: argparse.Namespace) -> int:
     for s in scenarios:
         predict(s)  # ... and predicts
     text = "# written by commgate import; what the configs set that it does not take as such: its notes\n"
-    text += "".join(f"# {line}\n" for line in comments)
+    text += "".join(f"# {line}\n" for line in got.comments)
     atomic_write_text(a.out, text + yaml.safe_dump(got.doc, sort_keys=False))
     print(f"wrote {a.out}: {scenarios[0].id} ({scenarios[0].parallelism.scheme}, world {scenarios[0].world_size})")
     return 0
 
 
-def _torchtitan_import(a: argparse.Namespace) -> ImportedJob:
+def _torchtitan_import(a: argparse.Namespace) -> Imported:
     """``--torchtitan``: a TOML read here, or a 0.3.0 config function read by torchtitan itself."""
     from commgate.model.importer import torchtitan, torchtitan_toml
     from commgate.model.trainers import TRAINERS

@@ -63,6 +63,29 @@ _BOMS = (
 )
 
 
+def beside(file: str | None, name: str) -> Path:
+    """A path a scenario names: relative to the scenario ``file`` (a name like ``<string>`` is no file: then
+    to the working directory)."""
+    path = Path(name)
+    if not path.is_absolute() and file and not file.startswith("<"):
+        return Path(file).parent / path
+    return path
+
+
+def read_json_object(path: Path, what: str) -> dict[str, Any]:
+    """A JSON object another tool reads (a DeepSpeed config, a Hugging Face ``config.json``), or a one-line
+    ``ValueError`` naming the file and what it should be."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not a {what} ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: a {what} is a JSON object, found {type(doc).__name__}")
+    return doc
+
+
 def text_head(path: Path, limit: int) -> str | None:
     """The first ``limit`` bytes of a text file, decoded as UTF-8 or, after their byte-order mark, as
     UTF-16/32 (undecodable bytes replaced, no byte-order mark left); None when it cannot be read."""

@@ -22,10 +22,10 @@ Pure Python: nothing here imports DeepSpeed.
 from __future__ import annotations
 
 import difflib
-import json
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
+
+from commgate.core.fsutil import beside, read_json_object
 
 TOP_LEVEL = frozenset(
     {
@@ -148,18 +148,7 @@ def load(block: Any, *, scenario_file: str | None) -> dict[str, Any]:
     """The block as a mapping: itself, or the JSON file it names (relative to the scenario file)."""
     if not isinstance(block, str):
         return dict(block)
-    path = Path(block)
-    if not path.is_absolute() and scenario_file and not scenario_file.startswith("<"):
-        path = Path(scenario_file).parent / path
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot be read ({exc.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not a DeepSpeed JSON config ({exc})") from None
-    if not isinstance(doc, dict):
-        raise ValueError(f"{path}: a DeepSpeed config is a JSON object, found {type(doc).__name__}")
-    return doc
+    return read_json_object(beside(scenario_file, block), "DeepSpeed JSON config")
 
 
 SECTIONS = frozenset(
@@ -293,5 +282,7 @@ def autos(cfg: Mapping[str, Any], path: tuple[str, ...] = ()) -> list[tuple[str,
 
 
 def given(value: Any) -> bool:
-    """A value the config states (Hugging Face's ``"auto"`` leaves it to the trainer: here, the scenario)."""
+    """A value the config states (Hugging Face's ``"auto"`` leaves it to the trainer: for commgate's own
+    workloads, the scenario; a ``trainer: hf`` scenario has none left, its trainer resolved them as
+    Hugging Face's Trainer does, ``commgate.model.trainers.hf``)."""
     return bool(value != "auto")

@@ -9,6 +9,12 @@
   last two as ``architecture: llama``): dimensions, heads, key/value heads, MLP width, tied embeddings,
   ``torch_dtype``.
 
+With ``--trainer hf`` the scenario is a Hugging Face ``Trainer`` job instead (``commgate.model.trainers.hf``):
+its ``hf:`` block names the ``config.json`` and the DeepSpeed JSON as they are (``"auto"`` and all, paths
+relative to the written file), and the file shows what Trainer resolves from them: a comment per decision
+(each ``"auto"`` and what filled it) and the resolved fields themselves (model, parallelism, the DeepSpeed
+block, ``TrainingArguments`` as Trainer holds them), which the loader checks against a fresh resolution.
+
 Every key that is not used is listed, and so is every DeepSpeed key left out because the model does not
 follow its value yet (``commgate.model.dsconfig``): the scenario written is one the model checks, and it
 validates and predicts. ``--cpu`` writes the reduced-scale variant (the presets' rule: the same layers,
@@ -42,6 +48,8 @@ class Imported:
     """The scenario document."""
     notes: list[str] = field(default_factory=list)
     """What was ignored or left out, one line each."""
+    comments: list[str] = field(default_factory=list)
+    """What the written file says in comments, one line each (a trainer's resolved values)."""
 
 
 def _read(path: Path, what: str) -> dict[str, Any]:
@@ -275,6 +283,12 @@ def _drop_unmodelled(ds: dict[str, Any], stage: int, notes: list[str]) -> bool:
     if "train_batch_size" in ds:
         ds.pop("train_batch_size")
         notes.append("deepspeed train_batch_size left out (commgate derives it from dp, b and m)")
+    if autos := _autos(ds):
+        notes.append(
+            f"deepspeed {', '.join(autos)}: \"auto\" is Hugging Face's placeholder; commgate's own workloads take "
+            "the scenario's value (or DeepSpeed's default) for it, Trainer its own: for a Trainer job, import "
+            "with --trainer hf"
+        )
     return bool(unmodelled)
 
 
@@ -313,12 +327,6 @@ class TitanJob:
     float8: bool = False
     float8_all_gather: bool = False
     notes: tuple[str, ...] = ()
-
-
-@dataclass
-class ImportedJob(Imported):
-    comments: list[str] = field(default_factory=list)
-    """What the written scenario's first lines say (as YAML comments): what it leaves out and why."""
 
 
 def torchtitan_toml(path: Path) -> TitanJob:
@@ -406,7 +414,7 @@ def _toml_sections(doc: dict[str, Any], prefix: str = "") -> list[tuple[str, dic
     return out
 
 
-def torchtitan(job: TitanJob, *, dp: int | None, tp: int | None, cpu: bool, name: str | None) -> ImportedJob:
+def torchtitan(job: TitanJob, *, dp: int | None, tp: int | None, cpu: bool, name: str | None) -> Imported:
     """The ``trainer: torchtitan`` scenario of ``job``: full size (``--cpu``: the reduced variant that runs).
     What the job does that a CPU run cannot is named in ``torchtitan.left_off`` and in the scenario's first
     lines; what the model cannot hold turns the model check off (baseline-only), saying why."""
@@ -424,7 +432,7 @@ def torchtitan(job: TitanJob, *, dp: int | None, tp: int | None, cpu: bool, name
     if dp < 1:
         raise UsageError(f"{f}: data_parallel_shard_degree = {job.dp} (the rest of the ranks): give --dp")
     tp = tp if tp is not None else job.tp
-    out = ImportedJob(doc={}, notes=list(job.notes))
+    out = Imported(doc={}, notes=list(job.notes))
     model = {"architecture": "llama", **{k: v for k, v in job.model.items() if k != "tied_embeddings"}}
     model |= {"s": job.seq_len, "dtype": "fp32"}
     par: dict[str, Any] = {"dp": dp, "tp": tp}
@@ -451,7 +459,7 @@ def torchtitan(job: TitanJob, *, dp: int | None, tp: int | None, cpu: bool, name
     return out
 
 
-def _torchtitan_block(job: TitanJob, out: ImportedJob) -> dict[str, Any]:
+def _torchtitan_block(job: TitanJob, out: Imported) -> dict[str, Any]:
     """The scenario's ``torchtitan:`` block: what the model needs beyond the model and parallelism blocks,
     torchtitan's defaults left out; ``left_off`` what a CPU run cannot do, each named in a comment."""
     from commgate.model.trainers.torchtitan import LEFT_OFF_WHY, Job
@@ -489,3 +497,57 @@ def _not_modelled(job: TitanJob, tp: int) -> str:
     if tp > 1 and not job.sequence_parallel:
         why.append("TP without sequence parallelism is measured, not modelled")
     return "; ".join(why)
+
+
+# ------------------------------------------------------------------------------------- Hugging Face Trainer
+
+
+def hf_trainer(*, hf: Path, deepspeed: Path | None, dp: int, out: Path, name: str | None = None) -> Imported:
+    """A ``trainer: hf`` scenario of the job ``hf`` (a ``config.json``) and ``deepspeed`` (its DeepSpeed JSON,
+    or None: DDP) describe on ``dp`` ranks, to be written at ``out``: the inputs named as they are, what
+    Trainer resolves from them written out (the fields, and a comment per decision)."""
+    import os
+
+    from commgate.core.errors import CommgateError
+    from commgate.model.loader import load_document
+    from commgate.model.trainers import hf as trainer
+
+    cfg = _read(hf, "Hugging Face config.json")
+    if deepspeed is not None:
+        _read(deepspeed, "DeepSpeed JSON config")
+    out.parent.mkdir(parents=True, exist_ok=True)  # the paths are relative to it
+    base = out.parent.resolve()
+    block: dict[str, Any] = {"config": os.path.relpath(hf.resolve(), base)}
+    if deepspeed is not None:
+        block["deepspeed"] = os.path.relpath(deepspeed.resolve(), base)
+    s = int(cfg.get("max_position_embeddings", 2048))
+    doc: dict[str, Any] = {
+        "schema_version": 1,
+        "name": name or _name(hf),
+        "description": "Imported by commgate import --trainer hf from "
+        + ", ".join(map(str, filter(None, (hf, deepspeed)))),
+        "trainer": "hf",
+        "hf": block,
+        "model": {"s": s},
+        "parallelism": {"dp": dp},
+    }
+    notes = [f"{hf}: s = max_position_embeddings = {s}; set model.s to the sequence length you train with"]
+    try:
+        derived = trainer.derive(doc, str(out))
+        (scenario,) = load_document(derived, file=str(out))
+    except CommgateError as exc:
+        raise UsageError(str(exc).replace("\n", "; ")) from None
+    comments = ["resolved by trainer hf (transformers' and accelerate's own code), checked when loaded:"]
+    comments += [f"  {line}" for line in trainer.derived(scenario)]
+    return Imported(doc=derived, notes=notes, comments=comments)
+
+
+def _autos(d: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys whose value is ``"auto"``."""
+    out = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out += _autos(v, f"{prefix}{k}.")
+        elif v == "auto":
+            out.append(prefix + k)
+    return out

@@ -303,6 +303,16 @@ def _derived(doc: Any, file: str, where: _Located) -> Any:
     trainer = TRAINERS.get(name) if isinstance(name, str) else None
     if trainer is None or trainer.derive is None:
         return doc  # (an unknown trainer is the schema's problem)
+    block = trainer.name
+    if trainer.options is not None and block in doc:  # derive reads a block its schema holds, or nothing
+        validator = jsonschema.validators.validator_for(trainer.options)(trainer.options)
+        problems = [
+            Problem(file=file, path=json_path([block, *parts]), message=message, line=where.line([block, *parts]))
+            for err in validator.iter_errors(doc[block])
+            for parts, message in _describe(err)
+        ]
+        if problems:
+            raise ScenarioError(problems)
     try:
         trainer.require()
         return trainer.derive(doc, file)
@@ -448,8 +458,10 @@ def _build(doc: dict[str, Any], *, file: str, where: _Located, label: str) -> tu
     par = _build_parallelism(par_doc, bad)
     if model is None:
         return None, problems
-    check = Check(doc=doc, model=model, par=par, ds=ds, scheme=SCHEMES[par.scheme], schemes=SCHEMES, bad=bad)
     trainer = TRAINERS[doc.get("trainer", "commgate")]
+    if trainer.model is not None and model.module is not None:  # the trainer builds the model it names
+        model = replace(model, builder=trainer.model)
+    check = Check(doc=doc, model=model, par=par, ds=ds, scheme=SCHEMES[par.scheme], schemes=SCHEMES, bad=bad)
     for rule in (*rules.RULES, *RULES, *trainers.rules(trainer)):
         rule(check)
     if problems:

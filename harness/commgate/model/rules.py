@@ -122,6 +122,8 @@ def user_module(c: Check) -> None:
             "(for another scheme, give your own training step as workload:)",
         )
         return
+    if c.model.builder is not None:  # the trainer builds it (Trainer.model): nothing to import
+        return
     try:
         resolve(spec)
     except CommgateError as exc:

@@ -11,6 +11,7 @@ context-parallel degrees.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from typing import Any, Literal
@@ -24,6 +25,10 @@ ARCHITECTURES: tuple[Architecture, ...] = ("gpt-neox", "llama")
 DType = Literal["fp32", "fp16", "bf16"]
 
 ITEMSIZE: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+ModelBuilder = Callable[["Scenario"], tuple[Any, Callable[[int], tuple[Any, ...]]]]
+"""``build(scenario)``: a model (a ``torch.nn.Module``, on torch's current default device) and a function from a
+seed to one micro-batch's inputs, ``model(*inputs)`` returning the loss (``commgate.model.usermodule``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,7 +56,11 @@ class ModelSpec:
     """Biases on the query, key and value projections (Llama only): Qwen2's layout."""
     module: str | None = None
     """A user's own model, ``package.module:build`` (``commgate.model.usermodule``): its parameters,
-    gradient order and module trace replace the built-in decoder's (the dimensions above are then unused)."""
+    gradient order and module trace replace the built-in decoder's (the dimensions above are then unused).
+    With ``builder``, the name of the model it builds (``transformers:LlamaForCausalLM``), for people."""
+    builder: ModelBuilder | None = None
+    """What builds the model instead of importing ``module``: the scenario's trainer's (``Trainer.model``,
+    set by the loader, never written in a scenario)."""
     tied_embeddings: bool = False
     position: Position = "learned"
     dtype: DType = "fp32"

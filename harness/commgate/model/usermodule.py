@@ -7,6 +7,9 @@ The hook (``model: {module: "package.module:build"}`` in a scenario)::
         '''The model, created on torch's current default device, and a function from a seed to one
         micro-batch's inputs; ``model(*inputs)`` returns the loss.'''
 
+A trainer that builds the job's model itself (Hugging Face's, from a ``config.json``) hands the same
+function through its record (``Trainer.model``; the scenario's ``model.builder``) instead of an import string.
+
 commgate calls it under ``torch.device("meta")`` to predict, and on each rank's device to run it
 (``commgate.run.workloads.gpt.build``, used by the DDP and ZeRO workloads) under the scheme's engine.
 One forward and backward on the meta device then gives what the models of those engines need, as the
@@ -31,6 +34,7 @@ engines see it:
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import os
@@ -100,7 +104,7 @@ def build(scenario: Scenario, device: Any) -> tuple[Any, Callable[[int], tuple[A
     spec = scenario.model.module
     with torch.device(device):
         try:
-            out = resolve(spec)(scenario)
+            out = (scenario.model.builder or resolve(spec))(scenario)
         except CommgateError:
             raise
         except Exception as exc:
@@ -327,10 +331,18 @@ def _flat(value: Any) -> list[Any]:
 
 
 def _replace(value: Any, swap: dict[int, Any]) -> Any:
+    """``value`` with the tensors ``swap`` names swapped, its containers rebuilt: a mapping keeps its own type
+    (a copy with the items replaced), since a module may read its output by attribute (Hugging Face's
+    ``ModelOutput``, an ``OrderedDict`` with fields: ``outputs.last_hidden_state``)."""
     if isinstance(value, tuple):
         return tuple(_replace(v, swap) for v in value)
     if isinstance(value, list):
         return [_replace(v, swap) for v in value]
-    if isinstance(value, dict):
+    if type(value) is dict:
         return {k: _replace(v, swap) for k, v in value.items()}
+    if isinstance(value, dict):
+        out = copy.copy(value)
+        for k in list(out):
+            out[k] = _replace(out[k], swap)
+        return out
     return swap.get(id(value), value)

@@ -9,6 +9,7 @@ from typing import Any
 from commgate import __version__
 from commgate.core.units import human_bytes, number, shown
 from commgate.model.expectation import Context, Prediction
+from commgate.model.trainers import derived
 
 DOCUMENT_VERSION = 1
 
@@ -27,7 +28,7 @@ def prediction_document(p: Prediction, *, matrix: bool = False, detail: bool = T
         "scheme": par.scheme,
         "world_size": s.world_size,
         "status": "predicted",
-        "model": {k: v for k, v in asdict(s.model).items()},
+        "model": {k: v for k, v in asdict(s.model).items() if k != "builder"},  # (a function: the trainer's)
         "parallelism": asdict(par),
         "param_count": p.param_count,
         "param_count_eq1": p.param_count_eq1,
@@ -83,6 +84,8 @@ def prediction_document(p: Prediction, *, matrix: bool = False, detail: bool = T
         },
         "message_sizes": [{"bytes": b, "calls_per_step": n} for b, n in p.message_sizes().items()],
     }
+    if lines := derived(s):  # what the trainer decided (Hugging Face's resolved "auto" values)
+        doc["trainer"] = {"name": s.trainer, "options": s.trainer_config, "derived": list(lines)}
     if not detail:
         del doc["collectives"]
     if matrix:
@@ -188,8 +191,9 @@ def _heading(p: Prediction) -> list[str]:
     axes = ", ".join(f"{k}={v}" for k, v in pairs if v > 1)
     ctx = Context(scenario=s)
     eq1 = f"{ctx.eq1_name}: {ctx.eq1:,}" if m.llama else f"Eq. 1: {p.param_count_eq1:,}"
+    whose = f"built by trainer {s.trainer}" if m.builder else "your module"
     model = (
-        f"  model {m.module} (your module, read on the meta device): {m.dtype}; {p.param_count:,} parameters"
+        f"  model {m.module} ({whose}, read on the meta device): {m.dtype}; {p.param_count:,} parameters"
         if m.module
         else f"  model {m.preset or 'custom'}: {m.architecture} L={m.L} h={m.h} a={m.a}"
         f"{f' kv_heads={m.kv}' if m.llama else ''} V={m.V} s={m.s} ffn={m.ffn} {m.dtype}"
@@ -200,6 +204,7 @@ def _heading(p: Prediction) -> list[str]:
         f"{s.id}: {par.scheme}{by} on {s.world_size} ranks ({axes or 'single rank'}), zero stage {par.zero.stage}, "
         f"b={par.micro_batch}, m={par.micro_batches}{', checkpointing' if par.activation_checkpointing else ''}",
         model,
+        *(f"  {s.trainer}: {line}" for line in derived(s)),
     ]
 
 

@@ -20,6 +20,7 @@ from commgate.judge.drift import cold_starts
 from commgate.judge.finding import Finding
 from commgate.judge.reconcile import Reconciliation
 from commgate.model.expectation import Prediction
+from commgate.model.trainers import derived
 from commgate.report.render import prediction_document
 from commgate.report.timemodel import TimeAssessment
 from commgate.run.capture import Capture
@@ -115,6 +116,8 @@ class ScenarioResult:
             lines += [f"    {line}" for f in self.findings for line in f.text().splitlines()]
             return "\n".join(lines)
         lines += self._model_lines(r, view)
+        s = self.prediction.scenario
+        lines += [f"    {s.trainer}: {line}" for line in derived(s)]  # what the trainer resolved, never silent
         for f in self.findings:
             if not (f.kind == "model" and f.fail):  # the model's differences are the lines above
                 lines += [f"    {line}" for line in f.text().splitlines()]

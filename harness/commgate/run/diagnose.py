@@ -56,9 +56,13 @@ def failure(scenario_id: str, exits: Exits, tmp: Path) -> str | None:
         cause, head = _silent_cause(scenario_id, silent, tmp)
     else:
         cause = _first_raised(paths, errors)
-        head = f"{scenario_id}: rank {cause} raised {last[cause]}"
-        head += f"\n{errors[cause]}" if errors[cause] != last[cause] else ""  # a one-line error once
-    after = [f"rank {r} then raised {last[r]}" for r in sorted(errors) if r != cause]
+        detail = f"\n{errors[cause]}" if errors[cause] != last[cause] else ""  # a traceback (not a one-line error)
+        head = f"{scenario_id}: rank {cause} raised {last[cause]}{detail}"
+    after = [
+        f"rank {r} then raised {'the same' if last[r] == last.get(cause) else last[r]}"
+        for r in sorted(errors)
+        if r != cause
+    ]
     return head + ("\n(consequences: " + "; ".join(after) + ")" if after else "")
 
 

@@ -10,6 +10,8 @@
   group and size took without the wait (a key's first call is not slowed).
 * ``ddp-bucket-mb=MB``: DDP runs with this ``bucket_cap_mb`` (the prediction keeps the scenario's).
 * ``zero-stage=N``: DeepSpeed runs ZeRO stage N (the prediction keeps the scenario's).
+* ``env=NAME=VALUE``: the ranks run with NAME=VALUE in their environment, as a user's launcher may set it
+  (``ACCELERATE_USE_CPU=true`` makes accelerate drop DeepSpeed from a Hugging Face Trainer job).
 
 A fault changes what runs, never what is expected: the gate must notice.
 """
@@ -29,6 +31,7 @@ SPECS = (
     "slow=OP[:FACTOR]",
     "ddp-bucket-mb=MB",
     "zero-stage=N",
+    "env=NAME=VALUE",
 )
 
 
@@ -41,6 +44,8 @@ class Faults:
     """(op, factor): that op's calls take factor times as long."""
     ddp_bucket_mb: float | None = None
     zero_stage: int | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    """(name, value): set in each rank's environment before it joins."""
 
     def __bool__(self) -> bool:
         return self != Faults()
@@ -58,6 +63,7 @@ class Faults:
             parts.append(f"ddp-bucket-mb={self.ddp_bucket_mb:g}")
         if self.zero_stage is not None:
             parts.append(f"zero-stage={self.zero_stage}")
+        parts += [f"env={k}={v}" for k, v in self.env]
         return ", ".join(parts)
 
     def apply(self, scenario: Scenario) -> Scenario:
@@ -91,6 +97,8 @@ def parse(specs: list[str]) -> Faults:
                 faults = replace(faults, ddp_bucket_mb=float(value))
             elif name == "zero-stage" and value in ("1", "2", "3"):
                 faults = replace(faults, zero_stage=int(value))
+            elif name == "env" and (var := value.partition("=")[0]).isidentifier() and "=" in value:
+                faults = replace(faults, env=(*faults.env, (var, value.partition("=")[2])))
             else:
                 raise ValueError
         except ValueError:

@@ -25,7 +25,6 @@ from commgate.run import links
 from commgate.run.capture import RUN_DIR, CapturedCall, StepWindow, write_rank_calls
 from commgate.run.emulate import started_ranks
 from commgate.run.inject import Faults
-from commgate.run.threadclock import ThreadClock
 
 if TYPE_CHECKING:
     import torch
@@ -81,12 +80,14 @@ def run_rank(
     import torch.distributed as dist
 
     from commgate.run import interpose, planted
-    from commgate.run.workloads import resolve
+    from commgate.run.steps import Steps
+    from commgate.run.workloads import OwnLoop, resolve
 
     backend = resolve_backend(scenario)
     device = _device(backend, rank)
     functional = dict(vars(torch.nn.functional))  # restored after the scenario (see _forget_deepspeed_state)
     faults = faults or Faults()
+    os.environ.update(dict(faults.env))
     rec = interpose.install(backend, rank, started_ranks(scenario), recorder=planted.recorder(faults))
     dist.init_process_group(
         interpose.BACKEND_NAME,
@@ -100,24 +101,16 @@ def run_rank(
     marks["joined"] = time.monotonic()
     workload = resolve(scenario)(scenario, rank=rank, device=device)
     marks["built"] = time.monotonic()
-    clock = ThreadClock() if device.type == "cpu" else None  # on CUDA the thread's time is not the step's
-    for k in range(scenario.warmup_steps + scenario.steps):
-        rec.poll()
-        rec.step, rec.phase = k, "forward"
-        planted.before_step(faults, k, rank=rank, world_size=world_size)
-        busy = clock.busy_ns() if clock else None
-        begun = rec.now()
-        workload.step(k)
-        planted.after_step(faults, device)
-        if device.type == "cuda":
-            torch.cuda.synchronize()  # the step's kernels are inside its window
-        rec.poll()
-        ended = rec.now()
-        busy_after = clock.busy_ns() if clock else None
-        blocked = None if busy is None or busy_after is None else max(0, ended - begun - (busy_after - busy))
-        rec.windows.append(StepWindow(rank=rank, step=k, start_ns=begun, end_ns=ended, blocked_ns=blocked))
-    if clock:
-        clock.close()
+    steps = Steps(rec, faults, device, rank=rank, world_size=world_size)
+    if isinstance(workload, OwnLoop):  # a trainer that runs its own loop opens and closes the steps itself
+        steps.marks = marks
+        workload.run(steps)
+    else:
+        for k in range(scenario.warmup_steps + scenario.steps):
+            steps.begin(k)
+            workload.step(k)
+            steps.end()
+    steps.close()
     marks["stepped"] = time.monotonic()
     # Only a successful rank tears down: a failing one must not close its connections (and make its
     # peers fail) before its own error is written; its process exits right after.
@@ -305,9 +298,11 @@ def child(
 
         if interpose.INSTALLED is not None:  # the call issued last, now (the heartbeat writes it late)
             _write_status(status, interpose.INSTALLED.describe_last())
-        # what the user got wrong (a CommgateError, one line), else the traceback
-        one_line = f"{type(exc).__name__}: {exc}" if isinstance(exc, CommgateError) else None
-        (out / f"rank{rank}.err").write_text(one_line or traceback.format_exc())
+        # commgate's own one-line errors (what the user can mend: a trainer's job that is not its scenario's)
+        # are their line alone; anything else, its traceback
+        one_line = isinstance(exc, CommgateError) and "\n" not in str(exc)
+        text = f"{type(exc).__name__}: {exc}" if one_line else traceback.format_exc()
+        (out / f"rank{rank}.err").write_text(text)
         code = 1  # at once: no process-group shutdown (which would fail the peers) before the launcher sees it
     sys.stdout.flush()
     sys.stderr.flush()

@@ -13,6 +13,12 @@ and measured): Eq. 2 with DDP's buckets, its construction-time checks, and its b
   bucket and 25 MiB after, when ``bucket_cap_mb`` is left at its default; the given cap throughout
   otherwise.
 * From then on every step all-reduces each rebuilt bucket once.
+
+With ``find_unused_parameters`` (a knob of the component: Hugging Face's Trainer turns it on, commgate's
+own workloads do not) the reducer never rebuilds: its buckets are the initial assignment by size, in
+registration order, 1 MiB first and 25 MiB after unless ``bucket_cap_mb`` is given, from the first
+iteration on; and every synchronised backward all-reduces the map of the parameters used (one int32 per
+parameter with a gradient) before the gradients.
 """
 
 from __future__ import annotations
@@ -73,8 +79,23 @@ def rebuilt_buckets(ready: tuple[ParamTensor, ...], itemsize: int, bucket_mb: fl
     return [b // itemsize for b in buckets_by_size(sizes, limits)]
 
 
+def initial_buckets(params: tuple[ParamTensor, ...], itemsize: int, bucket_mb: float | None, tp: int = 1) -> list[int]:
+    """Elements per bucket of the reducer's initial assignment with ``find_unused_parameters`` (torch's
+    ``BucketCapacityConfig.compute_bucket_size_limits`` then ``_compute_bucket_assignment_by_size``): the
+    parameters in registration order, 1 MiB first and ``bucket_cap_mb`` (25 MiB) after, or the given cap
+    throughout."""
+    cap = int((bucket_mb if bucket_mb is not None else DEFAULT_BUCKET_MB) * MIB)
+    limits = [FIRST_BUCKET_BYTES, cap] if bucket_mb is None else [cap]
+    sizes = [("", p.numel_per_tp_rank(tp) * itemsize) for p in params]
+    return [sum(sizes[i][1] for i in idx) // itemsize for _, idx in bucket_assignment(sizes, limits)]
+
+
 @dataclass(frozen=True, slots=True)
 class DistributedDataParallel(DataParallel):
+    find_unused_parameters: bool = False
+    """DDP's ``find_unused_parameters`` (Hugging Face's Trainer turns it on for a model without activation
+    checkpointing); commgate's own workloads leave it off."""
+
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         s, m = ctx.scenario, ctx.scenario.model
         par, params, isz = s.parallelism, ctx.trainable, m.itemsize
@@ -141,6 +162,8 @@ class DistributedDataParallel(DataParallel):
             once=True,
             at_step=0,
         )
+        if self.find_unused_parameters:
+            return rows + self._unused_found(ctx, grad)
         rows.append(grad)
         buckets = rebuilt_buckets(ctx.ready_order, isz, par.ddp_bucket_mb, par.tp)
         if s.warmup_steps + s.steps > 1:
@@ -163,3 +186,28 @@ class DistributedDataParallel(DataParallel):
                 )
             )
         return rows
+
+    def _unused_found(self, ctx: Context, grad: ExpectedCollective) -> list[ExpectedCollective]:
+        """Every step's rows with ``find_unused_parameters``: the used-parameter map, then the initial buckets
+        (never rebuilt)."""
+        par, params = ctx.scenario.parallelism, ctx.trainable
+        used = replace(
+            grad,
+            dtype="int32",
+            elements=len(params),
+            once=False,
+            at_step=None,
+            source="DDP used-parameter map (find_unused_parameters)",
+        )
+        buckets = initial_buckets(params, ctx.scenario.model.itemsize, par.ddp_bucket_mb, par.tp)
+        return [used] + [
+            replace(
+                used,
+                dtype=grad.dtype,
+                elements=b,
+                paper_term=TERM,
+                source=f"DDP gradient all-reduce, bucket {i} of {len(buckets)} (initial buckets, never rebuilt)",
+                overlaps=True,
+            )
+            for i, b in enumerate(buckets)
+        ]

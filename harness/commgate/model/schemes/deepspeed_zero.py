@@ -516,6 +516,11 @@ def sub_groups(ctx: Context) -> int:
 
 @dataclass(frozen=True, slots=True)
 class DeepSpeedZero3(Zero3):
+    built_partitioned: bool | None = None
+    """Whether the model was built inside ``deepspeed.zero.Init`` (each parameter broadcast once as it is
+    partitioned, and not again by the engine); None: as commgate's workload builds it (``built_partitioned``
+    of the scenario). Hugging Face's ``from_config`` under a ZeRO-3 config builds it so."""
+
     @property
     def rules(self) -> tuple[Rule, ...]:
         """The consistency rules of the feature this component models (``RULES`` below)."""
@@ -530,7 +535,8 @@ class DeepSpeedZero3(Zero3):
         base = _init_row(ctx, Op.ALL_GATHER)
         # each parameter broadcast as bytes twice: by the engine and when partitioned in initialize; once
         # when it was partitioned as it was built
-        rows = _init_broadcasts(ctx, base, 1 if built_partitioned(ctx.scenario) else 2) if init else []
+        partitioned = built_partitioned(ctx.scenario) if self.built_partitioned is None else self.built_partitioned
+        rows = _init_broadcasts(ctx, base, 1 if partitioned else 2) if init else []
         rows += [  # the trainable ones (a frozen parameter is not)
             replace(base, elements=padded(p.numel, over), source="ZeRO-3 initial all-gather (per parameter)")
             for p in (ctx.trainable if init else ())

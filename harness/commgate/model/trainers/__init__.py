@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from commgate.model.scenario import Scenario
 from commgate.model.schemes.scheme import Check, Component, Rule, Scheme
+from commgate.model.trainers import hf
 from commgate.model.trainers.torchtitan import TORCHTITAN
 from commgate.model.trainers.trainer import Trainer
 
-__all__ = ["TRAINERS", "Trainer", "components", "rules"]
+__all__ = ["TRAINERS", "Trainer", "components", "derived", "rules"]
 
 TRAINERS: dict[str, Trainer] = {
     t.name: t
@@ -27,6 +28,19 @@ TRAINERS: dict[str, Trainer] = {
             summary="commgate's own workloads: its decoder (or your model.module) under each scheme's framework",
         ),
         TORCHTITAN,
+        Trainer(
+            name="hf",
+            summary='Hugging Face transformers.Trainer: your config.json and DeepSpeed JSON ("auto" resolved as '
+            "Trainer resolves it), under DDP or DeepSpeed ZeRO-1/2/3",
+            schemes=tuple(hf.SCHEME_OF_STAGE.values()),
+            extra="hf",
+            packages=("transformers", "accelerate"),
+            options=hf.OPTIONS,
+            derive=hf.derive,
+            components=hf.components,
+            model=hf.model,
+            derived=hf.derived,
+        ),
     )
 }
 
@@ -54,3 +68,9 @@ def components(scenario: Scenario, scheme: Scheme) -> tuple[Component, ...]:
     """What models the collectives of ``scenario``: its trainer's components, or its scheme's."""
     trainer = TRAINERS[scenario.trainer]
     return trainer.components(scenario, scheme) if trainer.components else scheme.components
+
+
+def derived(scenario: Scenario) -> tuple[str, ...]:
+    """What its trainer decided for ``scenario``, one line each (``Trainer.derived``), for every output."""
+    trainer = TRAINERS[scenario.trainer]
+    return trainer.derived(scenario) if trainer.derived else ()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from commgate.core.errors import CommgateError
-from commgate.model.scenario import Scenario
+from commgate.model.scenario import ModelBuilder, Scenario
 from commgate.model.schemes.scheme import Component, Rule, Scheme
 
 Derive = Callable[[Mapping[str, Any], str], dict[str, Any]]
@@ -27,6 +27,8 @@ Components = Callable[[Scenario, Scheme], tuple[Component, ...]]
 """(the scenario, its scheme) -> the components whose collectives model what the trainer sends."""
 Warnings = Callable[[Mapping[str, Any]], tuple[str, ...]]
 """(the trainer's options block) -> what a run of it leaves out or changes, one line each."""
+Derived = Callable[[Scenario], tuple[str, ...]]
+"""(the scenario) -> what the trainer decided for it, one line each (a resolved "auto" and what resolved it)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,6 +52,15 @@ class Trainer:
     """Its own consistency rules, beside the schemes'."""
     warnings: Warnings | None = None
     """What its options leave out of a run (the scenario's warnings: every prediction and run names them)."""
+    model: ModelBuilder | None = None
+    """Builds the job's model from the scenario (``commgate.model.usermodule``'s hook contract: on torch's
+    current device, with a function from a seed to one micro-batch's inputs), where the trainer's own
+    configuration names the model (a Hugging Face ``config.json``): the scenario's ``model.module`` then
+    names the model for people, and the model is read off this build on the meta device, as a user's
+    module is."""
+    derived: Derived | None = None
+    """What it decided for the scenario, shown with the prediction and the result (nothing it resolves is
+    silent); None: nothing beyond the document as written."""
 
     def missing(self) -> tuple[str, ...]:
         """The packages it needs that this environment cannot import."""

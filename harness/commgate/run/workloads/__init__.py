@@ -13,7 +13,7 @@ scenario runs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from commgate.model.rules import emulation_refusal
 from commgate.model.scenario import TORCH_SCHEDULES, Scenario
@@ -24,15 +24,26 @@ from commgate.model.usermodule import resolve as user_callable
 if TYPE_CHECKING:
     import torch
 
+    from commgate.run.steps import Steps
+
 
 class Workload(Protocol):
     def step(self, k: int) -> float: ...
 
 
+@runtime_checkable
+class OwnLoop(Protocol):
+    """A trainer that runs its own loop (Hugging Face's ``Trainer.train()``): built once per rank as a
+    workload is, then ``run(steps)`` trains ``warmup_steps + steps`` optimizer steps, calling
+    ``steps.begin(k)`` where step k begins and ``steps.close()`` after the last."""
+
+    def run(self, steps: Steps) -> None: ...
+
+
 class WorkloadFactory(Protocol):
     """A workload class, or a user's ``module:function`` (``workload:`` in the scenario)."""
 
-    def __call__(self, scenario: Scenario, *, rank: int, device: torch.device) -> Workload: ...
+    def __call__(self, scenario: Scenario, *, rank: int, device: torch.device) -> Workload | OwnLoop: ...
 
 
 def _ddp() -> WorkloadFactory:
@@ -109,7 +120,17 @@ def _torchtitan(scenario: Scenario) -> WorkloadFactory:
     return TorchtitanWorkload
 
 
-TRAINER_WORKLOADS: dict[str, Callable[[Scenario], WorkloadFactory]] = {"commgate": _commgate, "torchtitan": _torchtitan}
+def _hf(scenario: Scenario) -> WorkloadFactory:
+    from commgate.run.trainers.hf import HFTrainerJob
+
+    return HFTrainerJob
+
+
+TRAINER_WORKLOADS: dict[str, Callable[[Scenario], WorkloadFactory]] = {
+    "commgate": _commgate,
+    "torchtitan": _torchtitan,
+    "hf": _hf,
+}
 """What runs a scenario of each trainer (every ``TRAINERS`` record has one)."""
 
 

@@ -3,6 +3,8 @@
 Each all-reduces a small tensor every step; at step 1, rank 1 misbehaves:
 
 * ``crash``: raises ``RuntimeError``;
+* ``refuse``: raises commgate's own one-line ``CommgateError`` (what a trainer's check after its run raises
+  when the job was not its scenario's), which the launcher reports as that line, without a traceback;
 * ``die``: is killed by SIGKILL (an OOM killer, a segfault);
 * ``exit_without_raising``: leaves with ``os._exit(3)``, raising nothing (a library calling ``exit``),
   so that rank 0's all-reduce then fails with a connection error of its own;
@@ -23,6 +25,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from commgate.core.errors import CommgateError
 from commgate.model.scenario import Scenario
 
 
@@ -46,6 +49,11 @@ class _Faulty:
 class _Crash(_Faulty):
     def misbehave(self) -> None:
         raise RuntimeError("planted crash on rank 1 at step 1")
+
+
+class _Refuse(_Faulty):
+    def misbehave(self) -> None:
+        raise CommgateError("planted refusal on rank 1 at step 1: what a user can mend, in one line")
 
 
 class _Die(_Faulty):
@@ -75,6 +83,10 @@ class _Hang(_Faulty):
 
 def crash(scenario: Scenario, *, rank: int, device: torch.device) -> _Faulty:
     return _Crash(scenario, rank=rank, device=device)
+
+
+def refuse(scenario: Scenario, *, rank: int, device: torch.device) -> _Faulty:
+    return _Refuse(scenario, rank=rank, device=device)
 
 
 def die(scenario: Scenario, *, rank: int, device: torch.device) -> _Faulty:

@@ -1,0 +1,480 @@
+"""Trainer ``hf``: a Hugging Face ``transformers.Trainer`` job under the gate, as its user runs it.
+
+* the ``"auto"`` values of Hugging Face's own DeepSpeed test configs, resolved for real model configs, against
+  the table of what Trainer makes of each (``docs/trainers.md``);
+* what a scenario cannot say, one line each;
+* one test per CPU workaround (``commgate.run.trainers.hf``, W1-W7), each failing when upstream changes so that
+  it is no longer needed or no longer works;
+* real runs on 2 CPU gloo ranks (DDP, "auto" ZeRO-2 and ZeRO-3, gradient accumulation 2): every call key
+  matched, no byte unexplained, the resolved values shown, the job checked against the scenario after the
+  run; and a planted substitution (``ACCELERATE_USE_CPU=true``, which drops DeepSpeed) caught, its cause named.
+
+Skipped, with the reason, where transformers or accelerate cannot be imported (``pip install 'commgate[hf]'``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+pytest.importorskip("transformers", reason="trainer hf needs transformers: pip install 'commgate[hf]'")
+pytest.importorskip("accelerate", reason="trainer hf needs accelerate: pip install 'commgate[hf]'")
+
+from commgate.core.errors import ScenarioError
+from commgate.model.loader import load_file, load_text
+from commgate.model.predict import predict
+from commgate.model.trainers import hf
+
+DATA = Path(__file__).parent / "data" / "hf"
+SUITE = Path(__file__).resolve().parents[1] / "scenarios"
+TINY = DATA / "tiny-llama.config.json"
+
+
+def scenario(config: Path, ds: Path | None, args: dict[str, Any], *, dp: int = 2, extra: str = "") -> str:
+    block = {"config": str(config), "training_args": args} | ({"deepspeed": str(ds)} if ds else {})
+    return (
+        f"schema_version: 1\nname: t\ntrainer: hf\nhf: {yaml.safe_dump(block, default_flow_style=True).strip()}\n"
+        "model: {s: 32}\n"
+        f"parallelism: {{dp: {dp}}}\nsteps: 3\nwarmup_steps: 0\n{extra}"
+    )
+
+
+# ------------------------------------------------------------------------------------ the "auto" table
+
+
+ARGS = {
+    "per_device_train_batch_size": 4,
+    "gradient_accumulation_steps": 8,
+    "learning_rate": 3e-4,
+    "weight_decay": 0.1,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.95,
+    "adam_epsilon": 1e-8,
+    "max_grad_norm": 0.5,
+    "warmup_steps": 10,
+    "bf16": True,
+}
+
+
+def expected(key: str, a: dict[str, Any], h: int, world: int, steps: int) -> Any:
+    """What Trainer makes of ``key`` given as ``"auto"`` (the table of ``docs/trainers.md``)."""
+    b, m = a["per_device_train_batch_size"], a["gradient_accumulation_steps"]
+    return {
+        "train_micro_batch_size_per_gpu": b,
+        "gradient_accumulation_steps": m,
+        "train_batch_size": world * b * m,
+        "gradient_clipping": a["max_grad_norm"],
+        "optimizer.params.lr": a["learning_rate"],
+        "optimizer.params.betas": [a["adam_beta1"], a["adam_beta2"]],
+        "optimizer.params.eps": a["adam_epsilon"],
+        "optimizer.params.weight_decay": a["weight_decay"],
+        "scheduler.params.warmup_min_lr": 0,
+        "scheduler.params.warmup_max_lr": a["learning_rate"],
+        "scheduler.params.warmup_num_steps": max(1, a["warmup_steps"]),
+        "scheduler.params.total_num_steps": steps,
+        "fp16.enabled": False,
+        "bf16.enabled": a["bf16"],
+        "zero_optimization.reduce_bucket_size": h * h,
+        "zero_optimization.stage3_prefetch_bucket_size": 9 * h * h // 10,
+        "zero_optimization.stage3_param_persistence_threshold": 10 * h,
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save": False,
+    }[key]
+
+
+def autos(d: dict[str, Any], prefix: str = "") -> list[str]:
+    return [
+        k
+        for key, v in d.items()
+        for k in (autos(v, f"{prefix}{key}.") if isinstance(v, dict) else [prefix + key] if v == "auto" else [])
+    ]
+
+
+@pytest.mark.parametrize("ds", ["ds_config_zero2.json", "ds_config_zero3.json"])
+@pytest.mark.parametrize("config", ["tinyllama-1.1b.json", "qwen2.5-0.5b.json", "tiny-llama.config.json"])
+def test_every_auto_of_hugging_faces_configs_resolves_as_the_table_says(ds: str, config: str) -> None:
+    """Hugging Face's own ZeRO-2 and ZeRO-3 test configs (verbatim; offload kept: predicted, not run), for
+    Llama and Qwen2 configs, on 8 ranks: each ``"auto"`` is what the table says and nothing is left ``"auto"``.
+    Where trainer hf models the job (not a tied embedding, nor bf16, under ZeRO-3), the scenario's ``deepspeed:``
+    block is that resolution (less accelerate's infinite ``steps_per_print``) and every resolved key is shown
+    with the prediction."""
+    raw, cfg = json.loads((DATA / ds).read_text()), json.loads((DATA / config).read_text())
+    zero3 = raw["zero_optimization"]["stage"] == 3
+    args = ARGS | {"bf16": not zero3 or cfg.get("torch_dtype") == "bfloat16"}
+    block = {"config": str(DATA / config), "deepspeed": str(DATA / ds), "training_args": args}
+    r = hf._resolution(block, None, 8, 3)
+    assert r.config is not None and r.hidden_size == cfg["hidden_size"]
+    flat = hf._flat(r.config)
+    for key in autos(raw):
+        assert flat[key] == pytest.approx(expected(key, args, cfg["hidden_size"], 8, 3)), key
+    assert "auto" not in json.dumps(r.config) and r.config["steps_per_print"] == float("inf")
+    if zero3 and (args["bf16"] or cfg.get("tie_word_embeddings")):
+        with pytest.raises(ScenarioError, match="under ZeRO-3"):  # refused: test_what_a_scenario_cannot_say
+            load_text(scenario(DATA / config, DATA / ds, args, dp=8))
+        return
+    (s,) = load_text(scenario(DATA / config, DATA / ds, args, dp=8))
+    assert s.deepspeed_config == hf.finite(r.config) and "steps_per_print" not in s.deepspeed_config
+    shown = "\n".join(hf.derived(s))
+    assert all(f'deepspeed.{key}: "auto" -> ' in shown for key in autos(raw))
+    assert (s.parallelism.micro_batch, s.parallelism.micro_batches) == (4, 8)
+    assert s.model.dtype == ("bf16" if args["bf16"] else "fp32")
+
+
+def test_a_hidden_size_key_left_auto_in_a_zero2_config_is_filled_by_accelerate() -> None:
+    """transformers fills the ZeRO-3 bucket keys for stage 3 only; accelerate fills them at any stage."""
+    ds = {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto"}}
+    ds |= {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}}}
+    r = hf._resolved(json.dumps(ds), TINY.read_text(), 2, json.dumps(hf.arguments({}, 3)))
+    by = {c.key: c.by for c in r.changes}
+    assert r.config is not None and r.config["zero_optimization"]["stage3_prefetch_bucket_size"] == 9 * 64 * 64 // 10
+    assert by["zero_optimization.stage3_prefetch_bucket_size"] == "accelerate Accelerator._prepare_deepspeed"
+    assert by["zero_optimization.reduce_bucket_size"] == "Trainer: trainer_config_finalize"
+
+
+# ---------------------------------------------------------------------------------- what it cannot say
+
+TINY_ARGS = {"per_device_train_batch_size": 1}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            scenario(TINY, None, TINY_ARGS).replace("model: {s: 32}", "model: {s: 32, dtype: bf16}"),
+            'model.dtype is "bf16" in the scenario, Trainer resolves "fp32" from hf; leave it out',
+        ),
+        (
+            scenario(TINY, SUITE / "hf" / "ds_zero3.json", TINY_ARGS).replace("{dp: 2}", "{dp: 2, scheme: zero2}"),
+            'parallelism.scheme is "zero2" in the scenario, Trainer resolves "zero3"',
+        ),
+        (scenario(TINY, None, TINY_ARGS).replace("model: {s: 32}", "model: {s: 32, L: 2}"), "model.L: trainer hf"),
+        (scenario(TINY, None, TINY_ARGS).replace("model: {s: 32}", "model: {}"), "model.s: give the sequence"),
+        (scenario(TINY, None, TINY_ARGS, extra="deepspeed: {}\n"), "deepspeed: trainer hf reads the DeepSpeed JSON"),
+        (scenario(TINY, None, TINY_ARGS, extra="emulate: true\n"), "emulate: not supported"),
+        (scenario(TINY, None, {"save_strategy": "steps"}), "save_strategy 'steps': checkpoint saving"),
+        (scenario(TINY, None, {"eval_strategy": "steps"}), "eval_strategy 'steps': evaluation"),
+        (scenario(TINY, None, {"gradient_checkpointing": True}), "activation checkpointing"),
+        (scenario(DATA / "nope.json", None, TINY_ARGS), "hf.config .*nope.json: cannot be read"),
+        ("no-optimizer", "no optimizer section: Trainer's own AdamW keeps two parameter groups"),
+        ("stage-0", "zero_optimization.stage 0: trainer hf runs ZeRO stages 1-3"),
+        ("auto-allgather", "accelerate refuse it: `zero_optimization.allgather_bucket_size` not found in kwargs"),
+        ("mismatch", "ds train_micro_batch_size_per_gpu=4 vs hf per_device_train_batch_size=1"),
+        ("tied-zero3", "tie_word_embeddings under ZeRO-3"),
+        (
+            scenario(TINY, SUITE / "hf" / "ds_zero3.json", {"bf16": True}),
+            "hf.training_args.bf16: true under ZeRO-3 is not modelled yet",
+        ),
+        (scenario(TINY, None, {"logging_strategy": "epoch"}), 'hf.training_args.logging_strategy: "epoch" is not'),
+    ],
+    ids=[
+        "model-dtype",
+        "scheme",
+        "dimensions",
+        "no-s",
+        "deepspeed-block",
+        "emulate",
+        "save",
+        "eval",
+        "checkpointing",
+        "no-config",
+        "no-optimizer",
+        "stage-0",
+        "auto-allgather",
+        "mismatch",
+        "tied-zero3",
+        "bf16-zero3",
+        "logging-epoch",
+    ],
+)
+def test_what_a_scenario_cannot_say_is_one_line_naming_it(text: str, message: str, tmp_path: Path) -> None:
+    configs = {
+        "no-optimizer": ({"zero_optimization": {"stage": 2}}, TINY),
+        "stage-0": ({"zero_optimization": {"stage": 0}, "optimizer": {"type": "AdamW", "params": {}}}, TINY),
+        "auto-allgather": ({"zero_optimization": {"stage": 2, "allgather_bucket_size": "auto"}}, TINY),
+        "mismatch": ({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}, TINY),
+        "tied-zero3": ({"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {}}}, None),
+    }
+    if text in configs:
+        ds, config = configs[text]
+        if config is None:
+            config = tmp_path / "tied.json"
+            config.write_text(json.dumps(json.loads(TINY.read_text()) | {"tie_word_embeddings": True}))
+        (tmp_path / "ds.json").write_text(json.dumps(ds))
+        text = scenario(config, tmp_path / "ds.json", TINY_ARGS)
+    with pytest.raises(ScenarioError, match=message) as info:
+        load_text(text)
+    assert len(info.value.problems) == 1 and "\n" not in str(info.value.problems[0]), info.value.problems
+
+
+# ------------------------------------------------------------------------------------------ workarounds
+
+
+def upstream(code: str, tmp_path: Path, **env: str) -> Any:
+    """``code`` run in a fresh process that joined a one-rank gloo group (accelerate's state is per process),
+    with ``env`` added; what it prints, as JSON."""
+    head = (
+        "import json, os, torch.distributed as dist\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, world_size=1)\n"
+    )
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    clean |= {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"} | env
+    proc = subprocess.run(
+        [sys.executable, "-c", head + textwrap.dedent(code)], env=clean, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+RANK_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+STATE = "from accelerate.state import PartialState\nprint(json.dumps(str(PartialState(cpu={cpu}).distributed_type)))"
+
+
+def test_w1_accelerate_runs_distributed_only_with_the_rank_environment(tmp_path: Path) -> None:
+    """W1: the process group alone does not make a distributed run (``accelerate/state.py:800-808``)."""
+    assert upstream(STATE.format(cpu=True), tmp_path) == "DistributedType.NO"
+    assert upstream(STATE.format(cpu=True), tmp_path, **RANK_ENV) == "DistributedType.MULTI_CPU"
+
+
+def test_w2_a_cpu_host_runs_distributed_only_with_use_cpu(tmp_path: Path) -> None:
+    """W2: without ``use_cpu`` a host with no accelerator gets no backend (``state.py:800-815``); with it,
+    ``TrainingArguments`` makes the CPU run."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU host finds its accelerator without use_cpu")
+    assert upstream(STATE.format(cpu=False), tmp_path, **RANK_ENV) == "DistributedType.NO"
+    code = (
+        "from transformers import TrainingArguments\nfrom accelerate.state import PartialState\n"
+        f"TrainingArguments(output_dir='{tmp_path}', use_cpu=True, report_to='none')\n"
+        "print(json.dumps(str(PartialState().distributed_type)))"
+    )
+    assert upstream(code, tmp_path, **RANK_ENV) == "DistributedType.MULTI_CPU"
+
+
+DEEPSPEED_STATE = """
+from accelerate import Accelerator
+from accelerate.state import PartialState
+from accelerate.utils import DeepSpeedPlugin
+PartialState(cpu=True)  # as TrainingArguments(use_cpu=True) makes it
+plugin = DeepSpeedPlugin(hf_ds_config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}})
+print(json.dumps(str(Accelerator(deepspeed_plugin=plugin).distributed_type)))  # as Trainer makes it
+"""
+
+
+def test_w3_accelerate_use_cpu_in_the_environment_drops_deepspeed(tmp_path: Path) -> None:
+    """W3: ``ACCELERATE_USE_CPU=true`` forces ``cpu`` (``state.py:915-916``) and DeepSpeed is kept only
+    without it (``state.py:974``); Trainer's own ``Accelerator`` keeps it (the ``verify`` check catches the
+    drop: ``test_a_planted_substitution_fails_the_run_naming_its_cause``)."""
+    assert upstream(DEEPSPEED_STATE, tmp_path, **RANK_ENV) == "DistributedType.DEEPSPEED"
+    dropped = upstream(DEEPSPEED_STATE, tmp_path, **RANK_ENV, ACCELERATE_USE_CPU="true")
+    assert dropped == "DistributedType.MULTI_CPU"
+
+
+def test_w4_deepspeeds_comm_is_left_to_join_and_adopts_the_group(tmp_path: Path) -> None:
+    """W4: accelerate's CPU path leaves DeepSpeed's comm uninitialised (``state.py:201``); initialised by
+    the adapter, it adopts the process group (no second group)."""
+    code = """
+    import deepspeed
+    from accelerate.state import PartialState
+    PartialState(cpu=True)
+    before, group = deepspeed.comm.is_initialized(), dist.distributed_c10d._get_default_group()
+    deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    same = dist.distributed_c10d._get_default_group() is group
+    print(json.dumps([before, deepspeed.comm.is_initialized(), same, deepspeed.comm.get_world_size()]))
+    """
+    assert upstream(code, tmp_path, **RANK_ENV) == [False, True, True, 1]
+
+
+def test_w5_an_fsdp_plugin_is_dropped_on_cpu_ranks(tmp_path: Path) -> None:
+    """W5: accelerate keeps an FSDP plugin for GPU types only (``state.py:986-1016``): trainer hf refuses
+    FSDP rather than run DDP in its place."""
+    code = """
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    PartialState(cpu=True)
+    accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    print(json.dumps([str(accelerator.distributed_type), "fsdp_plugin" in accelerator.state.__dict__]))
+    """
+    assert upstream(code, tmp_path, **RANK_ENV) == ["DistributedType.MULTI_CPU", False]
+
+
+def test_w6_torch_adam_spares_the_cpu_op_build(tmp_path: Path) -> None:
+    """W6: a config optimizer ``AdamW`` is DeepSpeed's FusedAdam op (compiled on first use on CPU), torch's
+    AdamW with ``"torch_adam": true`` (``runtime/engine.py:2378-2409``)."""
+    code = """
+    import types
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    engine = types.SimpleNamespace(zero_use_cpu_optimizer=lambda: False)
+    def cls(params):
+        return DeepSpeedEngine.get_optimizer_configuration(engine, params, True)[0]
+    print(json.dumps([f"{c.__module__}.{c.__name__}" for c in (cls({"torch_adam": True}), cls({}))]))
+    """
+    assert upstream(code, tmp_path) == ["torch.optim.adamw.AdamW", "deepspeed.ops.adam.fused_adam.FusedAdam"]
+
+
+def test_w7_trainer_fetches_a_step_before_its_step_begins(tmp_path: Path) -> None:
+    """W7: ``get_batch_samples`` (and its token-count gather) runs before ``on_step_begin``
+    (``trainer.py:1873`` vs ``:1894``), so the adapter begins a step there."""
+    code = f"""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    events = []
+    class Seen(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            events.append("on_step_begin")
+    args = TrainingArguments(output_dir="{tmp_path}", use_cpu=True, report_to="none", max_steps=2,
+                             per_device_train_batch_size=1, save_strategy="no", disable_tqdm=True)
+    config = AutoConfig.for_model(**json.load(open("{TINY}")))
+    data = [{{"input_ids": torch.arange(8), "labels": torch.arange(8)}}] * 4
+    trainer = Trainer(model=AutoModelForCausalLM.from_config(config), args=args, train_dataset=data, callbacks=[Seen()])
+    fetch = trainer.get_batch_samples
+    trainer.get_batch_samples = lambda *a, **k: (events.append("get_batch_samples"), fetch(*a, **k))[1]
+    trainer.train()
+    print(json.dumps(events))
+    """
+    assert upstream(code, tmp_path) == ["get_batch_samples", "on_step_begin"] * 2
+
+
+# ------------------------------------------------------------------------------------------ real runs
+
+
+def run(text_or_file: str | Path, tmp_path: Path, **runner: Any) -> Any:
+    from commgate.pipeline import Options, run_scenario
+    from commgate.run.runners import LocalRanks
+
+    (s,) = load_file(text_or_file) if isinstance(text_or_file, Path) else load_text(text_or_file)
+    return run_scenario(s, LocalRanks(deadline_s=600, **runner), Options(baseline_dir=tmp_path, gate=False))
+
+
+def reconciled(result: Any) -> None:
+    """Passed: every call key matched, nothing unexplained (against the model and Eqs. 2-3), the resolved
+    values in the summary."""
+    assert result.status == "passed", result.reason
+    rec = result.reconciliation
+    assert rec is not None and not rec.mismatches and rec.keys, rec.mismatches
+    assert all(o.unexplained_bytes == 0 for o in rec.ops) and rec.traffic_measured == rec.traffic_predicted
+    assert all(c.unexplained_bytes == 0 for c in result.prediction.comparison())
+    shown = result.summary()
+    assert all(f"    hf: {line}" in shown for line in hf.derived(result.prediction.scenario))
+
+
+@pytest.mark.parametrize("file", sorted(SUITE.glob("hf-*.yaml")), ids=lambda f: f.stem)
+def test_the_default_suites_auto_configs_reconcile_on_real_runs(file: Path, tmp_path: Path) -> None:
+    """``scenarios/hf-zero2.yaml`` (gradient accumulation 2, logging every second step) and
+    ``scenarios/hf-zero3.yaml``: Hugging Face's own configs, "auto" resolved; Trainer itself trains."""
+    result = run(file, tmp_path)
+    reconciled(result)
+    assert '"auto" -> ' in result.summary()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"per_device_train_batch_size": 1, "logging_steps": 1},
+        {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "logging_steps": 2},
+        {"per_device_train_batch_size": 1, "ddp_find_unused_parameters": False, "include_num_input_tokens_seen": True},
+    ],
+    ids=["defaults", "accumulation-2", "no-unused-tokens-seen"],
+)
+def test_ddp_as_trainer_runs_it_reconciles(args: dict[str, Any], tmp_path: Path) -> None:
+    """No DeepSpeed config: Trainer's DDP, with ``find_unused_parameters`` as Trainer sets it (on for a model
+    without activation checkpointing: the initial buckets, the used-parameter map each step) or off (the
+    bucket rebuild), the token counts gathered each step (and each micro-batch when they are tracked)."""
+    reconciled(run(scenario(TINY, None, args), tmp_path))
+
+
+@pytest.mark.parametrize("ds", [SUITE / "hf" / "ds_zero2.json", None], ids=["zero2", "ddp"])
+def test_bf16_reconciles(ds: Path | None, tmp_path: Path) -> None:
+    """``bf16: true``: DeepSpeed's bf16 parameters under ZeRO-2 (with its overflow check); under DDP, autocast
+    over fp32 parameters, in buckets of ``ddp_bucket_cap_mb``."""
+    args = {"per_device_train_batch_size": 1, "logging_steps": 1, "bf16": True, "ddp_bucket_cap_mb": 1}
+    result = run(scenario(TINY, ds, args), tmp_path)
+    reconciled(result)
+    m = result.prediction.scenario.model
+    assert (m.dtype, m.autocast) == (("bf16", None) if ds else ("fp32", "bf16"))
+
+
+def test_zero3_with_accumulation_reconciles(tmp_path: Path) -> None:
+    ds = SUITE / "hf" / "ds_zero3.json"
+    args = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2, "logging_steps": 1}
+    reconciled(run(scenario(TINY, ds, args), tmp_path))
+
+
+def test_a_planted_substitution_fails_the_run_naming_its_cause(tmp_path: Path) -> None:
+    """``ACCELERATE_USE_CPU=true`` in the ranks' environment (as ``accelerate launch --cpu`` sets it) makes
+    accelerate drop DeepSpeed: the job trains as DDP. The gate does not inherit the substitution: the run
+    fails, naming what ran, what the scenario says and why."""
+    from commgate.run.inject import Faults, parse
+
+    faults = parse(["env=ACCELERATE_USE_CPU=true"])
+    assert faults == Faults(env=(("ACCELERATE_USE_CPU", "true"),))
+    result = run(SUITE / "hf-zero2.yaml", tmp_path, faults=faults)
+    assert result.status == "error" and "Traceback" not in result.reason
+    assert "it ran without DeepSpeed (accelerate's MULTI_CPU, DistributedDataParallel)" in result.reason
+    assert "ACCELERATE_USE_CPU=true in the rank's environment makes accelerate drop DeepSpeed" in result.reason
+
+
+def test_the_prediction_needs_no_run_and_names_trainers_own_calls() -> None:
+    """``commgate predict`` of a Trainer job: Trainer's own gathers are rows of their own, outside the paper."""
+    (s,) = load_file(SUITE / "hf-zero2.yaml")
+    p = predict(s)
+    assert "Trainer: the step's token count" in {src for src, _ in p.not_in_paper()}
+    trainer = [r for r in p.collectives if r.source.startswith("Trainer: ")]
+    assert trainer and all(r.paper_term is None for r in trainer)
+    logged = [r.at_step for r in trainer if r.source == "Trainer: logging (loss, flos)"]
+    assert logged == [k for k in range(s.warmup_steps + s.steps) if (k + 1) % 2 == 0]
+
+
+# ------------------------------------------------------------------------------------------- import
+
+
+def test_commgate_import_writes_the_job_and_what_trainer_resolves(tmp_path: Path) -> None:
+    """``commgate import --hf config.json --deepspeed ds.json --trainer hf``: the inputs named as they are (paths
+    relative to the written file), a comment per resolved key, and the resolved fields themselves, which the
+    loader checks: the written file loads, and once the DeepSpeed JSON changes, names what no longer holds."""
+    from commgate.cli import main
+
+    ds = tmp_path / "configs" / "ds.json"
+    ds.parent.mkdir()
+    ds.write_text((DATA / "ds_config_zero3.json").read_text())
+    out = tmp_path / "scenarios" / "job.yaml"
+    argv = ["import", "--hf", str(TINY), "--deepspeed", str(ds), "--trainer", "hf", "--dp", "2", "-o", str(out)]
+    assert main(argv) == 0
+    text = out.read_text()
+    doc = yaml.safe_load(text)
+    assert (doc["trainer"], doc["hf"]["deepspeed"], doc["parallelism"]["scheme"]) == (
+        "hf",
+        "../configs/ds.json",
+        "zero3",
+    )
+    h = json.loads(TINY.read_text())["hidden_size"]
+    assert doc["deepspeed"]["zero_optimization"]["reduce_bucket_size"] == h * h
+    comments = [line for line in text.splitlines() if line.startswith("#   deepspeed.")]
+    assert {c.split(":")[0].removeprefix("#   deepspeed.") for c in comments} >= set(autos(json.loads(ds.read_text())))
+    (s,) = load_file(out)
+    assert s.deepspeed_config == doc["deepspeed"] and s.trainer_config["training_args"] == doc["hf"]["training_args"]
+    changed = json.loads(ds.read_text())
+    changed["zero_optimization"]["reduce_bucket_size"] = 1000
+    ds.write_text(json.dumps(changed))
+    with pytest.raises(
+        ScenarioError, match=r"deepspeed.zero_optimization.reduce_bucket_size is 4096 in the scenario, "
+    ):
+        load_file(out)
+
+
+def test_commgate_import_for_trainer_hf_refuses_what_it_does_not_take(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from commgate.cli import main
+
+    out = tmp_path / "job.yaml"
+    assert main(["import", "--hf", str(TINY), "--trainer", "hf", "--tp", "2", "-o", str(out)]) == 2
+    assert "--trainer hf takes --hf" in capsys.readouterr().err and not out.exists()
