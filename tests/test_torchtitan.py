@@ -171,6 +171,7 @@ REFUSED = [
     ),
     (FSDP, "loss_chunks: 3", TINY, r"model.s: 256: ChunkedLossWrapper splits the sequence into loss_chunks=3"),
     (FSDP, "", TINY + ", tied_embeddings: true", r"model.tied_embeddings: true: torchtitan shards a tied model"),
+    (FSDP, "", TINY.replace("V: 385", "V: 256"), r"model.V: 256: a torchtitan run reads text through a byte-level"),
     (FSDP, "", "preset: 19M-cpu", r"model.architecture: 'gpt-neox': torchtitan's llama3 model"),
     (FSDP, "", "preset: llama3-8B", r"model.dtype: 'bf16': torchtitan trains fp32 parameters"),
     (

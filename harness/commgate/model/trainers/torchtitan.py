@@ -690,6 +690,11 @@ def _block(c: Check) -> dict[str, Any]:
     return dict(block) if isinstance(block, Mapping) else {}
 
 
+MIN_VOCAB = 258
+"""A byte-level tokenizer's least vocabulary (256 bytes and the two special tokens): the run trains torchtitan
+on text through one (``commgate.run.trainers.torchtitan.make_assets``)."""
+
+
 def torchtitans_model(c: Check) -> None:
     """torchtitan's llama3 package: a Llama-style decoder, untied, no biases, fp32 parameters."""
     m = c.model
@@ -706,6 +711,12 @@ def torchtitans_model(c: Check) -> None:
         )
     if m.qkv_bias:
         c.bad(["model", "qkv_bias"], "true: torchtitan's llama3 layers have no biases")
+    if m.V < MIN_VOCAB:  # refused when loaded, not on the ranks (found by tests/trainer_gen.py's draws)
+        c.bad(
+            ["model", "V"],
+            f"{m.V}: a torchtitan run reads text through a byte-level tokenizer of at least {MIN_VOCAB} tokens "
+            f"(256 bytes and 2 special tokens); give V >= {MIN_VOCAB}",
+        )
     if m.dtype != "fp32":
         c.bad(
             ["model", "dtype"],

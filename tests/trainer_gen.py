@@ -1,0 +1,235 @@
+"""A seeded generator of random valid *trainer* scenarios: each trainer commgate runs as itself (``trainer:
+torchtitan``, ``trainer: hf``) crossed with its parallelism and the knobs that change what it sends. Where a
+trainer reads its own configuration files (a Hugging Face ``config.json`` and DeepSpeed JSON, ``"auto"``
+values and all), the generator writes them too. Used by ``tests/test_generated_trainers.py``; the same seed
+always gives the same jobs, so a failure is replayed with its seed.
+
+    python tests/trainer_gen.py SEED [COUNT] [DIR]    # write COUNT jobs per trainer under DIR, print their files
+
+A draw may be one the trainer refuses (its rules say so, in one line): ``job`` draws again, and counts how
+many it refused, so that a generator whose draws are all refused is seen, not silently empty.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from commgate.core.errors import ScenarioError
+from commgate.model.loader import load_file
+from commgate.model.scenario import Scenario
+
+MAX_WORLD = 4
+"""Ranks: a real trainer's rank imports its framework; more than 4 on 2 cores only wait on each other."""
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One job: the scenario document and the files it names (relative to the scenario file)."""
+
+    doc: dict[str, Any]
+    files: dict[str, Any]
+    """file name -> JSON content."""
+
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def _hf_config(rng: random.Random) -> dict[str, Any]:
+    """A Llama-, Mistral- or Qwen2-family ``config.json`` small enough for CPU ranks."""
+    family = rng.choice(["llama", "mistral", "qwen2"])
+    heads = rng.choice([2, 4])
+    cfg: dict[str, Any] = {
+        "model_type": family,
+        "architectures": [ARCHITECTURES[family]],
+        "vocab_size": rng.choice([128, 256, 320]),
+        "hidden_size": heads * rng.choice([8, 16]),
+        "intermediate_size": rng.choice([64, 96, 176]),
+        "num_hidden_layers": rng.choice([1, 2, 3]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": rng.choice([k for k in (1, 2, heads) if heads % k == 0]),
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": rng.random() < 0.3,
+        "rms_norm_eps": 1e-5,
+    }
+    if family == "mistral":
+        cfg["sliding_window"] = rng.choice([None, 4096])
+    return cfg
+
+
+def _auto_or(rng: random.Random, value: Any) -> Any:
+    return "auto" if rng.random() < 0.6 else value
+
+
+def _deepspeed(rng: random.Random, stage: int, bf16: bool) -> dict[str, Any]:
+    """A DeepSpeed JSON as Hugging Face's examples write them: ``"auto"`` where Trainer fills it, or a value."""
+    zero: dict[str, Any] = {"stage": stage, "overlap_comm": rng.random() < 0.5, "contiguous_gradients": True}
+    zero["reduce_bucket_size"] = _auto_or(rng, rng.choice([5e5, 2e8]))
+    if stage == 3:
+        zero["stage3_prefetch_bucket_size"] = _auto_or(rng, rng.choice([5e4, 5e8]))
+        zero["stage3_param_persistence_threshold"] = _auto_or(rng, rng.choice([0, 100, 1e6]))
+        zero["stage3_max_live_parameters"] = 1e9
+        zero["stage3_max_reuse_distance"] = 1e9
+    elif rng.random() < 0.5:
+        zero["allgather_bucket_size"] = rng.choice([5e5, 2e8])
+    ds: dict[str, Any] = {
+        "fp16": {"enabled": "auto"},
+        "bf16": {"enabled": "auto" if rng.random() < 0.7 else bf16},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto", "torch_adam": True},
+        },
+        "zero_optimization": zero,
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": _auto_or(rng, 1.0),
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "steps_per_print": 2000,
+        "wall_clock_breakdown": False,
+    }
+    if rng.random() < 0.5:
+        ds["scheduler"] = {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
+        }
+    return ds
+
+
+def hf(rng: random.Random, index: int) -> Draw:
+    """A Hugging Face Trainer job: DDP or ZeRO-1/2/3 over a generated ``config.json``."""
+    cfg = _hf_config(rng)
+    stage = rng.choice([None, 1, 2, 3])
+    bf16 = rng.random() < 0.3
+    args: dict[str, Any] = {
+        "per_device_train_batch_size": rng.choice([1, 2]),
+        "gradient_accumulation_steps": rng.choice([1, 1, 2]),
+        "logging_steps": rng.choice([1, 2, 5]),
+        "learning_rate": 1e-4,
+        "bf16": bf16,
+    }
+    if rng.random() < 0.3:
+        args["average_tokens_across_devices"] = rng.random() < 0.5
+    if rng.random() < 0.3:
+        args["include_num_input_tokens_seen"] = rng.choice([True, False, "non_padding"])
+    files: dict[str, Any] = {"config.json": cfg}
+    block: dict[str, Any] = {"config": "config.json", "training_args": args}
+    if stage is None:
+        if rng.random() < 0.4:
+            args["ddp_find_unused_parameters"] = rng.choice([True, False])
+        if rng.random() < 0.4:
+            args["ddp_bucket_cap_mb"] = 1
+    else:
+        files["ds.json"] = _deepspeed(rng, stage, bf16)
+        block["deepspeed"] = "ds.json"
+    doc = {
+        "schema_version": 1,
+        "name": f"gen-hf-{index}",
+        "trainer": "hf",
+        "hf": block,
+        "model": {"s": rng.choice([16, 32])},
+        "parallelism": {"dp": rng.choice([2, 2, 3, 4])},
+        "steps": 2,
+        "warmup_steps": 1,
+    }
+    return Draw(doc=doc, files=files)
+
+
+def torchtitan(rng: random.Random, index: int) -> Draw:
+    """A torchtitan job: its llama3 debug config on a drawn llama3, FSDP2, TP with sequence parallelism,
+    or FSDP2 x TP, with its checkpointing, precision, resharding, loss and logging knobs."""
+    a = rng.choice([2, 4])
+    tp = rng.choice([1, 2])
+    dp = rng.choice([d for d in (1, 2, 4) if d * tp <= MAX_WORLD and d * tp > 1])
+    model = {
+        "architecture": "llama",
+        "L": rng.choice([1, 2]),
+        "h": a * rng.choice([8, 16, 18]),
+        "a": a,
+        "kv_heads": rng.choice([k for k in (1, 2, a) if a % k == 0 and k % tp == 0] or [a]),
+        "ffn_hidden": rng.choice([64, 96, 130, 195]),
+        "V": rng.choice([258, 320, 385]),
+        "s": rng.choice([32, 64]),
+        "dtype": "fp32",
+    }
+    block: dict[str, Any] = {"config": "llama3_debugmodel", "log_freq": rng.choice([1, 2, 10])}
+    ac = rng.random() < 0.5
+    if ac:
+        block["activation_checkpoint"] = rng.choice(["selective", "full"])
+    if rng.random() < 0.3:
+        block["mixed_precision_param"] = rng.choice(["bfloat16", "float32"])
+    if dp > 1 and rng.random() < 0.3:
+        block["fsdp_reshard_after_forward"] = rng.choice(["default", "always", "never"])
+    if rng.random() < 0.3:  # the config function that trains with plain cross-entropy
+        block |= {"config": "llama3_debugmodel_ce_loss", "loss": "cross_entropy"}
+    elif rng.random() < 0.3:
+        block["loss_chunks"] = rng.choice([1, 2, 4])
+    par: dict[str, Any] = {"scheme": "fsdp" if dp > 1 else "tp", "dp": dp, "tp": tp}
+    if tp > 1:
+        par["sequence_parallel"] = True
+    par |= {"micro_batch": rng.choice([1, 2]), "activation_checkpointing": ac}
+    doc = {
+        "schema_version": 1,
+        "name": f"gen-torchtitan-{index}",
+        "trainer": "torchtitan",
+        "torchtitan": block,
+        "model": model,
+        "parallelism": par,
+        "steps": 2,
+        "warmup_steps": 1,
+    }
+    return Draw(doc=doc, files={})
+
+
+DRAWERS: dict[str, Callable[[random.Random, int], Draw]] = {"torchtitan": torchtitan, "hf": hf}
+"""The generator of each trainer's jobs (a trainer commgate runs as itself has one)."""
+
+
+def write(draw: Draw, where: Path) -> Path:
+    """The draw's files and its scenario file under ``where``; returns the scenario file."""
+    where.mkdir(parents=True, exist_ok=True)
+    for name, content in draw.files.items():
+        (where / name).write_text(json.dumps(content, indent=2))
+    path = where / f"{draw.doc['name']}.yaml"
+    path.write_text(yaml.safe_dump(draw.doc, sort_keys=False))
+    return path
+
+
+@dataclass(frozen=True)
+class Job:
+    scenario: Scenario
+    file: Path
+    refused: tuple[str, ...]
+    """The one-line refusals of the draws before it (what the trainer's rules do not model)."""
+
+
+def job(trainer: str, seed: int, index: int, where: Path, attempts: int = 200) -> Job:
+    """The ``index``-th valid job of ``trainer`` drawn with ``seed`` (refused draws are drawn again), written
+    under ``where``. Raises if ``attempts`` draws are all refused: a generator that finds nothing is a bug."""
+    rng = random.Random(f"{seed}-{trainer}-{index}")
+    refused: list[str] = []
+    for attempt in range(attempts):
+        draw = DRAWERS[trainer](rng, index)
+        path = write(draw, where / f"draw{attempt}")
+        try:
+            (s,) = load_file(path)
+        except ScenarioError as exc:
+            refused.append(str(exc).splitlines()[0])
+            continue
+        if s.world_size <= MAX_WORLD:
+            return Job(scenario=s, file=path, refused=tuple(refused))
+    raise AssertionError(f"{trainer}: {attempts} draws with seed {seed} all refused; the last: {refused[-1:]}")
+
+
+if __name__ == "__main__":
+    seed, count = int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 4
+    out = Path(sys.argv[3]) if len(sys.argv) > 3 else Path("generated-trainers")
+    for name in DRAWERS:
+        for i in range(count):
+            j = job(name, seed, i, out / name / str(i))
+            print(f"{j.file}  ({len(j.refused)} refused before it)")
