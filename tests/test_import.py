@@ -153,3 +153,16 @@ def test_nothing_imported_is_silent(tmp_path: Path) -> None:
     result = run_scenario(s, Stub(capture=silent(s)), Options(baseline_dir=tmp_path, gate=False))
     assert result is not None
     assert {f"imported: {n}" for n in doc["notes"]} <= {f.title for f in result.findings if f.kind == "config"}
+
+
+def test_imports_of_one_config_into_several_files_do_not_collide(tmp_path: Path) -> None:
+    """Each written scenario is named after its file (``--name`` overrides): three imports of one Hugging Face
+    config.json at three data-parallel degrees validate together, with three names."""
+    hf = HF / "tinyllama-1.1b.json"
+    for dp in (8, 16, 32):
+        assert main(["import", "--hf", str(hf), "--dp", str(dp), "-o", str(tmp_path / f"tinyllama-dp{dp}.yaml")]) == 0
+    names = sorted(load_file(f)[0].id for f in tmp_path.glob("*.yaml"))
+    assert names == ["tinyllama-dp16", "tinyllama-dp32", "tinyllama-dp8"]
+    assert main(["validate", str(tmp_path)]) == 0
+    assert main(["import", "--hf", str(hf), "--dp", "2", "--name", "mine", "-o", str(tmp_path / "x.yaml")]) == 0
+    assert load_file(tmp_path / "x.yaml")[0].id == "mine"

@@ -406,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--tp", type=int, help="tensor-parallel degree (default: the config's, else 1)")
     i.add_argument("--pp", type=int, help="pipeline stages (default: the config's, else 1)")
     i.add_argument("--cpu", action="store_true", help="the reduced-scale variant for CPU runs")
-    i.add_argument("--name", help="scenario name (default: the config file's)")
+    i.add_argument("--name", help="scenario name (default: the written file's, OUT without .yaml)")
     i.add_argument(
         "--trainer",
         choices=("commgate", "hf"),
@@ -442,6 +442,8 @@ def cmd_import(a: argparse.Namespace) -> int:
     from commgate.model.loader import load_document
     from commgate.model.predict import predict
 
+    if a.name is None:  # the written file's name: imports of one config into several files do not collide
+        a.name = "".join(c if c.isalnum() or c in "-_." else "-" for c in a.out.stem) or None
     got: Imported
     if a.torchtitan:
         got = _torchtitan_import(a)
