@@ -101,8 +101,7 @@ def build(
     par["dp"] = dp
     if "L" not in model:
         raise UsageError("no model dimensions: give --neox or --hf (a DeepSpeed config has none)")
-    stage = ds.get("zero_optimization", {}).get("stage", 0) if isinstance(ds.get("zero_optimization"), dict) else 0
-    stage = _whole(stage, "deepspeed zero_optimization.stage") if dsconfig.given(stage) else 0
+    stage = _stage(ds)
     par["scheme"] = _scheme(par, stage)
     for key in ("bf16", "fp16"):
         if dsconfig.enabled(ds, key):
@@ -125,6 +124,13 @@ def build(
     if baseline_only:
         out.doc["expectations"] = {"model": {"check": False}}
     return out
+
+
+def _stage(ds: dict[str, Any]) -> int:
+    """The DeepSpeed config's ZeRO stage (0 when it gives none)."""
+    zero = ds.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    return _whole(stage, "deepspeed zero_optimization.stage") if dsconfig.given(stage) else 0
 
 
 def _name(path: Path | None) -> str:
