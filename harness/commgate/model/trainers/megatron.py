@@ -527,6 +527,8 @@ def megatrons_axes(c: Check) -> None:
         c.bad([P, "activation_checkpointing"], "true: Megatron's recompute is not modelled yet; set it false")
     if c.doc.get("emulate"):
         c.bad(["emulate"], "true: Megatron's ranks all run (an emulated Megatron run is not supported)")
+    if par.sequence_parallel and par.tp > 1 and c.model.s % par.tp:
+        c.bad(["model", "s"], f"{c.model.s}: sequence parallelism splits the sequence over tp={par.tp}")
 
 
 def megatrons_options(c: Check) -> None:
