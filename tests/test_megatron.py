@@ -170,6 +170,19 @@ def test_what_megatron_refuses_is_one_line_naming_the_key(par: str, block: str, 
     assert all("\n" not in str(p) for p in err.value.problems)
 
 
+def test_without_megatron_the_run_is_one_line_naming_the_extra() -> None:
+    """``megatron.core`` is a dotted name: where ``megatron`` is absent the record still answers in one line."""
+    from commgate.model.trainers import TRAINERS
+    from commgate.model.trainers.trainer import Trainer
+
+    absent = Trainer(name="megatron", summary="", extra="megatron", packages=("commgate_absent_package.core",))
+    assert absent.unavailable() == (
+        "trainer 'megatron' needs commgate_absent_package.core, which this environment cannot import: "
+        "pip install 'commgate[megatron]'"
+    )
+    assert TRAINERS["megatron"].packages == ("megatron.core",)
+
+
 class _Built:
     def __init__(self, shapes: list[tuple[str, tuple[int, ...]]]) -> None:
         self.shapes = shapes
@@ -363,9 +376,17 @@ def test_a_changed_bucket_size_is_caught(mg: Any, tmp_path: Path) -> None:
     assert any("reduce_scatter" in k.label for k in rec.mismatches)
 
 
-@pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
-def test_tensor_parallelism_on_2_ranks_reconciles(mg: Any, sp: bool, tmp_path: Path) -> None:
-    s = scenario(TP + f", sequence_parallel: {str(sp).lower()}")
+@pytest.mark.parametrize(
+    ("par", "block", "model"),
+    [
+        (", sequence_parallel: true", "", TINY),
+        (", sequence_parallel: false", "", TINY),
+        (", sequence_parallel: true", "grad_reduce_in_fp32: true", TINY + ", dtype: bf16"),
+    ],
+    ids=["sp", "no-sp", "sp-bf16-fp32-reduce"],
+)
+def test_tensor_parallelism_on_2_ranks_reconciles(mg: Any, par: str, block: str, model: str, tmp_path: Path) -> None:
+    s = scenario(TP + par, block, model)
     reconciles(s, run(s, tmp_path))
 
 
