@@ -15,6 +15,7 @@ from __future__ import annotations
 from commgate.model.scenario import Scenario
 from commgate.model.schemes.scheme import Check, Component, Rule, Scheme
 from commgate.model.trainers import hf
+from commgate.model.trainers.megatron import MEGATRON
 from commgate.model.trainers.torchtitan import TORCHTITAN
 from commgate.model.trainers.trainer import Trainer
 
@@ -41,6 +42,7 @@ TRAINERS: dict[str, Trainer] = {
             model=hf.model,
             derived=hf.derived,
         ),
+        MEGATRON,
     )
 }
 

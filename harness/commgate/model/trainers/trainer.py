@@ -63,8 +63,9 @@ class Trainer:
     silent); None: nothing beyond the document as written."""
 
     def missing(self) -> tuple[str, ...]:
-        """The packages it needs that this environment cannot import."""
-        return tuple(p for p in self.packages if importlib.util.find_spec(p) is None)
+        """The packages it needs that this environment cannot import (a dotted name, ``megatron.core``,
+        whose parent is absent too)."""
+        return tuple(p for p in self.packages if not _importable(p))
 
     def unavailable(self) -> str | None:
         """Why this environment cannot run it (in one line, naming the extra that installs what is missing),
@@ -78,3 +79,11 @@ class Trainer:
         """Raise ``unavailable()`` as a one-line ``CommgateError``."""
         if why := self.unavailable():
             raise CommgateError(why)
+
+
+def _importable(name: str) -> bool:
+    """Whether ``name`` can be imported; ``find_spec`` of ``a.b`` imports ``a`` and raises where it is absent."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False

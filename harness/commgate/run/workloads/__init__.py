@@ -126,10 +126,17 @@ def _hf(scenario: Scenario) -> WorkloadFactory:
     return HFTrainerJob
 
 
+def _megatron(scenario: Scenario) -> WorkloadFactory:
+    from commgate.run.trainers.megatron import MegatronWorkload
+
+    return MegatronWorkload
+
+
 TRAINER_WORKLOADS: dict[str, Callable[[Scenario], WorkloadFactory]] = {
     "commgate": _commgate,
     "torchtitan": _torchtitan,
     "hf": _hf,
+    "megatron": _megatron,
 }
 """What runs a scenario of each trainer (every ``TRAINERS`` record has one)."""
 
