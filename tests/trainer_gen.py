@@ -1,8 +1,8 @@
 """A seeded generator of random valid *trainer* scenarios: each trainer commgate runs as itself (``trainer:
-torchtitan``, ``trainer: hf``) crossed with its parallelism and the knobs that change what it sends. Where a
-trainer reads its own configuration files (a Hugging Face ``config.json`` and DeepSpeed JSON, ``"auto"``
-values and all), the generator writes them too. Used by ``tests/test_generated_trainers.py``; the same seed
-always gives the same jobs, so a failure is replayed with its seed.
+torchtitan``, ``hf``, ``megatron``) crossed with its parallelism and the knobs that change what it sends.
+Where a trainer reads its own configuration files (a Hugging Face ``config.json`` and DeepSpeed JSON,
+``"auto"`` values and all), the generator writes them too. Used by ``tests/test_generated_trainers.py``; the
+same seed always gives the same jobs, so a failure is replayed with its seed.
 
     python tests/trainer_gen.py SEED [COUNT] [DIR]    # write COUNT jobs per trainer under DIR, print their files
 
@@ -186,7 +186,53 @@ def torchtitan(rng: random.Random, index: int) -> Draw:
     return Draw(doc=doc, files={})
 
 
-DRAWERS: dict[str, Callable[[random.Random, int], Draw]] = {"torchtitan": torchtitan, "hf": hf}
+def megatron(rng: random.Random, index: int) -> Draw:
+    """A Megatron-core job: its GPTModel (local spec) under its DDP (distributed optimizer or not, overlapped
+    buckets or one), TP with or without sequence parallelism, or both; bf16 with fp32 or bf16 reduction."""
+    a = rng.choice([2, 4])
+    tp = rng.choice([1, 2])
+    dp = rng.choice([d for d in (1, 2) if d * tp > 1])
+    bf16 = rng.random() < 0.3
+    block: dict[str, Any] = {}
+    if dp > 1 and rng.random() < 0.6:
+        block["use_distributed_optimizer"] = True
+        if rng.random() < 0.4:
+            block["overlap_param_gather"] = True
+    if rng.random() < 0.6:
+        block["overlap_grad_reduce"] = True
+        if rng.random() < 0.7:
+            block["bucket_size"] = rng.choice([4000, 20000, 40000])
+    if bf16 and rng.random() < 0.5:
+        block["grad_reduce_in_fp32"] = True
+    if rng.random() < 0.3:
+        block["average_in_collective"] = True
+    par: dict[str, Any] = {"scheme": "tp" if dp == 1 else "ddp", "dp": dp}
+    if tp > 1:
+        par |= {"scheme": "tp", "tp": tp, "sequence_parallel": rng.random() < 0.6}
+    par |= {"micro_batch": rng.choice([1, 2]), "micro_batches": rng.choice([1, 2, 3])}
+    doc = {
+        "schema_version": 1,
+        "name": f"gen-megatron-{index}",
+        "trainer": "megatron",
+        "model": {
+            "architecture": "gpt-neox",
+            "L": rng.choice([1, 2]),
+            "h": a * rng.choice([8, 16]),
+            "a": a,
+            "V": rng.choice([128, 256, 320]),
+            "s": rng.choice([16, 32]),
+            "dtype": "bf16" if bf16 else "fp32",
+        },
+        "parallelism": par,
+        "steps": 2,
+        "warmup_steps": 1,
+    }
+    if block:
+        doc["megatron"] = block
+    return Draw(doc=doc, files={})
+
+
+DRAWERS: dict[str, Callable[[random.Random, int], Draw]] = {"torchtitan": torchtitan, "hf": hf, "megatron": megatron}
 """The generator of each trainer's jobs (a trainer commgate runs as itself has one)."""
 
 
