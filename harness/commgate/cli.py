@@ -221,6 +221,32 @@ def _finish(session: Session, *, whole: bool) -> int:
     return 1 if counts["failed"] or counts["error"] else 0
 
 
+def cmd_capture(a: argparse.Namespace) -> int:
+    """The job's own command with every rank it starts captured; its exit status is commgate's."""
+    from commgate.run.captured import launch
+
+    command = a.job[1:] if a.job[:1] == ["--"] else a.job
+    return launch(a.out, command)
+
+
+def cmd_check(a: argparse.Namespace) -> int:
+    """A captured job judged as a run is: ``commgate.pipeline.run_scenario`` over the capture."""
+    from commgate.model.loader import load_paths
+    from commgate.run.captured import FromCapture, load
+    from commgate.session import Session, options
+
+    if a.scenario is None:
+        raise UsageError("check: give --scenario S.yaml, the scenario describing the captured job")
+    checked = options(lambda name: f"--{name}", baseline_dir=a.baseline_dir, update=a.update_baselines)
+    scenarios = load_paths([a.scenario])
+    if len(scenarios) != 1:
+        raise UsageError(f"check: {a.scenario} holds {len(scenarios)} scenarios (a sweep); a capture is one job")
+    captured = load(a.capture)
+    print(captured.provenance(), flush=True)
+    session = Session(options=checked, runner=FromCapture(captured=captured), report_dir=a.report_dir)
+    return _run_all(session, scenarios, " (captured)", whole=False)
+
+
 def cmd_html(a: argparse.Namespace) -> int:
     from commgate.report.htmlreport import write
 
@@ -365,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
         "among themselves (default 1.25)",
     )
     c.add_argument("--min-runs", type=int, default=3, help="runs each side needs before latency is judged (default 3)")
+    _add_capture(sub)
     h = sub.add_parser(
         "html",
         help="render a report.json as index.html with plots and trace.json (what run --report-dir writes)",
@@ -409,6 +436,31 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--name", help="scenario name (default: the config file's)")
     i.add_argument("-o", "--out", type=Path, required=True, help="the scenario file to write")
     return parser
+
+
+def _add_capture(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "capture",
+        help="run a job unchanged (torchrun, srun, ...) and capture every collective of every rank it starts",
+        description="Run COMMAND (e.g. torchrun --nproc-per-node 2 train.py ...) with every rank's process group "
+        "interposed: each rank writes its calls and step windows to DIR when it ends, however it ends. The job's "
+        "output and exit status pass through. Without this command, COMMGATE_CAPTURE=DIR and PYTHONPATH=<the "
+        "directory of commgate.run.external.BOOTSTRAP> in the ranks' environment do the same.",
+    )
+    p.add_argument("-o", "--out", type=Path, required=True, help="a new directory for the capture")
+    p.add_argument("job", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the job's command line")
+    c = sub.add_parser(
+        "check",
+        help="judge a captured job (commgate capture) as a run is judged: model, baseline, drift",
+        description="Judge the capture in DIR against the scenario that describes the job: every byte against "
+        "the model (exact, named terms), the stored baseline, the drift rules; the same report and HTML as a run. "
+        "Exit status 1 if the check failed.",
+    )
+    c.add_argument("capture", type=Path, metavar="DIR", help="the directory commgate capture -o wrote")
+    c.add_argument("--scenario", type=Path, help="the scenario describing the job (its steps: the captured ones)")
+    c.add_argument("--baseline-dir", type=Path, default=Path("baselines"), help="default ./baselines")
+    c.add_argument("--update-baselines", action="store_true", help="rewrite a baseline whose communication changed")
+    c.add_argument("--report-dir", type=Path, help="write report.json, index.html, plots/ and trace.json there")
 
 
 def cmd_compare(a: argparse.Namespace) -> int:
@@ -488,6 +540,8 @@ COMMANDS = {
     "validate": cmd_validate,
     "presets": cmd_presets,
     "import": cmd_import,
+    "capture": cmd_capture,
+    "check": cmd_check,
 }
 
 
