@@ -1,0 +1,280 @@
+"""Issue 28: a job commgate does not launch, captured unchanged and judged as a run is.
+
+Real jobs under ``torchrun --nproc-per-node 2`` on CPU gloo: a plain DDP script (``tests/data/jobs``), and
+nanoGPT's ``train.py`` (``tests/data/nanogpt``, fetched from github.com/karpathy/nanoGPT; see its README).
+``commgate capture`` runs them; ``commgate check --scenario`` reconciles the capture with the model and the
+stored baseline; planted changes to the script (an extra all-reduce, a smaller DDP bucket) fail the check
+naming what changed; bad capture directories are one line naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from commgate.run.external import BOOTSTRAP, CAPTURE_ENV
+
+JOBS = Path(__file__).parent / "data" / "jobs"
+NANOGPT = Path(__file__).parent / "data" / "nanogpt"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+BOUND_S = 300
+"""Every job and check is bounded: a hang fails the test instead of holding the suite."""
+
+
+def commgate(
+    *args: str | Path, cwd: Path = JOBS, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "commgate", *map(str, args)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=BOUND_S,
+        check=False,
+    )
+
+
+def capture(out: Path, *script_args: str) -> subprocess.CompletedProcess[str]:
+    return commgate("capture", "-o", out, "--", *TORCHRUN, "ddp_train.py", "--steps", "3", *script_args)
+
+
+def check(cap: Path, baselines: Path, *extra: str, report: Path | None = None) -> subprocess.CompletedProcess[str]:
+    where = ("--report-dir", str(report)) if report else ()
+    return commgate("check", cap, "--scenario", "ddp-mlp.yaml", "--baseline-dir", baselines, *where, *extra)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("capture-job")
+
+
+@pytest.fixture(scope="module")
+def ddp(work: Path) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """The unchanged DDP job, captured."""
+    done = capture(work / "ddp")
+    return work / "ddp", done
+
+
+@pytest.fixture(scope="module")
+def baselines(work: Path, ddp: tuple[Path, subprocess.CompletedProcess[str]]) -> Path:
+    """The unchanged job's baseline, stored through check --update-baselines."""
+    store = work / "baselines"
+    done = check(ddp[0], store, "--update-baselines")
+    assert (store / "gloo" / "captured-ddp-mlp.json").is_file(), done.stdout + done.stderr
+    return store
+
+
+def test_the_job_runs_unchanged_and_every_rank_is_captured(ddp: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, done = ddp
+    assert done.returncode == 0, done.stderr
+    assert "rank 0 of 2: 3 steps" in done.stdout and "rank 1 of 2: 3 steps" in done.stdout  # output passes through
+    metas = [json.loads((out / f"rank{r}.meta.json").read_text()) for r in (0, 1)]
+    assert [m["rank"] for m in metas] == [0, 1]
+    assert {m["launcher"] for m in metas} == {"torchrun"}
+    assert {m["world_size"] for m in metas} == {2}
+    assert {m["backend"] for m in metas} == {"gloo"} and {m["requested_backend"] for m in metas} == {"gloo"}
+    assert {m["steps"] for m in metas} == {3} and {m["step_marks"] for m in metas} == {"optimizer step hooks"}
+    assert metas[0]["versions"]["torch"].startswith("2.")
+    assert json.loads((out / "job.json").read_text())["exit_status"] == 0
+    calls = json.loads((out / "rank0.json").read_text())["calls"]
+    by_step = {s: [c["op"] for c in calls if c["step"] == s] for s in (-1, 0, 1, 2)}
+    # DDP's construction (init), its single first bucket, the bucket rebuild's broadcasts at step 1
+    assert by_step == {
+        -1: ["all_gather", "broadcast", "broadcast"],
+        0: ["all_reduce"],
+        1: ["broadcast", "broadcast", "all_reduce"],
+        2: ["all_reduce"],
+    }
+
+
+def test_check_reconciles_the_capture_to_zero_unexplained_bytes(
+    ddp: tuple[Path, subprocess.CompletedProcess[str]], baselines: Path, work: Path
+) -> None:
+    done = check(ddp[0], baselines, report=work / "report")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "torchrun, 2 ranks on" in done.stdout and "3 step(s) by optimizer step hooks" in done.stdout
+    scenario = json.loads((work / "report" / "report.json").read_text())["scenarios"][0]
+    assert scenario["status"] == "passed"
+    ops = {c["op"]: c for c in scenario["collectives"]}
+    assert set(ops) == {"all_reduce", "broadcast"}
+    assert all(c["unexplained_bytes"] == 0 for c in ops.values())
+    assert ops["all_reduce"]["measured_bytes"] == 2 * 4 * (64 * 256 + 256 + 256 * 8 + 8)  # a step: 2 ranks x fp32
+    assert scenario["capture"]["stack"]["launcher"] == "torchrun"
+    assert (work / "report" / "index.html").is_file()
+
+
+@pytest.mark.parametrize(
+    ("plant", "named"),
+    [
+        (["--extra-all-reduce"], "calls [steps] all_reduce fp32 4 B forward group [0, 1]: obtained 4, expected 0"),
+        (["--bucket-cap-mb", "0.005"], "all_reduce fp32 74784 B backward group [0, 1]: obtained 0, expected 4"),
+    ],
+    ids=["extra-all-reduce", "bucket-cap-mb"],
+)
+def test_a_planted_change_fails_against_the_baseline_naming_it(
+    plant: list[str], named: str, baselines: Path, work: Path
+) -> None:
+    out = work / plant[0].strip("-")
+    assert capture(out, *plant).returncode == 0
+    done = check(out, baselines)
+    assert done.returncode == 1, done.stdout
+    assert "[baseline] communication differs from the baseline" in done.stdout
+    assert named in done.stdout
+
+
+def test_commgate_capture_in_the_environment_with_explicit_steps(work: Path, baselines: Path) -> None:
+    """A launcher commgate does not wrap: COMMGATE_CAPTURE and the bootstrap on PYTHONPATH; the script marks
+    its steps with commgate.capture.step(). The capture judges as the wrapped one does."""
+    out = work / "env"
+    env = dict(os.environ, **{CAPTURE_ENV: str(out), "PYTHONPATH": str(BOOTSTRAP)})
+    cmd = [*TORCHRUN, "ddp_train.py", "--steps", "3", "--mark-steps"]
+    done = subprocess.run(cmd, cwd=JOBS, env=env, capture_output=True, text=True, timeout=BOUND_S, check=False)
+    assert done.returncode == 0, done.stderr
+    meta = json.loads((out / "rank1.meta.json").read_text())
+    assert meta["step_marks"] == "commgate.capture.step()" and meta["steps"] == 3
+    assert not (out / "job.json").exists()
+    judged = check(out, baselines)
+    assert judged.returncode == 0, judged.stdout + judged.stderr
+
+
+def test_a_failing_job_keeps_its_exit_status_and_leaves_a_readable_capture(work: Path) -> None:
+    out = work / "failing"
+    done = capture(out, "--fail-at", "1")
+    assert done.returncode == 1
+    assert "planted failure at step 1" in done.stderr
+    ended = {json.loads((out / f"rank{r}.meta.json").read_text())["ended"] for r in (0, 1)}
+    assert "raised RuntimeError" in ended
+    from commgate.run.captured import load
+
+    captured = load(out)
+    assert captured.exit_status == 1 and captured.steps == 1
+    assert {c.rank for c in captured.capture.calls} == {0, 1}
+    judged = check(out, work / "unused-baselines")  # 1 step where the scenario has 3: one line, no traceback
+    assert judged.returncode == 2
+    assert judged.stderr.strip().count("\n") == 0 and "holds 1 step(s)" in judged.stderr
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _drop_rank1(d: Path) -> None:
+    (d / "rank1.json").unlink()
+
+
+def _mix_jobs(d: Path) -> None:
+    meta = json.loads((d / "rank1.meta.json").read_text())
+    (d / "rank1.meta.json").write_text(json.dumps(meta | {"job": "another"}))
+
+
+def _truncate(d: Path) -> None:
+    text = (d / "rank0.json").read_text()
+    (d / "rank0.json").write_text(text[: len(text) // 2])
+
+
+def _bad_op(d: Path) -> None:
+    doc = json.loads((d / "rank1.json").read_text())
+    doc["calls"][0]["op"] = "all_reduce_v2"
+    (d / "rank1.json").write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    ("spoil", "file", "says"),
+    [
+        (lambda d: shutil.rmtree(d), "", "not a directory"),
+        (lambda d: [p.unlink() for p in d.iterdir()], "", "not a capture: no rank<N>.json"),
+        (_drop_rank1, "", "ranks [1] of a world of 2 are missing (rank1.json)"),
+        (_mix_jobs, "rank1.meta.json", "two jobs' captures in one directory"),
+        (_truncate, "rank0.json", "not valid JSON"),
+        (_bad_op, "rank1.json", "$.calls[0].op"),
+    ],
+    ids=["missing", "empty", "rank-missing", "two-jobs", "truncated", "bad-op"],
+)
+def test_bad_capture_directories_are_one_line_naming_the_file(
+    spoil: Callable[[Path], object],
+    file: str,
+    says: str,
+    ddp: tuple[Path, subprocess.CompletedProcess[str]],
+    tmp_path: Path,
+) -> None:
+    d = _copy(ddp[0], tmp_path / "cap")
+    spoil(d)
+    done = check(d, tmp_path / "baselines")
+    assert done.returncode == 2 and done.stdout.strip() == ""
+    line = done.stderr.strip()
+    assert "\n" not in line and "Traceback" not in line
+    assert line.startswith(str(d / file)) and says in line, line
+    assert not (tmp_path / "baselines").exists()  # nothing written
+
+
+def test_capture_refuses_a_directory_that_holds_a_capture(ddp: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    before = sorted(p.name for p in ddp[0].iterdir())
+    done = commgate("capture", "-o", ddp[0], "--", sys.executable, "-c", "print('ran')")
+    assert done.returncode == 2 and "ran" not in done.stdout
+    assert "holds a capture" in done.stderr and "\n" not in done.stderr.strip()
+    assert sorted(p.name for p in ddp[0].iterdir()) == before
+
+
+# nanoGPT's DDP branch assumes CUDA; these three lines take the CPU instead (see tests/data/nanogpt/README.md).
+CPU_PATCH = [
+    (
+        "    device = f'cuda:{ddp_local_rank}'\n",
+        "    device = f'cuda:{ddp_local_rank}' if torch.cuda.is_available() else 'cpu'\n",
+    ),
+    ("    torch.cuda.set_device(device)\n", "    torch.cuda.set_device(device) if device != 'cpu' else None\n"),
+    (
+        "    model = DDP(model, device_ids=[ddp_local_rank])\n",
+        "    model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None)\n",
+    ),
+]
+
+
+def nanogpt_job(where: Path) -> list[str]:
+    """nanoGPT's files in ``where`` (train.py with CPU_PATCH), a tiny data set, and its command line."""
+    import numpy as np
+
+    where.mkdir()
+    for f in ("model.py", "configurator.py", "nanogpt_loss.py", "nanogpt-ddp.yaml"):
+        shutil.copy(NANOGPT / f, where / f)
+    text = (NANOGPT / "train.py").read_text()
+    for old, new in CPU_PATCH:
+        assert text.count(old) == 1, f"nanoGPT's train.py changed: {old.strip()!r} is not there once"
+        text = text.replace(old, new)
+    (where / "train.py").write_text(text)
+    (where / "data" / "tiny").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):  # uint16 tokens, as nanoGPT's prepare.py scripts write them
+        rng.integers(0, 50257, 4096, dtype=np.uint16).tofile(where / "data" / "tiny" / f"{split}.bin")
+    sys.path.insert(0, str(NANOGPT))
+    try:
+        from nanogpt_loss import CONFIG
+    finally:
+        sys.path.remove(str(NANOGPT))
+    tiny = {**CONFIG, "dataset": "tiny", "batch_size": 2, "gradient_accumulation_steps": 2, "max_iters": 2}
+    tiny |= {"eval_interval": 1000, "eval_iters": 1, "compile": False, "dtype": "float32", "backend": "gloo"}
+    return [*TORCHRUN, "train.py", *(f"--{k}={v}" for k, v in tiny.items())]
+
+
+def test_nanogpt_ddp_is_captured_and_reconciled_to_zero_unexplained_bytes(work: Path) -> None:
+    job = work / "nanogpt"
+    command = nanogpt_job(job)
+    done = commgate("capture", "-o", job / "capture", "--", *command, cwd=job)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "iter 2: loss" in done.stdout  # nanoGPT's own log, passed through
+    args = ("check", job / "capture", "--scenario", "nanogpt-ddp.yaml", "--baseline-dir", job / "baselines")
+    judged = commgate(*args, "--update-baselines", "--report-dir", job / "report", cwd=job)
+    assert (job / "baselines" / "gloo" / "nanogpt-ddp.json").is_file(), judged.stdout + judged.stderr
+    scenario = json.loads((job / "report" / "report.json").read_text())["scenarios"][0]
+    ops = {c["op"]: c for c in scenario["collectives"]}
+    assert ops["all_reduce"]["measured_bytes"] > 0
+    assert all(c["unexplained_bytes"] == 0 for c in ops.values()), ops
+    again = commgate(*args, cwd=job)
+    assert again.returncode == 0, again.stdout + again.stderr
