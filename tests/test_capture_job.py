@@ -41,8 +41,14 @@ def commgate(
     )
 
 
-def capture(out: Path, *script_args: str) -> subprocess.CompletedProcess[str]:
-    return commgate("capture", "-o", out, "--", *TORCHRUN, "ddp_train.py", "--steps", "3", *script_args)
+def capture(out: Path, *script_args: str, dumps: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """The DDP script captured; with ``dumps``, the Flight Recorder on and dumped there at the end as well."""
+    env = None
+    if dumps is not None:
+        dumps.mkdir()
+        env = dict(os.environ, TORCH_FR_BUFFER_SIZE="2000", TORCH_FR_DUMP_TEMP_FILE=str(dumps / "fr_"))
+        script_args = (*script_args, "--dump-fr")
+    return commgate("capture", "-o", out, "--", *TORCHRUN, "ddp_train.py", "--steps", "3", *script_args, env=env)
 
 
 def check(cap: Path, baselines: Path, *extra: str, report: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -57,8 +63,8 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def ddp(work: Path) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    """The unchanged DDP job, captured."""
-    done = capture(work / "ddp")
+    """The unchanged DDP job, captured, with its Flight Recorder dumps in work/fr."""
+    done = capture(work / "ddp", dumps=work / "fr")
     return work / "ddp", done
 
 
@@ -121,12 +127,14 @@ def test_check_reconciles_the_capture_to_zero_unexplained_bytes(
 def test_a_planted_change_fails_against_the_baseline_naming_it(
     plant: list[str], named: str, baselines: Path, work: Path
 ) -> None:
+    """From the capture, and from the same run's Flight Recorder dumps placed in its steps: the same verdict."""
     out = work / plant[0].strip("-")
-    assert capture(out, *plant).returncode == 0
-    done = check(out, baselines)
-    assert done.returncode == 1, done.stdout
-    assert "[baseline] communication differs from the baseline" in done.stdout
-    assert named in done.stdout
+    assert capture(out, *plant, dumps=out.with_name(f"{out.name}-fr")).returncode == 0
+    for extra in ((), ("--flight-recorder", str(out.with_name(f"{out.name}-fr")))):
+        done = check(out, baselines, *extra)
+        assert done.returncode == 1, done.stdout
+        assert "[baseline] communication differs from the baseline" in done.stdout
+        assert named in done.stdout
 
 
 def test_commgate_capture_in_the_environment_with_explicit_steps(work: Path, baselines: Path) -> None:
@@ -159,6 +167,13 @@ def test_a_failing_job_keeps_its_exit_status_and_leaves_a_readable_capture(work:
     judged = check(out, work / "unused-baselines")  # 1 step where the scenario has 3: one line, no traceback
     assert judged.returncode == 2
     assert judged.stderr.strip().count("\n") == 0 and "holds 1 step(s)" in judged.stderr
+
+
+def assert_one_line(done: subprocess.CompletedProcess[str], file: Path, says: str) -> None:
+    """Bad input: one line on stderr, starting with the file it names, saying ``says``; no traceback."""
+    line = done.stderr.strip()
+    assert "\n" not in line and "Traceback" not in line
+    assert line.startswith(str(file)) and says in line, line
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -209,9 +224,7 @@ def test_bad_capture_directories_are_one_line_naming_the_file(
     spoil(d)
     done = check(d, tmp_path / "baselines")
     assert done.returncode == 2 and done.stdout.strip() == ""
-    line = done.stderr.strip()
-    assert "\n" not in line and "Traceback" not in line
-    assert line.startswith(str(d / file)) and says in line, line
+    assert_one_line(done, d / file, says)
     assert not (tmp_path / "baselines").exists()  # nothing written
 
 
@@ -278,3 +291,78 @@ def test_nanogpt_ddp_is_captured_and_reconciled_to_zero_unexplained_bytes(work: 
     assert all(c["unexplained_bytes"] == 0 for c in ops.values()), ops
     again = commgate(*args, cwd=job)
     assert again.returncode == 0, again.stdout + again.stderr
+
+
+def test_flight_recorder_dumps_of_the_same_run_give_the_capture_s_verdict(
+    ddp: tuple[Path, subprocess.CompletedProcess[str]], baselines: Path, work: Path
+) -> None:
+    """Both forms torch writes (pickle, JSON) read into the capture's records; every dumped call is a captured
+    one; judged in the capture's steps, the verdict is the capture's; what a dump cannot tell is said."""
+    json_form = work / "fr-json"
+    json_form.mkdir()
+    for f in (work / "fr").glob("fr_*.json"):
+        shutil.copy(f, json_form / f.name)
+    for dumps in (work / "fr", json_form):
+        done = check(ddp[0], baselines, "--flight-recorder", str(dumps), report=work / f"report-{dumps.name}")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "every one of the dumps' 16 calls is a captured call" in done.stdout
+        assert "version 2.10: 2 all_gather, 6 all_reduce, 8 broadcast" in done.stdout
+        assert "durations: 16 of 16 calls untimed" in done.stdout
+        assert "point-to-point: gloo records no send/recv" in done.stdout
+        scenario = json.loads((work / f"report-{dumps.name}" / "report.json").read_text())["scenarios"][0]
+        assert all(c["unexplained_bytes"] == 0 for c in scenario["collectives"])
+    alone = commgate("check", "--flight-recorder", work / "fr")
+    assert alone.returncode == 0 and "the ranks agree on every call the dumps hold (16 calls)" in alone.stdout
+
+
+def _fr_version(d: Path) -> None:
+    import pickle
+
+    doc = pickle.loads((d / "fr_1").read_bytes())
+    (d / "fr_1").write_bytes(pickle.dumps(doc | {"version": "9.9"}))
+
+
+def _fr_truncate(d: Path) -> None:
+    data = (d / "fr_0").read_bytes()
+    (d / "fr_0").write_bytes(data[: len(data) // 2])
+
+
+def _fr_diverge(d: Path) -> None:
+    import pickle
+
+    doc = pickle.loads((d / "fr_1").read_bytes())
+    doc["entries"][-1]["input_sizes"] = [[3]]
+    doc["entries"][-1]["output_sizes"] = [[3]]
+    (d / "fr_1").write_bytes(pickle.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    ("spoil", "file", "says", "status"),
+    [
+        (lambda d: (d / "fr_0").unlink(), "", "ranks [0] have no dump", 2),
+        (_fr_version, "fr_1", "dump version '9.9' is not one commgate reads", 2),
+        (_fr_truncate, "fr_0", "not a complete Flight Recorder dump (pickle", 2),
+        (lambda d: [p.unlink() for p in d.iterdir()], "", "no Flight Recorder dump here", 2),
+        (_fr_diverge, None, "the ranks' calls part: in step 0, call #8 on group [0, 1]", 1),
+    ],
+    ids=["rank-missing", "version", "truncated", "empty", "diverged"],
+)
+def test_bad_flight_recorder_dumps_are_one_line_naming_the_file(
+    spoil: Callable[[Path], object],
+    file: str | None,
+    says: str,
+    status: int,
+    work: Path,
+    tmp_path: Path,
+    ddp: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    d = _copy(work / "fr", tmp_path / "fr")
+    for p in d.glob("*.json"):
+        p.unlink()
+    spoil(d)
+    done = commgate("check", "--flight-recorder", d)
+    assert done.returncode == status, done.stdout + done.stderr
+    if file is None:  # a verdict, not bad input: the first divergence, named as the stall watchdog names it
+        assert says in done.stdout
+        return
+    assert_one_line(done, d / file, says)

@@ -85,6 +85,13 @@ class _State:
     """The forward pre-hook's handle while the next step's start is awaited."""
     ended: str = "running"
     written: bool = False
+    """``finish`` has begun (it runs once)."""
+    done: bool = False
+    """``finish`` has written both files."""
+    pending: int | None = None
+    """A signal that arrived while ``finish`` was writing: re-raised once it has."""
+    fixed: dict[str, Any] = field(default_factory=dict)
+    """The meta's parts known once the group is up (versions, stack), gathered then: the exit path is short."""
     started: float = field(default_factory=time.time)
 
 
@@ -160,6 +167,7 @@ def _init(init: Any, backend: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     import torch.distributed as dist
 
     state.recorder.rank = state.rank = dist.get_rank()
+    state.fixed = _fixed(state)
     if not state.explicit:
         _auto_steps(state)
     return done
@@ -245,7 +253,15 @@ def step() -> None:
 
 
 def _terminated(signum: int, _frame: Any) -> None:
+    state = STATE
+    if state is not None and state.written and not state.done:  # finish is writing (atexit): let it end
+        state.pending = signum
+        return
     finish(f"terminated by signal {signum}")
+    _die(signum)
+
+
+def _die(signum: int) -> None:
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
 
@@ -263,15 +279,25 @@ def finish(how: str) -> None:
     rec = state.recorder
     calls = rec.drain() if rec is not None else []
     windows = list(rec.windows) if rec is not None else []
+    meta = _meta(state, how, len(windows))
     state.out.mkdir(parents=True, exist_ok=True)
     write_rank_calls(state.out / f"rank{state.rank}.json", calls, windows)
-    atomic_write_json(state.out / f"rank{state.rank}.meta.json", _meta(state, how, len(windows)))
+    atomic_write_json(state.out / f"rank{state.rank}.meta.json", meta)
+    state.done = True
+    if state.pending is not None:
+        _die(state.pending)
 
 
-def _meta(state: _State, how: str, steps: int) -> dict[str, Any]:
+def _fixed(state: _State) -> dict[str, Any]:
+    """What the meta says that is known once the group is up (looked up then, not on the exit path)."""
     from commgate.core.provenance import environment
     from commgate.run.rank import stack
 
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return {"stack": stack(state.inner, local) if state.inner else {}, "versions": environment()}
+
+
+def _meta(state: _State, how: str, steps: int) -> dict[str, Any]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return {
@@ -290,6 +316,5 @@ def _meta(state: _State, how: str, steps: int) -> dict[str, Any]:
         "step_marks": "commgate.capture.step()" if state.explicit else "optimizer step hooks",
         "ended": how,
         "started": state.started,
-        "stack": stack(state.inner, local) if state.inner else {},
-        "versions": environment(),
+        **(state.fixed or _fixed(state)),
     }
