@@ -236,47 +236,12 @@ def test_capture_refuses_a_directory_that_holds_a_capture(ddp: tuple[Path, subpr
     assert sorted(p.name for p in ddp[0].iterdir()) == before
 
 
-# nanoGPT's DDP branch assumes CUDA; these three lines take the CPU instead (see tests/data/nanogpt/README.md).
-CPU_PATCH = [
-    (
-        "    device = f'cuda:{ddp_local_rank}'\n",
-        "    device = f'cuda:{ddp_local_rank}' if torch.cuda.is_available() else 'cpu'\n",
-    ),
-    ("    torch.cuda.set_device(device)\n", "    torch.cuda.set_device(device) if device != 'cpu' else None\n"),
-    (
-        "    model = DDP(model, device_ids=[ddp_local_rank])\n",
-        "    model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None)\n",
-    ),
-]
-
-
-def nanogpt_job(where: Path) -> list[str]:
-    """nanoGPT's files in ``where`` (train.py with CPU_PATCH), a tiny data set, and its command line."""
-    import numpy as np
-
-    where.mkdir()
-    for f in ("model.py", "configurator.py", "nanogpt_loss.py", "nanogpt-ddp.yaml"):
-        shutil.copy(NANOGPT / f, where / f)
-    text = (NANOGPT / "train.py").read_text()
-    for old, new in CPU_PATCH:
-        assert text.count(old) == 1, f"nanoGPT's train.py changed: {old.strip()!r} is not there once"
-        text = text.replace(old, new)
-    (where / "train.py").write_text(text)
-    (where / "data" / "tiny").mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    for split in ("train", "val"):  # uint16 tokens, as nanoGPT's prepare.py scripts write them
-        rng.integers(0, 50257, 4096, dtype=np.uint16).tofile(where / "data" / "tiny" / f"{split}.bin")
+def test_nanogpt_ddp_is_captured_and_reconciled_to_zero_unexplained_bytes(work: Path) -> None:
     sys.path.insert(0, str(NANOGPT))
     try:
-        from nanogpt_loss import CONFIG
+        from job import nanogpt_job
     finally:
         sys.path.remove(str(NANOGPT))
-    tiny = {**CONFIG, "dataset": "tiny", "batch_size": 2, "gradient_accumulation_steps": 2, "max_iters": 2}
-    tiny |= {"eval_interval": 1000, "eval_iters": 1, "compile": False, "dtype": "float32", "backend": "gloo"}
-    return [*TORCHRUN, "train.py", *(f"--{k}={v}" for k, v in tiny.items())]
-
-
-def test_nanogpt_ddp_is_captured_and_reconciled_to_zero_unexplained_bytes(work: Path) -> None:
     job = work / "nanogpt"
     command = nanogpt_job(job)
     done = commgate("capture", "-o", job / "capture", "--", *command, cwd=job)
