@@ -164,7 +164,8 @@ def _merge(directory: Path, docs: dict[int, dict[str, Any]], metas: dict[int, di
     )
     steps = max((w.step + 1 for w in windows), default=0)
     if steps == 0:
-        why = "no training step was found: no optimizer step ran and the job never called commgate.capture.step()"
+        why = "no training step was found: no module forward ran after the group was set up"
+        why += ", and the job never called commgate.capture.step()"
         raise _bad(directory / "rank0.meta.json", f"{why}; call it where each step begins", "$.steps")
     first = metas[0]
     hosts = ",".join(dict.fromkeys(str(m["host"]) for m in metas.values()))

@@ -9,10 +9,12 @@ in every Python process the launcher starts. In a rank (``RANK`` set) with ``COM
   process group (``commgate.run.interpose``), so every collective of every group is recorded as in a
   commgate run; ``new_group(backend=<the same>)`` is left to the default (the capturing) backend too;
 * finds the step boundaries without the program's help: a step begins at the first module forward after
-  the previous optimizer step (torch's global forward pre-hook, registered only while a step is
-  awaited) and ends when the optimizer step returns (``torch.optim.optimizer``'s global step hooks, which
-  also label the optimizer's calls); ``commgate.capture.step()`` called by the program takes over:
-  each call begins the next step;
+  initialisation or after the last optimizer step (torch's global forward pre-hook, registered only
+  while a step is awaited; ``torch.optim.optimizer``'s global step hooks arm it and label the
+  optimizer's calls) and runs until the next one begins (the last, until the job ends);
+  ``commgate.capture.step()`` called by the program takes over: each call begins the next step;
+* labels the calls of DeepSpeed's ``engine.backward`` and ``engine.step`` with their phases, where the job
+  uses DeepSpeed (``ENGINE_PHASES``);
 * writes, when the process ends (normally, by an exception, by ``sys.exit`` or by SIGTERM, as torchrun
   stops the others when one rank fails), ``DIR/rank{r}.json`` (the calls and step windows, as a
   commgate run's rank writes them) and ``DIR/rank{r}.meta.json`` (the job, the launcher, the host, the
@@ -168,13 +170,16 @@ def _init(init: Any, backend: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 
     state.recorder.rank = state.rank = dist.get_rank()
     state.fixed = _fixed(state)
+    _engine_phases()
     if not state.explicit:
         _auto_steps(state)
     return done
 
 
 def _auto_steps(state: _State) -> None:
-    """Steps from the optimizer: begun at the first forward after the last optimizer step ended."""
+    """Steps from the optimizer: a step begins at the first module forward after initialisation or after
+    the last optimizer step, and ends where the next one begins (the last, when the job ends), so that what
+    an engine sends after its optimizer's step (ZeRO's parameter all-gather) stays in that step."""
     from torch.nn.modules.module import register_module_forward_pre_hook
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
@@ -182,23 +187,56 @@ def _auto_steps(state: _State) -> None:
         if state.awaiting is not None:
             state.awaiting.remove()
             state.awaiting = None
+        _end(state)
         _begin(state)
 
-    def await_step() -> None:
-        state.awaiting = register_module_forward_pre_hook(forward_pre)
+    before: list[str] = []
 
     def optimizer_pre(*_: Any) -> None:
-        if state.recorder is not None and not state.explicit:
+        if state.recorder is not None:
+            before.append(state.recorder.phase)
             state.recorder.phase = "optimizer"
 
     def optimizer_post(*_: Any) -> None:
-        if state.explicit or state.begun_ns is None:
+        if state.recorder is not None and before:
+            state.recorder.phase = before.pop()
+        if state.explicit:
             return
-        _end(state)
-        await_step()
+        if state.awaiting is None:
+            state.awaiting = register_module_forward_pre_hook(forward_pre)
 
     state.hooks += [register_optimizer_step_pre_hook(optimizer_pre), register_optimizer_step_post_hook(optimizer_post)]
-    await_step()
+    state.awaiting = register_module_forward_pre_hook(forward_pre)
+
+
+ENGINE_PHASES = {"backward": "backward", "step": "optimizer"}
+"""DeepSpeed's engine methods and the phase of the calls they issue (its ZeRO reductions run in
+``engine.backward`` after autograd returns; its gradient norm and parameter gathers around the inner
+optimizer's step in ``engine.step``), as commgate's own ZeRO workload labels them."""
+
+
+def _engine_phases() -> None:
+    """Label the calls DeepSpeed's engine issues in ``backward`` and ``step`` with their phase, where the job
+    imported DeepSpeed (its engine is imported with it); nothing otherwise."""
+    import functools
+
+    engine = sys.modules.get("deepspeed.runtime.engine")
+    cls = getattr(engine, "DeepSpeedEngine", None)
+    if cls is None or getattr(cls, "_commgate_phases", False):
+        return
+    from commgate.run.interpose import phase
+
+    def labelled(method: Any, name: str) -> Any:
+        @functools.wraps(method)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with phase(name):
+                return method(self, *args, **kwargs)
+
+        return call
+
+    for method, name in ENGINE_PHASES.items():
+        setattr(cls, method, labelled(getattr(cls, method), name))
+    cls._commgate_phases = True
 
 
 def _begin(state: _State) -> None:
@@ -274,8 +312,7 @@ def finish(how: str) -> None:
     state.written = True
     if how == "exited" and state.ended != "running":
         how = state.ended
-    if state.explicit:
-        _end(state)  # the last step explicitly begun ends with the program
+    _end(state)  # the last step ends with the program
     rec = state.recorder
     calls = rec.drain() if rec is not None else []
     windows = list(rec.windows) if rec is not None else []
