@@ -24,8 +24,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "harness" / "commgate"
 LAYERS = ("core", "model", "run", "judge", "report", "pipeline", "entry")
-ENTRY = {"cli", "plugin", "__main__", "__init__", "examples"}
-"""The entry points, and ``examples`` (what a user hands commgate: it may use all of it)."""
+ENTRY = {"cli", "plugin", "__main__", "__init__", "examples", "capture"}
+"""The entry points, ``examples`` (what a user hands commgate: it may use all of it) and ``capture`` (what a
+captured program calls)."""
 PIPELINE = {"pipeline", "session"}
 """The pipeline layer's modules: a scenario's life (``pipeline``), and a run of scenarios (``session``)."""
 

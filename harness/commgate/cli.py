@@ -221,6 +221,82 @@ def _finish(session: Session, *, whole: bool) -> int:
     return 1 if counts["failed"] or counts["error"] else 0
 
 
+def cmd_capture(a: argparse.Namespace) -> int:
+    """The job's own command with every rank it starts captured; its exit status is commgate's."""
+    from commgate.run.captured import launch
+
+    command = a.job[1:] if a.job[:1] == ["--"] else a.job
+    return launch(a.out, command)
+
+
+def cmd_check(a: argparse.Namespace) -> int:
+    """A captured job judged as a run is: ``commgate.pipeline.run_scenario`` over the capture (or over a
+    Flight Recorder dump's calls, placed in the capture's steps)."""
+    from commgate.model.loader import load_paths
+    from commgate.run.captured import FromCapture, load
+    from commgate.session import Session, options
+
+    if a.capture is None:
+        if a.flight_recorder is None:
+            raise UsageError("check: give the capture directory DIR, or --flight-recorder DUMPS")
+        return _flight_recorder_alone(a)
+    if a.scenario is None:
+        raise UsageError("check: give --scenario S.yaml, the scenario describing the captured job")
+    checked = options(lambda name: f"--{name}", baseline_dir=a.baseline_dir, update=a.update_baselines)
+    scenarios = load_paths([a.scenario])
+    if len(scenarios) != 1:
+        raise UsageError(f"check: {a.scenario} holds {len(scenarios)} scenarios (a sweep); a capture is one job")
+    captured = load(a.capture)
+    print(captured.provenance(), flush=True)
+    if a.flight_recorder is not None:
+        from commgate.run.flightrec import align, read
+
+        dumps = read(a.flight_recorder)
+        placed, parted = align(dumps, captured.capture)
+        _print_dumps(dumps)
+        if parted:
+            print("the dumps and the capture part:", *parted, sep="\n    ")
+            return 1
+        print(f"    every one of the dumps' {len(dumps.calls)} calls is a captured call; judged in the capture's steps")
+        captured = dataclasses.replace(captured, capture=placed)
+    session = Session(options=checked, runner=FromCapture(captured=captured), report_dir=a.report_dir)
+    return _run_all(session, scenarios, " (captured)", whole=False)
+
+
+def _print_dumps(dumps: Any) -> None:
+    """What the dumps hold: ranks, version, calls per op, entries per state, and what they cannot tell."""
+    ops: dict[str, int] = {}
+    for c in dumps.calls:
+        ops[str(c.op)] = ops.get(str(c.op), 0) + 1
+    held = ", ".join(f"{n} {op}" for op, n in sorted(ops.items()))
+    print(f"{dumps.source}: Flight Recorder dumps of ranks {list(dumps.ranks)}, version {dumps.version}: {held}")
+    for r, states in dumps.states.items():
+        print(f"    rank {r}: " + ", ".join(f"{n} {s}" for s, n in sorted(states.items())))
+    print("    what the dumps cannot tell:", *dumps.notes, sep="\n      ")
+
+
+def _flight_recorder_alone(a: argparse.Namespace) -> int:
+    """Dumps without their job's capture: what they hold, and where the ranks' calls first part (as the stall
+    watchdog names it); the model and the baseline need the steps, which only a capture holds."""
+    from commgate.run.diagnose import divergence
+    from commgate.run.flightrec import read
+
+    if a.scenario is not None or a.update_baselines:
+        raise UsageError(
+            "check --flight-recorder: a dump holds no steps, which --scenario and the baseline judge by; give the "
+            "job's capture directory too (commgate check DIR --flight-recorder DUMPS --scenario S.yaml)"
+        )
+    dumps = read(a.flight_recorder)
+    _print_dumps(dumps)
+    keys = ("step", "op", "group", "peer", "bytes")
+    calls = {r: [{k: getattr(c, k) for k in keys} for c in dumps.calls if c.rank == r] for r in dumps.ranks}
+    if parted := divergence(calls):
+        print(f"the ranks' calls part: {parted}")
+        return 1
+    print(f"the ranks agree on every call the dumps hold ({len(dumps.calls)} calls)")
+    return 0
+
+
 def cmd_html(a: argparse.Namespace) -> int:
     from commgate.report.htmlreport import write
 
@@ -365,6 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
         "among themselves (default 1.25)",
     )
     c.add_argument("--min-runs", type=int, default=3, help="runs each side needs before latency is judged (default 3)")
+    _add_capture(sub)
     h = sub.add_parser(
         "html",
         help="render a report.json as index.html with plots and trace.json (what run --report-dir writes)",
@@ -416,6 +493,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     i.add_argument("-o", "--out", type=Path, required=True, help="the scenario file to write")
     return parser
+
+
+def _add_capture(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "capture",
+        help="run a job unchanged (torchrun, srun, ...) and capture every collective of every rank it starts",
+        description="Run COMMAND (e.g. torchrun --nproc-per-node 2 train.py ...) with every rank's process group "
+        "interposed: each rank writes its calls and step windows to DIR when it ends, however it ends. The job's "
+        "output and exit status pass through. Without this command, COMMGATE_CAPTURE=DIR and PYTHONPATH=<the "
+        "directory of commgate.run.external.BOOTSTRAP> in the ranks' environment do the same.",
+    )
+    p.add_argument("-o", "--out", type=Path, required=True, help="a new directory for the capture")
+    p.add_argument("job", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the job's command line")
+    c = sub.add_parser(
+        "check",
+        help="judge a captured job (commgate capture) as a run is judged: model, baseline, drift",
+        description="Judge the capture in DIR against the scenario that describes the job: every byte against "
+        "the model (exact, named terms), the stored baseline, the drift rules; the same report and HTML as a run. "
+        "Exit status 1 if the check failed.",
+    )
+    c.add_argument("capture", type=Path, nargs="?", metavar="DIR", help="the directory commgate capture -o wrote")
+    c.add_argument(
+        "--flight-recorder",
+        type=Path,
+        metavar="DUMPS",
+        help="PyTorch Flight Recorder dumps (a directory of <prefix><rank> files, pickle or .json, or one of them): "
+        "alone, what they hold and where the ranks part; with DIR, each dumped call matched to the capture and "
+        "judged in its steps",
+    )
+    c.add_argument("--scenario", type=Path, help="the scenario describing the job (its steps: the captured ones)")
+    c.add_argument("--baseline-dir", type=Path, default=Path("baselines"), help="default ./baselines")
+    c.add_argument("--update-baselines", action="store_true", help="rewrite a baseline whose communication changed")
+    c.add_argument("--report-dir", type=Path, help="write report.json, index.html, plots/ and trace.json there")
 
 
 def cmd_compare(a: argparse.Namespace) -> int:
@@ -502,6 +612,8 @@ COMMANDS = {
     "validate": cmd_validate,
     "presets": cmd_presets,
     "import": cmd_import,
+    "capture": cmd_capture,
+    "check": cmd_check,
 }
 
 

@@ -1,0 +1,218 @@
+"""A job captured without change: ``commgate capture -o DIR -- COMMAND`` (``launch``), the capture directory
+read back into one ``Capture`` (``load``), and the ``Runner`` that hands it to the pipeline
+(``FromCapture``), so that ``commgate check`` judges it by the same code as a run.
+
+The directory holds what each rank wrote (``commgate.run.external``): ``rank{r}.json`` (calls and step
+windows, as a commgate run's rank writes them), ``rank{r}.meta.json`` (job, launcher, host, versions, how
+it ended), and ``job.json`` from ``commgate capture`` (the command, its exit status). A directory that is
+not a capture, ranks missing, two jobs mixed, a truncated file: one line naming the file and what is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from commgate.core.errors import DocumentError, Problem, UsageError
+from commgate.core.fsutil import atomic_write_json, read_json
+from commgate.model.scenario import Scenario
+from commgate.run import capture as capture_doc
+from commgate.run.capture import Capture, CapturedCall, StepWindow
+from commgate.run.external import BOOTSTRAP, CAPTURE_ENV, COMMAND_ENV, JOB_ENV
+
+RANK_FILE = re.compile(r"rank(\d+)\.json")
+JOB_FILE = "job.json"
+
+
+def _bad(file: Path | str, message: str, where: str = "$") -> DocumentError:
+    return DocumentError([Problem(file=str(file), path=where, message=message)])
+
+
+def launch(out: Path, command: list[str]) -> int:
+    """Run ``command`` with every rank it starts captured into ``out``; its output passes through, its exit
+    status is returned (128 + N when a signal N ended it), and ``out/job.json`` records both."""
+    if not command:
+        raise UsageError("capture: give the job's command after --, e.g. commgate capture -o DIR -- torchrun ...")
+    if out.exists() and (not out.is_dir() or any(RANK_FILE.fullmatch(p.name) for p in out.iterdir())):
+        raise UsageError(f"capture: {out} holds a capture (or is not a directory) already; give a new directory")
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOTSTRAP), env.get("PYTHONPATH")]))
+    env[CAPTURE_ENV] = str(out.resolve())
+    env[JOB_ENV] = uuid.uuid4().hex
+    env[COMMAND_ENV] = shlex.join(command)
+    started = time.time()
+    try:
+        job = subprocess.Popen(command, env=env)
+    except OSError as exc:
+        raise UsageError(f"capture: cannot start {command[0]!r}: {exc.strerror or exc}") from None
+    forward = {s: signal.signal(s, lambda n, _f: job.send_signal(n)) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        code = job.wait()
+    finally:
+        for s, h in forward.items():
+            signal.signal(s, h)
+    status = 128 - code if code < 0 else code
+    atomic_write_json(
+        out / JOB_FILE,
+        {
+            "command": env[COMMAND_ENV],
+            "job": env[JOB_ENV],
+            "exit_status": status,
+            "wall_s": round(time.time() - started, 3),
+        },
+    )
+    written = sorted(p.name for p in out.iterdir() if RANK_FILE.fullmatch(p.name))
+    print(f"commgate capture: {len(written)} rank file(s) in {out}; the job exited with {status}", file=sys.stderr)
+    return status
+
+
+@dataclass(frozen=True, kw_only=True)
+class Captured:
+    """A capture directory, read: the merged capture and what the ranks said about the job."""
+
+    directory: Path
+    capture: Capture
+    metas: tuple[dict[str, Any], ...]
+    """Each rank's ``rank{r}.meta.json``, by rank."""
+    exit_status: int | None
+    """The job's exit status (``job.json``; None when not captured by ``commgate capture``)."""
+
+    @property
+    def steps(self) -> int:
+        return self.capture.steps
+
+    def provenance(self) -> str:
+        """One line: launcher, world size, hosts, steps and how they were found, versions, exit status."""
+        m = self.metas[0]
+        v = m.get("versions", {})
+        ended = {str(x.get("ended")) for x in self.metas}
+        status = f"; exit status {self.exit_status}" if self.exit_status is not None else ""
+        return (
+            f"{self.directory}: {m['launcher']}, {len(self.metas)} ranks on {self.capture.stack.get('hosts')}, "
+            f"backend {m['backend']}, {self.steps} step(s) by {m['step_marks']}, torch {v.get('torch')}, "
+            f"deepspeed {v.get('deepspeed')}; ranks {', '.join(sorted(ended))}{status}"
+        )
+
+
+def _check_rank_file(doc: Any) -> None:
+    """A rank file's calls and windows, held to the capture schema (errors name the rank file's own path)."""
+    if not isinstance(doc, dict) or not {"calls", "step_windows"} <= doc.keys():
+        import jsonschema
+
+        raise jsonschema.ValidationError("expected an object with calls and step_windows (a rank's capture)")
+    stub = {"capture_version": 1, "scenario": "-", "world_size": 1, "warmup_steps": 0, "steps": 1, "backend": "-"}
+    capture_doc.validate(stub | {"calls": doc["calls"], "step_windows": doc["step_windows"]})
+
+
+def _check_meta(doc: Any) -> None:
+    import jsonschema
+
+    need = {"meta_version", "job", "rank", "world_size", "host", "launcher", "backend", "steps", "ended", "stack"}
+    if not isinstance(doc, dict) or not need <= doc.keys():
+        missing = sorted(need - doc.keys()) if isinstance(doc, dict) else sorted(need)
+        raise jsonschema.ValidationError(f"not a rank's capture meta: missing {', '.join(missing)}")
+
+
+def load(directory: Path) -> Captured:
+    """The capture in ``directory``, every rank present, one job; else a one-line ``DocumentError``."""
+    if not directory.is_dir():
+        raise _bad(directory, "not a directory; give the -o directory of commgate capture (or COMMGATE_CAPTURE)")
+    files = {int(found.group(1)): p for p in directory.iterdir() if (found := RANK_FILE.fullmatch(p.name))}
+    if not files:
+        raise _bad(directory, "not a capture: no rank<N>.json in it (commgate capture -o DIR, or COMMGATE_CAPTURE=DIR)")
+    hint = ": a rank's capture is written when the rank ends; was it killed outright (SIGKILL)?"
+    metas: dict[int, dict[str, Any]] = {}
+    for r, f in sorted(files.items()):
+        meta = f.with_name(f"rank{r}.meta.json")
+        if not meta.exists():
+            raise _bad(meta, f"missing beside {f.name}{hint}")
+        metas[r] = read_json(meta, _check_meta, hint=hint)
+    first = metas[min(metas)]
+    for r, m in metas.items():
+        where = directory / f"rank{r}.meta.json"
+        if m["job"] != first["job"]:
+            mixed = f"job {m['job']!r}, but rank{min(metas)}'s is {first['job']!r}: two jobs' captures in one directory"
+            raise _bad(where, f"{mixed}; capture each job into a directory of its own", "$.job")
+        if m["rank"] != r or m["world_size"] != first["world_size"]:
+            raise _bad(where, f"rank {m['rank']} of {m['world_size']}: not rank {r} of {first['world_size']}")
+        if m.get("not_captured"):
+            raise _bad(where, f"nothing was captured: {m['not_captured']}", "$.not_captured")
+    world = int(first["world_size"])
+    if missing := sorted(set(range(world)) - files.keys()):
+        names = ", ".join(f"rank{r}.json" for r in missing)
+        raise _bad(directory, f"ranks {missing} of a world of {world} are missing ({names}){hint}")
+    docs = {r: read_json(f, _check_rank_file, hint=hint) for r, f in sorted(files.items())}
+    return _merge(directory, docs, metas)
+
+
+def _merge(directory: Path, docs: dict[int, dict[str, Any]], metas: dict[int, dict[str, Any]]) -> Captured:
+    calls = sorted(
+        (CapturedCall.from_json(c) for d in docs.values() for c in d["calls"]), key=lambda c: (c.rank, c.seq)
+    )
+    windows = sorted(
+        (StepWindow(**w) for d in docs.values() for w in d["step_windows"]), key=lambda w: (w.rank, w.step)
+    )
+    steps = max((w.step + 1 for w in windows), default=0)
+    if steps == 0:
+        why = "no training step was found: no module forward ran after the group was set up"
+        why += ", and the job never called commgate.capture.step()"
+        raise _bad(directory / "rank0.meta.json", f"{why}; call it where each step begins", "$.steps")
+    first = metas[0]
+    hosts = ",".join(dict.fromkeys(str(m["host"]) for m in metas.values()))
+    stack = {k: v for k, v in first["stack"].items() if v is None or isinstance(v, str)}
+    stack |= {"launcher": str(first["launcher"]), "hosts": hosts, "command": str(first.get("command", ""))}
+    job = directory / JOB_FILE
+    status = read_json(job, lambda d: None).get("exit_status") if job.exists() else None
+    cap = Capture(
+        scenario=directory.name,
+        world_size=int(first["world_size"]),
+        warmup_steps=0,
+        steps=steps,
+        backend=str(first["backend"]),
+        calls=tuple(calls),
+        stack=stack,
+        step_windows=tuple(windows),
+    )
+    return Captured(directory=directory, capture=cap, metas=tuple(metas[r] for r in sorted(metas)), exit_status=status)
+
+
+@dataclass(kw_only=True)
+class FromCapture:
+    """The pipeline's ``Runner`` for a job already captured: its capture, held to the scenario that
+    describes the job (world size and steps, warm-up included). A captured job cannot be run again: the
+    gate's rerun to confirm a latency shift fails, so the shift stays unconfirmed (as a failed rerun)."""
+
+    captured: Captured
+    handed: int = 0
+
+    def skip_reason(self, scenario: Scenario) -> str | None:
+        return None
+
+    def run(self, scenario: Scenario) -> Capture:
+        from commgate.run.launcher import RunError
+
+        cap, where = self.captured.capture, self.captured.directory
+        self.handed += 1
+        if self.handed > 1:
+            raise RunError(f"{where}: a captured job cannot be rerun")
+        total = scenario.warmup_steps + scenario.steps
+        if scenario.world_size != cap.world_size:
+            raise UsageError(
+                f"{scenario.file}: world size {scenario.world_size}, but {where} holds {cap.world_size} ranks"
+            )
+        if total != cap.steps:
+            raise UsageError(
+                f"{scenario.file}: warmup_steps {scenario.warmup_steps} + steps {scenario.steps} = {total}, but "
+                f"{where} holds {cap.steps} step(s); set them to add up to the captured job's steps"
+            )
+        return replace(cap, scenario=scenario.id, warmup_steps=scenario.warmup_steps, steps=scenario.steps)

@@ -1,0 +1,357 @@
+"""Capture an unmodified torch.distributed program: what a rank of a job started by ``commgate capture``
+(or by any launcher, with ``COMMGATE_CAPTURE=DIR`` in its environment) does before the user's script runs.
+
+``commgate capture`` puts ``bootstrap/`` first on ``PYTHONPATH``; its ``sitecustomize`` calls ``activate``
+in every Python process the launcher starts. In a rank (``RANK`` set) with ``COMMGATE_CAPTURE`` set it
+
+* wraps ``torch.distributed.init_process_group``: the backend the program asks for (gloo, nccl; None or
+  ``cpu:gloo,cuda:nccl`` as torch resolves them) becomes the real backend under commgate's capturing
+  process group (``commgate.run.interpose``), so every collective of every group is recorded as in a
+  commgate run; ``new_group(backend=<the same>)`` is left to the default (the capturing) backend too;
+* finds the step boundaries without the program's help: a step begins at the first module forward after
+  initialisation or after the last optimizer step (torch's global forward pre-hook, registered only
+  while a step is awaited; ``torch.optim.optimizer``'s global step hooks arm it and label the
+  optimizer's calls) and runs until the next one begins (the last, until the job ends);
+  ``commgate.capture.step()`` called by the program takes over: each call begins the next step;
+* labels the calls of DeepSpeed's ``engine.backward`` and ``engine.step`` with their phases, where the job
+  uses DeepSpeed (``ENGINE_PHASES``);
+* writes, when the process ends (normally, by an exception, by ``sys.exit`` or by SIGTERM, as torchrun
+  stops the others when one rank fails), ``DIR/rank{r}.json`` (the calls and step windows, as a
+  commgate run's rank writes them) and ``DIR/rank{r}.meta.json`` (the job, the launcher, the host, the
+  versions, how the process ended).
+
+Nothing of this runs, and torch is not imported, in a process without ``RANK`` (the launcher itself).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from commgate.core.fsutil import atomic_write_json
+from commgate.run.capture import StepWindow, write_rank_calls
+
+CAPTURE_ENV = "COMMGATE_CAPTURE"
+"""The directory the ranks write their capture to; set by ``commgate capture``, or by hand."""
+JOB_ENV = "COMMGATE_CAPTURE_JOB"
+"""The job's identity, the same in every rank (``commgate capture`` sets it; else read off the launcher)."""
+COMMAND_ENV = "COMMGATE_CAPTURE_COMMAND"
+"""The command ``commgate capture`` ran (provenance)."""
+META_VERSION = 1
+BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
+"""The directory holding the ``sitecustomize`` that calls ``activate``."""
+
+
+def launcher() -> str:
+    """Who started this rank, from what the launchers leave in the environment."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return "torchrun (under srun)" if "SLURM_JOB_ID" in os.environ else "torchrun"
+    if "SLURM_PROCID" in os.environ:
+        return "srun"
+    return "unknown (COMMGATE_CAPTURE in the environment)"
+
+
+def job_id() -> str:
+    """The same string in every rank of one job (and, as far as the launcher tells, not in another)."""
+    if os.environ.get(JOB_ENV):
+        return os.environ[JOB_ENV]
+    keys = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR", "MASTER_PORT")
+    return "/".join(f"{k}={os.environ.get(k, '')}" for k in keys)
+
+
+@dataclass
+class _State:
+    """This rank's capture, between ``activate`` and the process's end."""
+
+    out: Path
+    rank: int
+    requested: str | None = None
+    inner: str | None = None
+    not_captured: str | None = None
+    """Why nothing is recorded (a backend commgate does not interpose), or None."""
+    recorder: Any = None
+    explicit: bool = False
+    """``commgate.capture.step()`` was called: the hooks no longer mark steps."""
+    begun_ns: int | None = None
+    begun_busy: int | None = None
+    clock: Any = None
+    hooks: list[Any] = field(default_factory=list)
+    awaiting: Any = None
+    """The forward pre-hook's handle while the next step's start is awaited."""
+    ended: str = "running"
+    written: bool = False
+    """``finish`` has begun (it runs once)."""
+    done: bool = False
+    """``finish`` has written both files."""
+    pending: int | None = None
+    """A signal that arrived while ``finish`` was writing: re-raised once it has."""
+    fixed: dict[str, Any] = field(default_factory=dict)
+    """The meta's parts known once the group is up (versions, stack), gathered then: the exit path is short."""
+    started: float = field(default_factory=time.time)
+
+
+STATE: _State | None = None
+
+
+def activate() -> None:
+    """Set up this process's capture when it is a rank of a captured job (``RANK`` and ``COMMGATE_CAPTURE``)."""
+    global STATE
+    out, rank = os.environ.get(CAPTURE_ENV), os.environ.get("RANK")
+    if not out or rank is None or STATE is not None:
+        return
+    STATE = _State(out=Path(out), rank=int(rank))
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    init, new_group = c10d.init_process_group, c10d.new_group
+
+    def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
+        return _init(init, backend, args, kwargs)
+
+    def new_group_(*args: Any, **kwargs: Any) -> Any:
+        state = STATE
+        if state is not None and state.inner and _resolve(kwargs.get("backend")) == state.inner:
+            kwargs["backend"] = None  # the default (capturing) backend over the same real one
+        return new_group(*args, **kwargs)
+
+    for module in (dist, c10d):
+        setattr(module, "init_process_group", init_process_group)  # noqa: B010 - mypy sees no such attribute
+        setattr(module, "new_group", new_group_)  # noqa: B010
+    atexit.register(finish, "exited")
+    hook = sys.excepthook
+
+    def excepthook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if STATE is not None:
+            STATE.ended = f"raised {kind.__name__}"
+        hook(kind, exc, tb)
+
+    sys.excepthook = excepthook
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminated)
+
+
+def _resolve(backend: Any) -> str | None:
+    """The real backend torch would pick for ``backend``: gloo or nccl, else None (not interposed)."""
+    import torch
+
+    name = str(backend).lower() if backend is not None else ""
+    cuda = torch.cuda.is_available()
+    if not name or name == "undefined":
+        return "nccl" if cuda else "gloo"
+    if "," in name or ":" in name:  # cpu:gloo,cuda:nccl
+        devices = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+        return devices.get("cuda") if cuda and "cuda" in devices else devices.get("cpu")
+    return name if name in ("gloo", "nccl") else None
+
+
+def _init(init: Any, backend: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``init_process_group`` over the capturing backend, which holds the one the program asked for."""
+    from commgate.run import interpose
+
+    state = STATE
+    if state is None:  # not reached: activate set it before installing this wrapper
+        return init(backend, *args, **kwargs)
+    state.requested = None if backend is None else str(backend)
+    inner = _resolve(backend)
+    if inner is None:
+        state.not_captured = f"the job asked for backend {backend!r}; commgate interposes gloo and nccl"
+        return init(backend, *args, **kwargs)
+    state.inner = inner
+    state.recorder = interpose.install(inner, state.rank)
+    done = init(interpose.BACKEND_NAME, *args, **kwargs)
+    import torch.distributed as dist
+
+    state.recorder.rank = state.rank = dist.get_rank()
+    state.fixed = _fixed(state)
+    _engine_phases()
+    if not state.explicit:
+        _auto_steps(state)
+    return done
+
+
+def _auto_steps(state: _State) -> None:
+    """Steps from the optimizer: a step begins at the first module forward after initialisation or after
+    the last optimizer step, and ends where the next one begins (the last, when the job ends), so that what
+    an engine sends after its optimizer's step (ZeRO's parameter all-gather) stays in that step."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    def forward_pre(*_: Any) -> None:
+        if state.awaiting is not None:
+            state.awaiting.remove()
+            state.awaiting = None
+        _end(state)
+        _begin(state)
+
+    before: list[str] = []
+
+    def optimizer_pre(*_: Any) -> None:
+        if state.recorder is not None:
+            before.append(state.recorder.phase)
+            state.recorder.phase = "optimizer"
+
+    def optimizer_post(*_: Any) -> None:
+        if state.recorder is not None and before:
+            state.recorder.phase = before.pop()
+        if state.explicit:
+            return
+        if state.awaiting is None:
+            state.awaiting = register_module_forward_pre_hook(forward_pre)
+
+    state.hooks += [register_optimizer_step_pre_hook(optimizer_pre), register_optimizer_step_post_hook(optimizer_post)]
+    state.awaiting = register_module_forward_pre_hook(forward_pre)
+
+
+ENGINE_PHASES = {"backward": "backward", "step": "optimizer"}
+"""DeepSpeed's engine methods and the phase of the calls they issue (its ZeRO reductions run in
+``engine.backward`` after autograd returns; its gradient norm and parameter gathers around the inner
+optimizer's step in ``engine.step``), as commgate's own ZeRO workload labels them."""
+
+
+def _engine_phases() -> None:
+    """Label the calls DeepSpeed's engine issues in ``backward`` and ``step`` with their phase, where the job
+    imported DeepSpeed (its engine is imported with it); nothing otherwise."""
+    import functools
+
+    engine = sys.modules.get("deepspeed.runtime.engine")
+    cls = getattr(engine, "DeepSpeedEngine", None)
+    if cls is None or getattr(cls, "_commgate_phases", False):
+        return
+    from commgate.run.interpose import phase
+
+    def labelled(method: Any, name: str) -> Any:
+        @functools.wraps(method)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with phase(name):
+                return method(self, *args, **kwargs)
+
+        return call
+
+    for method, name in ENGINE_PHASES.items():
+        setattr(cls, method, labelled(getattr(cls, method), name))
+    cls._commgate_phases = True
+
+
+def _begin(state: _State) -> None:
+    """Begin the next step (numbered after the windows so far)."""
+    from commgate.run.threadclock import ThreadClock
+
+    rec = state.recorder
+    if rec is None:
+        return
+    rec.poll()
+    rec.step, rec.phase = len(rec.windows), "forward"
+    if state.clock is None:
+        state.clock = ThreadClock()
+    state.begun_busy = state.clock.busy_ns()
+    state.begun_ns = rec.now()
+
+
+def _end(state: _State) -> None:
+    """End the step begun last, and label what follows as the next one (until its window begins)."""
+    rec = state.recorder
+    if rec is None or state.begun_ns is None:
+        return
+    rec.poll()
+    ended = rec.now()
+    busy = state.clock.busy_ns() if state.clock is not None else None
+    blocked = None
+    if busy is not None and state.begun_busy is not None:
+        blocked = max(0, ended - state.begun_ns - (busy - state.begun_busy))
+    rec.windows.append(
+        StepWindow(rank=rec.rank, step=rec.step, start_ns=state.begun_ns, end_ns=ended, blocked_ns=blocked)
+    )
+    state.begun_ns = None
+    rec.step, rec.phase = len(rec.windows), "forward"
+
+
+def step() -> None:
+    """``commgate.capture.step()``: begin the next step here (the first call ends initialisation); from
+    the first call on, the optimizer no longer marks steps."""
+    state = STATE
+    if state is None:
+        return
+    if not state.explicit:
+        state.explicit = True
+        if state.awaiting is not None:
+            state.awaiting.remove()
+            state.awaiting = None
+        if state.begun_ns is not None and state.recorder is not None:  # a step the hooks began: not one
+            state.begun_ns = None
+            state.recorder.step = len(state.recorder.windows)
+    _end(state)
+    _begin(state)
+
+
+def _terminated(signum: int, _frame: Any) -> None:
+    state = STATE
+    if state is not None and state.written and not state.done:  # finish is writing (atexit): let it end
+        state.pending = signum
+        return
+    finish(f"terminated by signal {signum}")
+    _die(signum)
+
+
+def _die(signum: int) -> None:
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def finish(how: str) -> None:
+    """Write this rank's calls and its meta (once): what it did, however it ended."""
+    state = STATE
+    if state is None or state.written:
+        return
+    state.written = True
+    if how == "exited" and state.ended != "running":
+        how = state.ended
+    _end(state)  # the last step ends with the program
+    rec = state.recorder
+    calls = rec.drain() if rec is not None else []
+    windows = list(rec.windows) if rec is not None else []
+    meta = _meta(state, how, len(windows))
+    state.out.mkdir(parents=True, exist_ok=True)
+    write_rank_calls(state.out / f"rank{state.rank}.json", calls, windows)
+    atomic_write_json(state.out / f"rank{state.rank}.meta.json", meta)
+    state.done = True
+    if state.pending is not None:
+        _die(state.pending)
+
+
+def _fixed(state: _State) -> dict[str, Any]:
+    """What the meta says that is known once the group is up (looked up then, not on the exit path)."""
+    from commgate.core.provenance import environment
+    from commgate.run.rank import stack
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return {"stack": stack(state.inner, local) if state.inner else {}, "versions": environment()}
+
+
+def _meta(state: _State, how: str, steps: int) -> dict[str, Any]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return {
+        "meta_version": META_VERSION,
+        "job": job_id(),
+        "rank": state.rank,
+        "world_size": world,
+        "local_world_size": local,
+        "host": socket.gethostname(),
+        "launcher": launcher(),
+        "command": os.environ.get(COMMAND_ENV) or " ".join(sys.argv),
+        "requested_backend": state.requested,
+        "backend": state.inner,
+        "not_captured": state.not_captured,
+        "steps": steps,
+        "step_marks": "commgate.capture.step()" if state.explicit else "optimizer step hooks",
+        "ended": how,
+        "started": state.started,
+        **(state.fixed or _fixed(state)),
+    }

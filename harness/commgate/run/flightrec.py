@@ -1,0 +1,294 @@
+"""PyTorch Flight Recorder dumps read into commgate's capture records.
+
+A dump is one file per rank, named ``<prefix><rank>`` as torch writes them (``TORCH_FR_DUMP_TEMP_FILE`` is
+the prefix; ``_dump_fr_trace()`` gives the pickle form, ``_dump_fr_trace_json()`` the JSON form, which this
+reads from ``<prefix><rank>.json``). Each entry becomes a ``CapturedCall``: op (from ``profiling_name``),
+process group and its ranks, dtype, message size (the larger of the call's input and output, commgate's
+convention), issue order. What a dump cannot tell is said in ``notes``, never guessed:
+
+* steps: a dump holds no step boundaries; every call is placed in step 0, in issue order;
+* durations: only where the job timed its calls (``time_discovered_started_ns`` and ``..._completed_ns``
+  both set); else None;
+* groups: ``pg_config`` lists a group's ranks on NCCL; gloo's dump leaves it empty (torch 2.13), so the
+  default group is every rank dumped and another group the ranks whose dumps hold calls on it (said);
+* point-to-point: gloo records no send/recv in the Flight Recorder (torch 2.13): none appear (said).
+
+Read with ``pickle`` only from files the user names (a dump is torch's own pickle); commgate stores none.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from commgate.core.errors import DocumentError, Problem
+from commgate.model.collectives import Op
+from commgate.run.capture import Capture, CapturedCall
+
+VERSIONS = tuple(f"2.{n}" for n in range(2, 11))
+"""The dump versions read (``version`` of the dump; torch 2.13 writes 2.10, the one tested here)."""
+NEEDED = ("profiling_name", "process_group", "input_sizes", "output_sizes", "input_dtypes", "output_dtypes", "state")
+
+OPS = {
+    **dict.fromkeys(("all_reduce", "allreduce", "allreduce_coalesced", "all_reduce_coalesced"), Op.ALL_REDUCE),
+    **dict.fromkeys(
+        ("all_gather", "allgather", "_allgather_base", "all_gather_into_tensor", "all_gather_into_tensor_coalesced"),
+        Op.ALL_GATHER,
+    ),
+    **dict.fromkeys(
+        ("reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"),
+        Op.REDUCE_SCATTER,
+    ),
+    **dict.fromkeys(("all_to_all", "alltoall", "alltoall_base", "all_to_all_single"), Op.ALL_TO_ALL),
+    **{op.value: op for op in (Op.BROADCAST, Op.REDUCE, Op.GATHER, Op.SCATTER, Op.BARRIER, Op.SEND, Op.RECV)},
+}
+"""``profiling_name`` (after ``gloo:``/``nccl:``, before a space) -> op."""
+
+DTYPES = {
+    "Float": ("fp32", 4),
+    "Double": ("fp64", 8),
+    "Half": ("fp16", 2),
+    "BFloat16": ("bf16", 2),
+    "Long": ("int64", 8),
+    "Int": ("int32", 4),
+    "Short": ("int16", 2),
+    "Char": ("int8", 1),
+    "Byte": ("uint8", 1),
+    "Bool": ("bool", 1),
+}
+"""c10's ScalarType names, as dumps spell them -> (commgate's dtype name, bytes per element)."""
+
+DUMP_NAME = re.compile(r"(.*?)(\d+)(\.json)?")
+
+
+def _bad(file: Path, message: str, where: str = "$") -> DocumentError:
+    return DocumentError([Problem(file=str(file), path=where, message=message)])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Dumps:
+    """Every rank's dump, as capture records."""
+
+    source: Path
+    calls: tuple[CapturedCall, ...]
+    """Every rank's calls, each in issue order (``seq``), all in step 0."""
+    ranks: tuple[int, ...]
+    version: str
+    notes: tuple[str, ...]
+    """What the dumps cannot tell, and how each gap was filled (or not)."""
+    states: dict[int, dict[str, int]]
+    """Per rank, how many entries were in each state (scheduled, started, completed)."""
+
+
+def dump_files(path: Path) -> dict[int, Path]:
+    """The per-rank dump files: ``path`` a directory of ``<prefix><rank>[.json]``, or one rank's file (its
+    siblings of the same prefix are the other ranks). One form is read: JSON where every rank has it."""
+    if path.is_dir():
+        found = [p for p in sorted(path.iterdir()) if p.is_file()]
+    elif path.is_file():
+        found = [p for p in sorted(path.parent.iterdir()) if p.is_file()]
+        m = DUMP_NAME.fullmatch(path.name)
+        prefix = m.group(1) if m else path.name
+        found = [p for p in found if (n := DUMP_NAME.fullmatch(p.name)) and n.group(1) == prefix]
+    else:
+        raise _bad(path, "no such file or directory; give the Flight Recorder dumps (TORCH_FR_DUMP_TEMP_FILE's files)")
+    by_form: dict[bool, dict[str, dict[int, Path]]] = {True: {}, False: {}}
+    for p in found:
+        if m := DUMP_NAME.fullmatch(p.name):
+            by_form[m.group(3) is not None].setdefault(m.group(1), {})[int(m.group(2))] = p
+    for form in (False, True):  # the pickle form first: it is what the watchdog writes
+        prefixes = by_form[form]
+        if len(prefixes) > 1:
+            raise _bad(path, f"dumps of {len(prefixes)} prefixes ({', '.join(sorted(prefixes))}): one job's a time")
+        if prefixes:
+            return next(iter(prefixes.values()))
+    raise _bad(path, "no Flight Recorder dump here (files named <prefix><rank>, as TORCH_FR_DUMP_TEMP_FILE names them)")
+
+
+def _load(file: Path) -> dict[str, Any]:
+    try:
+        raw = file.read_bytes()
+    except OSError as exc:
+        raise _bad(file, f"cannot be read ({exc.strerror or exc})") from None
+    try:
+        doc = json.loads(raw) if file.suffix == ".json" else pickle.loads(raw)
+    except Exception as exc:  # a truncated pickle raises whatever it stopped in (EOFError, UnpicklingError, ...)
+        form = "JSON" if file.suffix == ".json" else "pickle"
+        raise _bad(file, f"not a complete Flight Recorder dump ({form}: {exc}); truncated?") from None
+    if not isinstance(doc, dict) or "entries" not in doc or "version" not in doc:
+        raise _bad(file, "not a Flight Recorder dump (no version and entries)")
+    if str(doc["version"]) not in VERSIONS:
+        raise _bad(
+            file, f"dump version {doc['version']!r} is not one commgate reads ({', '.join(VERSIONS)})", "$.version"
+        )
+    for i, e in enumerate(doc["entries"]):
+        if not isinstance(e, dict) or (missing := [k for k in NEEDED if k not in e]):
+            raise _bad(
+                file, f"entry without {', '.join(missing) if isinstance(e, dict) else 'fields'}", f"$.entries[{i}]"
+            )
+    return doc
+
+
+def read(path: Path) -> Dumps:
+    """Every rank's dump under ``path``, as capture records; a one-line ``DocumentError`` for a bad one."""
+    files = dump_files(path)
+    if missing := sorted(set(range(max(files) + 1)) - files.keys()):
+        raise _bad(path, f"ranks {missing} have no dump (found {sorted(files)}); a dump holds one rank's calls")
+    docs = {r: _load(f) for r, f in sorted(files.items())}
+    versions = {str(d["version"]) for d in docs.values()}
+    if len(versions) > 1:
+        raise _bad(path, f"dumps of versions {sorted(versions)}: not one job's")
+    notes: list[str] = ["steps: a dump holds no step boundaries; its calls are in issue order, in one window"]
+    groups = _groups(docs, notes)
+    calls: list[CapturedCall] = []
+    timed = 0
+    for r, doc in docs.items():
+        for seq, e in enumerate(doc["entries"]):
+            call = _call(files[r], r, seq, e, groups, notes)
+            if call is not None:
+                calls.append(call)
+                timed += call.duration_ns is not None
+    if timed < len(calls):
+        notes.append(f"durations: {len(calls) - timed} of {len(calls)} calls untimed (the job did not time its calls)")
+    if any(str(e["profiling_name"]).startswith("gloo:") for d in docs.values() for e in d["entries"]):
+        notes.append("point-to-point: gloo records no send/recv in the Flight Recorder (torch 2.13); none are here")
+    states = {r: _count(str(e["state"]) for e in d["entries"]) for r, d in docs.items()}
+    return Dumps(
+        source=path,
+        calls=tuple(calls),
+        ranks=tuple(docs),
+        version=versions.pop(),
+        notes=tuple(dict.fromkeys(notes)),
+        states=states,
+    )
+
+
+def _count(items: Iterable[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for i in items:
+        out[i] = out.get(i, 0) + 1
+    return out
+
+
+def _pg_name(e: dict[str, Any]) -> str:
+    pg = e["process_group"]
+    return str(pg[1] if isinstance(pg, (list, tuple)) and len(pg) > 1 else pg)
+
+
+def _groups(docs: dict[int, dict[str, Any]], notes: list[str]) -> dict[str, tuple[int, ...]]:
+    """Each process group's ranks: from ``pg_config`` where it lists them; else the default group is every
+    rank dumped and another group the ranks whose dumps hold calls on it (said in ``notes``)."""
+    listed: dict[str, tuple[int, ...]] = {}
+    for d in docs.values():
+        for name, cfg in (d.get("pg_config") or {}).items():
+            ranks = cfg.get("ranks") if isinstance(cfg, dict) else None
+            ranks = json.loads(ranks) if isinstance(ranks, str) else ranks
+            if name and ranks:
+                listed[str(name)] = tuple(int(x) for x in ranks)
+    seen: dict[str, set[int]] = {}
+    for r, d in docs.items():
+        for e in d["entries"]:
+            seen.setdefault(_pg_name(e), set()).add(r)
+    out: dict[str, tuple[int, ...]] = {}
+    for name, ranks in seen.items():
+        if name in listed:
+            out[name] = listed[name]
+        elif name == "default_pg":
+            out[name] = tuple(sorted(docs))
+            notes.append(
+                "groups: the dump lists no group's ranks (gloo); the default group is taken as every rank dumped "
+                "(a missing last rank cannot be seen)"
+            )
+        else:
+            out[name] = tuple(sorted(ranks))
+            notes.append(
+                f"groups: group {name!r}'s ranks are not in the dump; taken as the ranks whose dumps hold its calls"
+            )
+    return out
+
+
+def _size(file: Path, sizes: Any, dtypes: Any, where: str) -> tuple[int, str, int]:
+    """(elements, commgate dtype, bytes) of one side of a call; a dtype the dump names that commgate does not
+    know is a one-line error."""
+    elements = sum(math.prod(s) for s in sizes)
+    if not dtypes:
+        return elements, "none", 0
+    name = str(dtypes[0])
+    if name not in DTYPES:
+        raise _bad(file, f"dtype {name!r} is not one commgate reads ({', '.join(DTYPES)})", where)
+    dtype, itemsize = DTYPES[name]
+    return (
+        elements,
+        dtype,
+        sum(math.prod(s) * DTYPES.get(str(d), (dtype, itemsize))[1] for s, d in zip(sizes, dtypes, strict=False)),
+    )
+
+
+def _call(
+    file: Path, rank: int, seq: int, e: dict[str, Any], groups: dict[str, tuple[int, ...]], notes: list[str]
+) -> CapturedCall | None:
+    name = str(e["profiling_name"]).split(":", 1)[-1].split(" ", 1)[0]
+    op = OPS.get(name)
+    if op is None:
+        notes.append(f"ops: {e['profiling_name']!r} is not an op commgate models; its calls are left out")
+        return None
+    where = f"$.entries[{seq}]"
+    side_in = _size(file, e["input_sizes"], e["input_dtypes"], where)
+    side_out = _size(file, e["output_sizes"], e["output_dtypes"], where)
+    elements, dtype, nbytes = max(side_in, side_out)
+    start, end = e.get("time_discovered_started_ns"), e.get("time_discovered_completed_ns")
+    created = int(e.get("time_created_ns") or 0)
+    return CapturedCall(
+        rank=rank,
+        seq=seq,
+        step=0,
+        phase="forward",
+        op=op,
+        group=groups[_pg_name(e)],
+        peer=None,
+        dtype=dtype,
+        elements=elements,
+        bytes=nbytes,
+        tensors=max(len(e["input_sizes"]), len(e["output_sizes"]), 1),
+        start_ns=created,
+        duration_ns=int(end) - int(start) if start and end else None,
+    )
+
+
+def _key(c: CapturedCall) -> tuple[Any, ...]:
+    """What a dump and a capture both say of a call (not the tensor count: a dump gives one shape per side)."""
+    return (str(c.op), c.group, c.dtype, c.elements, c.bytes)
+
+
+def align(dumps: Dumps, capture: Capture) -> tuple[Capture, list[str]]:
+    """The dump's calls placed in the capture's steps and phases, call for call (a dump's ring buffer holds
+    the last calls: each rank's dump is matched to the end of that rank's captured calls of the ops a dump
+    records), with the dump's durations; and where they part, one line a rank."""
+    problems: list[str] = []
+    placed: list[CapturedCall] = []
+    held = {str(c.op) for c in dumps.calls}
+    p2p = {Op.SEND, Op.RECV}
+    for r in dumps.ranks:
+        mine = [c for c in dumps.calls if c.rank == r]
+        theirs = [c for c in capture.calls if c.rank == r and (c.op not in p2p or str(c.op) in held)]
+        tail = theirs[len(theirs) - len(mine) :] if len(mine) <= len(theirs) else None
+        if tail is None:
+            problems.append(f"rank {r}: the dump holds {len(mine)} calls, the capture {len(theirs)}")
+            continue
+        for d, c in zip(mine, tail, strict=True):
+            if _key(d) != _key(c):
+                problems.append(f"rank {r}, dump entry {d.seq}: {_describe(d)} in the dump, {_describe(c)} captured")
+                break
+            placed.append(replace(d, seq=c.seq, step=c.step, phase=c.phase, tensors=c.tensors, start_ns=c.start_ns))
+    calls = tuple(sorted(placed, key=lambda c: (c.rank, c.seq)))
+    return replace(capture, calls=calls), problems
+
+
+def _describe(c: CapturedCall) -> str:
+    return f"{c.op} {c.dtype} {c.bytes} B on group {list(c.group)}"

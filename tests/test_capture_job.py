@@ -1,0 +1,358 @@
+"""Issue 28: a job commgate does not launch, captured unchanged and judged as a run is.
+
+Real jobs under ``torchrun --nproc-per-node 2`` on CPU gloo: a plain DDP script (``tests/data/jobs``), and
+nanoGPT's ``train.py`` (``tests/data/nanogpt``, fetched from github.com/karpathy/nanoGPT; see its README).
+``commgate capture`` runs them; ``commgate check --scenario`` reconciles the capture with the model and the
+stored baseline; planted changes to the script (an extra all-reduce, a smaller DDP bucket) fail the check
+naming what changed; bad capture directories are one line naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from commgate.run.external import BOOTSTRAP, CAPTURE_ENV
+
+JOBS = Path(__file__).parent / "data" / "jobs"
+NANOGPT = Path(__file__).parent / "data" / "nanogpt"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+BOUND_S = 300
+"""Every job and check is bounded: a hang fails the test instead of holding the suite."""
+
+
+def commgate(
+    *args: str | Path, cwd: Path = JOBS, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "commgate", *map(str, args)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=BOUND_S,
+        check=False,
+    )
+
+
+def capture(out: Path, *script_args: str, dumps: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """The DDP script captured; with ``dumps``, the Flight Recorder on and dumped there at the end as well."""
+    env = None
+    if dumps is not None:
+        dumps.mkdir()
+        env = dict(os.environ, TORCH_FR_BUFFER_SIZE="2000", TORCH_FR_DUMP_TEMP_FILE=str(dumps / "fr_"))
+        script_args = (*script_args, "--dump-fr")
+    return commgate("capture", "-o", out, "--", *TORCHRUN, "ddp_train.py", "--steps", "3", *script_args, env=env)
+
+
+def check(cap: Path, baselines: Path, *extra: str, report: Path | None = None) -> subprocess.CompletedProcess[str]:
+    where = ("--report-dir", str(report)) if report else ()
+    return commgate("check", cap, "--scenario", "ddp-mlp.yaml", "--baseline-dir", baselines, *where, *extra)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("capture-job")
+
+
+@pytest.fixture(scope="module")
+def ddp(work: Path) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """The unchanged DDP job, captured, with its Flight Recorder dumps in work/fr."""
+    done = capture(work / "ddp", dumps=work / "fr")
+    return work / "ddp", done
+
+
+@pytest.fixture(scope="module")
+def baselines(work: Path, ddp: tuple[Path, subprocess.CompletedProcess[str]]) -> Path:
+    """The unchanged job's baseline, stored through check --update-baselines."""
+    store = work / "baselines"
+    done = check(ddp[0], store, "--update-baselines")
+    assert (store / "gloo" / "captured-ddp-mlp.json").is_file(), done.stdout + done.stderr
+    return store
+
+
+def test_the_job_runs_unchanged_and_every_rank_is_captured(ddp: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out, done = ddp
+    assert done.returncode == 0, done.stderr
+    assert "rank 0 of 2: 3 steps" in done.stdout and "rank 1 of 2: 3 steps" in done.stdout  # output passes through
+    metas = [json.loads((out / f"rank{r}.meta.json").read_text()) for r in (0, 1)]
+    assert [m["rank"] for m in metas] == [0, 1]
+    assert {m["launcher"] for m in metas} == {"torchrun"}
+    assert {m["world_size"] for m in metas} == {2}
+    assert {m["backend"] for m in metas} == {"gloo"} and {m["requested_backend"] for m in metas} == {"gloo"}
+    assert {m["steps"] for m in metas} == {3} and {m["step_marks"] for m in metas} == {"optimizer step hooks"}
+    assert metas[0]["versions"]["torch"].startswith("2.")
+    assert json.loads((out / "job.json").read_text())["exit_status"] == 0
+    calls = json.loads((out / "rank0.json").read_text())["calls"]
+    by_step = {s: [c["op"] for c in calls if c["step"] == s] for s in (-1, 0, 1, 2)}
+    # DDP's construction (init), its single first bucket, the bucket rebuild's broadcasts at step 1
+    assert by_step == {
+        -1: ["all_gather", "broadcast", "broadcast"],
+        0: ["all_reduce"],
+        1: ["broadcast", "broadcast", "all_reduce"],
+        2: ["all_reduce"],
+    }
+
+
+def test_check_reconciles_the_capture_to_zero_unexplained_bytes(
+    ddp: tuple[Path, subprocess.CompletedProcess[str]], baselines: Path, work: Path
+) -> None:
+    done = check(ddp[0], baselines, report=work / "report")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "torchrun, 2 ranks on" in done.stdout and "3 step(s) by optimizer step hooks" in done.stdout
+    scenario = json.loads((work / "report" / "report.json").read_text())["scenarios"][0]
+    assert scenario["status"] == "passed"
+    ops = {c["op"]: c for c in scenario["collectives"]}
+    assert set(ops) == {"all_reduce", "broadcast"}
+    assert all(c["unexplained_bytes"] == 0 for c in ops.values())
+    assert ops["all_reduce"]["measured_bytes"] == 2 * 4 * (64 * 256 + 256 + 256 * 8 + 8)  # a step: 2 ranks x fp32
+    assert scenario["capture"]["stack"]["launcher"] == "torchrun"
+    assert (work / "report" / "index.html").is_file()
+
+
+@pytest.mark.parametrize(
+    ("plant", "named"),
+    [
+        (["--extra-all-reduce"], "calls [steps] all_reduce fp32 4 B forward group [0, 1]: obtained 4, expected 0"),
+        (["--bucket-cap-mb", "0.005"], "all_reduce fp32 74784 B backward group [0, 1]: obtained 0, expected 4"),
+    ],
+    ids=["extra-all-reduce", "bucket-cap-mb"],
+)
+def test_a_planted_change_fails_against_the_baseline_naming_it(
+    plant: list[str], named: str, baselines: Path, work: Path
+) -> None:
+    """From the capture, and from the same run's Flight Recorder dumps placed in its steps: the same verdict."""
+    out = work / plant[0].strip("-")
+    assert capture(out, *plant, dumps=out.with_name(f"{out.name}-fr")).returncode == 0
+    for extra in ((), ("--flight-recorder", str(out.with_name(f"{out.name}-fr")))):
+        done = check(out, baselines, *extra)
+        assert done.returncode == 1, done.stdout
+        assert "[baseline] communication differs from the baseline" in done.stdout
+        assert named in done.stdout
+
+
+def test_a_plain_deepspeed_script_reconciles_and_a_smaller_bucket_fails(work: Path) -> None:
+    """DeepSpeed ZeRO-1 from a script of its own: 0 unexplained bytes with the phases commgate's own ZeRO
+    workload gives its calls (engine.backward's reductions, engine.step's norm and gathers); a smaller
+    reduce bucket fails against the stored baseline, naming the buckets."""
+    store = work / "zero-baselines"
+    for name, args in (("zero", ()), ("zero-bucket", ("--reduce-bucket-size", "2048"))):
+        cmd = [*TORCHRUN, "zero_train.py", *args]
+        assert commgate("capture", "-o", work / name, "--", *cmd).returncode == 0
+        extra = ("--update-baselines",) if name == "zero" else ()
+        judge = ("check", work / name, "--scenario", "zero-mlp.yaml", "--baseline-dir", store, "--report-dir")
+        done = commgate(*judge, work / f"{name}-report", *extra)
+        scenario = json.loads((work / f"{name}-report" / "report.json").read_text())["scenarios"][0]
+        if name == "zero":
+            assert done.returncode == 0, done.stdout + done.stderr
+            assert {c["op"]: c["unexplained_bytes"] for c in scenario["collectives"]} == {
+                "all_gather": 0,
+                "all_reduce": 0,
+            }
+            phases = {c["phase"] for c in scenario["capture"]["calls"] if c["step"] >= 0}
+            assert phases == {"backward", "optimizer"}
+        else:
+            assert done.returncode == 1
+            assert "all_reduce fp32 9248 B backward group [0, 1]: obtained 0, expected 4" in done.stdout
+
+
+def test_commgate_capture_in_the_environment_with_explicit_steps(work: Path, baselines: Path) -> None:
+    """A launcher commgate does not wrap: COMMGATE_CAPTURE and the bootstrap on PYTHONPATH; the script marks
+    its steps with commgate.capture.step(). The capture judges as the wrapped one does."""
+    out = work / "env"
+    env = dict(os.environ, **{CAPTURE_ENV: str(out), "PYTHONPATH": str(BOOTSTRAP)})
+    cmd = [*TORCHRUN, "ddp_train.py", "--steps", "3", "--mark-steps"]
+    done = subprocess.run(cmd, cwd=JOBS, env=env, capture_output=True, text=True, timeout=BOUND_S, check=False)
+    assert done.returncode == 0, done.stderr
+    meta = json.loads((out / "rank1.meta.json").read_text())
+    assert meta["step_marks"] == "commgate.capture.step()" and meta["steps"] == 3
+    assert not (out / "job.json").exists()
+    judged = check(out, baselines)
+    assert judged.returncode == 0, judged.stdout + judged.stderr
+
+
+def test_a_failing_job_keeps_its_exit_status_and_leaves_a_readable_capture(work: Path) -> None:
+    out = work / "failing"
+    done = capture(out, "--fail-at", "1")
+    assert done.returncode == 1
+    assert "planted failure at step 1" in done.stderr
+    ended = {json.loads((out / f"rank{r}.meta.json").read_text())["ended"] for r in (0, 1)}
+    assert "raised RuntimeError" in ended
+    from commgate.run.captured import load
+
+    captured = load(out)
+    assert captured.exit_status == 1 and captured.steps in (1, 2)  # step 1 begun on rank 0 only, or on neither
+    assert {c.rank for c in captured.capture.calls} == {0, 1}
+    judged = check(out, work / "unused-baselines")  # fewer steps than the scenario: one line
+    assert judged.returncode == 2
+    assert judged.stderr.strip().count("\n") == 0 and f"holds {captured.steps} step(s)" in judged.stderr
+
+
+def assert_one_line(done: subprocess.CompletedProcess[str], file: Path, says: str) -> None:
+    """Bad input: one line on stderr, starting with the file it names, saying ``says``; no traceback."""
+    line = done.stderr.strip()
+    assert "\n" not in line and "Traceback" not in line
+    assert line.startswith(str(file)) and says in line, line
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _drop_rank1(d: Path) -> None:
+    (d / "rank1.json").unlink()
+
+
+def _mix_jobs(d: Path) -> None:
+    meta = json.loads((d / "rank1.meta.json").read_text())
+    (d / "rank1.meta.json").write_text(json.dumps(meta | {"job": "another"}))
+
+
+def _truncate(d: Path) -> None:
+    text = (d / "rank0.json").read_text()
+    (d / "rank0.json").write_text(text[: len(text) // 2])
+
+
+def _bad_op(d: Path) -> None:
+    doc = json.loads((d / "rank1.json").read_text())
+    doc["calls"][0]["op"] = "all_reduce_v2"
+    (d / "rank1.json").write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    ("spoil", "file", "says"),
+    [
+        (lambda d: shutil.rmtree(d), "", "not a directory"),
+        (lambda d: [p.unlink() for p in d.iterdir()], "", "not a capture: no rank<N>.json"),
+        (_drop_rank1, "", "ranks [1] of a world of 2 are missing (rank1.json)"),
+        (_mix_jobs, "rank1.meta.json", "two jobs' captures in one directory"),
+        (_truncate, "rank0.json", "not valid JSON"),
+        (_bad_op, "rank1.json", "$.calls[0].op"),
+    ],
+    ids=["missing", "empty", "rank-missing", "two-jobs", "truncated", "bad-op"],
+)
+def test_bad_capture_directories_are_one_line_naming_the_file(
+    spoil: Callable[[Path], object],
+    file: str,
+    says: str,
+    ddp: tuple[Path, subprocess.CompletedProcess[str]],
+    tmp_path: Path,
+) -> None:
+    d = _copy(ddp[0], tmp_path / "cap")
+    spoil(d)
+    done = check(d, tmp_path / "baselines")
+    assert done.returncode == 2 and done.stdout.strip() == ""
+    assert_one_line(done, d / file, says)
+    assert not (tmp_path / "baselines").exists()  # nothing written
+
+
+def test_capture_refuses_a_directory_that_holds_a_capture(ddp: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    before = sorted(p.name for p in ddp[0].iterdir())
+    done = commgate("capture", "-o", ddp[0], "--", sys.executable, "-c", "print('ran')")
+    assert done.returncode == 2 and "ran" not in done.stdout
+    assert "holds a capture" in done.stderr and "\n" not in done.stderr.strip()
+    assert sorted(p.name for p in ddp[0].iterdir()) == before
+
+
+def test_nanogpt_ddp_is_captured_and_reconciled_to_zero_unexplained_bytes(work: Path) -> None:
+    sys.path.insert(0, str(NANOGPT))
+    try:
+        from job import nanogpt_job
+    finally:
+        sys.path.remove(str(NANOGPT))
+    job = work / "nanogpt"
+    command = nanogpt_job(job)
+    done = commgate("capture", "-o", job / "capture", "--", *command, cwd=job)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "iter 2: loss" in done.stdout  # nanoGPT's own log, passed through
+    args = ("check", job / "capture", "--scenario", "nanogpt-ddp.yaml", "--baseline-dir", job / "baselines")
+    judged = commgate(*args, "--update-baselines", "--report-dir", job / "report", cwd=job)
+    assert (job / "baselines" / "gloo" / "nanogpt-ddp.json").is_file(), judged.stdout + judged.stderr
+    scenario = json.loads((job / "report" / "report.json").read_text())["scenarios"][0]
+    ops = {c["op"]: c for c in scenario["collectives"]}
+    assert ops["all_reduce"]["measured_bytes"] > 0
+    assert all(c["unexplained_bytes"] == 0 for c in ops.values()), ops
+    again = commgate(*args, cwd=job)
+    assert again.returncode == 0, again.stdout + again.stderr
+
+
+def test_flight_recorder_dumps_of_the_same_run_give_the_capture_s_verdict(
+    ddp: tuple[Path, subprocess.CompletedProcess[str]], baselines: Path, work: Path
+) -> None:
+    """Both forms torch writes (pickle, JSON) read into the capture's records; every dumped call is a captured
+    one; judged in the capture's steps, the verdict is the capture's; what a dump cannot tell is said."""
+    json_form = work / "fr-json"
+    json_form.mkdir()
+    for f in (work / "fr").glob("fr_*.json"):
+        shutil.copy(f, json_form / f.name)
+    for dumps in (work / "fr", json_form):
+        done = check(ddp[0], baselines, "--flight-recorder", str(dumps), report=work / f"report-{dumps.name}")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "every one of the dumps' 16 calls is a captured call" in done.stdout
+        assert "version 2.10: 2 all_gather, 6 all_reduce, 8 broadcast" in done.stdout
+        assert "durations: 16 of 16 calls untimed" in done.stdout
+        assert "point-to-point: gloo records no send/recv" in done.stdout
+        scenario = json.loads((work / f"report-{dumps.name}" / "report.json").read_text())["scenarios"][0]
+        assert all(c["unexplained_bytes"] == 0 for c in scenario["collectives"])
+    alone = commgate("check", "--flight-recorder", work / "fr")
+    assert alone.returncode == 0 and "the ranks agree on every call the dumps hold (16 calls)" in alone.stdout
+
+
+def _fr_version(d: Path) -> None:
+    import pickle
+
+    doc = pickle.loads((d / "fr_1").read_bytes())
+    (d / "fr_1").write_bytes(pickle.dumps(doc | {"version": "9.9"}))
+
+
+def _fr_truncate(d: Path) -> None:
+    data = (d / "fr_0").read_bytes()
+    (d / "fr_0").write_bytes(data[: len(data) // 2])
+
+
+def _fr_diverge(d: Path) -> None:
+    import pickle
+
+    doc = pickle.loads((d / "fr_1").read_bytes())
+    doc["entries"][-1]["input_sizes"] = [[3]]
+    doc["entries"][-1]["output_sizes"] = [[3]]
+    (d / "fr_1").write_bytes(pickle.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    ("spoil", "file", "says", "status"),
+    [
+        (lambda d: (d / "fr_0").unlink(), "", "ranks [0] have no dump", 2),
+        (_fr_version, "fr_1", "dump version '9.9' is not one commgate reads", 2),
+        (_fr_truncate, "fr_0", "not a complete Flight Recorder dump (pickle", 2),
+        (lambda d: [p.unlink() for p in d.iterdir()], "", "no Flight Recorder dump here", 2),
+        (_fr_diverge, None, "the ranks' calls part: in step 0, call #8 on group [0, 1]", 1),
+    ],
+    ids=["rank-missing", "version", "truncated", "empty", "diverged"],
+)
+def test_bad_flight_recorder_dumps_are_one_line_naming_the_file(
+    spoil: Callable[[Path], object],
+    file: str | None,
+    says: str,
+    status: int,
+    work: Path,
+    tmp_path: Path,
+    ddp: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    d = _copy(work / "fr", tmp_path / "fr")
+    for p in d.glob("*.json"):
+        p.unlink()
+    spoil(d)
+    done = commgate("check", "--flight-recorder", d)
+    assert done.returncode == status, done.stdout + done.stderr
+    if file is None:  # a verdict, not bad input: the first divergence, named as the stall watchdog names it
+        assert says in done.stdout
+        return
+    assert_one_line(done, d / file, says)
