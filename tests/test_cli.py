@@ -1,6 +1,7 @@
 """The ``commgate`` command line, run as a user runs it."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -128,3 +129,30 @@ def test_validate_and_presets() -> None:
     assert proc.returncode == 0 and "scenario(s) valid" in proc.stdout
     proc = commgate("presets")
     assert proc.returncode == 0 and "13,111,183,360" in proc.stdout and "19M-cpu" in proc.stdout
+
+
+SMALL = "schema_version: 1\nname: {name}\nmodel: {{preset: 19M-cpu}}\nparallelism: {{scheme: ddp, dp: 2}}\nsteps: 2\n"
+
+
+@pytest.mark.parametrize("where", ["file", "file/sub", "dangling"])
+@pytest.mark.parametrize("flag", ["--report-dir", "--baseline-dir"])
+def test_run_refuses_a_directory_it_cannot_write_before_any_rank_starts(tmp_path: Path, flag: str, where: str) -> None:
+    (tmp_path / "g.yaml").write_text(SMALL.format(name="g"))
+    (tmp_path / "file").write_text("")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    proc = commgate("run", "g.yaml", "--gate", flag, where, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""  # no scenario started
+    assert proc.stderr.startswith(f"{where}: cannot write ") and proc.stderr.endswith(f"; give another {flag}\n")
+    assert len(proc.stderr.splitlines()) == 1
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only working directory: nothing to refuse")
+def test_gate_in_a_read_only_working_directory_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "g.yaml").write_text(SMALL.format(name="g"))
+    tmp_path.chmod(0o500)
+    try:
+        proc = commgate("run", "g.yaml", "--gate", cwd=tmp_path)
+    finally:
+        tmp_path.chmod(0o700)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == "baselines: cannot write baselines there (Permission denied); give another --baseline-dir\n"

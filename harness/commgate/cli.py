@@ -184,6 +184,7 @@ def cmd_run(a: argparse.Namespace) -> int:
             runner = LocalRanks(deadline_s=a.deadline, network=stack.enter_context(links.shaped(link)))
             how = f" over a {link} link"
         session = Session(options=checked, runner=runner, report_dir=a.report_dir if lead else None)
+        session.check_writable()  # before any rank starts: a path that cannot be written is one line
         return _run_all(session, scenarios, how, whole=whole) if lead else _run_rank(session, scenarios)
 
 

@@ -38,6 +38,8 @@ OPTIONS: dict[str, dict[str, Any]] = {
               "delay-first-recv[=MS], late-rank[=MS], extra-collective, ddp-bucket-mb=MB, zero-stage=N"},
 }  # fmt: skip
 SESSION: pytest.StashKey[Session] = pytest.StashKey()
+UNWRITTEN: pytest.StashKey[str] = pytest.StashKey()
+"""Why the report could not be written at the session's end (shown in the terminal summary)."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -134,7 +136,13 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if (state := session.config.stash.get(SESSION, None)) is not None and hasattr(session.config, "workeroutput"):
         session.config.workeroutput["commgate"] = state.part()
     elif state is not None:
-        state.finish()
+        from commgate.core.errors import CommgateError
+
+        try:
+            state.finish()
+        except CommgateError as exc:  # e.g. the report directory filled up or was taken away: one line, exit 1
+            session.config.stash[UNWRITTEN] = str(exc)
+            session.exitstatus = max(int(session.exitstatus), int(pytest.ExitCode.TESTS_FAILED))
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
@@ -142,6 +150,9 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         return
     if state.html is not None:
         terminalreporter.write_line(f"commgate report: {state.html}")
+    if unwritten := config.stash.get(UNWRITTEN, None):
+        terminalreporter.section("commgate: the report was not written")
+        terminalreporter.write_line(unwritten)
     whole = all(Path(a).is_dir() for a in config.args) and not config.option.keyword and not config.option.markexpr
     for title, lines in state.sections(whole=whole).items():
         terminalreporter.section(title)

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from commgate.core.errors import UsageError
+from commgate.core.errors import CommgateError, UsageError
+from commgate.core.fsutil import check_writable_dir
 from commgate.judge.store import BaselineStore
 from commgate.model.scenario import Backend, Scenario
 from commgate.pipeline import Options, run_scenario
@@ -84,6 +85,9 @@ class Session:
     """Resolved paths of the baseline files the scenarios were judged against."""
     html: Path | None = None
     """The HTML page, once ``finish`` wrote it."""
+    flag: Callable[[str], str] = lambda name: f"--{name}"
+    """How the entry point spells an option (``--commgate-report-dir``), for the fix a one-line error names."""
+    _writable: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.report = Report(self.report_dir / "report.json" if self.report_dir is not None else None)
@@ -113,16 +117,36 @@ class Session:
             raise pytest.UsageError(str(exc)) from None
         worker = hasattr(config, "workeroutput")
         runner = LocalRanks(deadline_s=option("deadline"), faults=faults)
-        return cls(
+        session = cls(
             options=checked,
             runner=runner,
             report_dir=None if worker else option("report_dir"),
             by_name=True,
             faults=faults,
+            flag=lambda name: f"--commgate-{name}",
         )
+        if session.report_dir is not None:  # named on the command line: refused before collection
+            try:
+                check_writable_dir(session.report_dir, what="the report", fix="give another --commgate-report-dir")
+            except CommgateError as exc:
+                raise pytest.UsageError(str(exc)) from None
+        return session
+
+    def check_writable(self) -> None:
+        """A one-line ``WriteError`` naming the path unless the report directory and, when the gate judges
+        (it writes missing baselines), the baseline directory can be written: before any rank starts."""
+        if self._writable:
+            return
+        if self.report_dir is not None:
+            check_writable_dir(self.report_dir, what="the report", fix=f"give another {self.flag('report-dir')}")
+        if self.options.gate:
+            fix = f"give another {self.flag('baseline-dir')}"
+            check_writable_dir(self.options.baseline_dir, what="baselines", fix=fix)
+        self._writable = True
 
     def run(self, scenario: Scenario) -> ScenarioResult | None:
         """Run ``scenario`` and record its result (None: a torchrun rank that does not report)."""
+        self.check_writable()
         result = run_scenario(scenario, self.runner, self.options)
         if result is not None:
             self.record(result)

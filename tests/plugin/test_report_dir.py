@@ -22,3 +22,30 @@ def test_report_dir_gets_a_valid_report(pytester: pytest.Pytester, scenario_file
     page = (out / "index.html").read_text()
     assert '<details id="d-g">' in page and 'aria-label="timeline of g"' in page  # its own figures, inline
     result.stdout.fnmatch_lines([f"commgate report: {out / 'index.html'}"])
+
+
+def test_a_report_dir_that_is_a_file_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    (pytester.path / "out").write_text("")
+    result = pytester.runpytest("--commgate-report-dir", str(pytester.path / "out"))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: */out: cannot write the report there: */out is not a directory; give another "
+                                 "--commgate-report-dir"])  # fmt: skip
+
+
+def test_a_report_dir_gone_by_the_end_is_one_line_not_a_crash(
+    pytester: pytest.Pytester, scenario_file: Callable[..., Path]
+) -> None:
+    scenario_file("g", tail="markers: [gpu]\n")  # skipped here, quickly: the report still has it
+    out = pytester.path / "out"
+    pytester.makeconftest(f"""
+import shutil, pytest
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session):
+    shutil.rmtree({str(out)!r})
+    open({str(out)!r}, "w").close()
+""")  # fmt: skip
+    result = pytester.runpytest("--commgate-report-dir", str(out))
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*commgate: the report was not written*", f"{out}/*: cannot be written (*"])
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
