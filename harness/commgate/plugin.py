@@ -38,6 +38,8 @@ OPTIONS: dict[str, dict[str, Any]] = {
               "delay-first-recv[=MS], late-rank[=MS], extra-collective, ddp-bucket-mb=MB, zero-stage=N"},
 }  # fmt: skip
 SESSION: pytest.StashKey[Session] = pytest.StashKey()
+IDS: pytest.StashKey[dict[str, str | None]] = pytest.StashKey()
+"""The scenario ids collected so far, with their files."""
 UNWRITTEN: pytest.StashKey[str] = pytest.StashKey()
 """Why the report could not be written at the session's end (shown in the terminal summary)."""
 
@@ -81,10 +83,12 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Col
 class ScenarioFile(pytest.File):
     def collect(self) -> Iterator[ScenarioItem]:
         from commgate.core.errors import ScenarioError
-        from commgate.model.loader import load_paths
+        from commgate.model.loader import duplicate_ids, load_paths
 
         try:
             scenarios = load_paths([self.path])
+            if twins := duplicate_ids(scenarios, self.config.stash.setdefault(IDS, {})):  # as validate refuses them
+                raise ScenarioError(twins)
         except ScenarioError as exc:
             raise self.CollectError(str(exc)) from None
         for s in scenarios:

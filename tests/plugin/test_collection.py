@@ -90,3 +90,15 @@ def test_scenario_directories_and_declared_files_are_configurable(pytester: pyte
     assert "ERROR comm/empty.yml" in out and "ERROR declared.yaml" in out and "other.yaml" not in out
     result = pytester.runpytest("--collect-only", "-q", "other.yaml")
     assert result.ret == pytest.ExitCode.INTERRUPTED and "ERROR other.yaml" in result.stdout.str()
+
+
+def test_two_files_naming_one_scenario_alike_are_a_collection_error_naming_both(
+    pytester: pytest.Pytester, scenario_file: Callable[..., Path]
+) -> None:
+    first = scenario_file("g")
+    twin = pytester.mkdir("more") / "twin.yaml"
+    twin.write_text(first.read_text())  # its name is g too: one baseline, one report entry for two scenarios
+    result = pytester.runpytest("--collect-only", "-q")
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    result.stdout.fnmatch_lines([f"{twin}: $.name: scenario id 'g' is also defined in {first}"])
+    assert "Traceback" not in result.stdout.str()

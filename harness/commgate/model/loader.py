@@ -357,18 +357,22 @@ def load_paths(paths: Iterable[str | Path]) -> list[Scenario]:
             problems += exc.problems
     if not files and not problems:
         problems.append(Problem(file=", ".join(map(str, paths)) or ".", path="$", message="no scenario files (*.yaml)"))
-    seen: dict[str, str | None] = {}
-    for s in scenarios:
-        if s.id in seen:
-            problems.append(
-                Problem(
-                    file=s.file or "?", path="$.name", message=f"scenario id {s.id!r} is also defined in {seen[s.id]}"
-                )
-            )
-        seen[s.id] = s.file
+    problems += duplicate_ids(scenarios, {})
     if problems:
         raise ScenarioError(problems)
     return scenarios
+
+
+def duplicate_ids(scenarios: Iterable[Scenario], seen: dict[str, str | None]) -> list[Problem]:
+    """A problem for each scenario whose id one before it has (``seen``: id -> its file, from earlier
+    files too; updated): two scenarios named alike would share one baseline and one report entry."""
+    problems = []
+    for s in scenarios:
+        if s.id in seen:
+            message = f"scenario id {s.id!r} is also defined in {seen[s.id]}"
+            problems.append(Problem(file=s.file or "?", path="$.name", message=message))
+        seen.setdefault(s.id, s.file)
+    return problems
 
 
 # -------------------------------------------------------------------------------------------- sweeps
