@@ -413,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_compare(a: argparse.Namespace) -> int:
-    from commgate.judge.compare import compare, load_side
+    from commgate.judge.compare import compare, load_side, verdict
     from commgate.model.scenario import LatencyRule
 
     if not 1 < a.latency_factor <= 1e6 or not 1 <= a.min_runs <= 100:
@@ -423,9 +423,9 @@ def cmd_compare(a: argparse.Namespace) -> int:
     )
     for change in changes:
         print("\n".join(change.lines()))
-    n = sum(c.changed for c in changes)
-    print(f"{n} of {len(changes)} scenario(s) changed" + ("" if n else ": the two runs communicate the same"))
-    return 1 if n else 0
+    line, status = verdict(changes)
+    print(line)
+    return status
 
 
 def cmd_import(a: argparse.Namespace) -> int:
