@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -156,3 +157,24 @@ def test_gate_in_a_read_only_working_directory_is_one_line(tmp_path: Path) -> No
         tmp_path.chmod(0o700)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == "baselines: cannot write baselines there (Permission denied); give another --baseline-dir\n"
+
+
+def test_a_run_stopped_by_sigterm_keeps_a_report_marked_interrupted(tmp_path: Path) -> None:
+    """The first scenario finishes (skipped here: it needs a GPU), the second never ends by itself (rank 1
+    wedged); SIGTERM once it has begun: report.json holds the first and says the run was interrupted."""
+    (tmp_path / "a.yaml").write_text(SMALL.format(name="a") + "markers: [gpu]\n")
+    wedged = "workload: commgate.run.workloads.faults:wedge\ndeadline_s: 600\n"
+    (tmp_path / "b.yaml").write_text(SMALL.format(name="b") + wedged)
+    argv = [sys.executable, "-m", "commgate", "run", "a.yaml", "b.yaml", "--report-dir", "out"]
+    with subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("[2/2] b:"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and err.endswith("commgate: interrupted\n")
+    doc = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [s["name"] for s in doc["scenarios"]] == ["a"]
+    assert doc["interrupted"] == "SIGTERM during b, scenario 2 of 2; 1 scenario(s) had finished"
+    assert "interrupted (SIGTERM during b, scenario 2 of 2; 1 scenario(s) had finished): 0 passed" in out

@@ -153,7 +153,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     from commgate.session import Session, options
 
     # A CI runner's cancel (SIGTERM) unwinds like Ctrl-C, so that rank processes are killed on the way out.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt("SIGTERM")))
     checked = options(
         lambda name: f"--{name}",
         baseline_dir=a.baseline_dir,
@@ -192,7 +192,13 @@ def _run_all(session: Session, scenarios: list[Scenario], how: str, *, whole: bo
     """Every scenario with its progress and summary lines, then ``_finish``."""
     for i, s in enumerate(scenarios, 1):
         print(f"[{i}/{len(scenarios)}] {s.id}: {s.parallelism.scheme} on {s.world_size} ranks{how} ...", flush=True)
-        if (result := session.run(s)) is not None:
+        try:
+            result = session.run(s)
+        except KeyboardInterrupt as exc:  # the report says so, and holds the scenarios that finished
+            session.interrupt(f"{str(exc) or 'Ctrl-C'} during {s.id}, scenario {i} of {len(scenarios)}")
+            _finish(session, whole=False)
+            raise
+        if result is not None:
             print(result.summary(), flush=True)
     return _finish(session, whole=whole)
 
@@ -218,7 +224,8 @@ def _finish(session: Session, *, whole: bool) -> int:
     if line := accuracy_line(s["time_model"] for s in session.report.scenarios if s.get("time_model")):
         print(line)
     counts = session.counts
-    print(", ".join(f"{n} {k}" for k, n in counts.items()) + where)
+    stopped = f"interrupted ({session.report.interrupted}): " if session.report.interrupted else ""
+    print(stopped + ", ".join(f"{n} {k}" for k, n in counts.items()) + where)
     return 1 if counts["failed"] or counts["error"] else 0
 
 

@@ -6,6 +6,8 @@ are imported only when a scenario runs."""
 from __future__ import annotations
 
 import re
+import signal
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +43,8 @@ SESSION: pytest.StashKey[Session] = pytest.StashKey()
 IDS: pytest.StashKey[dict[str, str | None]] = pytest.StashKey()
 """The scenario ids collected so far, with their files."""
 UNWRITTEN: pytest.StashKey[str] = pytest.StashKey()
+SIGTERM: pytest.StashKey[Any] = pytest.StashKey()
+"""The SIGTERM handler the plugin replaced (restored at the end)."""
 """Why the report could not be written at the session's end (shown in the terminal summary)."""
 
 
@@ -60,6 +64,29 @@ def pytest_configure(config: pytest.Config) -> None:
     from commgate.session import Session
 
     config.stash[SESSION] = Session.for_pytest(config)
+    config.pluginmanager.register(_OnInterrupt(config.stash[SESSION]), "commgate-interrupt")
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and threading.current_thread() is threading.main_thread():
+        # a CI runner's cancel unwinds as Ctrl-C does: ranks killed, report.json kept and marked interrupted
+        config.stash[SIGTERM] = signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt("SIGTERM")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if (previous := config.stash.get(SIGTERM, None)) is not None:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _OnInterrupt:
+    """Ctrl-C or SIGTERM: the session's report says so (pytest then ends the session: report.json kept)."""
+
+    def __init__(self, state: Session) -> None:
+        self.state = state
+
+    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+        self.state.interrupt(f"{str(excinfo.value) or 'Ctrl-C'} during the session")
 
 
 _DECLARES = re.compile(r"""^[\s{"']*schema_version\b""", re.MULTILINE)

@@ -166,6 +166,11 @@ class Session:
         planted = f"(planted fault: {self.faults.describe()})\n" if self.faults else ""
         return f"{result.prediction.scenario.id}: {planted}{result.reason}"
 
+    def interrupt(self, why: str) -> None:
+        """Mark the run as stopped before its end (report.json says ``interrupted``: why, and what finished)."""
+        self.report.interrupted = f"{why}; {len(self.report.scenarios)} scenario(s) had finished"
+        self.report.write()
+
     def part(self) -> dict[str, Any]:
         """What a pytest-xdist worker hands the controller (plain JSON values, as ``workeroutput`` carries)."""
         return {
@@ -199,7 +204,7 @@ class Session:
 
         if self.by_name:
             ordered = sorted(self.report.scenarios, key=lambda s: str(s["name"]))
-            self.report = Report(path, ordered, started=self.report.started)
+            self.report = Report(path, ordered, started=self.report.started, interrupted=self.report.interrupted)
         self.report.write()
         self.html = htmlreport.write(path.parent, self.report.document())
         return self.html
