@@ -93,6 +93,17 @@ def test_capture_sees_every_path(tmp_path: Path) -> None:
     assert min(c.step for c in cap.calls) >= INIT_STEP
 
 
+def test_what_a_rank_started_does_not_outlive_a_passing_run(tmp_path: Path) -> None:
+    """Rank 1 starts a process that would sleep an hour (its stdout is the rank's log, under ``tmp_path``)
+    and the run passes: by the time ``launch_local`` returns, no process holds a file there."""
+    capture = launch_local(scenario(extra="workload: commgate.run.workloads.faults:spawn\n"), workdir=tmp_path)
+    assert {c.rank for c in capture.calls if c.op == "all_reduce"} == {0, 1}
+    left = time.monotonic() + 60  # a process killed by SIGKILL closes its files a moment later
+    while rank_processes(tmp_path) and time.monotonic() < left:
+        time.sleep(0.1)
+    assert rank_processes(tmp_path) == []
+
+
 def test_a_rank_that_raises_is_named_with_its_traceback(tmp_path: Path) -> None:
     s = scenario(extra="workload: commgate.run.workloads.faults:crash\n")
     with pytest.raises(RunError) as info:

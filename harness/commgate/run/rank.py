@@ -6,6 +6,7 @@ session) or by torchrun (then every rank runs ``run_rank`` in-process, one scena
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -311,4 +312,25 @@ def child(
         code = 1  # at once: no process-group shutdown (which would fail the peers) before the launcher sees it
     sys.stdout.flush()
     sys.stderr.flush()
+    _end_session()
     os._exit(code)
+
+
+def _end_session() -> None:
+    """Kill what the rank started and left running (a workload's ``subprocess.Popen``, their children, a
+    pool of compile workers): every other process of the rank's session, found in /proc (Linux), while the
+    rank still lives, so that the session's id can be no other's yet."""
+    me, session = os.getpid(), os.getsid(0)
+    with contextlib.suppress(OSError):
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != me and _session_of(entry) == session:
+                with contextlib.suppress(OSError):  # gone meanwhile, or not ours to kill
+                    os.kill(int(entry.name), signal.SIGKILL)
+
+
+def _session_of(proc: Path) -> int | None:
+    """The session id of the process /proc/PID (``stat``'s sixth field, after the command's ``(name)``)."""
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[3])
+    except (OSError, IndexError, ValueError):
+        return None
