@@ -178,3 +178,28 @@ def test_a_run_stopped_by_sigterm_keeps_a_report_marked_interrupted(tmp_path: Pa
     assert [s["name"] for s in doc["scenarios"]] == ["a"]
     assert doc["interrupted"] == "SIGTERM during b, scenario 2 of 2; 1 scenario(s) had finished"
     assert "interrupted (SIGTERM during b, scenario 2 of 2; 1 scenario(s) had finished): 0 passed" in out
+
+
+@pytest.mark.skipif(any(Path("/dev").glob("nvidia[0-9]*")), reason="ranks on GPUs take DeepSpeed's GPU accelerators")
+def test_a_bad_deepspeed_accelerator_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "g.yaml").write_text(SMALL.format(name="g"))
+    env = os.environ | {"DS_ACCELERATOR": "garbage"}
+    proc = subprocess.run([sys.executable, "-m", "commgate", "run", "g.yaml"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
+    assert (
+        "g: DS_ACCELERATOR 'garbage': local ranks on this machine (no GPU) run DeepSpeed on its CPU accelerator; "
+        "unset it or set it to cpu" in proc.stdout
+    )
+
+
+def test_a_bad_torchrun_variable_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "g.yaml").write_text(SMALL.format(name="g"))
+    torchrun = {"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    proc = subprocess.run([sys.executable, "-m", "commgate", "run", "g.yaml"], cwd=tmp_path, env=os.environ | torchrun,
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert (
+        proc.stderr == "commgate: error: environment variable RANK 'x': expected a whole number (torchrun sets it "
+        "for each rank); unset it or set it right\n"
+    )

@@ -225,6 +225,11 @@ def _admit(scenario: Scenario, ran: tuple[int, ...], deadline: float) -> None:
             f"{limit}: {os.cpu_count()} cores, about {RANK_MEMORY >> 20} MiB a rank); run it under torchrun on a "
             "cluster (commgate run under torchrun), or see its prediction with commgate predict"
         )
+    if (accelerator := os.environ.get("DS_ACCELERATOR", "cpu")) != "cpu" and not gpu_visible():
+        raise RunError(
+            f"{scenario.id}: DS_ACCELERATOR {accelerator!r}: local ranks on this machine (no GPU) run DeepSpeed on its "
+            "CPU accelerator; unset it or set it to cpu"
+        )
     if too_big := budget.refusal(scenario, RANK_MEMORY):
         raise RunError(too_big)
     cpu = scenario.backend == "gloo" or (scenario.backend == "auto" and not gpu_visible())

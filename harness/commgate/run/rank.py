@@ -58,7 +58,7 @@ def stack(backend: str, local_ranks: int) -> dict[str, str | None]:
         "cuda": torch.version.cuda,
         "rocm": getattr(torch.version, "hip", None),
         "backend_version": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None,  # type: ignore[no-untyped-call]
-        **({"link": os.environ[links.LINK]} if os.environ.get(links.LINK) else {}),
+        **({"link": str(link)} if (link := links.from_environment()) else {}),
     }
 
 
@@ -279,15 +279,16 @@ def child(
     os.dup2(log, 2)
     os.environ.update(env)
     os.environ[RUN_DIR] = out_s
-    links.enter()  # a shaped-link run: this rank's node, before any socket is opened
-    with open(spec, "rb") as f:
-        scenario = pickle.load(f)
     status = os.open(out / f"rank{rank}.status", os.O_WRONLY | os.O_CREAT, 0o644)
     beat = threading.Thread(target=_heartbeat, args=(out, rank, marks, status), daemon=True, name="commgate-heartbeat")
     beat.start()
 
     code = 0
     try:
+        links.enter()  # a shaped-link run: this rank's node, before any socket is opened
+        links.from_environment()  # a bad link description is refused before the run, not when it is reported
+        with open(spec, "rb") as f:
+            scenario = pickle.load(f)
         run_rank(
             scenario,
             rank=rank,
