@@ -42,6 +42,8 @@ OPTIONS: dict[str, dict[str, Any]] = {
 SESSION: pytest.StashKey[Session] = pytest.StashKey()
 IDS: pytest.StashKey[dict[str, str | None]] = pytest.StashKey()
 """The scenario ids collected so far, with their files."""
+NOT_SCENARIOS: pytest.StashKey[list[str]] = pytest.StashKey()
+"""``<file>: <rule>`` of each YAML file under a directory named on the command line that is not collected."""
 UNWRITTEN: pytest.StashKey[str] = pytest.StashKey()
 SIGTERM: pytest.StashKey[Any] = pytest.StashKey()
 """The SIGTERM handler the plugin replaced (restored at the end)."""
@@ -100,11 +102,24 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Col
         return None
     from commgate.core.fsutil import text_head
 
-    dirs = [(parent.config.rootpath / d).resolve() for d in parent.config.getini("commgate_scenario_dirs")]
+    config = parent.config
+    dirs = [(config.rootpath / d).resolve() for d in config.getini("commgate_scenario_dirs")]
     named = parent.session.isinitpath(file_path) or any(file_path.resolve().is_relative_to(d) for d in dirs)
     if named or _DECLARES.search(text_head(file_path, 1 << 20) or ""):
         return ScenarioFile.from_parent(parent, path=file_path)
+    if config.args_source == pytest.Config.ArgsSource.ARGS and _under_args(config, file_path):
+        from commgate.model.loader import not_a_scenario
+
+        if (rule := not_a_scenario(file_path)) is None:  # it may be one, in a directory the user named: load it
+            return ScenarioFile.from_parent(parent, path=file_path)
+        config.stash.setdefault(NOT_SCENARIOS, []).append(f"{file_path}: {rule}")
     return None
+
+
+def _under_args(config: pytest.Config, path: Path) -> bool:
+    """Whether ``path`` is under a directory named on the command line."""
+    named = (Path(config.invocation_params.dir, a.split("::")[0]).resolve() for a in config.args)
+    return any(d.is_dir() and path.resolve().is_relative_to(d) for d in named)
 
 
 class ScenarioFile(pytest.File):
@@ -181,6 +196,10 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         return
     if state.html is not None:
         terminalreporter.write_line(f"commgate report: {state.html}")
+    if skipped := config.stash.get(NOT_SCENARIOS, None):
+        terminalreporter.section("commgate: YAML files not collected as scenarios (the rule that decided)")
+        for line in skipped:
+            terminalreporter.write_line(line)
     if unwritten := config.stash.get(UNWRITTEN, None):
         terminalreporter.section("commgate: the report was not written")
         terminalreporter.write_line(unwritten)

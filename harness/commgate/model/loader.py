@@ -211,8 +211,9 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, _Located]:
         else:
             kind = "YAML syntax error"
         raise ScenarioError([Problem(file=file, path="$", message=f"{kind}: {what}", line=line)]) from None
-    except yaml.YAMLError as exc:
-        raise ScenarioError([Problem(file=file, path="$", message=f"YAML error: {exc}")]) from None
+    except yaml.YAMLError as exc:  # e.g. a binary file's NUL byte: its several lines made one
+        message = f"YAML error: {' '.join(str(exc).split())}"
+        raise ScenarioError([Problem(file=file, path="$", message=message)]) from None
     except RecursionError:
         message = "YAML nested too deeply to read (thousands of levels); a scenario is a few levels deep"
         raise ScenarioError([Problem(file=file, path="$", message=message)]) from None
@@ -331,6 +332,31 @@ def load_file(path: str | Path) -> list[Scenario]:
         message = f"not UTF-8 text ({what}); scenario files are UTF-8 YAML"
         raise ScenarioError([Problem(file=file, path="$", message=message)]) from None
     return load_text(text.removeprefix("\ufeff"), file=file)
+
+
+def not_a_scenario(path: Path) -> str | None:
+    """The rule that decides the YAML file ``path`` is not a scenario file, in words (``empty``, ``binary``,
+    its top level not a mapping, a mapping with none of a scenario's required keys), or None when it may be
+    one: then it is loaded, and what is wrong with it is an error. Nothing is constructed (no alias expanded)."""
+    from commgate.core.fsutil import text_head
+
+    text = text_head(path, 1 << 20)
+    if text is None:
+        return None  # unreadable: loading it says why
+    if "\x00" in text:
+        return "binary (a NUL character), not YAML text"
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return None  # broken YAML may be a broken scenario
+    if node is None:
+        return "empty (no YAML document)"
+    if not isinstance(node, yaml.MappingNode):
+        return f"its top level is a {'list' if isinstance(node, yaml.SequenceNode) else 'scalar'}, not a mapping"
+    required = schemas.load("scenario")["required"]
+    if not {k.value for k, _ in node.value if isinstance(k, yaml.ScalarNode)} & set(required):
+        return f"a mapping with none of a scenario's required keys ({', '.join(sorted(required))})"
+    return None
 
 
 def scenario_files(paths: Iterable[str | Path]) -> list[Path]:
