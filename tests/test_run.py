@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from commgate.judge.reconcile import reconcile
@@ -102,6 +104,25 @@ def test_what_a_rank_started_does_not_outlive_a_passing_run(tmp_path: Path) -> N
     while rank_processes(tmp_path) and time.monotonic() < left:
         time.sleep(0.1)
     assert rank_processes(tmp_path) == []
+
+
+def test_the_deadline_starts_when_the_ranks_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the forkserver's start costs (torch's and DeepSpeed's imports, DeepSpeed's op build on a first
+    run: minutes on a loaded machine), the deadline is the ranks': the launcher's clock is made to jump a day
+    while the ranks start, and a 600 s deadline still holds."""
+    from commgate.run import launcher
+
+    real_start, real_time, jump = launcher._start, launcher.time, [0.0]
+
+    def start(*args: Any, **kwargs: Any) -> None:
+        real_start(*args, **kwargs)
+        jump[0] = 86_400.0
+
+    clock = SimpleNamespace(monotonic=lambda: real_time.monotonic() + jump[0], sleep=real_time.sleep)
+    monkeypatch.setattr(launcher, "_start", start)
+    monkeypatch.setattr(launcher, "time", clock)
+    capture = launch_local(scenario(extra="deadline_s: 600\n"), workdir=tmp_path)
+    assert jump[0] and {c.rank for c in capture.calls} == {0, 1}
 
 
 def test_a_rank_that_raises_is_named_with_its_traceback(tmp_path: Path) -> None:

@@ -201,9 +201,12 @@ def launch_local(
     _sweep_orphans(Path(workdir or tempfile.gettempdir()))
     tmp = _private_dir(workdir)
     procs: list[BaseProcess] = []
-    started = time.monotonic()
+    launched = time.monotonic()
     try:
-        _start(scenario, ran, tmp, procs, launched=started, faults=faults or Faults(), network=network)
+        _start(scenario, ran, tmp, procs, launched=launched, faults=faults or Faults(), network=network)
+        # the deadline runs from here: the forkserver's start (torch's and DeepSpeed's imports, DeepSpeed's op
+        # build on a first run), which the first rank's start waits for, is not the ranks' time
+        started = time.monotonic()
         _wait(scenario, ran, tmp, procs, started=started, deadline=deadline)
         if progress:
             world = scenario.world_size
