@@ -190,16 +190,17 @@ def cmd_run(a: argparse.Namespace) -> int:
 
 def _run_all(session: Session, scenarios: list[Scenario], how: str, *, whole: bool) -> int:
     """Every scenario with its progress and summary lines, then ``_finish``."""
-    for i, s in enumerate(scenarios, 1):
-        print(f"[{i}/{len(scenarios)}] {s.id}: {s.parallelism.scheme} on {s.world_size} ranks{how} ...", flush=True)
-        try:
-            result = session.run(s)
-        except KeyboardInterrupt as exc:  # the report says so, and holds the scenarios that finished
-            session.interrupt(f"{str(exc) or 'Ctrl-C'} during {s.id}, scenario {i} of {len(scenarios)}")
-            _finish(session, whole=False)
-            raise
-        if result is not None:
-            print(result.summary(), flush=True)
+    at = ""
+    try:
+        for i, s in enumerate(scenarios, 1):
+            at = f" during {s.id}, scenario {i} of {len(scenarios)}"
+            print(f"[{i}/{len(scenarios)}] {s.id}: {s.parallelism.scheme} on {s.world_size} ranks{how} ...", flush=True)
+            if (result := session.run(s)) is not None:
+                print(result.summary(), flush=True)
+    except KeyboardInterrupt as exc:  # the report says so, and holds the scenarios that finished
+        session.interrupt(f"{str(exc) or 'Ctrl-C'}{at}")
+        _finish(session, whole=False)
+        raise
     return _finish(session, whole=whole)
 
 
