@@ -136,6 +136,19 @@ def test_a_rank_that_raises_is_named_with_its_traceback(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_at_the_deadline_a_rank_outside_any_call_is_not_said_to_be_in_its_last(tmp_path: Path) -> None:
+    """Rank 1 blocks outside any call at step 1 (as a rank spinning in compute would), its step-0 all-reduce
+    completed; rank 0 waits in step 1's. The stall watchdog held off, the deadline names each as it is."""
+    s = scenario(extra="workload: commgate.run.workloads.faults:wedge\ndeadline_s: 20\nstall_s: 600\n")
+    with pytest.raises(RunError) as info:
+        launch_local(s, workdir=tmp_path)
+    lines = str(info.value).splitlines()
+    assert lines[0] == "t: deadline of 20 s passed; the last call each rank issued:"
+    assert lines[1].startswith("  rank 0: in all_reduce (group [0, 1], 16 B, step 1, ")
+    assert lines[2].startswith("  rank 1: in no call; the last it issued, all_reduce (group [0, 1], 16 B, step 0, ")
+    assert lines[2].endswith("), had completed")
+
+
 def test_a_rank_killed_by_a_signal_is_named(tmp_path: Path) -> None:
     s = scenario(extra="workload: commgate.run.workloads.faults:die\n")
     with pytest.raises(RunError) as info:
