@@ -45,9 +45,9 @@ IDS: pytest.StashKey[dict[str, str | None]] = pytest.StashKey()
 NOT_SCENARIOS: pytest.StashKey[list[str]] = pytest.StashKey()
 """``<file>: <rule>`` of each YAML file under a directory named on the command line that is not collected."""
 UNWRITTEN: pytest.StashKey[str] = pytest.StashKey()
+"""Why the report could not be written at the session's end (shown in the terminal summary)."""
 SIGTERM: pytest.StashKey[Any] = pytest.StashKey()
 """The SIGTERM handler the plugin replaced (restored at the end)."""
-"""Why the report could not be written at the session's end (shown in the terminal summary)."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
