@@ -125,24 +125,24 @@ class Session:
             faults=faults,
             flag=lambda name: f"--commgate-{name}",
         )
-        if session.report_dir is not None:  # named on the command line: refused before collection
-            try:
-                check_writable_dir(session.report_dir, what="the report", fix="give another --commgate-report-dir")
-            except CommgateError as exc:
-                raise pytest.UsageError(str(exc)) from None
+        try:  # the report directory, named on the command line: refused before collection
+            session.check_writable(baselines=False)
+        except CommgateError as exc:
+            raise pytest.UsageError(str(exc)) from None
         return session
 
-    def check_writable(self) -> None:
+    def check_writable(self, *, baselines: bool = True) -> None:
         """A one-line ``WriteError`` naming the path unless the report directory and, when the gate judges
-        (it writes missing baselines), the baseline directory can be written: before any rank starts."""
+        (it writes missing baselines) and ``baselines`` is asked for, the baseline directory can be written:
+        before any rank starts."""
         if self._writable:
             return
         if self.report_dir is not None:
             check_writable_dir(self.report_dir, what="the report", fix=f"give another {self.flag('report-dir')}")
-        if self.options.gate:
+        if baselines and self.options.gate:
             fix = f"give another {self.flag('baseline-dir')}"
             check_writable_dir(self.options.baseline_dir, what="baselines", fix=fix)
-        self._writable = True
+        self._writable = baselines
 
     def run(self, scenario: Scenario) -> ScenarioResult | None:
         """Run ``scenario`` and record its result (None: a torchrun rank that does not report)."""
