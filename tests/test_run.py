@@ -232,17 +232,18 @@ def test_ranks_die_with_a_launcher_killed_outright(tmp_path: Path) -> None:
     )
     launcher = subprocess.Popen([sys.executable, "-c", code])
     try:
-        for _ in range(600):  # wait (bounded) until both ranks are up
-            if len(rank_processes(tmp_path)) == 2:
-                break
+        # wait for the event (both ranks up), bounded generously: a loaded machine takes minutes to start
+        # ranks that import torch and DeepSpeed, and a launcher that exits early ends the wait at once
+        deadline = time.monotonic() + 600
+        while len(rank_processes(tmp_path)) < 2 and launcher.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert launcher.poll() is None, f"the launcher exited ({launcher.returncode}) before its ranks were up"
         assert len(rank_processes(tmp_path)) == 2
     finally:
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
-    for _ in range(200):
-        if not rank_processes(tmp_path):
-            break
+    deadline = time.monotonic() + 120  # the ranks see their launcher gone (bounded: none may be left)
+    while rank_processes(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert rank_processes(tmp_path) == []
     (orphan,) = tmp_path.iterdir()  # the killed launcher's private directory; the next launch removes it
