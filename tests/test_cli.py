@@ -1,6 +1,8 @@
 """The ``commgate`` command line, run as a user runs it."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -128,3 +130,76 @@ def test_validate_and_presets() -> None:
     assert proc.returncode == 0 and "scenario(s) valid" in proc.stdout
     proc = commgate("presets")
     assert proc.returncode == 0 and "13,111,183,360" in proc.stdout and "19M-cpu" in proc.stdout
+
+
+SMALL = "schema_version: 1\nname: {name}\nmodel: {{preset: 19M-cpu}}\nparallelism: {{scheme: ddp, dp: 2}}\nsteps: 2\n"
+
+
+@pytest.mark.parametrize("where", ["file", "file/sub", "dangling"])
+@pytest.mark.parametrize("flag", ["--report-dir", "--baseline-dir"])
+def test_run_refuses_a_directory_it_cannot_write_before_any_rank_starts(tmp_path: Path, flag: str, where: str) -> None:
+    (tmp_path / "g.yaml").write_text(SMALL.format(name="g"))
+    (tmp_path / "file").write_text("")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    proc = commgate("run", "g.yaml", "--gate", flag, where, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""  # no scenario started
+    assert proc.stderr.startswith(f"{where}: cannot write ") and proc.stderr.endswith(f"; give another {flag}\n")
+    assert len(proc.stderr.splitlines()) == 1
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only working directory: nothing to refuse")
+def test_gate_in_a_read_only_working_directory_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "g.yaml").write_text(SMALL.format(name="g"))
+    tmp_path.chmod(0o500)
+    try:
+        proc = commgate("run", "g.yaml", "--gate", cwd=tmp_path)
+    finally:
+        tmp_path.chmod(0o700)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == "baselines: cannot write baselines there (Permission denied); give another --baseline-dir\n"
+
+
+def test_a_run_stopped_by_sigterm_keeps_a_report_marked_interrupted(tmp_path: Path) -> None:
+    """The first scenario finishes (skipped here: it needs a GPU), the second never ends by itself (rank 1
+    wedged); SIGTERM once it has begun: report.json holds the first and says the run was interrupted."""
+    (tmp_path / "a.yaml").write_text(SMALL.format(name="a") + "markers: [gpu]\n")
+    wedged = "workload: commgate.run.workloads.faults:wedge\ndeadline_s: 600\n"
+    (tmp_path / "b.yaml").write_text(SMALL.format(name="b") + wedged)
+    argv = [sys.executable, "-m", "commgate", "run", "a.yaml", "b.yaml", "--report-dir", "out"]
+    with subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("[2/2] b:"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and err.endswith("commgate: interrupted\n")
+    doc = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [s["name"] for s in doc["scenarios"]] == ["a"]
+    assert doc["interrupted"] == "SIGTERM during b, scenario 2 of 2; 1 scenario(s) had finished"
+    assert "interrupted (SIGTERM during b, scenario 2 of 2; 1 scenario(s) had finished): 0 passed" in out
+
+
+@pytest.mark.skipif(any(Path("/dev").glob("nvidia[0-9]*")), reason="ranks on GPUs take DeepSpeed's GPU accelerators")
+def test_a_bad_deepspeed_accelerator_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "g.yaml").write_text(SMALL.format(name="g"))
+    env = os.environ | {"DS_ACCELERATOR": "garbage"}
+    proc = subprocess.run([sys.executable, "-m", "commgate", "run", "g.yaml"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
+    assert (
+        "g: DS_ACCELERATOR 'garbage': local ranks on this machine (no GPU) run DeepSpeed on its CPU accelerator; "
+        "unset it or set it to cpu" in proc.stdout
+    )
+
+
+def test_a_bad_torchrun_variable_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "g.yaml").write_text(SMALL.format(name="g"))
+    torchrun = {"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    proc = subprocess.run([sys.executable, "-m", "commgate", "run", "g.yaml"], cwd=tmp_path, env=os.environ | torchrun,
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert (
+        proc.stderr == "commgate: error: environment variable RANK 'x': expected a whole number (torchrun sets it "
+        "for each rank); unset it or set it right\n"
+    )

@@ -137,3 +137,33 @@ def test_bad_inputs_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFi
     (tmp_path / "empty").mkdir()
     assert main(["compare", str(tmp_path / "empty"), str(bad)]) == 2
     assert "no baseline files" in capsys.readouterr().err
+
+
+def _errored(path: Path, scenario: Path) -> Path:
+    """A report.json in which every scenario of ``scenario`` errored (a rank died before any call)."""
+    from commgate.model.loader import load_paths
+    from commgate.model.predict import predict
+    from commgate.report.report import Report, ScenarioResult
+
+    report = Report(path / "report.json")
+    for s in load_paths([scenario]):
+        report.add(ScenarioResult(prediction=predict(s), status="error", reason="rank 1 exited with status 1"))
+    return path / "report.json"
+
+
+def test_nothing_compared_is_not_the_same(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two runs whose scenarios all errored compared nothing: exit 1, and never "communicate the same"; a
+    scenario that ran before and errored after is a change, not "only in before"."""
+    ddp = Path(__file__).resolve().parents[1] / "scenarios" / "ddp.yaml"  # ddp-19m-dp4, as the baseline fixture
+    before, after = _errored(tmp_path / "before", ddp), _errored(tmp_path / "after", ddp)
+    assert main(["compare", str(before), str(after)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "ddp-19m-dp4: not compared (error on both sides)",
+        "0 of 1 scenario(s) changed; 1 not compared (run on neither side): nothing compared, no scenario ran on "
+        "both sides",
+    ]
+    ran = baseline_dir(tmp_path, "ran", "ddp.json")
+    assert main(["compare", str(ran), str(after)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["ddp-19m-dp4: ran before, error after", "1 of 1 scenario(s) changed"]

@@ -7,7 +7,8 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from commgate.core.fsutil import atomic_write_json, atomic_write_text, dumps
+from commgate.core.errors import WriteError
+from commgate.core.fsutil import atomic_write_json, atomic_write_text, check_writable_dir, dumps
 
 
 def test_writes_canonical_json(tmp_path: Path) -> None:
@@ -20,8 +21,12 @@ def test_writes_canonical_json(tmp_path: Path) -> None:
 def test_a_failure_while_writing_leaves_the_old_file_and_no_temporary(tmp_path: Path) -> None:
     target = tmp_path / "baseline.json"
     target.write_text("old\n")
-    with mock.patch("os.fsync", side_effect=OSError("disk full")), pytest.raises(OSError, match="disk full"):
+    full = OSError(28, "No space left on device")
+    with mock.patch("os.fsync", side_effect=full), pytest.raises(WriteError) as info:
         atomic_write_text(target, "new\n")
+    assert str(info.value) == (
+        f"{target}: cannot be written (No space left on device); make {tmp_path} a writable directory with free space"
+    )
     assert target.read_text() == "old\n"
     assert [p.name for p in tmp_path.iterdir()] == ["baseline.json"]
 
@@ -33,3 +38,52 @@ def test_mode_follows_the_umask(tmp_path: Path) -> None:
     finally:
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def test_a_write_under_a_regular_file_is_one_line_naming_the_path(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(WriteError, match=r"^\S*/file/sub/a\.json: cannot be written \(Not a directory\); make .*$"):
+        atomic_write_text(tmp_path / "file" / "sub" / "a.json", "x")
+
+
+def test_a_name_too_long_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(WriteError, match=r"cannot be written \(File name too long\); shorten the name$"):
+        atomic_write_text(tmp_path / ("x" * 300), "x")
+
+
+def test_a_write_through_a_symbolic_link_keeps_the_link(tmp_path: Path) -> None:
+    (tmp_path / "store").mkdir()
+    target = tmp_path / "store" / "real.json"
+    target.write_text("old\n")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    assert atomic_write_text(link, "new\n") == link
+    assert link.is_symlink() and link.resolve() == target and target.read_text() == "new\n"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["link.json", "real.json", "store"]  # no temporary
+
+
+def test_a_directory_that_cannot_be_written_is_refused_before_a_run(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    check_writable_dir(tmp_path / "new" / "deeper", what="the report", fix="give another --report-dir")
+    assert not (tmp_path / "new").exists() and len(list(tmp_path.iterdir())) == 2  # it creates nothing
+    expected = {
+        "file": f"{tmp_path}/file: cannot write the report there: {tmp_path}/file is not a directory; give another "
+        "--report-dir",
+        "file/sub": f"{tmp_path}/file/sub: cannot write the report there: {tmp_path}/file is not a directory; give "
+        "another --report-dir",
+        "dangling": f"{tmp_path}/dangling: cannot write the report there: {tmp_path}/dangling is a link to "
+        f"{tmp_path}/gone, which does not exist; give another --report-dir",
+    }
+    for name, message in expected.items():
+        with pytest.raises(WriteError) as info:
+            check_writable_dir(tmp_path / name, what="the report", fix="give another --report-dir")
+        assert str(info.value) == message
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory: nothing to refuse")
+def test_a_read_only_directory_is_refused_before_a_run(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    with pytest.raises(WriteError, match=r"/ro/baselines: cannot write baselines there \(Permission denied\); fix$"):
+        check_writable_dir(ro / "baselines", what="baselines", fix="fix")

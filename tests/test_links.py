@@ -23,6 +23,40 @@ def test_a_link_is_a_rate_and_maybe_a_delay() -> None:
             links.Link.parse(bad)
 
 
+def test_a_bad_link_in_the_environment_names_the_variable_not_a_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    from commgate.report.plots import _link_order
+
+    monkeypatch.setenv(links.LINK, "garbage")
+    with pytest.raises(UsageError) as info:
+        links.from_environment()
+    assert str(info.value).startswith("COMMGATE_LINK (environment; commgate run --link sets it for its ranks; unset "
+                                      "it) 'garbage': expected RATE[kmg]bit")  # fmt: skip
+    monkeypatch.setenv(links.LINK, "10gbit")
+    assert links.from_environment() == links.Link(rate_mbit=10_000)
+    with pytest.raises(UsageError, match=r"^s: capture.stack.link 'garbage': expected"):  # a report's, by hand
+        _link_order({"name": "s", "capture": {"stack": {"link": "garbage"}}})
+
+
+def test_a_bad_namespace_in_the_environment_is_reported_as_what_it_raised(tmp_path: Path) -> None:
+    """A rank that cannot enter ``COMMGATE_NETNS``'s namespace raises a one-line error naming it, and the
+    run's failure is that error (not "exited without raising")."""
+    import os
+    import sys
+
+    (tmp_path / "g.yaml").write_text(
+        "schema_version: 1\nname: g\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: ddp, dp: 2}\nsteps: 2\n"
+    )
+    env = os.environ | {links.NETNS: "commgate-no-such-namespace"}
+    run = subprocess.run([sys.executable, "-m", "commgate", "run", "g.yaml"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert (
+        "raised UsageError: COMMGATE_NETNS 'commgate-no-such-namespace': cannot enter network namespace "
+        "/run/netns/commgate-no-such-namespace (No such file or directory); commgate run --link sets it" in run.stdout
+    )
+    assert "without raising" not in run.stdout and "Traceback" not in run.stdout + run.stderr
+
+
 def test_the_ranks_split_in_two_halves_one_per_node() -> None:
     assert [links.node_of(r, 2) for r in range(2)] == [0, 1]
     assert [links.node_of(r, 4) for r in range(4)] == [0, 0, 1, 1]

@@ -66,3 +66,13 @@ def test_each_problem_is_reported_once(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "commgate", "validate", str(path)], capture_output=True, text=True)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == len(set(lines)) == 5, lines
+
+
+def test_a_binary_file_is_one_line(tmp_path: Path) -> None:
+    from commgate.model.loader import load_paths
+
+    (tmp_path / "binary.yaml").write_bytes(b"\x00\x01\x02")
+    with pytest.raises(ScenarioError) as info:
+        load_paths([tmp_path])
+    assert str(info.value).startswith(f"{tmp_path}/binary.yaml: $: YAML error: unacceptable character #x0000")
+    assert len(str(info.value).splitlines()) == 1

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from commgate.judge.reconcile import reconcile
@@ -93,6 +95,36 @@ def test_capture_sees_every_path(tmp_path: Path) -> None:
     assert min(c.step for c in cap.calls) >= INIT_STEP
 
 
+def test_what_a_rank_started_does_not_outlive_a_passing_run(tmp_path: Path) -> None:
+    """Rank 1 starts a process that would sleep an hour (its stdout is the rank's log, under ``tmp_path``)
+    and the run passes: by the time ``launch_local`` returns, no process holds a file there."""
+    capture = launch_local(scenario(extra="workload: commgate.run.workloads.faults:spawn\n"), workdir=tmp_path)
+    assert {c.rank for c in capture.calls if c.op == "all_reduce"} == {0, 1}
+    left = time.monotonic() + 60  # a process killed by SIGKILL closes its files a moment later
+    while rank_processes(tmp_path) and time.monotonic() < left:
+        time.sleep(0.1)
+    assert rank_processes(tmp_path) == []
+
+
+def test_the_deadline_starts_when_the_ranks_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the forkserver's start costs (torch's and DeepSpeed's imports, DeepSpeed's op build on a first
+    run: minutes on a loaded machine), the deadline is the ranks': the launcher's clock is made to jump a day
+    while the ranks start, and a 600 s deadline still holds."""
+    from commgate.run import launcher
+
+    real_start, real_time, jump = launcher._start, launcher.time, [0.0]
+
+    def start(*args: Any, **kwargs: Any) -> None:
+        real_start(*args, **kwargs)
+        jump[0] = 86_400.0
+
+    clock = SimpleNamespace(monotonic=lambda: real_time.monotonic() + jump[0], sleep=real_time.sleep)
+    monkeypatch.setattr(launcher, "_start", start)
+    monkeypatch.setattr(launcher, "time", clock)
+    capture = launch_local(scenario(extra="deadline_s: 600\n"), workdir=tmp_path)
+    assert jump[0] and {c.rank for c in capture.calls} == {0, 1}
+
+
 def test_a_rank_that_raises_is_named_with_its_traceback(tmp_path: Path) -> None:
     s = scenario(extra="workload: commgate.run.workloads.faults:crash\n")
     with pytest.raises(RunError) as info:
@@ -114,6 +146,19 @@ def test_a_rank_that_refuses_is_named_with_its_one_line(tmp_path: Path) -> None:
     line = "CommgateError: planted refusal on rank 1 at step 1: what a user can mend, in one line"
     assert first == f"t: rank 1 raised {line}"
     assert "Traceback" not in str(info.value) and all(line.startswith("(consequences: rank 0") for line in rest)
+
+
+def test_at_the_deadline_a_rank_outside_any_call_is_not_said_to_be_in_its_last(tmp_path: Path) -> None:
+    """Rank 1 blocks outside any call at step 1 (as a rank spinning in compute would), its step-0 all-reduce
+    completed; rank 0 waits in step 1's. The stall watchdog held off, the deadline names each as it is."""
+    s = scenario(extra="workload: commgate.run.workloads.faults:wedge\ndeadline_s: 20\nstall_s: 600\n")
+    with pytest.raises(RunError) as info:
+        launch_local(s, workdir=tmp_path)
+    lines = str(info.value).splitlines()
+    assert lines[0] == "t: deadline of 20 s passed; the last call each rank issued:"
+    assert lines[1].startswith("  rank 0: in all_reduce (group [0, 1], 16 B, step 1, ")
+    assert lines[2].startswith("  rank 1: in no call; the last it issued, all_reduce (group [0, 1], 16 B, step 0, ")
+    assert lines[2].endswith("), had completed")
 
 
 def test_a_rank_killed_by_a_signal_is_named(tmp_path: Path) -> None:

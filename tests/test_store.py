@@ -3,6 +3,7 @@ read as baselines (``commgate compare`` of a baseline directory, the unused-base
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -20,6 +21,16 @@ def test_the_layout(tmp_path: Path) -> None:
     assert store.path("gloo", "a/b c") == tmp_path / "gloo" / "a_b_c.json"
     assert store.obtained_path("gloo", "tp[s=128]") == tmp_path / "gloo" / "tp[s=128].obtained.json"
     assert store.curve_path("gloo") == tmp_path / "bandwidth-gloo.json"
+
+
+def test_a_scenario_id_too_long_for_a_file_name_is_shortened_by_its_hash(tmp_path: Path) -> None:
+    store = BaselineStore(tmp_path)
+    long_id = "s" * 250 + "[model.s=128]"  # a sweep id: valid, longer than a file name may be (265 characters)
+    other = "s" * 250 + "[model.s=256]"
+    names = {store.obtained_path("gloo", i).name for i in (long_id, other)} | {store.path("gloo", long_id).name}
+    assert len(names) == 3 and max(len(n) for n in names) <= 255
+    saved = store.save(dataclasses.replace(bl.load(DATA / "ddp.json"), scenario=long_id))
+    assert store.load("gloo", long_id) is not None and saved.name.endswith(".json")
 
 
 def test_save_load_and_the_obtained_file(tmp_path: Path) -> None:

@@ -153,7 +153,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     from commgate.session import Session, options
 
     # A CI runner's cancel (SIGTERM) unwinds like Ctrl-C, so that rank processes are killed on the way out.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt("SIGTERM")))
     checked = options(
         lambda name: f"--{name}",
         baseline_dir=a.baseline_dir,
@@ -184,15 +184,23 @@ def cmd_run(a: argparse.Namespace) -> int:
             runner = LocalRanks(deadline_s=a.deadline, network=stack.enter_context(links.shaped(link)))
             how = f" over a {link} link"
         session = Session(options=checked, runner=runner, report_dir=a.report_dir if lead else None)
+        session.check_writable()  # before any rank starts: a path that cannot be written is one line
         return _run_all(session, scenarios, how, whole=whole) if lead else _run_rank(session, scenarios)
 
 
 def _run_all(session: Session, scenarios: list[Scenario], how: str, *, whole: bool) -> int:
     """Every scenario with its progress and summary lines, then ``_finish``."""
-    for i, s in enumerate(scenarios, 1):
-        print(f"[{i}/{len(scenarios)}] {s.id}: {s.parallelism.scheme} on {s.world_size} ranks{how} ...", flush=True)
-        if (result := session.run(s)) is not None:
-            print(result.summary(), flush=True)
+    at = ""
+    try:
+        for i, s in enumerate(scenarios, 1):
+            at = f" during {s.id}, scenario {i} of {len(scenarios)}"
+            print(f"[{i}/{len(scenarios)}] {s.id}: {s.parallelism.scheme} on {s.world_size} ranks{how} ...", flush=True)
+            if (result := session.run(s)) is not None:
+                print(result.summary(), flush=True)
+    except KeyboardInterrupt as exc:  # the report says so, and holds the scenarios that finished
+        session.interrupt(f"{str(exc) or 'Ctrl-C'}{at}")
+        _finish(session, whole=False)
+        raise
     return _finish(session, whole=whole)
 
 
@@ -217,7 +225,8 @@ def _finish(session: Session, *, whole: bool) -> int:
     if line := accuracy_line(s["time_model"] for s in session.report.scenarios if s.get("time_model")):
         print(line)
     counts = session.counts
-    print(", ".join(f"{n} {k}" for k, n in counts.items()) + where)
+    stopped = f"interrupted ({session.report.interrupted}): " if session.report.interrupted else ""
+    print(stopped + ", ".join(f"{n} {k}" for k, n in counts.items()) + where)
     return 1 if counts["failed"] or counts["error"] else 0
 
 
@@ -529,7 +538,7 @@ def _add_capture(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 def cmd_compare(a: argparse.Namespace) -> int:
-    from commgate.judge.compare import compare, load_side
+    from commgate.judge.compare import compare, load_side, verdict
     from commgate.model.scenario import LatencyRule
 
     if not 1 < a.latency_factor <= 1e6 or not 1 <= a.min_runs <= 100:
@@ -539,9 +548,9 @@ def cmd_compare(a: argparse.Namespace) -> int:
     )
     for change in changes:
         print("\n".join(change.lines()))
-    n = sum(c.changed for c in changes)
-    print(f"{n} of {len(changes)} scenario(s) changed" + ("" if n else ": the two runs communicate the same"))
-    return 1 if n else 0
+    line, status = verdict(changes)
+    print(line)
+    return status
 
 
 def cmd_import(a: argparse.Namespace) -> int:

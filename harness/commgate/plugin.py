@@ -6,6 +6,8 @@ are imported only when a scenario runs."""
 from __future__ import annotations
 
 import re
+import signal
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +40,14 @@ OPTIONS: dict[str, dict[str, Any]] = {
               "delay-first-recv[=MS], late-rank[=MS], extra-collective, ddp-bucket-mb=MB, zero-stage=N"},
 }  # fmt: skip
 SESSION: pytest.StashKey[Session] = pytest.StashKey()
+IDS: pytest.StashKey[dict[str, str | None]] = pytest.StashKey()
+"""The scenario ids collected so far, with their files."""
+NOT_SCENARIOS: pytest.StashKey[list[str]] = pytest.StashKey()
+"""``<file>: <rule>`` of each YAML file under a directory named on the command line that is not collected."""
+UNWRITTEN: pytest.StashKey[str] = pytest.StashKey()
+"""Why the report could not be written at the session's end (shown in the terminal summary)."""
+SIGTERM: pytest.StashKey[Any] = pytest.StashKey()
+"""The SIGTERM handler the plugin replaced (restored at the end)."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -56,6 +66,29 @@ def pytest_configure(config: pytest.Config) -> None:
     from commgate.session import Session
 
     config.stash[SESSION] = Session.for_pytest(config)
+    config.pluginmanager.register(_OnInterrupt(config.stash[SESSION]), "commgate-interrupt")
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and threading.current_thread() is threading.main_thread():
+        # a CI runner's cancel unwinds as Ctrl-C does: ranks killed, report.json kept and marked interrupted
+        config.stash[SIGTERM] = signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt("SIGTERM")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if (previous := config.stash.get(SIGTERM, None)) is not None:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _OnInterrupt:
+    """Ctrl-C or SIGTERM: the session's report says so (pytest then ends the session: report.json kept)."""
+
+    def __init__(self, state: Session) -> None:
+        self.state = state
+
+    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+        self.state.interrupt(f"{str(excinfo.value) or 'Ctrl-C'} during the session")
 
 
 _DECLARES = re.compile(r"""^[\s{"']*schema_version\b""", re.MULTILINE)
@@ -69,20 +102,35 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Col
         return None
     from commgate.core.fsutil import text_head
 
-    dirs = [(parent.config.rootpath / d).resolve() for d in parent.config.getini("commgate_scenario_dirs")]
+    config = parent.config
+    dirs = [(config.rootpath / d).resolve() for d in config.getini("commgate_scenario_dirs")]
     named = parent.session.isinitpath(file_path) or any(file_path.resolve().is_relative_to(d) for d in dirs)
     if named or _DECLARES.search(text_head(file_path, 1 << 20) or ""):
         return ScenarioFile.from_parent(parent, path=file_path)
+    if config.args_source == pytest.Config.ArgsSource.ARGS and _under_args(config, file_path):
+        from commgate.model.loader import not_a_scenario
+
+        if (rule := not_a_scenario(file_path)) is None:  # it may be one, in a directory the user named: load it
+            return ScenarioFile.from_parent(parent, path=file_path)
+        config.stash.setdefault(NOT_SCENARIOS, []).append(f"{file_path}: {rule}")
     return None
+
+
+def _under_args(config: pytest.Config, path: Path) -> bool:
+    """Whether ``path`` is under a directory named on the command line."""
+    named = (Path(config.invocation_params.dir, a.split("::")[0]).resolve() for a in config.args)
+    return any(d.is_dir() and path.resolve().is_relative_to(d) for d in named)
 
 
 class ScenarioFile(pytest.File):
     def collect(self) -> Iterator[ScenarioItem]:
         from commgate.core.errors import ScenarioError
-        from commgate.model.loader import load_paths
+        from commgate.model.loader import duplicate_ids, load_paths
 
         try:
             scenarios = load_paths([self.path])
+            if twins := duplicate_ids(scenarios, self.config.stash.setdefault(IDS, {})):  # as validate refuses them
+                raise ScenarioError(twins)
         except ScenarioError as exc:
             raise self.CollectError(str(exc)) from None
         for s in scenarios:
@@ -134,7 +182,13 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if (state := session.config.stash.get(SESSION, None)) is not None and hasattr(session.config, "workeroutput"):
         session.config.workeroutput["commgate"] = state.part()
     elif state is not None:
-        state.finish()
+        from commgate.core.errors import CommgateError
+
+        try:
+            state.finish()
+        except CommgateError as exc:  # e.g. the report directory filled up or was taken away: one line, exit 1
+            session.config.stash[UNWRITTEN] = str(exc)
+            session.exitstatus = max(int(session.exitstatus), int(pytest.ExitCode.TESTS_FAILED))
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
@@ -142,6 +196,13 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         return
     if state.html is not None:
         terminalreporter.write_line(f"commgate report: {state.html}")
+    if skipped := config.stash.get(NOT_SCENARIOS, None):
+        terminalreporter.section("commgate: YAML files not collected as scenarios (the rule that decided)")
+        for line in skipped:
+            terminalreporter.write_line(line)
+    if unwritten := config.stash.get(UNWRITTEN, None):
+        terminalreporter.section("commgate: the report was not written")
+        terminalreporter.write_line(unwritten)
     whole = all(Path(a).is_dir() for a in config.args) and not config.option.keyword and not config.option.markexpr
     for title, lines in state.sections(whole=whole).items():
         terminalreporter.section(title)

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from commgate.core.errors import UsageError
+from commgate.core.errors import CommgateError, UsageError
+from commgate.core.fsutil import check_writable_dir
 from commgate.judge.store import BaselineStore
 from commgate.model.scenario import Backend, Scenario
 from commgate.pipeline import Options, run_scenario
@@ -84,6 +85,9 @@ class Session:
     """Resolved paths of the baseline files the scenarios were judged against."""
     html: Path | None = None
     """The HTML page, once ``finish`` wrote it."""
+    flag: Callable[[str], str] = lambda name: f"--{name}"
+    """How the entry point spells an option (``--commgate-report-dir``), for the fix a one-line error names."""
+    _writable: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.report = Report(self.report_dir / "report.json" if self.report_dir is not None else None)
@@ -113,16 +117,36 @@ class Session:
             raise pytest.UsageError(str(exc)) from None
         worker = hasattr(config, "workeroutput")
         runner = LocalRanks(deadline_s=option("deadline"), faults=faults)
-        return cls(
+        session = cls(
             options=checked,
             runner=runner,
             report_dir=None if worker else option("report_dir"),
             by_name=True,
             faults=faults,
+            flag=lambda name: f"--commgate-{name}",
         )
+        try:  # the report directory, named on the command line: refused before collection
+            session.check_writable(baselines=False)
+        except CommgateError as exc:
+            raise pytest.UsageError(str(exc)) from None
+        return session
+
+    def check_writable(self, *, baselines: bool = True) -> None:
+        """A one-line ``WriteError`` naming the path unless the report directory and, when the gate judges
+        (it writes missing baselines) and ``baselines`` is asked for, the baseline directory can be written:
+        before any rank starts."""
+        if self._writable:
+            return
+        if self.report_dir is not None:
+            check_writable_dir(self.report_dir, what="the report", fix=f"give another {self.flag('report-dir')}")
+        if baselines and self.options.gate:
+            fix = f"give another {self.flag('baseline-dir')}"
+            check_writable_dir(self.options.baseline_dir, what="baselines", fix=fix)
+        self._writable = baselines
 
     def run(self, scenario: Scenario) -> ScenarioResult | None:
         """Run ``scenario`` and record its result (None: a torchrun rank that does not report)."""
+        self.check_writable()
         result = run_scenario(scenario, self.runner, self.options)
         if result is not None:
             self.record(result)
@@ -141,6 +165,11 @@ class Session:
         """``<id>: why it failed``, the faults planted to make it fail first."""
         planted = f"(planted fault: {self.faults.describe()})\n" if self.faults else ""
         return f"{result.prediction.scenario.id}: {planted}{result.reason}"
+
+    def interrupt(self, why: str) -> None:
+        """Mark the run as stopped before its end (report.json says ``interrupted``: why, and what finished)."""
+        self.report.interrupted = f"{why}; {len(self.report.scenarios)} scenario(s) had finished"
+        self.report.write()
 
     def part(self) -> dict[str, Any]:
         """What a pytest-xdist worker hands the controller (plain JSON values, as ``workeroutput`` carries)."""
@@ -175,7 +204,7 @@ class Session:
 
         if self.by_name:
             ordered = sorted(self.report.scenarios, key=lambda s: str(s["name"]))
-            self.report = Report(path, ordered, started=self.report.started)
+            self.report = Report(path, ordered, started=self.report.started, interrupted=self.report.interrupted)
         self.report.write()
         self.html = htmlreport.write(path.parent, self.report.document())
         return self.html

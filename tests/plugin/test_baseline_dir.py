@@ -36,3 +36,16 @@ def test_unused_baselines_are_reported(pytester: pytest.Pytester, scenario_file:
     result = pytester.runpytest(str(pytester.path))
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*commgate: baselines no scenario used*", f"{gone}"])
+
+
+def test_a_baseline_dir_that_cannot_be_written_fails_in_one_line_before_the_run(
+    pytester: pytest.Pytester, scenario_file: Callable[..., Path]
+) -> None:
+    scenario_file("g")
+    (pytester.path / "dangling").symlink_to(pytester.path / "gone")
+    result = pytester.runpytest("--commgate-baseline-dir", str(pytester.path / "dangling"))
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([f"{pytester.path}/dangling: cannot write baselines there: * is a link to *, which "
+                                 "does not exist; give another --commgate-baseline-dir"])  # fmt: skip
+    out = result.stdout.str()
+    assert "Traceback" not in out and "CallInfo" not in out and "2 ranks" not in out

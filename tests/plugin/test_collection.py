@@ -90,3 +90,41 @@ def test_scenario_directories_and_declared_files_are_configurable(pytester: pyte
     assert "ERROR comm/empty.yml" in out and "ERROR declared.yaml" in out and "other.yaml" not in out
     result = pytester.runpytest("--collect-only", "-q", "other.yaml")
     assert result.ret == pytest.ExitCode.INTERRUPTED and "ERROR other.yaml" in result.stdout.str()
+
+
+def test_two_files_naming_one_scenario_alike_are_a_collection_error_naming_both(
+    pytester: pytest.Pytester, scenario_file: Callable[..., Path]
+) -> None:
+    first = scenario_file("g")
+    twin = pytester.mkdir("more") / "twin.yaml"
+    twin.write_text(first.read_text())  # its name is g too: one baseline, one report entry for two scenarios
+    result = pytester.runpytest("--collect-only", "-q")
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    result.stdout.fnmatch_lines([f"{twin}: $.name: scenario id 'g' is also defined in {first}"])
+    assert "Traceback" not in result.stdout.str()
+
+
+def test_yaml_files_in_a_named_directory_that_are_not_scenarios_are_reported_with_the_rule(
+    pytester: pytest.Pytester,
+) -> None:
+    """In a directory named on the command line (not a scenario directory): an empty file, a binary one, a
+    list and a mapping with none of a scenario's keys are each named with the rule that decided; a mapping
+    that looks like a scenario but forgot schema_version is loaded, and its error is a collection error."""
+    comm = pytester.mkdir("comm")
+    (comm / "empty.yaml").write_text("")
+    (comm / "binary.yaml").write_bytes(b"\x00\x01\x02")
+    (comm / "list.yaml").write_text("- a\n- b\n")
+    (comm / "ci.yaml").write_text("jobs: {build: {}}\n")
+    result = pytester.runpytest("--collect-only", "-q", "comm")
+    assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+    result.stdout.fnmatch_lines_random([
+        "*commgate: YAML files not collected as scenarios (the rule that decided)*",
+        f"{comm}/empty.yaml: empty (no YAML document)",
+        f"{comm}/binary.yaml: binary (a NUL character), not YAML text",
+        f"{comm}/list.yaml: its top level is a list, not a mapping",
+        f"{comm}/ci.yaml: a mapping with none of a scenario's required keys (model, name, parallelism, schema_version)",
+    ])  # fmt: skip
+    (comm / "forgot.yaml").write_text("name: f\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: ddp, dp: 2}\n")
+    result = pytester.runpytest("--collect-only", "-q", "comm")
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    result.stdout.fnmatch_lines([f"{comm}/forgot.yaml:1: $: missing required field 'schema_version'"])

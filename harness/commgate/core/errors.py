@@ -44,3 +44,8 @@ class DocumentError(InputError):
 
 class UsageError(CommgateError):
     """The command line asks for something impossible or contradictory."""
+
+
+class WriteError(CommgateError):
+    """A file or directory commgate must write cannot be written (read-only, full, not a directory, a name
+    too long): one line naming the path, the reason and the fix."""

@@ -3,6 +3,7 @@ documents so that a bad one is a one-line error naming the file and the place.""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -10,7 +11,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from commgate.core.errors import DocumentError, Problem
+from commgate.core.errors import DocumentError, Problem, WriteError
 
 
 def json_path(parts: Iterable[str | int]) -> str:
@@ -99,10 +100,21 @@ def text_head(path: Path, limit: int) -> str | None:
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` via a temporary file in the same directory, fsync, then ``os.replace``."""
+    """Write ``data`` to ``path`` via a temporary file in the same directory, fsync, then ``os.replace``;
+    through a symbolic link, which stays one (its target is replaced). A failure leaves no file behind and
+    is a one-line ``WriteError`` naming ``path``."""
     path = Path(path)
+    try:
+        _replace_atomically(path.resolve() if path.is_symlink() else path, data)
+    except OSError as exc:
+        raise WriteError(_cannot_write(path, exc)) from None
+    return path
+
+
+def _replace_atomically(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # the temporary file's name is bounded: a name near the file system's limit must not fail for its prefix
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:64]}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the mode open() would
         with os.fdopen(fd, "wb") as f:
@@ -113,7 +125,39 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
+
+
+def _cannot_write(path: Path, exc: OSError) -> str:
+    reason = exc.strerror or str(exc)
+    if exc.errno == errno.ENAMETOOLONG:
+        return f"{path}: cannot be written ({reason}); shorten the name"
+    return f"{path}: cannot be written ({reason}); make {path.parent} a writable directory with free space"
+
+
+def check_writable_dir(path: Path, *, what: str, fix: str) -> None:
+    """Before a run spends minutes on ranks: a ``WriteError`` naming ``path`` unless ``what`` (e.g. "the
+    report") can be written into the directory ``path``, existing or to be created. Creates nothing: it
+    probes the nearest directory that exists with a temporary file it removes."""
+    try:
+        where = _nearest_existing(path, what=what, fix=fix)
+        fd, probe = tempfile.mkstemp(prefix=".commgate-probe-", dir=where)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise WriteError(f"{path}: cannot write {what} there ({exc.strerror or exc}); {fix}") from None
+
+
+def _nearest_existing(path: Path, *, what: str, fix: str) -> Path:
+    """The directory ``path`` is or would be created in; a ``WriteError`` where that is not a directory."""
+    where = path
+    while not where.exists():
+        if where.is_symlink():  # a dangling link, the path itself or a directory above it
+            raise WriteError(f"{path}: cannot write {what} there: {where} is a link to {os.readlink(where)}, which "
+                             f"does not exist; {fix}")  # fmt: skip
+        where = where.parent
+    if not where.is_dir():
+        raise WriteError(f"{path}: cannot write {what} there: {where} is not a directory; {fix}")
+    return where
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

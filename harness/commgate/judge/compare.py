@@ -45,9 +45,14 @@ def _from_report_entry(sc: dict[str, Any]) -> bl.Baseline | None:
     return bl.Baseline.of(capture, calls, {"hardware": capture.stack.get("hardware") or ""})
 
 
-def load_side(path: Path) -> dict[str, bl.Baseline]:
+Side = dict[str, bl.Baseline | str]
+"""Scenario id -> what it sent, or, where a report holds it but it did not run (an error, a skip), its
+status."""
+
+
+def load_side(path: Path) -> Side:
     """Scenario id (with the backend when a baseline directory holds several) -> what it sent, with the
-    latency of every run the side holds."""
+    latency of every run the side holds; or the status of a scenario that did not run (in any of them)."""
     reports = sorted(path.glob("*/report.json"), key=_run_order) if path.is_dir() else []
     if reports:
         runs = [_load_report(p) for p in reports]
@@ -56,7 +61,7 @@ def load_side(path: Path) -> dict[str, bl.Baseline]:
             for name, b in run.items():
                 first = out.setdefault(name, b)
                 if first is not b:
-                    out[name] = _join(first, b)
+                    out[name] = first if isinstance(first, str) else b if isinstance(b, str) else _join(first, b)
         return out
     if path.is_dir():
         files = BaselineStore(path).query()
@@ -64,7 +69,8 @@ def load_side(path: Path) -> dict[str, bl.Baseline]:
             raise CommgateError(f"{path}: no baseline files (expected {path}/<backend>/<scenario>.json)")
         loaded = [bl.load(f) for f in files]
         backends = {b.backend for b in loaded}
-        return {(b.scenario if len(backends) == 1 else f"{b.scenario} ({b.backend})"): b for b in loaded}
+        side: Side = {(b.scenario if len(backends) == 1 else f"{b.scenario} ({b.backend})"): b for b in loaded}
+        return side
     return _load_report(path)
 
 
@@ -81,13 +87,12 @@ def _join(a: bl.Baseline, b: bl.Baseline) -> bl.Baseline:
     return replace(a, latency=latency, unsteady=(*a.unsteady, *unsteady))
 
 
-def _load_report(path: Path) -> dict[str, bl.Baseline]:
+def _load_report(path: Path) -> Side:
     doc = read_json(path, lambda d: schemas.validate("report", d), hint=": expected a commgate report.json")
-    out = {}
+    out: Side = {}
     for sc in doc["scenarios"]:
         b = _from_report_entry(sc)
-        if b is not None:
-            out[b.scenario] = b
+        out[sc["name"] if b is None else b.scenario] = sc["status"] if b is None else b
     return out
 
 
@@ -97,15 +102,28 @@ class ScenarioChange:
     volume: list[Difference] = field(default_factory=list)
     latency: Assessment = field(default_factory=Assessment)
     only: str = ""
-    """'before' or 'after' when the scenario ran on one side only."""
+    """'before' or 'after' when the scenario is on one side only."""
+    statuses: tuple[str, str] | None = None
+    """Before and after, where a side holds the scenario but did not run it ('error', 'skipped'; 'ran')."""
 
     @property
     def changed(self) -> bool:
-        return bool(self.volume or self.only or self.latency.slower)
+        ran_differently = self.statuses is not None and self.statuses[0] != self.statuses[1]
+        return bool(self.volume or self.only or self.latency.slower or ran_differently)
+
+    @property
+    def blind(self) -> bool:
+        """On both sides, run on neither (skipped alike excepted): nothing compared, nothing to call the same."""
+        return self.statuses is not None and not self.changed and self.statuses[0] != "skipped"
 
     def lines(self) -> list[str]:
         if self.only:
             return [f"{self.scenario}: only in {self.only}"]
+        if self.statuses is not None:
+            before, after = self.statuses
+            if self.changed:
+                return [f"{self.scenario}: {before} before, {after} after"]
+            return [f"{self.scenario}: not compared ({before} on both sides)"]
         moved = self.latency.changed()
         if not self.volume and not moved:
             return [f"{self.scenario}: unchanged ({self.latency.summary()})"]
@@ -115,15 +133,16 @@ class ScenarioChange:
         return out
 
 
-def compare(before: dict[str, bl.Baseline], after: dict[str, bl.Baseline], rule: LatencyRule) -> list[ScenarioChange]:
+def compare(before: Side, after: Side, rule: LatencyRule) -> list[ScenarioChange]:
     out = []
     for name in sorted(set(before) | set(after)):
         if name not in after:
             out.append(ScenarioChange(name, only="before"))
         elif name not in before:
             out.append(ScenarioChange(name, only="after"))
+        elif isinstance(a := after[name], str) or isinstance(b := before[name], str):
+            out.append(ScenarioChange(name, statuses=(_status(before[name]), _status(a))))
         else:
-            a, b = after[name], before[name]
             volume = bl.compare(a, b, bytes_tol=EXACT, calls_tol=EXACT)
             volume += [replace(d, what=f"{d.what} (differs between the before runs)") for d in b.unsteady]
             volume += [replace(d, what=f"{d.what} (differs between the after runs)") for d in a.unsteady]
@@ -139,3 +158,24 @@ def compare(before: dict[str, bl.Baseline], after: dict[str, bl.Baseline], rule:
                 )
             out.append(change)
     return out
+
+
+def _status(side: bl.Baseline | str) -> str:
+    return side if isinstance(side, str) else "ran"
+
+
+def verdict(changes: list[ScenarioChange]) -> tuple[str, int]:
+    """The last line of ``commgate compare`` and its exit status: 1 on a change, and where nothing (or not
+    everything that is on both sides) was compared: a scenario that errored on both sides is not "the same"."""
+    n, blind = sum(c.changed for c in changes), sum(c.blind for c in changes)
+    compared = sum(c.statuses is None and not c.only for c in changes)
+    line = f"{n} of {len(changes)} scenario(s) changed"
+    if blind:
+        line += f"; {blind} not compared (run on neither side)"
+    if n:
+        return line, 1
+    if not compared:
+        return line + ": nothing compared, no scenario ran on both sides", 1
+    if blind:
+        return line + ": cannot say the two runs communicate the same", 1
+    return line + ": the two runs communicate the same", 0

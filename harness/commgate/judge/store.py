@@ -13,6 +13,7 @@ or accept, and a run that matches removes it. Every file is written atomically.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,5 +72,12 @@ class BaselineStore:
         return sorted(p for p in self.root.glob(pattern) if not p.name.endswith(OBTAINED))
 
 
+NAME_MAX = 255
+"""Bytes in a file name on Linux's file systems; a longer scenario id is shortened, its hash kept."""
+
+
 def _safe(scenario_id: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.=,\[\]+-]", "_", scenario_id)
+    safe = re.sub(r"[^A-Za-z0-9_.=,\[\]+-]", "_", scenario_id)
+    if len(safe) + len(OBTAINED) <= NAME_MAX:
+        return safe
+    return f"{safe[: NAME_MAX - len(OBTAINED) - 17]}~{hashlib.sha256(scenario_id.encode()).hexdigest()[:16]}"

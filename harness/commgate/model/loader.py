@@ -211,8 +211,9 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, _Located]:
         else:
             kind = "YAML syntax error"
         raise ScenarioError([Problem(file=file, path="$", message=f"{kind}: {what}", line=line)]) from None
-    except yaml.YAMLError as exc:
-        raise ScenarioError([Problem(file=file, path="$", message=f"YAML error: {exc}")]) from None
+    except yaml.YAMLError as exc:  # e.g. a binary file's NUL byte: its several lines made one
+        message = f"YAML error: {' '.join(str(exc).split())}"
+        raise ScenarioError([Problem(file=file, path="$", message=message)]) from None
     except RecursionError:
         message = "YAML nested too deeply to read (thousands of levels); a scenario is a few levels deep"
         raise ScenarioError([Problem(file=file, path="$", message=message)]) from None
@@ -343,6 +344,31 @@ def load_file(path: str | Path) -> list[Scenario]:
     return load_text(text.removeprefix("\ufeff"), file=file)
 
 
+def not_a_scenario(path: Path) -> str | None:
+    """The rule that decides the YAML file ``path`` is not a scenario file, in words (``empty``, ``binary``,
+    its top level not a mapping, a mapping with none of a scenario's required keys), or None when it may be
+    one: then it is loaded, and what is wrong with it is an error. Nothing is constructed (no alias expanded)."""
+    from commgate.core.fsutil import text_head
+
+    text = text_head(path, 1 << 20)
+    if text is None:
+        return None  # unreadable: loading it says why
+    if "\x00" in text:
+        return "binary (a NUL character), not YAML text"
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return None  # broken YAML may be a broken scenario
+    if node is None:
+        return "empty (no YAML document)"
+    if not isinstance(node, yaml.MappingNode):
+        return f"its top level is a {'list' if isinstance(node, yaml.SequenceNode) else 'scalar'}, not a mapping"
+    required = schemas.load("scenario")["required"]
+    if not {k.value for k, _ in node.value if isinstance(k, yaml.ScalarNode)} & set(required):
+        return f"a mapping with none of a scenario's required keys ({', '.join(sorted(required))})"
+    return None
+
+
 def scenario_files(paths: Iterable[str | Path]) -> list[Path]:
     """The scenario files named by ``paths`` (directories are searched recursively)."""
     out: list[Path] = []
@@ -367,18 +393,22 @@ def load_paths(paths: Iterable[str | Path]) -> list[Scenario]:
             problems += exc.problems
     if not files and not problems:
         problems.append(Problem(file=", ".join(map(str, paths)) or ".", path="$", message="no scenario files (*.yaml)"))
-    seen: dict[str, str | None] = {}
-    for s in scenarios:
-        if s.id in seen:
-            problems.append(
-                Problem(
-                    file=s.file or "?", path="$.name", message=f"scenario id {s.id!r} is also defined in {seen[s.id]}"
-                )
-            )
-        seen[s.id] = s.file
+    problems += duplicate_ids(scenarios, {})
     if problems:
         raise ScenarioError(problems)
     return scenarios
+
+
+def duplicate_ids(scenarios: Iterable[Scenario], seen: dict[str, str | None]) -> list[Problem]:
+    """A problem for each scenario whose id one before it has (``seen``: id -> its file, from earlier
+    files too; updated): two scenarios named alike would share one baseline and one report entry."""
+    problems = []
+    for s in scenarios:
+        if s.id in seen:
+            message = f"scenario id {s.id!r} is also defined in {seen[s.id]}"
+            problems.append(Problem(file=s.file or "?", path="$.name", message=message))
+        seen.setdefault(s.id, s.file)
+    return problems
 
 
 # -------------------------------------------------------------------------------------------- sweeps

@@ -167,7 +167,7 @@ def _link_order(s: dict[str, Any]) -> float:
     from commgate.run.links import Link
 
     link = link_of(s)
-    return -Link.parse(link).rate_mbit if link else -float("inf")
+    return -Link.parse(link, source=f"{s.get('name')}: capture.stack.link").rate_mbit if link else -float("inf")
 
 
 def plot_links(scenarios: list[dict[str, Any]], path: Path) -> str | None:

@@ -178,6 +178,8 @@ class Report:
     scenarios: list[dict[str, Any]] = field(default_factory=list)
     """Scenario documents (``ScenarioResult.document()``); from other processes too (pytest-xdist workers)."""
     started: float = field(default_factory=time.time)
+    interrupted: str | None = None
+    """Why the run stopped before its end (``Session.interrupt``); None when it finished."""
     _encoded: list[str] = field(default_factory=list, init=False, repr=False)
     """``scenarios[i]`` as compact JSON, encoded once (``scenarios`` is only ever appended to)."""
 
@@ -186,13 +188,14 @@ class Report:
         self.write()
 
     def document(self) -> dict[str, Any]:
-        return {
+        doc = {
             "schema_version": REPORT_VERSION,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
             "environment": environment(),
             "summary": {k: sum(1 for s in self.scenarios if s["status"] == k) for k in STATUSES},
             "scenarios": self.scenarios,
         }
+        return doc if self.interrupted is None else doc | {"interrupted": self.interrupted}
 
     def text(self) -> str:
         """The JSON text of ``document()``: its head indented, each scenario compact on a line of its own.

@@ -294,8 +294,12 @@ def hang_report(scenario_id: str, tmp: Path, ranks: Sequence[int], waited: float
     lines = [f"{scenario_id}: deadline of {waited:g} s passed; the last call each rank issued:"]
     idle = 0
     for r in ranks:
-        text = _status(tmp, r)
-        lines.append(f"  rank {r}: {'in ' + text if text else 'no call issued yet'}")
+        text, beat = _status(tmp, r), _beat(tmp, r)
+        if text and beat.get("issued") is not None and not _in_call(beat):  # computing, or stuck outside calls
+            text = f"in no call; the last it issued, {text}, had completed"
+        elif text:
+            text = f"in {text}"
+        lines.append(f"  rank {r}: {text or 'no call issued yet'}")
         idle += not text
     if idle:
         lines += [

@@ -201,9 +201,12 @@ def launch_local(
     _sweep_orphans(Path(workdir or tempfile.gettempdir()))
     tmp = _private_dir(workdir)
     procs: list[BaseProcess] = []
-    started = time.monotonic()
+    launched = time.monotonic()
     try:
-        _start(scenario, ran, tmp, procs, launched=started, faults=faults or Faults(), network=network)
+        _start(scenario, ran, tmp, procs, launched=launched, faults=faults or Faults(), network=network)
+        # the deadline runs from here: the forkserver's start (torch's and DeepSpeed's imports, DeepSpeed's op
+        # build on a first run), which the first rank's start waits for, is not the ranks' time
+        started = time.monotonic()
         _wait(scenario, ran, tmp, procs, started=started, deadline=deadline)
         if progress:
             world = scenario.world_size
@@ -224,6 +227,11 @@ def _admit(scenario: Scenario, ran: tuple[int, ...], deadline: float) -> None:
             f"{scenario.id}: world size {scenario.world_size} is more local ranks than this machine holds (at most "
             f"{limit}: {os.cpu_count()} cores, about {RANK_MEMORY >> 20} MiB a rank); run it under torchrun on a "
             "cluster (commgate run under torchrun), or see its prediction with commgate predict"
+        )
+    if (accelerator := os.environ.get("DS_ACCELERATOR", "cpu")) != "cpu" and not gpu_visible():
+        raise RunError(
+            f"{scenario.id}: DS_ACCELERATOR {accelerator!r}: local ranks on this machine (no GPU) run DeepSpeed on its "
+            "CPU accelerator; unset it or set it to cpu"
         )
     if too_big := budget.refusal(scenario, RANK_MEMORY):
         raise RunError(too_big)

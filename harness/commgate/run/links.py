@@ -38,14 +38,15 @@ class Link:
     delay_us: float = 0.0
 
     @classmethod
-    def parse(cls, text: str) -> Link:
-        """``10gbit``, ``500mbit``, ``25gbit,20us``; a bad one is a one-line usage error."""
+    def parse(cls, text: str, *, source: str = "--link") -> Link:
+        """``10gbit``, ``500mbit``, ``25gbit,20us``; a bad one is a one-line usage error naming ``source``,
+        where the text came from (the flag, the environment variable, a report's field)."""
         m = _SPEC.match(text)
         if not m:
-            raise UsageError(f"--link {text!r}: expected RATE[kmg]bit[,DELAYus], e.g. 10gbit or 25gbit,20us")
+            raise UsageError(f"{source} {text!r}: expected RATE[kmg]bit[,DELAYus], e.g. 10gbit or 25gbit,20us")
         rate = float(m["rate"]) * {"k": 1e-3, "m": 1.0, "g": 1e3}[m["unit"].lower()]
         if rate <= 0:
-            raise UsageError(f"--link {text!r}: the rate must be positive")
+            raise UsageError(f"{source} {text!r}: the rate must be positive")
         return cls(rate_mbit=rate, delay_us=float(m["delay"] or 0))
 
     def __str__(self) -> str:
@@ -142,17 +143,33 @@ def _shape(namespace: str, dev: str, link: Link) -> None:
         raise
 
 
+SET_BY = "commgate run --link sets it for its ranks; unset it"
+"""The fix a bad ``COMMGATE_NETNS`` or ``COMMGATE_LINK`` in a user's environment names."""
+
+
 def enter() -> None:
-    """In a freshly forked rank process: move into the namespace ``COMMGATE_NETNS`` names (none: stay)."""
+    """In a freshly forked rank process: move into the namespace ``COMMGATE_NETNS`` names (none: stay); one
+    that cannot be entered is a one-line ``UsageError`` naming the variable, what it raised and the fix."""
     name = os.environ.get(NETNS)
     if not name:
         return
     import ctypes
 
     clone_newnet = 0x40000000
-    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
     try:
-        if ctypes.CDLL(None, use_errno=True).setns(fd, clone_newnet) != 0:
-            raise OSError(ctypes.get_errno(), f"setns into network namespace {name}")
-    finally:
-        os.close(fd)
+        fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+        try:
+            if ctypes.CDLL(None, use_errno=True).setns(fd, clone_newnet) != 0:
+                raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise UsageError(
+            f"{NETNS} {name!r}: cannot enter network namespace /run/netns/{name} ({exc.strerror or exc}); {SET_BY}"
+        ) from None
+
+
+def from_environment() -> Link | None:
+    """The link ``COMMGATE_LINK`` describes (None: not set); a bad one is a one-line error naming it."""
+    text = os.environ.get(LINK)
+    return Link.parse(text, source=f"{LINK} (environment; {SET_BY})") if text else None

@@ -6,6 +6,7 @@ session) or by torchrun (then every rank runs ``run_rank`` in-process, one scena
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -56,7 +57,7 @@ def stack(backend: str, local_ranks: int) -> dict[str, str | None]:
         "cuda": torch.version.cuda,
         "rocm": getattr(torch.version, "hip", None),
         "backend_version": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None,  # type: ignore[no-untyped-call]
-        **({"link": os.environ[links.LINK]} if os.environ.get(links.LINK) else {}),
+        **({"link": str(link)} if (link := links.from_environment()) else {}),
     }
 
 
@@ -271,15 +272,16 @@ def child(
     os.dup2(log, 2)
     os.environ.update(env)
     os.environ[RUN_DIR] = out_s
-    links.enter()  # a shaped-link run: this rank's node, before any socket is opened
-    with open(spec, "rb") as f:
-        scenario = pickle.load(f)
     status = os.open(out / f"rank{rank}.status", os.O_WRONLY | os.O_CREAT, 0o644)
     beat = threading.Thread(target=_heartbeat, args=(out, rank, marks, status), daemon=True, name="commgate-heartbeat")
     beat.start()
 
     code = 0
     try:
+        links.enter()  # a shaped-link run: this rank's node, before any socket is opened
+        links.from_environment()  # a bad link description is refused before the run, not when it is reported
+        with open(spec, "rb") as f:
+            scenario = pickle.load(f)
         run_rank(
             scenario,
             rank=rank,
@@ -306,4 +308,25 @@ def child(
         code = 1  # at once: no process-group shutdown (which would fail the peers) before the launcher sees it
     sys.stdout.flush()
     sys.stderr.flush()
+    _end_session()
     os._exit(code)
+
+
+def _end_session() -> None:
+    """Kill what the rank started and left running (a workload's ``subprocess.Popen``, their children, a
+    pool of compile workers): every other process of the rank's session, found in /proc (Linux), while the
+    rank still lives, so that the session's id can be no other's yet."""
+    me, session = os.getpid(), os.getsid(0)
+    with contextlib.suppress(OSError):
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != me and _session_of(entry) == session:
+                with contextlib.suppress(OSError):  # gone meanwhile, or not ours to kill
+                    os.kill(int(entry.name), signal.SIGKILL)
+
+
+def _session_of(proc: Path) -> int | None:
+    """The session id of the process /proc/PID (``stat``'s sixth field, after the command's ``(name)``)."""
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[3])
+    except (OSError, IndexError, ValueError):
+        return None

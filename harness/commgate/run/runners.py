@@ -15,6 +15,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from commgate.core.errors import UsageError
 from commgate.model.scenario import Scenario
 from commgate.run.capture import Capture, timeline
 from commgate.run.inject import Faults
@@ -57,9 +58,13 @@ class TorchrunRank:
     """This process is rank ``RANK`` of ``WORLD_SIZE`` (``env://``); each scenario gets a fresh key
     namespace on the job's store. A rank that raises ends the job (torchrun stops the others)."""
 
-    rank: int = field(default_factory=lambda: int(os.environ["RANK"]))
-    world: int = field(default_factory=lambda: int(os.environ["WORLD_SIZE"]))
+    rank: int = field(default_factory=lambda: env_int("RANK"))
+    world: int = field(default_factory=lambda: env_int("WORLD_SIZE"))
     runs: int = 0
+
+    def __post_init__(self) -> None:
+        env_int("LOCAL_RANK")
+        env_int("MASTER_PORT")
 
     @property
     def lead(self) -> bool:
@@ -99,6 +104,20 @@ class TorchrunRank:
             stack=stack(backend, int(os.environ.get("LOCAL_WORLD_SIZE", self.world))),
             step_windows=tuple(sorted(windows, key=lambda w: (w.rank, w.step))),
         )
+
+
+def env_int(name: str) -> int:
+    """The whole number torchrun (or srun) put in the environment variable ``name``; a one-line
+    ``UsageError`` naming it and its value otherwise."""
+    value = os.environ.get(name, "")
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise UsageError(f"environment variable {name} {value!r}: expected a whole number (torchrun sets it for each "
+                         "rank); unset it or set it right")  # fmt: skip
+    return number
 
 
 def under_torchrun() -> bool:

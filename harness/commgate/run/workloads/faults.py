@@ -13,13 +13,17 @@ Each all-reduces a small tensor every step; at step 1, rank 1 misbehaves:
 * ``skip``: skips the step's all-reduce and goes on, so that its later all-reduces meet rank 0's earlier
   ones and rank 0 is left waiting in its last while rank 1 has finished (the stall watchdog's case);
 * ``wedge``: blocks outside any collective (as a rank stuck in a rendezvous, or building a process
-  group its peers never build), so that rank 0 waits in the all-reduce alone.
+  group its peers never build), so that rank 0 waits in the all-reduce alone;
+* ``spawn``: starts a process that would sleep for an hour (a workload's ``subprocess.Popen`` nobody waits
+  for) and goes on: the run passes, and the process must not outlive it.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 import torch
@@ -81,6 +85,12 @@ class _Hang(_Faulty):
         dist.recv(torch.empty(1, device=self.device), src=0)
 
 
+class _Spawn(_Faulty):
+    def misbehave(self) -> None:
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+        dist.all_reduce(torch.ones(4, device=self.device))
+
+
 def crash(scenario: Scenario, *, rank: int, device: torch.device) -> _Faulty:
     return _Crash(scenario, rank=rank, device=device)
 
@@ -107,3 +117,7 @@ def hang(scenario: Scenario, *, rank: int, device: torch.device) -> _Faulty:
 
 def wedge(scenario: Scenario, *, rank: int, device: torch.device) -> _Faulty:
     return _Wedge(scenario, rank=rank, device=device)
+
+
+def spawn(scenario: Scenario, *, rank: int, device: torch.device) -> _Faulty:
+    return _Spawn(scenario, rank=rank, device=device)
