@@ -187,7 +187,7 @@ def test_a_stall_fails_early_naming_the_first_divergence(tmp_path: Path) -> None
     """Rank 1 skips its all-reduce in step 1 and goes on: its later all-reduces meet rank 0's earlier ones,
     so rank 0 waits in its last while rank 1 has finished. The watchdog fails the run once no rank has
     made progress for stall_s (long before the deadline) and says where the call sequences part."""
-    s = scenario(extra="workload: commgate.run.workloads.faults:skip\ndeadline_s: 300\nstall_s: 3\n")
+    s = scenario(extra="workload: commgate.run.workloads.faults:skip\ndeadline_s: 600\nstall_s: 10\n")
     with pytest.raises(RunError) as info:
         launch_local(s, workdir=tmp_path)
     lines = str(info.value).splitlines()
@@ -205,7 +205,7 @@ def test_a_rank_stuck_outside_any_call_is_a_stall_too(tmp_path: Path) -> None:
     """Rank 1 blocks outside any collective (as in a rendezvous, or building a process group its peers never
     build) while rank 0 waits in the all-reduce: not every rank is in a call, but nothing moves for 3 x
     stall_s, so the run fails long before the deadline and names the rank outside."""
-    s = scenario(extra="workload: commgate.run.workloads.faults:wedge\ndeadline_s: 300\nstall_s: 2\n")
+    s = scenario(extra="workload: commgate.run.workloads.faults:wedge\ndeadline_s: 600\nstall_s: 10\n")
     with pytest.raises(RunError) as info:
         launch_local(s, workdir=tmp_path)
     lines = str(info.value).splitlines()
