@@ -3,6 +3,7 @@ and reason, whichever runner produced it (no ranks are started here: the runners
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,5 +92,24 @@ def test_baseline_only_mode_says_the_model_was_not_checked(tmp_path: Path) -> No
         assert any("the model was not checked" in f.title for f in r.findings)
         assert "the model was not checked" in r.summary()
         assert "unexplained" not in r.summary()
+        # without --gate nothing judges it: not "passed" (issue: a status says what was checked)
+        assert (r.status == "unjudged") == (not gate), r.status
     # under the gate, the first run writes the baseline (and fails on that alone, as every first run does)
     assert (tmp_path / "True" / "gloo" / "p.json").exists()
+
+
+def test_a_run_nothing_judged_is_unjudged_in_the_report_and_the_summary(tmp_path: Path) -> None:
+    """commgate run without --gate of a baseline-only scenario: the status is 'unjudged', the reason names the
+    flag that judges it, and report.json (valid against its schema) counts it apart from 'passed'."""
+    from commgate.core import schemas
+    from commgate.report.report import Report
+
+    (s,) = load_text(TEXT + "expectations: {model: {check: false}}\n")
+    r = run_scenario(s, Stub(capture=silent(s)), Options(baseline_dir=tmp_path, gate=False))
+    assert r is not None and r.status == "unjudged" and "add --gate" in r.reason
+    assert r.summary().startswith("UNJUDGED")
+    report = Report(tmp_path / "out" / "report.json")
+    report.add(r)
+    doc = json.loads((tmp_path / "out" / "report.json").read_text())  # as written
+    schemas.validate("report", doc)
+    assert (doc["summary"]["passed"], doc["summary"]["unjudged"]) == (0, 1)

@@ -91,9 +91,10 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
     warned = (Finding(kind="config", fail=False, title=w) for w in scenario.remarks)
     findings = (*findings, *warned, *filter(None, [gate_time]))
     failing = [f for f in findings if f.fail]
+    judged = options.gate or e.model_check  # without --gate, a baseline-only scenario is judged by nothing
     return result(
-        status="failed" if failing else "passed",
-        reason="\n".join(f.text() for f in failing),
+        status="failed" if failing else "passed" if judged else "unjudged",
+        reason="\n".join(f.text() for f in failing) if judged else UNJUDGED,
         findings=findings,
         baseline=baseline,
         baseline_written=written,
@@ -102,6 +103,12 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
         reconciliation=rec,
         time_model=timed,
     )
+
+
+UNJUDGED = (
+    "ran, not judged: its model check is off (expectations.model.check: false) and commgate run without --gate "
+    "judges the model only; add --gate to judge it against its baseline and drift"
+)
 
 
 def time_model(prediction: Prediction, capture: Capture, store: BaselineStore) -> TimeAssessment:

@@ -84,8 +84,15 @@ def unchecked() -> Finding:
 
 def model_findings(e: Expectations, rec: Reconciliation) -> tuple[Finding, ...]:
     """The model's verdict alone (``commgate run`` without ``--gate``)."""
-    if not e.model_check:
-        return (unchecked(),)
+    if not e.model_check:  # and no baseline, no drift: nothing judges the run (its status says so)
+        return (
+            Finding(
+                kind="model",
+                fail=False,
+                title="the model was not checked (expectations.model.check: false), and without --gate neither "
+                "its baseline nor drift: nothing judged this run",
+            ),
+        )
     f = against_model(e, rec)
     return (f,) if f else ()
 

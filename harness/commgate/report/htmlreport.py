@@ -62,14 +62,14 @@ def _status_cell(s: dict[str, Any]) -> str:
 def _findings(doc: dict[str, Any]) -> str:
     """Why each scenario failed, errored or was skipped, and its warnings: the lines pytest shows, one
     block per scenario (failed and errored first), each with an anchor the table links to."""
-    rank = {"failed": 0, "error": 1, "passed": 2, "skipped": 3}
-    shown = sorted((s for s in doc["scenarios"] if _has_findings(s)), key=lambda s: rank.get(s["status"], 4))
+    rank = {"failed": 0, "error": 1, "unjudged": 2, "passed": 3, "skipped": 4}
+    shown = sorted((s for s in doc["scenarios"] if _has_findings(s)), key=lambda s: rank.get(s["status"], 5))
     if not shown:
         return ""
     parts = ["<h2>Findings</h2>"]
     for s in shown:
         lines = []
-        if s["status"] in ("error", "skipped") and s.get("reason"):
+        if s["status"] in ("error", "skipped", "unjudged") and s.get("reason"):
             lines.append(s["reason"])
         for f in s.get("findings", []):
             verdict = "FAIL" if f["fail"] else "warn"
@@ -202,7 +202,7 @@ summary{cursor:pointer;font-weight:600}
 p.note{color:#555;font-size:13px;max-width:900px}
 pre{background:#f7f7f7;padding:8px;font-size:12px;overflow-x:auto} h3.bad{color:#c62828}
 """
-ORDER = ("passed", "failed", "error", "skipped")
+ORDER = ("passed", "failed", "error", "skipped", "unjudged")
 FIGURES = (
     ("volume", "Volume per collective", "Measured bytes per step summed over ranks, and each collective's share "
      "(Anthony et al., Figs. 7-8)."),

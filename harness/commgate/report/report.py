@@ -26,7 +26,7 @@ from commgate.report.timemodel import TimeAssessment
 from commgate.run.capture import Capture
 
 REPORT_VERSION = 1
-Status = Literal["passed", "failed", "error", "skipped"]
+Status = Literal["passed", "failed", "error", "skipped", "unjudged"]
 
 
 def schema() -> dict[str, Any]:
@@ -167,7 +167,8 @@ class ScenarioResult:
         return lines
 
 
-STATUSES: tuple[Status, ...] = ("passed", "failed", "error", "skipped")
+STATUSES: tuple[Status, ...] = ("passed", "failed", "error", "skipped", "unjudged")
+"""unjudged: it ran, and nothing judged it (a baseline-only scenario under ``commgate run`` without ``--gate``)."""
 
 
 @dataclass
