@@ -113,3 +113,34 @@ def test_a_partial_sweep_refits_its_points_and_keeps_the_rest(tmp_path: Path) ->
     assert sorted((s.nbytes, s.median_s) for s in c.samples) == [(4, 1.0), (64, 5.0)]
     assert dict(c.compute_flops) == {2: 1e9, 8: 4e8}
     assert c.utilization == 1.0 and c.calibrated is None  # the rates changed: calibrate again
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_user_without_a_curve_gets_the_shipped_default_said_to_be_one(tmp_path: Path) -> None:
+    """No curve in the user's baseline directory: the time model uses commgate's shipped gloo curve (the
+    repository's measured one, the same file) and its note says whose it is and how to measure this machine's."""
+    shipped = json.loads((bandwidth.DEFAULTS / "bandwidth-gloo.json").read_text())
+    assert shipped == json.loads((ROOT / "baselines" / "bandwidth-gloo.json").read_text()), (
+        "re-measured baselines/bandwidth-gloo.json: copy it to harness/commgate/core/curves/ too"
+    )
+    got, note = bandwidth.lookup(BaselineStore(tmp_path).curve_path("gloo"), "a machine nobody measured")
+    assert got is not None and got.hardware in shipped["curves"]
+    assert "using commgate's default gloo curve" in note and "not this machine" in note
+    assert bandwidth.lookup(BaselineStore(tmp_path).curve_path("nccl"), "x")[0] is None  # none shipped for nccl
+
+
+def test_the_command_that_measures_a_curve_works_from_outside_the_checkout(tmp_path: Path) -> None:
+    """The command the note suggests is run as printed (here: collected only) from a user's directory."""
+    import shlex
+    import subprocess
+    import sys
+
+    command = shlex.split(bandwidth.sweep_command(tmp_path / "baselines"))
+    assert command[:3] == ["python", "-m", "pytest"]
+    proc = subprocess.run(
+        [sys.executable, *command[1:], "--co", "-q"], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "tests collected" in proc.stdout

@@ -99,7 +99,11 @@ def test_assess_names_a_missing_or_bad_curve_instead_of_failing(tmp_path) -> Non
         scenario="s", world_size=2, warmup_steps=1, steps=1, backend="gloo", calls=(call(0, 1, 10, 20),),
         stack={"hardware": "cpu"}, step_windows=windows,
     )  # fmt: skip
-    t = time_model(pred, cap, BaselineStore(tmp_path))
+    t = time_model(pred, cap, BaselineStore(tmp_path))  # none measured: commgate's shipped gloo curve, said so
+    assert t.predicted is not None and "no bandwidth curve" in t.note and "default gloo curve" in t.note
+    from dataclasses import replace
+
+    t = time_model(pred, replace(cap, backend="nccl"), BaselineStore(tmp_path))  # none shipped for nccl
     assert t.predicted is None and t.measured is not None and "no bandwidth curve" in t.note
     (tmp_path / "bandwidth-gloo.json").write_text("{")
     t = time_model(pred, cap, BaselineStore(tmp_path))

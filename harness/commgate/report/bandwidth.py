@@ -218,16 +218,39 @@ def _parsed(path: str, mtime_ns: int, size: int) -> dict[str, Curve]:
     return {hw: Curve.from_json(hw, d) for hw, d in doc["curves"].items()}
 
 
+DEFAULTS = Path(__file__).resolve().parents[1] / "core" / "curves"
+"""The curves commgate ships, one file per backend (``bandwidth-{backend}.json``, the repository's own
+measured curve): the time model of a user who has measured none yet."""
+
+
 def lookup(path: Path, hardware: str) -> tuple[Curve | None, str]:
-    """The curve for ``hardware`` and a note: exact, another machine's (named), or none."""
+    """The curve for ``hardware`` and a note: exact, another machine's (named), commgate's shipped default
+    for the backend (said to be one), or none."""
     curves = load_all(path)
     if hardware in curves:
         return curves[hardware], f"bandwidth curve of this hardware ({curves[hardware].measured})"
     if curves:
         other = sorted(curves)[0]
         return curves[other], f"no bandwidth curve for {hardware!r}; using the one measured on {other!r}"
-    sweep = "python -m pytest benchmarks/test_collectives.py --commgate-curve-dir baselines"
-    return None, f"no bandwidth curve in {path}: run `{sweep}`"
+    measure = f"measure this machine's: `{sweep_command(path.parent)}`"
+    shipped = load_all(DEFAULTS / path.name)
+    if shipped:
+        other = sorted(shipped)[0]
+        return shipped[other], (
+            f"no bandwidth curve in {path}: using commgate's default {path.stem.removeprefix('bandwidth-')} curve, "
+            f"measured on {other!r} ({shipped[other].measured}), not this machine; {measure}"
+        )
+    return None, f"no bandwidth curve in {path}: {measure}"
+
+
+def sweep_command(curve_dir: Path) -> str:
+    """The command that measures this machine's curve into ``curve_dir``, runnable from any directory: the
+    microbenchmarks of commgate's checkout by absolute path (an installed wheel has none: say where)."""
+    bench = Path(__file__).resolve().parents[3] / "benchmarks" / "test_collectives.py"
+    target = curve_dir.resolve()
+    if bench.is_file():
+        return f"python -m pytest {bench} -p no:cacheprovider --commgate-curve-dir {target}"
+    return f"python -m pytest benchmarks/test_collectives.py --commgate-curve-dir {target} (in a commgate checkout)"
 
 
 def calibrate(
