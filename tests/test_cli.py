@@ -42,6 +42,16 @@ def test_predict_summarises_13b_zero3_on_16_ranks_in_about_30_lines() -> None:
     assert "per step, rank 0 (from step 1 on): " in summary.stdout and "Eq. 3 (per rank)" in summary.stdout
 
 
+def test_predict_reads_as_the_scheme_is_for_torch_native_schemes() -> None:
+    """No ZeRO stage in the heading of a scheme DeepSpeed does not train; the eq column names the equation a
+    row's calls count toward, "(part)" where some count toward none (not "-,Eq. 5")."""
+    fsdp_tp = commgate("predict", "--model", "19M-cpu", "--scheme", "fsdp", "--dp", "2", "--tp", "2")
+    zero3 = commgate("predict", "--model", "19M-cpu", "--scheme", "zero3", "--dp", "2")
+    assert fsdp_tp.returncode == zero3.returncode == 0
+    assert "zero stage" not in fsdp_tp.stdout.splitlines()[0] and "zero stage 3" in zero3.stdout.splitlines()[0]
+    assert "Eq. 5 (part)" in fsdp_tp.stdout and "-,Eq" not in fsdp_tp.stdout
+
+
 def test_predict_13b_ddp_json_reproduces_eqs_1_and_2() -> None:
     proc = commgate("predict", "--model", "13B", "--scheme", "ddp", "--dp", "16", "--json", "--detail")
     assert proc.returncode == 0, proc.stderr

@@ -616,8 +616,8 @@ def test_a_scenario_beyond_the_machines_memory_is_refused_naming_the_estimate(tm
     one = budget.per_rank(s, 0)
     n = 13_000_000_000
     assert n * 2 < one.params < n * 2.2 and one.grads == one.params and one.optimizer == 2 * one.params
-    with pytest.raises(RunError, match=r"big: needs about \d+\.\d GiB for 2 local ranks, .* \(params .* GiB\); this "
-                       r"machine has .* GiB available: use a reduced-scale model") as info:  # fmt: skip
+    with pytest.raises(RunError, match=r"big: needs about \d+\.\d GiB for 2 local rank\(s\), .* \(params .* GiB\); "
+                       r"this machine has .* GiB available: use a reduced-scale model") as info:  # fmt: skip
         launch_local(s, workdir=tmp_path)
     assert "\n" not in str(info.value)
     assert not any(tmp_path.iterdir())
@@ -680,3 +680,18 @@ def test_the_memory_check_switch_means_what_it_says(value: str, skipped: bool, m
     assert budget.refusal(big, 0) == (
         "COMMGATE_SKIP_MEMORY_CHECK='perhaps': expected 1, true or yes to skip the memory check, or 0, false or no"
     )
+
+
+def test_the_memory_refusal_of_an_emulated_run_counts_the_ranks_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An emulated run starts rank 0 alone: the refusal counts it, not the declared world (issue: "369.9 GiB
+    for 64 local ranks, 369.93 GiB each")."""
+    from commgate.model.loader import load_text
+    from commgate.run import budget
+
+    (s,) = load_text(
+        "schema_version: 1\nname: e\nemulate: true\nmodel: {preset: 13B}\nparallelism: {scheme: zero3, dp: 64}\n"
+    )
+    monkeypatch.setattr(budget, "available", lambda: 1 << 30)  # 1 GiB
+    monkeypatch.delenv(budget.SKIP, raising=False)
+    why = budget.refusal(s, runtime=0)
+    assert why is not None and "for 1 local rank(s) (of 64, the others emulated)" in why, why

@@ -9,6 +9,7 @@ from typing import Any
 from commgate import __version__
 from commgate.core.units import human_bytes, number, shown
 from commgate.model.expectation import Context, Prediction
+from commgate.model.schemes import SCHEMES
 from commgate.model.trainers import derived
 
 DOCUMENT_VERSION = 1
@@ -150,6 +151,12 @@ def summary(p: Prediction) -> list[dict[str, Any]]:
     ]
 
 
+def _eqs(terms: list[str]) -> str:
+    """The eq column: the equations the rows count toward, "(part)" when some rows count toward none."""
+    eqs = [t for t in terms if t != "-"]
+    return ", ".join(eqs) + (" (part)" if "-" in terms else "") if eqs else "-"
+
+
 def _summary_rows(p: Prediction) -> list[list[str]]:
     return [
         [
@@ -161,7 +168,7 @@ def _summary_rows(p: Prediction) -> list[list[str]]:
             str(r["calls_per_step"]),
             human_bytes(r["bytes_per_step"]),
             human_bytes(r["wire_bytes_per_step"]),
-            ",".join(r["paper_terms"]),
+            _eqs(r["paper_terms"]),
             str(r["rows"]),
         ]
         for r in summary(p)
@@ -200,8 +207,9 @@ def _heading(p: Prediction) -> list[str]:
         f"{' tied' if m.tied_embeddings else ''} {m.position} positions; {p.param_count:,} parameters ({eq1})"
     )
     by = f" by trainer {s.trainer}" if s.trainer != "commgate" else ""  # (commgate's own: as it always read)
+    zero = f"zero stage {par.zero.stage}, " if SCHEMES[par.scheme].deepspeed else ""  # torch's schemes have none
     return [
-        f"{s.id}: {par.scheme}{by} on {s.world_size} ranks ({axes or 'single rank'}), zero stage {par.zero.stage}, "
+        f"{s.id}: {par.scheme}{by} on {s.world_size} ranks ({axes or 'single rank'}), {zero}"
         f"b={par.micro_batch}, m={par.micro_batches}{', checkpointing' if par.activation_checkpointing else ''}",
         model,
         *(f"  {s.trainer}: {line}" for line in derived(s)),

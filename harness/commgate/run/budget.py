@@ -129,11 +129,13 @@ def refusal(scenario: Scenario, runtime: int) -> str | None:
     if have is None or skip.strip().lower() in YES:
         return None
     one = per_rank(scenario, runtime)
-    need = one.total * len(started_ranks(scenario))
+    started = len(started_ranks(scenario))
+    need = one.total * started
     if need <= have:
         return None
+    emulated = f" (of {scenario.world_size}, the others emulated)" if started < scenario.world_size else ""
     return (
-        f"{scenario.id}: needs about {need / GIB:.1f} GiB for {scenario.world_size} local ranks, "
+        f"{scenario.id}: needs about {need / GIB:.1f} GiB for {started} local rank(s){emulated}, "
         f"{one.total / GIB:.2f} GiB each ({one.text()} GiB); this machine has {have / GIB:.1f} GiB available: "
         "use a reduced-scale model (a -cpu preset, commgate import --cpu), or run it on a cluster under torchrun"
     )
