@@ -29,13 +29,14 @@ FSDP = {"per_device_train_batch_size": 1, "logging_steps": 1, "fsdp": True, "fsd
 
 KEEP = """
 from accelerate import Accelerator
-from accelerate.state import PartialState
+from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import FullyShardedDataParallelPlugin
 from commgate.run.trainers.hf import _keep_fsdp_plugin
 PartialState(cpu=True)
 with _keep_fsdp_plugin():
     accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2), mixed_precision="bf16")
 policy = accelerator.state.fsdp_plugin.mixed_precision_policy
+AcceleratorState()  # a later one copies PartialState's shared state back: the type must hold there too
 print(json.dumps([str(accelerator.distributed_type), accelerator.is_fsdp2, str(policy.param_dtype)]))
 """
 
@@ -97,16 +98,18 @@ def test_what_fsdp_cannot_say_is_one_line_naming_it(config: dict[str, Any], mess
         ({"fsdp": "full_shard offload auto_wrap"}, r"hf.training_args.fsdp 'full_shard offload auto_wrap': offload"),
         ({"fsdp": "hybrid_shard auto_wrap"}, r"hf.training_args.fsdp 'hybrid_shard auto_wrap': hybrid_shard is not"),
         ({"fp16": True}, r"hf.training_args.fp16: true under FSDP2 is not modelled"),
-        (
-            {"gradient_accumulation_steps": 2},
-            r"hf.training_args.gradient_accumulation_steps 2 under FSDP2 is not modelled yet \(measured",
-        ),
     ],
-    ids=["offload", "hybrid-shard", "fp16", "accumulation"],
+    ids=["offload", "hybrid-shard", "fp16"],
 )
 def test_what_fsdp_arguments_cannot_say_is_one_line_naming_it(args: dict[str, Any], message: str) -> None:
     with pytest.raises(ScenarioError, match=message) as info:
         load_text(scenario(TINY, None, FSDP | args))
+    assert len(info.value.problems) == 1 and "\n" not in str(info.value.problems[0]), info.value.problems
+
+
+def test_fsdp_with_a_deepspeed_config_is_one_line() -> None:
+    with pytest.raises(ScenarioError, match=r"hf.training_args.fsdp with hf.deepspeed .*ds_zero2.json: one of") as info:
+        load_text(scenario(TINY, SUITE / "hf" / "ds_zero2.json", FSDP))
     assert len(info.value.problems) == 1 and "\n" not in str(info.value.problems[0]), info.value.problems
 
 
@@ -123,12 +126,15 @@ def test_the_default_suites_fsdp2_scenario_reconciles(tmp_path: Path) -> None:
     [
         {"bf16": True, "fsdp": "full_shard auto_wrap"},
         {"fsdp_config": {"fsdp_version": 2, "reshard_after_forward": False}},
+        {"gradient_accumulation_steps": 2},
     ],
-    ids=["bf16", "no-reshard"],
+    ids=["bf16", "no-reshard", "accumulation-2"],
 )
 def test_fsdp2_as_trainer_runs_it_reconciles(args: dict[str, Any], tmp_path: Path) -> None:
     """bf16 (the legacy ``fsdp`` string): accelerate's MixedPrecisionPolicy (gathers and reduce-scatters in
-    bf16 over fp32 parameters); ``reshard_after_forward: false``: no group gathers again for its backward."""
+    bf16 over fp32 parameters); ``reshard_after_forward: false``: no group gathers again for its backward;
+    gradient accumulation 2: every micro-batch gathers, one reduce-scatter a step (accelerate's ``no_sync``,
+    which takes its FSDP2 path only with W5's type in ``PartialState`` too)."""
     result = run(scenario(TINY, None, FSDP | args), tmp_path)
     reconciled(result)
     f = result.prediction.scenario.parallelism.fsdp

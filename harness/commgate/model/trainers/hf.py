@@ -302,12 +302,6 @@ def _refuse_fsdp(args: Mapping[str, Any]) -> None:
     if not fsdp:
         return
     where = "hf.training_args"
-    if (m := args.get("gradient_accumulation_steps", 1)) != 1:
-        raise CommgateError(
-            f"{where}.gradient_accumulation_steps {m!r} under FSDP2 is not modelled yet (measured on CPU ranks: "
-            "a reduce-scatter every micro-batch, although accelerate's no_sync turns the gradient sync off; the "
-            "cause is not established); use 1"
-        )
     items = fsdp.split() if isinstance(fsdp, str) else []
     if bad := [i for i in items if i not in FSDP_ITEMS]:
         raise CommgateError(
@@ -516,6 +510,11 @@ def _refuse_unmodelled(block: Mapping[str, Any], r: Resolution) -> None:
     """One-line errors for a DeepSpeed config the model does not follow (yet)."""
     if r.config is None:
         return
+    if r.args["fsdp"]:
+        raise CommgateError(
+            f"hf.training_args.fsdp with hf.deepspeed {block['deepspeed']}: one of them (accelerate runs one "
+            "engine); leave the other out"
+        )
     zo = r.config.get("zero_optimization")
     stage = zo.get("stage") if isinstance(zo, Mapping) else None
     if stage not in (1, 2, 3):
@@ -843,25 +842,27 @@ def units(scenario: Scenario) -> tuple[Unit, ...]:
 
 @dataclass(frozen=True, slots=True)
 class AccelerateFullyShard(NotInThePaper):
-    """FSDP2 as accelerate wraps a Trainer's model (``units``), one micro-batch a step (gradient accumulation
-    is refused: ``_refuse_fsdp``): each group all-gathered before its forward; again before its backward
-    where it reshards after the forward; its gradients reduce-scattered after its backward, in the
-    ``MixedPrecisionPolicy``'s dtypes (accelerate's for ``bf16``: both bf16). Then Trainer's gradient
+    """FSDP2 as accelerate wraps a Trainer's model (``units``): each group all-gathered before its forward,
+    every micro-batch (resharded after each backward); again before its backward where it reshards after
+    the forward; its gradients reduce-scattered once a step (Trainer runs all micro-batches but the last in
+    accelerate's ``no_sync``, which turns FSDP2's gradient sync off: ``trainer.py:1896-1907``,
+    ``accelerator.py:1166-1171``), in the ``MixedPrecisionPolicy``'s dtypes (accelerate's for ``bf16``: both
+    bf16). Then Trainer's gradient
     clipping (``max_grad_norm`` > 0): ``clip_grad_norm_`` over the DTensor gradients, whose stacked
     per-parameter norms (fp32, one per parameter) are all-reduced once a step (``accelerator.py:3014-3022``)."""
 
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         s = ctx.scenario
-        d, f = s.parallelism.data_ranks, s.parallelism.fsdp
+        d, m, f = s.parallelism.data_ranks, s.parallelism.micro_batches, s.parallelism.fsdp
         gather = f.compute_dtype(s.model.dtype)
         reduce = f.reduce_dtype or gather
         rows = []
         for u in units(s):
             what = f"accelerate FSDP2 {u.name}"
-            rows.append(_row(ctx, Op.ALL_GATHER, gather, u.padded(d), Phase.FORWARD, f"{what}: all-gather"))
+            rows.append(_row(ctx, Op.ALL_GATHER, gather, u.padded(d), Phase.FORWARD, f"{what}: all-gather", calls=m))
             if u.reshards:
                 rows.append(_row(ctx, Op.ALL_GATHER, gather, u.padded(d), Phase.BACKWARD,
-                                 f"{what}: all-gather (backward: resharded after forward)"))  # fmt: skip
+                                 f"{what}: all-gather (backward: resharded after forward)", calls=m))  # fmt: skip
             rows.append(_row(ctx, Op.REDUCE_SCATTER, reduce, u.padded(d), Phase.BACKWARD, f"{what}: reduce-scatter"))
         if s.trainer_config["training_args"]["max_grad_norm"]:
             n = sum(len(u.params) for u in units(s))

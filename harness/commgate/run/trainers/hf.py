@@ -25,7 +25,9 @@ tested in ``tests/test_hf.py`` so that the test fails when upstream changes:
 * W5, an FSDP plugin under ``use_cpu`` is dropped silently (``AcceleratorState.__init__``,
   ``state.py:986-1016``, keeps it for GPU types only; the job would train as DDP): ``_keep_fsdp_plugin``
   wraps exactly that function, for the run only, and does on a ``MULTI_CPU`` rank what its GPU branch does
-  (``state.py:1013-1016``: the type ``FSDP``, the plugin's mixed precision, the plugin kept). It patches
+  (``state.py:1013-1016``: the type ``FSDP``, the plugin's mixed precision, the plugin kept; and ``:1037``,
+  the type in ``PartialState``'s shared state too, which every later ``AcceleratorState()`` copies back:
+  without it accelerate's ``no_sync`` and ``clip_grad_norm_`` take their non-FSDP paths). It patches
   only the source it was written against (``W5_SOURCE``, a digest of the function's source), else the run
   fails naming it; ``verify`` fails a run that used FSDP the scenario does not say, or lost it.
 * W6, DeepSpeed's CPU ops are compiled on first use (minutes each): its shared-memory comm op
@@ -153,7 +155,7 @@ def source_digest(fn: Any) -> str:
 def _keep_fsdp_plugin() -> Iterator[None]:
     """W5: ``AcceleratorState.__init__`` keeping an FSDP plugin on a ``MULTI_CPU`` rank as its GPU branch
     keeps it (``state.py:1013-1016``); put back after."""
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
     saved = AcceleratorState.__dict__["__init__"]
@@ -171,6 +173,7 @@ def _keep_fsdp_plugin() -> Iterator[None]:
             if self._mixed_precision != "no":
                 fsdp_plugin.set_mixed_precision(self._mixed_precision)
             self.fsdp_plugin = fsdp_plugin
+            PartialState._shared_state["distributed_type"] = self.distributed_type  # state.py:1037, as there
 
     try:
         AcceleratorState.__init__ = __init__
