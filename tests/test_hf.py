@@ -369,10 +369,12 @@ def reconciled(result: Any) -> None:
 @pytest.mark.parametrize("file", sorted(SUITE.glob("hf-*.yaml")), ids=lambda f: f.stem)
 def test_the_default_suites_auto_configs_reconcile_on_real_runs(file: Path, tmp_path: Path) -> None:
     """``scenarios/hf-zero2.yaml`` (gradient accumulation 2, logging every second step) and
-    ``scenarios/hf-zero3.yaml``: Hugging Face's own configs, "auto" resolved; Trainer itself trains."""
+    ``scenarios/hf-zero3.yaml``: Hugging Face's own configs, "auto" resolved; ``scenarios/hf-fsdp2.yaml``:
+    FSDP2 through accelerate's plugin (W5), accelerate's groups shown. Trainer itself trains."""
     result = run(file, tmp_path)
     reconciled(result)
-    assert '"auto" -> ' in result.summary()
+    fsdp = result.prediction.scenario.parallelism.scheme == "fsdp"
+    assert ("    hf: fsdp: FSDP2 through accelerate's plugin" if fsdp else '"auto" -> ') in result.summary()
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,8 @@
   applied, keeps the plugin as the GPU branch does;
 * accelerate's wrapping read on the meta device (each decoder layer, the input embeddings, the tail);
 * what a scenario cannot say under FSDP, one line each;
-* real runs on 2 CPU gloo ranks (the default suite's ``hf-fsdp2``, bf16 mixed precision, gradient
-  accumulation 2, no resharding after forward): every call key matched, no byte unexplained.
+* real runs on 2 CPU gloo ranks (bf16 mixed precision, gradient accumulation 2, no resharding after forward;
+  the default suite's ``hf-fsdp2`` runs in ``tests/test_hf.py``): every call key matched, no byte unexplained.
 """
 
 from __future__ import annotations
@@ -82,9 +82,9 @@ def test_accelerates_wrapping_is_read_on_the_meta_device() -> None:
             r"hf.training_args.fsdp_config.auto_wrap_policy 'SIZE_BASED_WRAP': trainer hf models",
         ),
         ({"cpu_ram_efficient_loading": True}, r"fsdp_config.cpu_ram_efficient_loading True: not modelled"),
-        ({"activation_checkpointing": True}, r"fsdp_config.activation_checkpointing True: not modelled"),
+        ({"forward_prefetch": True}, r"hf.training_args.fsdp_config.forward_prefetch True: not modelled"),
     ],
-    ids=["fsdp1", "offload", "size-wrap", "ram-efficient", "checkpointing"],
+    ids=["fsdp1", "offload", "size-wrap", "ram-efficient", "fsdp1-key"],
 )
 def test_what_fsdp_cannot_say_is_one_line_naming_it(config: dict[str, Any], message: str) -> None:
     with pytest.raises(ScenarioError, match=message) as info:
@@ -113,28 +113,22 @@ def test_fsdp_with_a_deepspeed_config_is_one_line() -> None:
     assert len(info.value.problems) == 1 and "\n" not in str(info.value.problems[0]), info.value.problems
 
 
-def test_the_default_suites_fsdp2_scenario_reconciles(tmp_path: Path) -> None:
-    """``scenarios/hf-fsdp2.yaml``: Trainer's FSDP2 in fp32, as accelerate wraps the model, its gradient
-    clipping and Trainer's own gathers."""
-    result = run(SUITE / "hf-fsdp2.yaml", tmp_path)
-    reconciled(result)
-    assert result.prediction.scenario.parallelism.scheme == "fsdp"
-
-
 @pytest.mark.parametrize(
     "args",
     [
         {"bf16": True, "fsdp": "full_shard auto_wrap"},
         {"fsdp_config": {"fsdp_version": 2, "reshard_after_forward": False}},
         {"gradient_accumulation_steps": 2},
+        {"fsdp_config": {"fsdp_version": 2, "activation_checkpointing": True}},
     ],
-    ids=["bf16", "no-reshard", "accumulation-2"],
+    ids=["bf16", "no-reshard", "accumulation-2", "activation-checkpointing"],
 )
 def test_fsdp2_as_trainer_runs_it_reconciles(args: dict[str, Any], tmp_path: Path) -> None:
     """bf16 (the legacy ``fsdp`` string): accelerate's MixedPrecisionPolicy (gathers and reduce-scatters in
     bf16 over fp32 parameters); ``reshard_after_forward: false``: no group gathers again for its backward;
     gradient accumulation 2: every micro-batch gathers, one reduce-scatter a step (accelerate's ``no_sync``,
-    which takes its FSDP2 path only with W5's type in ``PartialState`` too)."""
+    which takes its FSDP2 path only with W5's type in ``PartialState`` too); accelerate's activation
+    checkpointing (each decoder layer in torch's checkpoint_wrapper): its recompute gathers nothing more."""
     result = run(scenario(TINY, None, FSDP | args), tmp_path)
     reconciled(result)
     f = result.prediction.scenario.parallelism.fsdp

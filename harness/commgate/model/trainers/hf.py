@@ -81,7 +81,8 @@ TRAINING_ARGS: dict[str, dict[str, Any]] = {
     "fsdp_config": {
         "type": ["object", "null"],
         "description": "FSDP2's settings (the fsdp_ prefix allowed): version 2, reshard_after_forward, "
-        "auto_wrap_policy TRANSFORMER_BASED_WRAP, transformer_layer_cls_to_wrap; the others refused in one line",
+        "auto_wrap_policy TRANSFORMER_BASED_WRAP, transformer_layer_cls_to_wrap, activation_checkpointing; the "
+        "others refused in one line",
     },
 }
 """The ``TrainingArguments`` fields a scenario may set (those that change what is sent, and those that fill
@@ -279,7 +280,13 @@ def _resolved(ds_text: str | None, config_text: str, world: int, args_text: str)
         return Resolution(config=config, changes=tuple(changes), args=args, hidden_size=hidden_size(cfg))
 
 
-FSDP_MODELLED = ("version", "reshard_after_forward", "auto_wrap_policy", "transformer_layer_cls_to_wrap")
+FSDP_MODELLED = (
+    "version",
+    "reshard_after_forward",
+    "auto_wrap_policy",
+    "transformer_layer_cls_to_wrap",
+    "activation_checkpointing",
+)
 """The ``fsdp_config`` keys (``fsdp_`` prefix stripped) trainer hf follows; ``_refuse_fsdp`` refuses others."""
 FSDP_ITEMS = ("full_shard", "shard_grad_op", "auto_wrap")
 """The legacy ``fsdp`` string's items FSDP2 takes that the model follows (reshard after forward or not)."""
@@ -906,7 +913,8 @@ def derived(scenario: Scenario) -> tuple[str, ...]:
         lines.append(
             f"fsdp: FSDP2 through accelerate's plugin (kept on CPU ranks: W5), reshard_after_forward = "
             f"{f.reshard_after_forward}, param/reduce dtype {f.param_dtype or scenario.model.dtype}/"
-            f"{f.reduce_dtype or f.param_dtype or scenario.model.dtype}, groups: "
+            f"{f.reduce_dtype or f.param_dtype or scenario.model.dtype}, activation_checkpointing = "
+            f"{bool(a['fsdp_config'].get('activation_checkpointing'))}, groups: "
             + ", ".join(u.name for u in units(scenario))
             + (f"; clipping's norms all-reduced (max_grad_norm {a['max_grad_norm']})" if a["max_grad_norm"] else "")
         )

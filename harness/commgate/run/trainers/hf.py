@@ -292,6 +292,11 @@ def _fsdp(job: HFTrainerJob, kind: str) -> list[str]:
     problems = []
     if plugin.fsdp_version != 2 or not isinstance(t.model_wrapped, FSDPModule):
         problems.append(f"it ran FSDP version {plugin.fsdp_version} ({type(t.model_wrapped).__name__}), not FSDP2")
+    checkpointing = bool(s.trainer_config["training_args"]["fsdp_config"].get("activation_checkpointing"))
+    if bool(plugin.activation_checkpointing) != checkpointing:
+        problems.append(
+            f"FSDP2 ran with activation_checkpointing={plugin.activation_checkpointing}, not {checkpointing}"
+        )
     if bool(plugin.reshard_after_forward) != bool(f.reshard_after_forward):
         problems.append(f"FSDP2 ran with reshard_after_forward={plugin.reshard_after_forward}, the scenario's {f}")
     policy = plugin.mixed_precision_policy
@@ -322,7 +327,8 @@ def _config(t: Any, s: Scenario) -> list[str]:
 
 def _inventory(job: HFTrainerJob) -> list[str]:
     problems = []
-    run = [(n, tuple(getattr(p, "ds_shape", p.shape))) for n, p in job.model.named_parameters()]
+    wrapped = "._checkpoint_wrapped_module"  # torch's checkpoint_wrapper (FSDP2's activation checkpointing)
+    run = [(n.replace(wrapped, ""), tuple(getattr(p, "ds_shape", p.shape))) for n, p in job.model.named_parameters()]
     if run != job.inventory:
         first = next((f"{a} vs {b}" for a, b in zip(run, job.inventory, strict=False) if a != b), "their count")
         problems.append(f"the model's parameters differ from those read on the meta device ({first})")
