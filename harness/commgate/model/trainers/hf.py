@@ -7,17 +7,20 @@ The scenario names the job as its user runs it (``hf:``): the model's ``config.j
 with its ``"auto"`` values, and the ``TrainingArguments`` fields that change what is sent. ``derive``
 resolves every ``"auto"`` with transformers' and accelerate's own code, in the order Trainer runs it
 (``resolution``, ``LAYERS``), and completes the document: the model (read off the Hugging Face model on the meta device,
-``model``), the scheme (DDP, or the ZeRO stage of the config), the batch, the dtype, the resolved
-``deepspeed:`` block, and ``hf.training_args`` as Trainer holds them. ``derived`` lists what was decided,
-one line each, for the prediction and the result.
+``model``), the scheme (DDP, the ZeRO stage of the config, or ``fsdp`` for ``fsdp``/``fsdp_config``), the
+batch, the dtype, the resolved ``deepspeed:`` block, and ``hf.training_args`` as Trainer holds them.
+``derived`` lists what was decided, one line each, for the prediction and the result.
 
 What it sends is the scheme's components fed by that model (DDP with Trainer's
 ``find_unused_parameters``; ZeRO-3 built under ``deepspeed.zero.Init``, as ``from_config`` does after
 ``TrainingArguments`` names a ZeRO-3 config), plus ``Construction`` (transformers' weight initialisation
-under ZeRO-3) and ``TrainerCalls`` (the token count, logging and token tracking gathers of Trainer itself).
+under ZeRO-3) and ``TrainerCalls`` (the token count, logging and token tracking gathers of Trainer itself);
+under FSDP2, ``AccelerateFullyShard`` in place of the scheme's (accelerate's own groups, ``units``, and
+Trainer's clip-norm all-reduce) with ``TrainerCalls``.
 What is not modelled is refused in one line: checkpoint saving, evaluation, DeepSpeed without ZeRO or
 without an ``optimizer`` section (Trainer's own AdamW keeps two parameter groups, which the ZeRO models do
-not split yet), activation checkpointing, a tied embedding or bf16/fp16 under ZeRO-3, sweeps and emulation.
+not split yet), activation checkpointing (but FSDP2's own), a tied embedding or bf16/fp16 under ZeRO-3, FSDP1,
+offload, hybrid sharding, ``cpu_ram_efficient_loading`` and fp16 under FSDP, sweeps and emulation.
 
 transformers, accelerate (and torch) are imported inside the functions that need them.
 """
