@@ -133,3 +133,14 @@ def test_fsdp2_as_trainer_runs_it_reconciles(args: dict[str, Any], tmp_path: Pat
     reconciled(result)
     f = result.prediction.scenario.parallelism.fsdp
     assert (f.param_dtype, f.reduce_dtype) == (("bf16", "bf16") if args.get("bf16") else (None, None))
+
+
+def test_a_tied_embedding_is_one_group_with_the_tail_and_reconciles(tmp_path: Path) -> None:
+    """``tie_word_embeddings``: accelerate puts the shared weight in the tail group, the input embeddings first
+    (``fsdp_utils.py:866-879``): no group of their own, the tail one parameter short."""
+    config = tmp_path / "tied.json"
+    config.write_text(json.dumps(json.loads(TINY.read_text()) | {"tie_word_embeddings": True}))
+    (s,) = load_text(scenario(config, None, FSDP))
+    assert [u.name for u in hf.units(s)][-1] == "tail (final norm, output embeddings)"
+    assert "input embeddings" not in [u.name for u in hf.units(s)]
+    reconciled(run(scenario(config, None, FSDP), tmp_path))

@@ -832,8 +832,11 @@ def units(scenario: Scenario) -> tuple[Unit, ...]:
     out: list[Unit] = []
 
     def group(name: str, modules: list[Any], reshards: bool) -> None:
-        params = [p for m in modules for p in m.parameters() if id(p) not in held]
-        held.update(id(p) for p in params)
+        params = []
+        for p in (p for m in modules for p in m.parameters()):  # a tied weight once
+            if id(p) not in held:
+                held.add(id(p))
+                params.append(p)
         if params:
             out.append(Unit(name, tuple((p.numel(), p.shape[0]) for p in params), reshards))
 
