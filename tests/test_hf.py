@@ -3,8 +3,8 @@
 * the ``"auto"`` values of Hugging Face's own DeepSpeed test configs, resolved for real model configs, against
   the table of what Trainer makes of each (``docs/trainers.md``);
 * what a scenario cannot say, one line each;
-* one test per CPU workaround (``commgate.run.trainers.hf``, W1-W7), each failing when upstream changes so that
-  it is no longer needed or no longer works;
+* one test per CPU workaround (``commgate.run.trainers.hf``, W1-W7; W5's patch in ``tests/test_hf_fsdp.py``),
+  each failing when upstream changes so that it is no longer needed or no longer works;
 * real runs on 2 CPU gloo ranks (DDP, "auto" ZeRO-2 and ZeRO-3, gradient accumulation 2): every call key
   matched, no byte unexplained, the resolved values shown, the job checked against the scenario after the
   run; and a planted substitution (``ACCELERATE_USE_CPU=true``, which drops DeepSpeed) caught, its cause named.
@@ -293,8 +293,8 @@ def test_w4_deepspeeds_comm_is_left_to_join_and_adopts_the_group(tmp_path: Path)
 
 
 def test_w5_an_fsdp_plugin_is_dropped_on_cpu_ranks(tmp_path: Path) -> None:
-    """W5: accelerate keeps an FSDP plugin for GPU types only (``state.py:986-1016``): trainer hf refuses
-    FSDP rather than run DDP in its place."""
+    """W5: accelerate keeps an FSDP plugin for GPU types only (``state.py:986-1016``): without the adapter's
+    ``_keep_fsdp_plugin`` (``tests/test_hf_fsdp.py``) FSDP would run as DDP. Fails once upstream keeps it."""
     code = """
     from accelerate import Accelerator
     from accelerate.state import PartialState
@@ -369,10 +369,12 @@ def reconciled(result: Any) -> None:
 @pytest.mark.parametrize("file", sorted(SUITE.glob("hf-*.yaml")), ids=lambda f: f.stem)
 def test_the_default_suites_auto_configs_reconcile_on_real_runs(file: Path, tmp_path: Path) -> None:
     """``scenarios/hf-zero2.yaml`` (gradient accumulation 2, logging every second step) and
-    ``scenarios/hf-zero3.yaml``: Hugging Face's own configs, "auto" resolved; Trainer itself trains."""
+    ``scenarios/hf-zero3.yaml``: Hugging Face's own configs, "auto" resolved; ``scenarios/hf-fsdp2.yaml``:
+    FSDP2 through accelerate's plugin (W5), accelerate's groups shown. Trainer itself trains."""
     result = run(file, tmp_path)
     reconciled(result)
-    assert '"auto" -> ' in result.summary()
+    fsdp = result.prediction.scenario.parallelism.scheme == "fsdp"
+    assert ("    hf: fsdp: FSDP2 through accelerate's plugin" if fsdp else '"auto" -> ') in result.summary()
 
 
 @pytest.mark.parametrize(

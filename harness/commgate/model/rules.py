@@ -114,6 +114,8 @@ def user_module(c: Check) -> None:
     spec, s = c.model.module, c.scheme.name
     if spec is None:
         return
+    if c.model.builder is not None:  # the trainer builds it (Trainer.model) and models it under its schemes
+        return
     if not c.scheme.user_module:
         able = ", ".join(n for n, r in c.schemes.items() if r.user_module)
         c.bad(
@@ -121,8 +123,6 @@ def user_module(c: Check) -> None:
             f"{spec!r}: a user's module is modelled under {able}, not {s!r} "
             "(for another scheme, give your own training step as workload:)",
         )
-        return
-    if c.model.builder is not None:  # the trainer builds it (Trainer.model): nothing to import
         return
     try:
         resolve(spec)

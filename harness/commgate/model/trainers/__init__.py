@@ -32,8 +32,8 @@ TRAINERS: dict[str, Trainer] = {
         Trainer(
             name="hf",
             summary='Hugging Face transformers.Trainer: your config.json and DeepSpeed JSON ("auto" resolved as '
-            "Trainer resolves it), under DDP or DeepSpeed ZeRO-1/2/3",
-            schemes=tuple(hf.SCHEME_OF_STAGE.values()),
+            "Trainer resolves it), under DDP, DeepSpeed ZeRO-1/2/3 or FSDP2 (accelerate's plugin)",
+            schemes=(*hf.SCHEME_OF_STAGE.values(), "fsdp"),
             extra="hf",
             packages=("transformers", "accelerate"),
             options=hf.OPTIONS,

@@ -7,17 +7,20 @@ The scenario names the job as its user runs it (``hf:``): the model's ``config.j
 with its ``"auto"`` values, and the ``TrainingArguments`` fields that change what is sent. ``derive``
 resolves every ``"auto"`` with transformers' and accelerate's own code, in the order Trainer runs it
 (``resolution``, ``LAYERS``), and completes the document: the model (read off the Hugging Face model on the meta device,
-``model``), the scheme (DDP, or the ZeRO stage of the config), the batch, the dtype, the resolved
-``deepspeed:`` block, and ``hf.training_args`` as Trainer holds them. ``derived`` lists what was decided,
-one line each, for the prediction and the result.
+``model``), the scheme (DDP, the ZeRO stage of the config, or ``fsdp`` for ``fsdp``/``fsdp_config``), the
+batch, the dtype, the resolved ``deepspeed:`` block, and ``hf.training_args`` as Trainer holds them.
+``derived`` lists what was decided, one line each, for the prediction and the result.
 
 What it sends is the scheme's components fed by that model (DDP with Trainer's
 ``find_unused_parameters``; ZeRO-3 built under ``deepspeed.zero.Init``, as ``from_config`` does after
 ``TrainingArguments`` names a ZeRO-3 config), plus ``Construction`` (transformers' weight initialisation
-under ZeRO-3) and ``TrainerCalls`` (the token count, logging and token tracking gathers of Trainer itself).
+under ZeRO-3) and ``TrainerCalls`` (the token count, logging and token tracking gathers of Trainer itself);
+under FSDP2, ``AccelerateFullyShard`` in place of the scheme's (accelerate's own groups, ``units``, and
+Trainer's clip-norm all-reduce) with ``TrainerCalls``.
 What is not modelled is refused in one line: checkpoint saving, evaluation, DeepSpeed without ZeRO or
 without an ``optimizer`` section (Trainer's own AdamW keeps two parameter groups, which the ZeRO models do
-not split yet), activation checkpointing, a tied embedding or bf16/fp16 under ZeRO-3, sweeps and emulation.
+not split yet), activation checkpointing (but FSDP2's own), a tied embedding or bf16/fp16 under ZeRO-3, FSDP1,
+offload, hybrid sharding, ``cpu_ram_efficient_loading`` and fp16 under FSDP, sweeps and emulation.
 
 transformers, accelerate (and torch) are imported inside the functions that need them.
 """
@@ -74,6 +77,16 @@ TRAINING_ARGS: dict[str, dict[str, Any]] = {
     "save_strategy": {"type": "string", "description": "no: checkpoint saving is not modelled"},
     "eval_strategy": {"type": "string", "description": "no: evaluation is not modelled"},
     "seed": {"type": "integer"},
+    "fsdp": {
+        "type": ["boolean", "string", "null"],
+        "description": "FSDP through accelerate's plugin (true, or the legacy 'full_shard auto_wrap'); FSDP2 only",
+    },
+    "fsdp_config": {
+        "type": ["object", "null"],
+        "description": "FSDP2's settings (the fsdp_ prefix allowed): version 2, reshard_after_forward, "
+        "auto_wrap_policy TRANSFORMER_BASED_WRAP, transformer_layer_cls_to_wrap, activation_checkpointing; the "
+        "others refused in one line",
+    },
 }
 """The ``TrainingArguments`` fields a scenario may set (those that change what is sent, and those that fill
 an ``"auto"``), with their JSON Schemas."""
@@ -258,6 +271,7 @@ def _resolved(ds_text: str | None, config_text: str, world: int, args_text: str)
         except (ValueError, TypeError, KeyError) as exc:
             raise CommgateError(_one_line(exc)) from None
         args = {k: getattr(getattr(ta, k), "value", getattr(ta, k)) for k in TRAINING_ARGS}  # enums as their values
+        args["fsdp"], args["fsdp_config"] = _fsdp_args(ta)
         if args["ddp_find_unused_parameters"] is None:  # trainer.py:749-756, for a PreTrainedModel
             args["ddp_find_unused_parameters"] = not (ta.activation_checkpointing or ta.gradient_checkpointing)
         if ds_text is None:
@@ -267,6 +281,60 @@ def _resolved(ds_text: str | None, config_text: str, world: int, args_text: str)
         except (ValueError, TypeError, KeyError) as exc:
             raise CommgateError(f"transformers or accelerate refuse it: {_one_line(exc)}") from None
         return Resolution(config=config, changes=tuple(changes), args=args, hidden_size=hidden_size(cfg))
+
+
+FSDP_MODELLED = (
+    "version",
+    "reshard_after_forward",
+    "auto_wrap_policy",
+    "transformer_layer_cls_to_wrap",
+    "activation_checkpointing",
+)
+"""The ``fsdp_config`` keys (``fsdp_`` prefix stripped) trainer hf follows; ``_refuse_fsdp`` refuses others."""
+FSDP_ITEMS = ("full_shard", "shard_grad_op", "auto_wrap")
+"""The legacy ``fsdp`` string's items FSDP2 takes that the model follows (reshard after forward or not)."""
+
+
+def _fsdp_args(ta: Any) -> tuple[bool, dict[str, Any] | None]:
+    """``fsdp`` and ``fsdp_config`` as Trainer holds them after ``_process_fsdp_args``
+    (``training_args.py:2775-2885``: the prefix stripped, the legacy string's items applied), the config cut
+    to the keys that decide what is sent."""
+    if not ta.fsdp_plugin_args:
+        return False, None
+    config = {k: ta.fsdp_config[k] for k in FSDP_MODELLED if k in ta.fsdp_config}
+    plugin = ta.fsdp_plugin_args
+    return True, config | {"version": plugin["fsdp_version"], "reshard_after_forward": plugin["reshard_after_forward"]}
+
+
+def _refuse_fsdp(args: Mapping[str, Any]) -> None:
+    """One-line errors for FSDP settings the model does not follow (as the scenario gives them)."""
+    fsdp, config = args.get("fsdp"), args.get("fsdp_config") or {}
+    if not fsdp:
+        return
+    where = "hf.training_args"
+    items = fsdp.split() if isinstance(fsdp, str) else []
+    if bad := [i for i in items if i not in FSDP_ITEMS]:
+        raise CommgateError(
+            f"{where}.fsdp {fsdp!r}: {bad[0]} is not modelled under trainer hf (FSDP2 over all ranks, nothing "
+            f"offloaded: {', '.join(FSDP_ITEMS)})"
+        )
+    for key, value in config.items():
+        name = key.removeprefix("fsdp_")
+        if name == "version" and str(value) != "2":
+            raise CommgateError(
+                f"{where}.fsdp_config.{key} {value!r}: FSDP1 is not modelled (deprecated by transformers); use "
+                "version 2 (FSDP2)"
+            )
+        if name == "auto_wrap_policy" and value != "TRANSFORMER_BASED_WRAP":
+            raise CommgateError(
+                f"{where}.fsdp_config.{key} {value!r}: trainer hf models accelerate's TRANSFORMER_BASED_WRAP "
+                "(each decoder layer its own group) only"
+            )
+        if name not in FSDP_MODELLED:
+            raise CommgateError(
+                f"{where}.fsdp_config.{key} {value!r}: not modelled under trainer hf (it follows "
+                f"{', '.join(FSDP_MODELLED)}); leave it out"
+            )
 
 
 def _resolve_deepspeed(ds: dict[str, Any], cfg: Any, args: _World) -> tuple[dict[str, Any], list[Change]]:
@@ -388,7 +456,7 @@ def derive(doc: Mapping[str, Any], file: str) -> dict[str, Any]:
 
 
 def _jsonable(args: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v if isinstance(v, (bool, int, float, str, type(None))) else str(v) for k, v in args.items()}
+    return {k: v if isinstance(v, (bool, int, float, str, type(None), dict)) else str(v) for k, v in args.items()}
 
 
 def _refuse_written(doc: Mapping[str, Any]) -> None:
@@ -440,6 +508,7 @@ def _refuse_unmodelled_arguments(args: Mapping[str, Any]) -> None:
                 f"hf.training_args.{key} {args[key]!r}: {what} is not modelled (its collectives are not in the "
                 "gate); set it to no"
             )
+    _refuse_fsdp(args)
     if checkpointing := [k for k in ("activation_checkpointing", "gradient_checkpointing") if args.get(k)]:
         raise CommgateError(
             f"hf.training_args.{checkpointing[0]}: activation checkpointing under Trainer is not modelled yet; "
@@ -451,6 +520,11 @@ def _refuse_unmodelled(block: Mapping[str, Any], r: Resolution) -> None:
     """One-line errors for a DeepSpeed config the model does not follow (yet)."""
     if r.config is None:
         return
+    if r.args["fsdp"]:
+        raise CommgateError(
+            f"hf.training_args.fsdp with hf.deepspeed {block['deepspeed']}: one of them (accelerate runs one "
+            "engine); leave the other out"
+        )
     zo = r.config.get("zero_optimization")
     stage = zo.get("stage") if isinstance(zo, Mapping) else None
     if stage not in (1, 2, 3):
@@ -469,10 +543,14 @@ def _parallelism(r: Resolution) -> dict[str, Any]:
     a = r.args
     stage = None if r.config is None else r.config["zero_optimization"]["stage"]
     out: dict[str, Any] = {
-        "scheme": SCHEME_OF_STAGE[stage],
+        "scheme": "fsdp" if a["fsdp"] else SCHEME_OF_STAGE[stage],
         "micro_batch": a["per_device_train_batch_size"],
         "micro_batches": a["gradient_accumulation_steps"],
     }
+    if a["fsdp"]:  # accelerate's MixedPrecisionPolicy for bf16: both dtypes (utils/dataclasses.py:2109-2143)
+        half = {"param_dtype": "bf16", "reduce_dtype": "bf16"} if a["bf16"] else {}
+        out["fsdp"] = {"reshard_after_forward": bool(a["fsdp_config"]["reshard_after_forward"])} | half
+        return out
     if r.config is None and a["ddp_bucket_cap_mb"] is not None:
         out["ddp_bucket_mb"] = a["ddp_bucket_cap_mb"]
     return out
@@ -492,6 +570,13 @@ def _model(config_path: Path, r: Resolution) -> dict[str, Any]:
     dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(str(getattr(cfg, "dtype", None)).removeprefix("torch."), "fp32")
     out: dict[str, Any] = {"module": f"transformers:{_model_class(cfg).__name__}", "dtype": dtype}
     half = "bf16" if r.args["bf16"] else "fp16" if r.args["fp16"] else None
+    if r.args["fsdp"]:
+        if half == "fp16":
+            raise CommgateError(
+                "hf.training_args.fp16: true under FSDP2 is not modelled (fp16 needs a gradient scaler, GPU only); "
+                "use bf16"
+            )  # accelerate upcasts the parameters to fp32 under mixed precision (utils/fsdp_utils.py:812-817)
+        return out | ({"dtype": "fp32"} if half else {})
     if stage == 3 and half:
         raise CommgateError(
             f"hf.training_args.{half}: true under ZeRO-3 is not modelled yet (measured on CPU ranks: transformers' "
@@ -705,8 +790,103 @@ class Construction(NotInThePaper):
         return rows
 
 
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """One ``fully_shard`` group as accelerate makes it (``fsdp2_prepare_model``)."""
+
+    name: str
+    params: tuple[tuple[int, int], ...]
+    """(elements, dim 0) of each of its parameters."""
+    reshards: bool
+    """``reshard_after_forward``: its backward gathers it again."""
+
+    def padded(self, d: int) -> int:
+        """Elements of its flat all-gather: every parameter padded on dim 0 to a multiple of d."""
+        return sum(-(-dim0 // d) * d * (numel // dim0) for numel, dim0 in self.params)
+
+
+@functools.cache
+def units(scenario: Scenario) -> tuple[Unit, ...]:
+    """accelerate's FSDP2 wrapping of the model (``accelerate/utils/fsdp_utils.py:850-885``), read on the meta
+    device with accelerate's own auto-wrap policy (``fsdp2_prepare_auto_wrap_policy``: the model's
+    ``_no_split_modules``, or ``transformer_layer_cls_to_wrap``): bottom up, each wrapped module (a decoder
+    layer) its own group; then the input embeddings (untied); then the tail [final norm, output embeddings]
+    with ``reshard_after_forward=False``; then the root, with what is left, under torch's choice (not
+    resharded). A group holds the parameters of its modules that no earlier group holds."""
+    import torch
+    from accelerate.utils.fsdp_utils import _find_final_norm, fsdp2_prepare_auto_wrap_policy
+    from accelerate.utils.other import get_module_children_bottom_up
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    config = scenario.trainer_config["training_args"]["fsdp_config"]
+    reshard = bool(config["reshard_after_forward"])
+    names = config.get("transformer_layer_cls_to_wrap")
+    plugin = types.SimpleNamespace(
+        auto_wrap_policy=transformer_auto_wrap_policy,
+        transformer_cls_names_to_wrap=[names] if isinstance(names, str) else names,
+    )
+    with torch.device("meta"):
+        net = build(scenario)
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, net)
+    held: set[int] = set()
+    out: list[Unit] = []
+
+    def group(name: str, modules: list[Any], reshards: bool) -> None:
+        params = []
+        for p in (p for m in modules for p in m.parameters()):  # a tied weight once
+            if id(p) not in held:
+                held.add(id(p))
+                params.append(p)
+        if params:
+            out.append(Unit(name, tuple((p.numel(), p.shape[0]) for p in params), reshards))
+
+    for name, module in get_module_children_bottom_up(net, return_fqns=True)[:-1]:
+        if policy is not None and policy(module):
+            group(f"{name} ({type(module).__name__})", [module], reshard)
+    embed, head = net.get_input_embeddings(), net.get_output_embeddings()
+    tied = embed is not None and head is not None and embed.weight is head.weight
+    if not tied and embed is not None:
+        group("input embeddings", [embed], reshard)
+    tail = [m for m in (_find_final_norm(net), *((embed,) if tied else ()), head) if m is not None]
+    group("tail (final norm, output embeddings)", tail, False)
+    group("root", [net], False)
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class AccelerateFullyShard(NotInThePaper):
+    """FSDP2 as accelerate wraps a Trainer's model (``units``): each group all-gathered before its forward,
+    every micro-batch (resharded after each backward); again before its backward where it reshards after
+    the forward; its gradients reduce-scattered once a step (Trainer runs all micro-batches but the last in
+    accelerate's ``no_sync``, which turns FSDP2's gradient sync off: ``trainer.py:1896-1907``,
+    ``accelerator.py:1166-1171``), in the ``MixedPrecisionPolicy``'s dtypes (accelerate's for ``bf16``: both
+    bf16). Then Trainer's gradient
+    clipping (``max_grad_norm`` > 0): ``clip_grad_norm_`` over the DTensor gradients, whose stacked
+    per-parameter norms (fp32, one per parameter) are all-reduced once a step (``accelerator.py:3014-3022``)."""
+
+    def collectives(self, ctx: Context) -> list[ExpectedCollective]:
+        s = ctx.scenario
+        d, m, f = s.parallelism.data_ranks, s.parallelism.micro_batches, s.parallelism.fsdp
+        gather = f.compute_dtype(s.model.dtype)
+        reduce = f.reduce_dtype or gather
+        rows = []
+        for u in units(s):
+            what = f"accelerate FSDP2 {u.name}"
+            rows.append(_row(ctx, Op.ALL_GATHER, gather, u.padded(d), Phase.FORWARD, f"{what}: all-gather", calls=m))
+            if u.reshards:
+                rows.append(_row(ctx, Op.ALL_GATHER, gather, u.padded(d), Phase.BACKWARD,
+                                 f"{what}: all-gather (backward: resharded after forward)", calls=m))  # fmt: skip
+            rows.append(_row(ctx, Op.REDUCE_SCATTER, reduce, u.padded(d), Phase.BACKWARD, f"{what}: reduce-scatter"))
+        if s.trainer_config["training_args"]["max_grad_norm"]:
+            n = sum(len(u.params) for u in units(s))
+            rows.append(_row(ctx, Op.ALL_REDUCE, "fp32", n, Phase.FORWARD, "Trainer: gradient clipping's norms"))
+        return rows
+
+
 def components(scenario: Scenario, scheme: Scheme) -> tuple[Component, ...]:
     """The scheme's components as Trainer runs them, then Trainer's own calls (and ZeRO-3's construction)."""
+    if scheme.fsdp:  # accelerate's wrapping in place of commgate's (blocks, then the root)
+        return AccelerateFullyShard(), TrainerCalls()
     out: list[Component] = []
     for c in scheme.components:
         if isinstance(c, DistributedDataParallel):
@@ -734,7 +914,17 @@ def derived(scenario: Scenario) -> tuple[str, ...]:
         f"scheme {par.scheme}, {par.dp} ranks, b={par.micro_batch} (per_device_train_batch_size), "
         f"m={par.micro_batches} (gradient_accumulation_steps)",
     ]
-    if r.config is None:
+    if a["fsdp"]:
+        f = par.fsdp
+        lines.append(
+            f"fsdp: FSDP2 through accelerate's plugin (kept on CPU ranks: W5), reshard_after_forward = "
+            f"{f.reshard_after_forward}, param/reduce dtype {f.param_dtype or scenario.model.dtype}/"
+            f"{f.reduce_dtype or f.param_dtype or scenario.model.dtype}, activation_checkpointing = "
+            f"{bool(a['fsdp_config'].get('activation_checkpointing'))}, groups: "
+            + ", ".join(u.name for u in units(scenario))
+            + (f"; clipping's norms all-reduced (max_grad_norm {a['max_grad_norm']})" if a["max_grad_norm"] else "")
+        )
+    elif r.config is None:
         lines.append(f"ddp_find_unused_parameters = {a['ddp_find_unused_parameters']} (Trainer's choice unless given)")
     lines += [
         f"deepspeed.{c.key}: {_show(c.before)} -> {_show(c.after)} [{c.by}]"

@@ -22,8 +22,14 @@ tested in ``tests/test_hf.py`` so that the test fails when upstream changes:
   (``state.py:201``, ``:209-215``), and ``deepspeed.zero.Init`` (entered by ``from_config``,
   ``modeling_utils.py:1435-1447``) then sizes the world as 1 (``deepspeed/runtime/config.py:456-472``).
   ``_join_deepspeed`` initialises DeepSpeed's comm, which adopts the capturing group (``comm/comm.py:878-881``).
-* W5, an FSDP plugin under ``use_cpu`` is dropped silently (``state.py:986-1016`` keeps it for GPU types
-  only): the scenario cannot ask for FSDP, and ``verify`` fails a run that used it or lost it.
+* W5, an FSDP plugin under ``use_cpu`` is dropped silently (``AcceleratorState.__init__``,
+  ``state.py:986-1016``, keeps it for GPU types only; the job would train as DDP): ``_keep_fsdp_plugin``
+  wraps exactly that function, for the run only, and does on a ``MULTI_CPU`` rank what its GPU branch does
+  (``state.py:1013-1016``: the type ``FSDP``, the plugin's mixed precision, the plugin kept; and ``:1037``,
+  the type in ``PartialState``'s shared state too, which every later ``AcceleratorState()`` copies back:
+  without it accelerate's ``no_sync`` and ``clip_grad_norm_`` take their non-FSDP paths). It patches
+  only the source it was written against (``W5_SOURCE``, a digest of the function's source), else the run
+  fails naming it; ``verify`` fails a run that used FSDP the scenario does not say, or lost it.
 * W6, DeepSpeed's CPU ops are compiled on first use (minutes each): its shared-memory comm op
   (``comm/torch.py:207``; commgate's forkserver loads it, ``commgate.run.deepspeed_ops``), and a config
   optimizer's FusedAdam (``runtime/engine.py:2384-2409``) unless its params say ``"torch_adam": true``
@@ -133,6 +139,49 @@ def _engine_phases() -> Iterator[None]:
             setattr(DeepSpeedEngine, name, method)
 
 
+W5_SOURCE = "e5c18cb49fc98393"
+"""The first 16 hex digits of the SHA-256 of ``accelerate.state.AcceleratorState.__init__``'s source
+(accelerate 1.15.0), which ``_keep_fsdp_plugin`` patches."""
+
+
+def source_digest(fn: Any) -> str:
+    import hashlib
+    import inspect
+
+    return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _keep_fsdp_plugin() -> Iterator[None]:
+    """W5: ``AcceleratorState.__init__`` keeping an FSDP plugin on a ``MULTI_CPU`` rank as its GPU branch
+    keeps it (``state.py:1013-1016``); put back after."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    saved = AcceleratorState.__dict__["__init__"]
+    if (digest := source_digest(saved)) != W5_SOURCE:
+        raise CommgateError(
+            f"trainer hf: W5: accelerate's AcceleratorState.__init__ is not the one the workaround was written "
+            f"for (source digest {digest}, expected {W5_SOURCE}: accelerate 1.15.0); check state.py's FSDP "
+            "branch and update commgate.run.trainers.hf._keep_fsdp_plugin"
+        )
+
+    def __init__(self: Any, *a: Any, fsdp_plugin: Any = None, **k: Any) -> None:
+        saved(self, *a, fsdp_plugin=fsdp_plugin, **k)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            if self._mixed_precision != "no":
+                fsdp_plugin.set_mixed_precision(self._mixed_precision)
+            self.fsdp_plugin = fsdp_plugin
+            PartialState._shared_state["distributed_type"] = self.distributed_type  # state.py:1037, as there
+
+    try:
+        AcceleratorState.__init__ = __init__
+        yield
+    finally:
+        AcceleratorState.__init__ = saved
+
+
 class HFTrainerJob:
     """``commgate.run.workloads.OwnLoop``: built once per rank (the arguments, the model, the Trainer: the
     init phase), then ``run`` trains and verifies."""
@@ -157,7 +206,9 @@ class HFTrainerJob:
         n = steps * par.micro_batch * par.micro_batches * scenario.world_size  # one epoch of exactly `steps`
         data = tokens(self.model.config.vocab_size, scenario.model.s, n, self.args.seed)
         self.labels = _Labels()
-        self.trainer = Trainer(model=self.model, args=self.args, train_dataset=data, callbacks=[self.labels])
+        self.fsdp = bool(self.args.fsdp_plugin_args)
+        with _keep_fsdp_plugin() if self.fsdp and device.type == "cpu" else contextlib.nullcontext():  # W5
+            self.trainer = Trainer(model=self.model, args=self.args, train_dataset=data, callbacks=[self.labels])
 
     def run(self, steps: Steps) -> None:
         trainer, fetch = self.trainer, self.trainer.get_batch_samples
@@ -203,8 +254,8 @@ def verify(job: HFTrainerJob) -> None:
 def _engine(job: HFTrainerJob) -> list[str]:
     t, s = job.trainer, job.s
     kind = str(getattr(t.accelerator.distributed_type, "value", t.accelerator.distributed_type))
-    if t.is_fsdp_enabled:
-        return [f"it ran FSDP (accelerate's {kind}), which trainer hf does not model (W5)"]
+    if t.is_fsdp_enabled or job.fsdp:
+        return _fsdp(job, kind)
     if job.deepspeed and not t.is_deepspeed_enabled:
         cause = os.environ.get("ACCELERATE_USE_CPU")
         why = (
@@ -227,6 +278,35 @@ def _engine(job: HFTrainerJob) -> list[str]:
     return []
 
 
+def _fsdp(job: HFTrainerJob, kind: str) -> list[str]:
+    """FSDP2 as the scenario says: accelerate's plugin kept (W5), version 2, the model wrapped by
+    ``fully_shard``, its resharding and mixed precision those the scenario was predicted with."""
+    from torch.distributed.fsdp import FSDPModule
+
+    t, s = job.trainer, job.s
+    if not job.fsdp:
+        return [f"it ran FSDP (accelerate's {kind}), which the scenario does not say"]
+    if not t.is_fsdp_enabled:
+        return [f"it ran without FSDP (accelerate's {kind}, {type(t.model_wrapped).__name__}): W5 did not hold"]
+    plugin, f = t.accelerator.state.fsdp_plugin, s.parallelism.fsdp
+    problems = []
+    if plugin.fsdp_version != 2 or not isinstance(t.model_wrapped, FSDPModule):
+        problems.append(f"it ran FSDP version {plugin.fsdp_version} ({type(t.model_wrapped).__name__}), not FSDP2")
+    checkpointing = bool(s.trainer_config["training_args"]["fsdp_config"].get("activation_checkpointing"))
+    if bool(plugin.activation_checkpointing) != checkpointing:
+        problems.append(
+            f"FSDP2 ran with activation_checkpointing={plugin.activation_checkpointing}, not {checkpointing}"
+        )
+    if bool(plugin.reshard_after_forward) != bool(f.reshard_after_forward):
+        problems.append(f"FSDP2 ran with reshard_after_forward={plugin.reshard_after_forward}, the scenario's {f}")
+    policy = plugin.mixed_precision_policy
+    ran = [str(getattr(policy, k, None)).removeprefix("torch.") for k in ("param_dtype", "reduce_dtype")]
+    want = [{"bf16": "bfloat16", "fp32": "float32"}.get(str(d), "None") for d in (f.param_dtype, f.reduce_dtype)]
+    if ran != want:
+        problems.append(f"FSDP2 ran with (param_dtype, reduce_dtype) {ran}, the scenario's {want}")
+    return problems
+
+
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(d, dict) or not d:
         return {prefix.removesuffix("."): d}
@@ -247,7 +327,8 @@ def _config(t: Any, s: Scenario) -> list[str]:
 
 def _inventory(job: HFTrainerJob) -> list[str]:
     problems = []
-    run = [(n, tuple(getattr(p, "ds_shape", p.shape))) for n, p in job.model.named_parameters()]
+    wrapped = "._checkpoint_wrapped_module"  # torch's checkpoint_wrapper (FSDP2's activation checkpointing)
+    run = [(n.replace(wrapped, ""), tuple(getattr(p, "ds_shape", p.shape))) for n, p in job.model.named_parameters()]
     if run != job.inventory:
         first = next((f"{a} vs {b}" for a, b in zip(run, job.inventory, strict=False) if a != b), "their count")
         problems.append(f"the model's parameters differ from those read on the meta device ({first})")
