@@ -96,3 +96,39 @@ def test_your_own_module_imports_from_the_directory_you_run_in(tmp_path: Path) -
     assert elsewhere.returncode == 2 and len(elsewhere.stderr.strip().splitlines()) == 1
     assert "No module named 'mynet'" in elsewhere.stderr
     assert "run commgate from the directory that holds mynet" in elsewhere.stderr and "PYTHONPATH" in elsewhere.stderr
+
+
+def test_the_readmes_own_repository_commands_run_as_written(tmp_path: Path) -> None:
+    """The README's block for your own repository, line by line as written (but the install: commgate is
+    installed here), in a directory outside the checkout holding a nanoGPT-style model: init writes the
+    scenarios (DDP, ZeRO-2, ZeRO-3), the first pytest stores their baselines, the second passes, ci.sh passes
+    and writes its JUnit XML and HTML; a second init refuses to overwrite, in one line."""
+    import re
+    import shlex
+
+    block = re.search(r"<!-- own-repository -->\n```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert block, "README.md lost its <!-- own-repository --> block"
+    commands = [line.split("  #")[0].strip() for line in block.group(1).splitlines() if line.strip()]
+    assert commands[0].startswith("pip install -e PATH/TO/commgate")
+    repo = tmp_path / "myrepo"
+    repo.mkdir()
+    (repo / "mygpt.py").write_text((ROOT / "tests" / "user_nanogpt.py").read_text())
+    bindir = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}  # python, commgate: this venv's
+    env.pop("PYTHONPATH", None)
+    for command in commands[1:]:
+        argv = shlex.split(command)
+        proc = subprocess.run(argv, cwd=repo, capture_output=True, text=True, env=env, timeout=1800)
+        assert proc.returncode == 0, f"{command}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        if argv[:2] == ["commgate", "init"]:
+            names = sorted(p.name for p in (repo / "comm").glob("*.yaml"))
+            assert names == ["mygpt-ddp.yaml", "mygpt-zero2.yaml", "mygpt-zero3.yaml"], names
+        if command.endswith("pytest comm/"):
+            assert "3 passed" in proc.stdout, proc.stdout[-2000:]
+    assert sorted(p.name for p in (repo / "baselines" / "gloo").iterdir()) == [
+        "mygpt-ddp.json", "mygpt-zero2.json", "mygpt-zero3.json"
+    ]  # fmt: skip
+    assert (repo / "out" / "commgate" / "junit.xml").is_file() and (repo / "out" / "commgate" / "index.html").is_file()
+    again = subprocess.run(shlex.split(commands[1]), cwd=repo, capture_output=True, text=True, env=env)
+    assert again.returncode == 2 and "exists; commgate init never overwrites" in again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1 and "Traceback" not in again.stderr

@@ -102,9 +102,11 @@ def _deepspeed(rng: random.Random, stage: int, bf16: bool) -> dict[str, Any]:
 
 
 def hf(rng: random.Random, index: int) -> Draw:
-    """A Hugging Face Trainer job: DDP or ZeRO-1/2/3 over a generated ``config.json``."""
+    """A Hugging Face Trainer job: DDP, FSDP2 (accelerate's plugin) or ZeRO-1/2/3 over a generated
+    ``config.json``."""
     cfg = _hf_config(rng)
-    stage = rng.choice([None, 1, 2, 3])
+    fsdp = rng.random() < 0.2  # FSDP2 through accelerate's plugin; else DDP or a ZeRO stage
+    stage = None if fsdp else rng.choice([None, 1, 2, 3])
     bf16 = rng.random() < 0.3
     args: dict[str, Any] = {
         "per_device_train_batch_size": rng.choice([1, 2]),
@@ -119,7 +121,11 @@ def hf(rng: random.Random, index: int) -> Draw:
         args["include_num_input_tokens_seen"] = rng.choice([True, False, "non_padding"])
     files: dict[str, Any] = {"config.json": cfg}
     block: dict[str, Any] = {"config": "config.json", "training_args": args}
-    if stage is None:
+    if fsdp:
+        args |= {"fsdp": True, "fsdp_config": {"fsdp_version": 2}}
+        if rng.random() < 0.4:
+            args["fsdp_config"]["reshard_after_forward"] = rng.choice([True, False])
+    elif stage is None:
         if rng.random() < 0.4:
             args["ddp_find_unused_parameters"] = rng.choice([True, False])
         if rng.random() < 0.4:

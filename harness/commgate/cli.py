@@ -451,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--min-runs", type=int, default=3, help="runs each side needs before latency is judged (default 3)")
     _add_capture(sub)
+    _add_init(sub)
     h = sub.add_parser(
         "html",
         help="render a report.json as index.html with plots and trace.json (what run --report-dir writes)",
@@ -502,6 +503,46 @@ def build_parser() -> argparse.ArgumentParser:
     )
     i.add_argument("-o", "--out", type=Path, required=True, help="the scenario file to write")
     return parser
+
+
+def _add_init(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from commgate.model.starter import DEFAULT_SCHEMES
+
+    n = sub.add_parser(
+        "init",
+        help="start a scenario folder in your repository: a scenario per scheme for your model, the pytest "
+        "configuration, ci.sh",
+        description="Write DIR/ (default comm/) in the current directory: one scenario per scheme for your model "
+        "(each validated and predicted first), pytest.ini naming the folder when the repository has no pytest "
+        "configuration (else the line to add), and DIR/ci.sh, what CI runs. Never overwrites a file.",
+    )
+    what = n.add_mutually_exclusive_group(required=True)
+    what.add_argument("--module", metavar="PKG.MOD:BUILD", help="your model's build function (docs/scenarios.md)")
+    what.add_argument("--preset", help="a model preset (commgate presets)")
+    what.add_argument("--hf", type=Path, metavar="CONFIG.json", help="a Hugging Face config.json, at reduced scale")
+    n.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES), help="comma-separated (default: %(default)s)")
+    n.add_argument("--dp", type=int, default=2, help="data-parallel CPU ranks (default 2)")
+    n.add_argument("--dir", default="comm", help="the scenario folder (default comm)")
+
+
+def cmd_init(a: argparse.Namespace) -> int:
+    from commgate.core.fsutil import atomic_write_text
+    from commgate.model.starter import start
+
+    if a.dp < 1 or "/" in a.dir or a.dir in ("", ".", ".."):
+        raise UsageError(f"--dp {a.dp} / --dir {a.dir!r}: give --dp >= 1 and a folder name (comm)")
+    schemes = tuple(s.strip() for s in a.schemes.split(",") if s.strip())
+    got = start(repo=Path.cwd(), folder=a.dir, module=a.module, preset=a.preset, hf=a.hf, schemes=schemes, dp=a.dp)
+    for path, text in got.files.items():
+        atomic_write_text(path, text)
+        print(f"wrote {path.relative_to(Path.cwd())}")
+    for note in got.notes:
+        print(f"note: {note}")
+    print(
+        f"next: python -m pytest {a.dir}/ --commgate-update-baselines   (stores baselines/: commit them), then "
+        f"python -m pytest {a.dir}/ (the gate) and sh {a.dir}/ci.sh in CI"
+    )
+    return 0
 
 
 def _add_capture(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -623,6 +664,7 @@ COMMANDS = {
     "import": cmd_import,
     "capture": cmd_capture,
     "check": cmd_check,
+    "init": cmd_init,
 }
 
 

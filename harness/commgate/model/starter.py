@@ -1,0 +1,127 @@
+"""``commgate init``: the starting point of a repository of your own. It writes a scenario folder (default
+``comm/``) with one scenario per scheme for your model (your ``nn.Module`` by its build function, a preset,
+or a Hugging Face ``config.json`` at reduced scale), the pytest configuration that names the folder when the
+repository has none (it never edits a file of yours: it says what to add), and ``ci.sh``, the one line CI
+runs. Every scenario it writes validates and predicts before anything is written; a file that exists is
+never overwritten.
+"""
+
+from __future__ import annotations
+
+import configparser
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from commgate.core.errors import CommgateError, UsageError
+
+DEFAULT_SCHEMES = ("ddp", "zero2", "zero3")
+"""What a new repository starts with: torch DDP and DeepSpeed ZeRO-2 and ZeRO-3, on ``dp`` CPU ranks."""
+
+CI = """#!/usr/bin/env sh
+# commgate's gate, as CI runs it, from the repository's root, in an environment where commgate is installed.
+# A change in what the scenarios in {folder}/ send fails the job, saying what differs; accept an intended one
+# with: python -m pytest {folder}/ --commgate-update-baselines (then commit baselines/).
+set -eu
+python -m pytest {folder}/ -p no:cacheprovider --junitxml out/commgate/junit.xml --commgate-report-dir out/commgate
+"""
+
+
+@dataclass(frozen=True)
+class Start:
+    """What ``commgate init`` writes (path -> text) and what it says (one line each)."""
+
+    files: dict[Path, str]
+    notes: list[str] = field(default_factory=list)
+
+
+def pytest_config(repo: Path) -> Path | None:
+    """The file that configures pytest in ``repo`` (pytest's own order: pytest.ini, pyproject.toml with
+    [tool.pytest.ini_options], tox.ini with [pytest], setup.cfg with [tool:pytest]), or None."""
+    if (repo / "pytest.ini").is_file():
+        return repo / "pytest.ini"
+    pyproject = repo / "pyproject.toml"
+    try:
+        if pyproject.is_file() and re.search(r"^\[tool\.pytest\.ini_options\]", pyproject.read_text(), re.M):
+            return pyproject
+    except (OSError, UnicodeDecodeError):
+        pass
+    for name, section in (("tox.ini", "pytest"), ("setup.cfg", "tool:pytest")):
+        parser = configparser.ConfigParser()
+        try:
+            if parser.read(repo / name) and parser.has_section(section):
+                return repo / name
+        except configparser.Error:
+            continue
+    return None
+
+
+def _model(module: str | None, preset: str | None, hf: Path | None, dp: int) -> tuple[dict[str, Any], str]:
+    """The scenarios' model block and the name they start with."""
+    given = [x for x in (module, preset, hf) if x]
+    if len(given) != 1:
+        raise UsageError("commgate init needs one of --module PKG.MOD:BUILD, --preset NAME, --hf CONFIG.json")
+    if module:
+        return {"module": module}, module.split(":")[0].split(".")[-1]
+    if preset:
+        return {"preset": preset}, preset
+    from commgate.model.importer import build
+
+    assert hf is not None
+    imported = build(hf=hf, dp=max(dp, 2), cpu=True)  # the reduced-scale variant a CI runner can run
+    return imported.doc["model"], Path(hf).stem
+
+
+def start(
+    *,
+    repo: Path,
+    folder: str = "comm",
+    module: str | None = None,
+    preset: str | None = None,
+    hf: Path | None = None,
+    schemes: tuple[str, ...] = DEFAULT_SCHEMES,
+    dp: int = 2,
+) -> Start:
+    """The files of a new scenario folder in ``repo``; raises ``UsageError`` (one line) on what it cannot
+    write: an unknown scheme, a scenario that does not validate, a file that exists."""
+    import yaml
+
+    from commgate.model.loader import load_document
+    from commgate.model.predict import predict
+    from commgate.model.schemes import SCHEMES
+
+    if unknown := [s for s in schemes if s not in SCHEMES]:
+        raise UsageError(f"--schemes {','.join(unknown)}: unknown; commgate knows {', '.join(SCHEMES)}")
+    model, base = _model(module, preset, hf, dp)
+    files: dict[Path, str] = {}
+    notes: list[str] = []
+    for scheme in schemes:
+        path = repo / folder / f"{base}-{scheme}.yaml"
+        doc = {
+            "schema_version": 1,
+            "name": f"{base}-{scheme}",
+            "description": f"{base} under {scheme} on {dp} CPU ranks (written by commgate init)",
+            "model": model,
+            "parallelism": {"scheme": scheme, "dp": dp},
+            "steps": 2,
+        }
+        try:
+            for s in load_document(doc, file=str(path)):
+                predict(s)
+        except CommgateError as exc:
+            raise UsageError(str(exc).replace("\n", "; ")) from None
+        files[path] = (
+            "# written by commgate init: edit freely (docs/scenarios.md lists every field)\n"
+            + yaml.safe_dump(doc, sort_keys=False)
+        )
+    files[repo / folder / "ci.sh"] = CI.format(folder=folder)
+    config = pytest_config(repo)
+    line = f"commgate_scenario_dirs = {folder}"
+    if config is None:
+        files[repo / "pytest.ini"] = f"[pytest]\n{line}\n"
+    else:
+        notes.append(f"{config}: add `{line}` to its pytest section (commgate init does not edit your files)")
+    if existing := [str(p) for p in files if p.exists()]:
+        raise UsageError(f"{', '.join(existing)}: exists; commgate init never overwrites (remove it, or --dir)")
+    return Start(files=files, notes=notes)
