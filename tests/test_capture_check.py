@@ -60,6 +60,9 @@ def test_without_a_scenario_the_baseline_keyed_by_the_job_s_name_gates_the_captu
     assert "predicted" not in again.stdout and "comm fraction" not in again.stdout  # no stand-in's numbers
     (s,) = json.loads((report / "report.json").read_text())["scenarios"]
     assert s["status"] == "passed" and s["scheme"] == "no scenario" and "time_model" not in s
+    assert "collectives" not in s and "traffic_matrix" not in s  # nothing compared with the stand-in model
+    assert {c["op"] for c in s["capture"]["calls"]} == {"all_gather", "all_reduce", "broadcast"}
+    assert (report / "index.html").is_file()
     assert [f["title"] for f in s["findings"] if f["kind"] == "model"] == [
         "the model was not checked (no scenario describes the job): only the baseline and drift gate this run"
     ]
