@@ -85,3 +85,31 @@ def test_nightly_dry_run_prints_the_srun_torchrun_line() -> None:
     for part in ("srun --nodes 1 --ntasks 1", "benchmarks/test_collectives.py", "--commgate-bench-backend nccl"):
         assert part in bench, (part, bench)
     assert "--benchmark-compare-fail=median:25%" in bench and "--commgate-curve-dir baselines" in bench
+
+
+def test_nightly_dry_run_with_job_prints_the_captured_srun_and_the_check() -> None:
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {
+        "DRY_RUN": "1",
+        "HEAD": "n001",
+        "BENCH": "0",
+        "GPUS_PER_NODE": "4",
+        "JOB": "python train.py --steps 20",
+        "SCENARIO": "comm/job.yaml",
+    }
+    proc = subprocess.run([str(root / "ci" / "nightly.sbatch")], capture_output=True, text=True, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    srun, check = proc.stdout.splitlines()[-2:]
+    assert srun.startswith("srun --nodes 2 --ntasks-per-node 4 --kill-on-bad-exit=1 bash -c ")
+    for part in (
+        r"RANK=\$SLURM_PROCID",
+        r"MASTER_ADDR=n001\ MASTER_PORT=29500",
+        r"exec\ python\ train.py\ --steps\ 20",
+    ):
+        assert part in srun, (part, srun)
+    assert "COMMGATE_CAPTURE=" in srun and "/capture" in srun
+    assert "-m commgate check " in check and "/capture --baseline-dir baselines --report-dir reports/nightly/" in check
+    assert check.endswith("--scenario comm/job.yaml ")

@@ -36,8 +36,10 @@ def refusal() -> str | None:
 pytestmark.append(pytest.mark.skipif(refusal() is not None, reason=str(refusal())))
 
 
-def box(*command: str, tmp: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    env = os.environ | {"PYTHON": sys.executable}
+def box(
+    *command: str, tmp: Path, timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = os.environ | {"PYTHON": sys.executable} | (env or {})
     run = subprocess.run([str(BOX), *command], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     if run.returncode == 3:
         pytest.skip(f"Slurm in a box cannot run here: {(run.stderr.strip().splitlines() or ['?'])[-1]}")
@@ -72,6 +74,46 @@ def test_the_nightly_job_runs_across_two_slurm_nodes_and_its_report_matches_the_
         assert measured == predicted  # one rank per node: this is the traffic between the nodes
         assert {(c["src"], c["dst"]) for c in measured} == {(0, 1), (1, 0)}
     assert (report.parent / "index.html").exists()
+
+
+JOBS = ROOT / "tests" / "data" / "jobs"
+
+
+def captured_job(tmp: Path, baselines: Path, *plant: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """The nightly job's JOB variant: the plain DDP script (tests/data/jobs/ddp_train.py), one rank per node
+    under srun and commgate's capture, judged against its scenario (ddp-mlp.yaml); its run and its log."""
+    env = {
+        "JOB": f"{sys.executable} tests/data/jobs/ddp_train.py --steps 3 {' '.join(plant)}",
+        "SCENARIO": "tests/data/jobs/ddp-mlp.yaml",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(JOBS), os.environ.get("PYTHONPATH")])),  # its model
+    }
+    export = f"ALL,GPUS_PER_NODE=1,BENCH=0,REPORTS={tmp / 'reports'},BASELINES={baselines}"
+    tmp.mkdir(parents=True)  # Slurm opens the output file there, and does not make the directory
+    out = f"--output={tmp}/%x-%j.out"
+    run = box("sbatch", "--wait", out, f"--export={export}", "ci/nightly.sbatch", tmp=tmp, env=env)
+    return run, "".join(p.read_text() for p in tmp.glob("*.out"))
+
+
+def test_the_nightly_job_captures_the_user_s_own_job_across_two_nodes(tmp_path: Path) -> None:
+    """JOB set: every rank of the user's script captured under srun on node0 and node1, then checked. The
+    first night writes the baseline and fails (never a silent pass); the next passes, reconciled to 0
+    unexplained bytes between the nodes; a planted extra all-reduce fails naming it."""
+    baselines = tmp_path / "baselines"
+    first, log = captured_job(tmp_path / "first", baselines)
+    assert first.returncode != 0 and "no baseline yet: wrote" in log, first.stderr[-3000:] + log[-3000:]
+    assert (baselines / "gloo" / "captured-ddp-mlp.json").is_file()
+    second, log = captured_job(tmp_path / "second", baselines)
+    assert second.returncode == 0, second.stderr[-3000:] + log[-3000:]
+    assert "commgate-nightly: COMPLETED, exit 0:0, nodes node[0-1]" in second.stderr  # Slurm's own word
+    assert "srun, 2 ranks on node0,node1" in log
+    (report,) = (tmp_path / "second" / "reports").glob("*/report.json")
+    (s,) = json.loads(report.read_text())["scenarios"]
+    assert s["status"] == "passed" and all(c["unexplained_bytes"] == 0 for c in s["collectives"])
+    assert s["capture"]["stack"]["launcher"] == "srun" and s["capture"]["stack"]["hosts"] == "node0,node1"
+    assert {(c["src"], c["dst"]) for c in s["traffic_matrix"]["measured"]} == {(0, 1), (1, 0)}
+    planted, log = captured_job(tmp_path / "planted", baselines, "--extra-all-reduce")
+    assert planted.returncode != 0 and "commgate-nightly: FAILED" in planted.stderr, log[-3000:]
+    assert "all_reduce fp32 4 B forward group [0, 1]: obtained 4, expected 0" in log
 
 
 def test_a_failing_scenario_fails_the_slurm_job(tmp_path: Path) -> None:

@@ -194,7 +194,8 @@ def _run_all(session: Session, scenarios: list[Scenario], how: str, *, whole: bo
     try:
         for i, s in enumerate(scenarios, 1):
             at = f" during {s.id}, scenario {i} of {len(scenarios)}"
-            print(f"[{i}/{len(scenarios)}] {s.id}: {s.parallelism.scheme} on {s.world_size} ranks{how} ...", flush=True)
+            what = s.parallelism.scheme if s.expectations.model_known else "no scenario"
+            print(f"[{i}/{len(scenarios)}] {s.id}: {what} on {s.world_size} ranks{how} ...", flush=True)
             if (result := session.run(s)) is not None:
                 print(result.summary(), flush=True)
     except KeyboardInterrupt as exc:  # the report says so, and holds the scenarios that finished
@@ -241,7 +242,6 @@ def cmd_capture(a: argparse.Namespace) -> int:
 def cmd_check(a: argparse.Namespace) -> int:
     """A captured job judged as a run is: ``commgate.pipeline.run_scenario`` over the capture (or over a
     Flight Recorder dump's calls, placed in the capture's steps)."""
-    from commgate.model.loader import load_paths
     from commgate.run.captured import FromCapture, load
     from commgate.session import Session, options
 
@@ -249,14 +249,14 @@ def cmd_check(a: argparse.Namespace) -> int:
         if a.flight_recorder is None:
             raise UsageError("check: give the capture directory DIR, or --flight-recorder DUMPS")
         return _flight_recorder_alone(a)
-    if a.scenario is None:
-        raise UsageError("check: give --scenario S.yaml, the scenario describing the captured job")
+    if a.scenario is not None and a.name is not None:
+        raise UsageError("check: --name names a capture judged without a scenario; --scenario names it already")
     checked = options(lambda name: f"--{name}", baseline_dir=a.baseline_dir, update=a.update_baselines)
-    scenarios = load_paths([a.scenario])
-    if len(scenarios) != 1:
-        raise UsageError(f"check: {a.scenario} holds {len(scenarios)} scenarios (a sweep); a capture is one job")
     captured = load(a.capture)
+    scenarios = _check_scenario(a, captured)
     print(captured.provenance(), flush=True)
+    if a.scenario is None:
+        print(f"    no scenario: judged against the baseline {scenarios[0].id!r} and the drift rules only", flush=True)
     if a.flight_recorder is not None:
         from commgate.run.flightrec import align, read
 
@@ -270,6 +270,23 @@ def cmd_check(a: argparse.Namespace) -> int:
         captured = dataclasses.replace(captured, capture=placed)
     session = Session(options=checked, runner=FromCapture(captured=captured), report_dir=a.report_dir)
     return _run_all(session, scenarios, " (captured)", whole=False)
+
+
+def _check_scenario(a: argparse.Namespace, captured: Any) -> list[Scenario]:
+    """The one scenario ``check`` judges the capture by: ``--scenario``'s (its own ``capture:``, if any, is
+    this DIR), or, without one, the baseline-only stand-in named ``--name`` or after the job."""
+    from commgate.model.loader import load_paths
+    from commgate.run.captured import job_name, unscripted
+
+    if a.scenario is None:
+        return [unscripted(captured, a.name or job_name(captured))]
+    scenarios = load_paths([a.scenario])
+    if len(scenarios) != 1:
+        raise UsageError(f"check: {a.scenario} holds {len(scenarios)} scenarios (a sweep); a capture is one job")
+    (s,) = scenarios
+    if s.capture is not None and Path(s.capture) != a.capture.resolve():
+        raise UsageError(f"check: {a.scenario}: capture: {s.capture}, but DIR is {a.capture}; give one of them")
+    return [dataclasses.replace(s, capture=None)]  # FromCapture over DIR (with --flight-recorder's calls)
 
 
 def _print_dumps(dumps: Any) -> None:
@@ -572,7 +589,17 @@ def _add_capture(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "alone, what they hold and where the ranks part; with DIR, each dumped call matched to the capture and "
         "judged in its steps",
     )
-    c.add_argument("--scenario", type=Path, help="the scenario describing the job (its steps: the captured ones)")
+    c.add_argument(
+        "--scenario",
+        type=Path,
+        help="the scenario describing the job (its steps: the captured ones); without it, the baseline and drift "
+        "rules alone judge the capture (the model is not checked)",
+    )
+    c.add_argument(
+        "--name",
+        help="without --scenario: the name the capture's baseline is kept under (default: the job's script, "
+        "e.g. train for torchrun ... train.py)",
+    )
     c.add_argument("--baseline-dir", type=Path, default=Path("baselines"), help="default ./baselines")
     c.add_argument("--update-baselines", action="store_true", help="rewrite a baseline whose communication changed")
     c.add_argument("--report-dir", type=Path, help="write report.json, index.html, plots/ and trace.json there")

@@ -25,6 +25,7 @@ from commgate.report import bandwidth
 from commgate.report.report import ScenarioResult
 from commgate.report.timemodel import TimeAssessment, assess, curve_key
 from commgate.run.capture import Capture
+from commgate.run.captured import FromCapture, load
 from commgate.run.launcher import RunError
 from commgate.run.runners import Runner
 
@@ -58,6 +59,11 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
 
     if reason := TRAINERS[scenario.trainer].unavailable():  # an error, not a skip: the gate did not run
         return result(status="error", reason=reason)
+    if scenario.capture is not None:  # a job already captured (``capture:``): judged as commgate check judges it
+        try:
+            runner = FromCapture(captured=load(Path(scenario.capture)))
+        except CommgateError as exc:
+            return result(status="error", reason=f"{scenario.file}: capture: {exc}")
     if reason := runner.skip_reason(scenario):
         return result(status="skipped", reason=reason)
     try:
@@ -86,7 +92,9 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
     else:
         findings = model_findings(e, rec)
     # an emulated run's calls complete without a peer: no communication time to model
-    timed = None if capture.ranks is not None else time_model(prediction, capture, store)
+    # nor for a job no scenario describes: the prediction is a stand-in's
+    known = e.model_known and capture.ranks is None
+    timed = time_model(prediction, capture, store) if known else None
     gate_time = _against_time(e.time_max_error, timed) if timed is not None else None
     warned = (Finding(kind="config", fail=False, title=w) for w in scenario.remarks)
     findings = (*findings, *warned, *filter(None, [gate_time]))

@@ -73,12 +73,13 @@ def against_model(e: Expectations, rec: Reconciliation) -> Finding | None:
     )
 
 
-def unchecked() -> Finding:
+def unchecked(e: Expectations) -> Finding:
     """What the baseline-only mode says instead of the model's verdict (never a failure)."""
+    why = "expectations.model.check: false" if e.model_known else "no scenario describes the job"
     return Finding(
         kind="model",
         fail=False,
-        title="the model was not checked (expectations.model.check: false): only the baseline and drift gate this run",
+        title=f"the model was not checked ({why}): only the baseline and drift gate this run",
     )
 
 
@@ -256,7 +257,7 @@ def evaluate(
     rerun: Rerun | None = None,
 ) -> Verdict:
     v = Verdict()
-    checks = (against_model(e, rec), against_paper(e, paper)) if e.model_check else (unchecked(),)
+    checks = (against_model(e, rec), against_paper(e, paper)) if e.model_check else (unchecked(e),)
     emulated = capture.ranks is not None  # rank 0 alone: its calls complete at once, no latencies
     for f in (*checks, None if emulated else cold_start(e, capture)):
         if f is not None:

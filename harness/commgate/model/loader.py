@@ -25,7 +25,7 @@ import yaml
 
 from commgate.core import schemas
 from commgate.core.errors import CommgateError, Problem, ScenarioError
-from commgate.core.fsutil import json_path
+from commgate.core.fsutil import beside, json_path
 from commgate.model import dsconfig, rules, trainers
 from commgate.model.scenario import (
     Expectations,
@@ -483,6 +483,7 @@ def _build(doc: dict[str, Any], *, file: str, where: _Located, label: str) -> tu
     ds = _deepspeed_block(doc, file, bad)
     if ds is None:
         return None, problems
+    _capture_dir(doc, file, bad, sweep=bool(label))
     model_doc, par_doc = _from_deepspeed(ds, dict(doc["model"]), dict(doc["parallelism"]), bad)
     model = _build_model(model_doc, bad)
     par = _build_parallelism(par_doc, bad)
@@ -497,6 +498,18 @@ def _build(doc: dict[str, Any], *, file: str, where: _Located, label: str) -> tu
     if problems:
         return None, problems
     return _scenario(doc, model, par, ds, file=file, label=label), problems
+
+
+def _capture_dir(doc: dict[str, Any], file: str, bad: Bad, *, sweep: bool) -> None:
+    """The ``capture:`` directory, resolved beside the scenario file (a missing one is a problem naming it;
+    what is in it is read when the scenario is judged, ``commgate.run.captured.load``). A capture is one
+    job: a sweep's variants, each a different job, cannot share it."""
+    path = beside(file, doc["capture"]) if "capture" in doc else None
+    if path is not None and sweep:
+        bad(["capture"], f"{doc['capture']!r}: a capture is one job, a sweep's variants are several; drop the sweep")
+    elif path is not None and not path.is_dir():
+        what = "no such directory" if not path.exists() else "not a directory"
+        bad(["capture"], f"{doc['capture']!r} ({path}): {what}; give the -o directory of commgate capture")
 
 
 def _deepspeed_block(doc: dict[str, Any], file: str, bad: Bad) -> dict[str, Any] | None:
@@ -525,6 +538,7 @@ def _scenario(
         name=name,
         description=doc.get("description", ""),
         file=file,
+        capture=str(beside(file, doc["capture"]).resolve()) if "capture" in doc else None,
         model=model,
         parallelism=par,
         backend=backend,

@@ -259,6 +259,9 @@ class ColdStartRule:
 class Expectations:
     model_check: bool = True
     """False: baseline-only mode; the model and the paper are not asserted (the result says so)."""
+    model_known: bool = True
+    """False: no scenario describes the job (``commgate check DIR`` without ``--scenario``): the model is a
+    stand-in, so it is neither checked nor shown, nor is the time model's prediction."""
     model_bytes: Tolerance = field(default_factory=Tolerance)
     model_calls: Tolerance = field(default_factory=Tolerance)
     paper_rtol: float = 0.01
@@ -282,6 +285,8 @@ class Scenario:
     parallelism: Parallelism
     description: str = ""
     file: str | None = None
+    capture: str | None = None
+    """A job already captured (``capture:``, resolved beside the file): judged instead of run."""
     backend: Backend = "auto"
     emulate: bool = False
     """Run rank 0 alone at the declared world size, the other ranks emulated (``commgate.run.emulate``)."""

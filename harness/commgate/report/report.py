@@ -20,6 +20,7 @@ from commgate.judge.drift import cold_starts
 from commgate.judge.finding import Finding
 from commgate.judge.reconcile import Reconciliation
 from commgate.model.expectation import Prediction
+from commgate.model.scenario import Scenario
 from commgate.model.trainers import derived
 from commgate.report.render import prediction_document
 from commgate.report.timemodel import TimeAssessment
@@ -41,6 +42,11 @@ def validate(doc: Any) -> None:
 
 def _matrix(m: dict[tuple[int, int], Fraction]) -> list[dict[str, Any]]:
     return [{"src": s, "dst": d, "bytes_per_step": number(b)} for (s, d), b in sorted(m.items())]
+
+
+def scheme(s: Scenario) -> str:
+    """The scheme a result names: none where no scenario describes the job (its model is a stand-in)."""
+    return s.parallelism.scheme if s.expectations.model_known else "no scenario"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +74,7 @@ class ScenarioResult:
         s = self.prediction.scenario
         doc: dict[str, Any] = {
             "name": s.id,
-            "scheme": s.parallelism.scheme,
+            "scheme": scheme(s),
             "world_size": s.world_size,
             "status": self.status,
             "reason": self.reason,
@@ -78,7 +84,7 @@ class ScenarioResult:
             "prediction": prediction_document(self.prediction),
         }
         r = self.reconciliation
-        if r is not None:
+        if r is not None and s.expectations.model_known:  # else against a stand-in: the capture alone says it
             doc["collectives"] = [
                 {
                     "op": o.op,
@@ -136,7 +142,7 @@ class ScenarioResult:
                 f"{ranks}, {who} run, the others emulated",
                 f"{who}'s view" if started == (0,) else "their view",
             )
-        head = f"{self.status.upper():7} {s.id} ({s.parallelism.scheme}, {ranks}, {self.wall_s:.1f} s)"
+        head = f"{self.status.upper():7} {s.id} ({scheme(s)}, {ranks}, {self.wall_s:.1f} s)"
         t = self.capture.timeline if self.capture is not None else {}
         if "steps" in t and "build" in t:
             head += f" [build {t['build']:.1f} s, steps {t['steps']:.1f} s]"

@@ -24,7 +24,7 @@ from typing import Any
 
 from commgate.core.errors import DocumentError, Problem, UsageError
 from commgate.core.fsutil import atomic_write_json, read_json
-from commgate.model.scenario import Scenario
+from commgate.model.scenario import Expectations, ModelSpec, Parallelism, Scenario
 from commgate.run import capture as capture_doc
 from commgate.run.capture import Capture, CapturedCall, StepWindow
 from commgate.run.external import BOOTSTRAP, CAPTURE_ENV, COMMAND_ENV, JOB_ENV
@@ -216,3 +216,44 @@ class FromCapture:
                 f"{where} holds {cap.steps} step(s); set them to add up to the captured job's steps"
             )
         return replace(cap, scenario=scenario.id, warmup_steps=scenario.warmup_steps, steps=scenario.steps)
+
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+"""What a baseline's name may be (the scenario schema's ``name``)."""
+
+
+def job_name(captured: Captured) -> str:
+    """The name a capture's baseline is kept under when no scenario names it: the job's script (``train``
+    for ``torchrun ... train.py``) or module (``-m pkg.train``), from the command the ranks recorded."""
+    command = str(captured.capture.stack.get("command", ""))
+    words = shlex.split(command) if command else []
+    scripts = [Path(w).stem for w in words if w.endswith(".py")]
+    modules = [words[i + 1].rsplit(".", 1)[-1] for i, w in enumerate(words[:-1]) if w == "-m"]
+    modules = [m for m in modules if m not in ("torch", "run", "torchrun")]  # python -m torch.distributed.run
+    name = (scripts or modules or [""])[0]
+    if not NAME.fullmatch(name):
+        where = captured.directory / "rank0.meta.json"
+        raise _bad(
+            where, f"no job name in the command {command!r}; give one: commgate check DIR --name NAME", "$.command"
+        )
+    return name
+
+
+def unscripted(captured: Captured, name: str) -> Scenario:
+    """The scenario of a capture no scenario describes: named ``name`` (its baseline's name), its world size
+    and steps the captured ones, judged against its baseline and the drift rules only. Its model is a
+    stand-in the pipeline needs and neither checks nor shows (``Expectations.model_known``)."""
+    if not NAME.fullmatch(name):
+        raise UsageError(f"check: --name {name!r}: letters, digits, '_', '.', '-', starting with a letter or digit")
+    world = captured.capture.world_size
+    return Scenario(
+        id=name,
+        name=name,
+        description=f"the job captured in {captured.directory}, judged without a scenario (baseline only)",
+        file=str(captured.directory),
+        model=ModelSpec(L=1, h=8, a=1, V=8, s=8),
+        parallelism=Parallelism(scheme="ddp", dp=world),
+        steps=captured.steps,
+        warmup_steps=0,
+        expectations=Expectations(model_check=False, model_known=False),
+    )

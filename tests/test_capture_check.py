@@ -1,0 +1,178 @@
+"""A captured job judged without a scenario (``commgate check DIR``: its baseline and the drift rules only),
+and a scenario that points at a capture (``capture: DIR``), judged by ``pytest`` and ``commgate run`` exactly
+as ``commgate check DIR --scenario`` judges it.
+
+Real jobs: the plain DDP script of ``tests/data/jobs`` under ``torchrun --nproc-per-node 2`` on CPU gloo,
+unchanged and with an extra all-reduce planted, each captured once for the module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_capture_job import BOUND_S, JOBS, TORCHRUN, commgate
+
+PLANTED = "calls [steps] all_reduce fp32 4 B forward group [0, 1]: obtained 4, expected 0"
+"""The extra all-reduce of the loss in the scenario's 2 measured steps (2 ranks a step)."""
+PLANTED_ALL = "calls [steps] all_reduce fp32 4 B forward group [0, 1]: obtained 6, expected 0"
+"""The same without a scenario: every captured step is judged (3; no warm-up is known)."""
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("capture-check")
+
+
+@pytest.fixture(scope="module")
+def jobs(work: Path) -> dict[str, Path]:
+    """The DDP job captured as it is (``plain``) and with an extra all-reduce of the loss (``planted``)."""
+    out = {}
+    for name, plant in (("plain", ()), ("planted", ("--extra-all-reduce",))):
+        out[name] = work / name
+        done = commgate("capture", "-o", out[name], "--", *TORCHRUN, "ddp_train.py", "--steps", "3", *plant)
+        assert done.returncode == 0, done.stderr
+    return out
+
+
+# ------------------------------------------------------------------------------ check without a scenario
+
+
+def test_without_a_scenario_the_baseline_keyed_by_the_job_s_name_gates_the_capture(
+    jobs: dict[str, Path], work: Path
+) -> None:
+    store = work / "baselines-unscripted"
+    first = commgate("check", jobs["plain"], "--baseline-dir", store)
+    assert first.returncode == 1  # a missing baseline is written, and the check fails: never a silent pass
+    assert "no baseline yet: wrote" in first.stdout and (store / "gloo" / "ddp_train.json").is_file()
+    stored = commgate("check", jobs["plain"], "--baseline-dir", store, "--update-baselines")
+    assert stored.returncode == 0, stored.stdout + stored.stderr
+    report = work / "report-unscripted"
+    again = commgate("check", jobs["plain"], "--baseline-dir", store, "--report-dir", report)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "no scenario: judged against the baseline 'ddp_train' and the drift rules only" in again.stdout
+    assert "the model was not checked (no scenario describes the job)" in again.stdout
+    assert "predicted" not in again.stdout and "comm fraction" not in again.stdout  # no stand-in's numbers
+    (s,) = json.loads((report / "report.json").read_text())["scenarios"]
+    assert s["status"] == "passed" and s["scheme"] == "no scenario" and "time_model" not in s
+    assert "collectives" not in s and "traffic_matrix" not in s  # nothing compared with the stand-in model
+    assert {c["op"] for c in s["capture"]["calls"]} == {"all_gather", "all_reduce", "broadcast"}
+    assert (report / "index.html").is_file()
+    assert [f["title"] for f in s["findings"] if f["kind"] == "model"] == [
+        "the model was not checked (no scenario describes the job): only the baseline and drift gate this run"
+    ]
+    planted = commgate("check", jobs["planted"], "--baseline-dir", store)
+    assert planted.returncode == 1, planted.stdout + planted.stderr
+    assert "[baseline] communication differs from the baseline" in planted.stdout
+    assert PLANTED_ALL in planted.stdout
+
+
+def test_name_keys_the_baseline_and_bad_names_are_one_line(jobs: dict[str, Path], work: Path) -> None:
+    store = work / "baselines-named"
+    stored = commgate("check", jobs["plain"], "--name", "nightly.ddp", "--baseline-dir", store, "--update-baselines")
+    assert stored.returncode == 0, stored.stdout + stored.stderr
+    assert sorted(p.name for p in (store / "gloo").iterdir()) == ["nightly.ddp.json"]
+    planted = commgate("check", jobs["planted"], "--name", "nightly.ddp", "--baseline-dir", store)
+    assert planted.returncode == 1 and PLANTED_ALL in planted.stdout
+    for args, says in (
+        (("--name", "../x"), "--name '../x': letters, digits"),
+        (("--name", "x", "--scenario", "ddp-mlp.yaml"), "--scenario names it already"),
+    ):
+        done = commgate("check", jobs["plain"], *args, "--baseline-dir", store)
+        assert done.returncode == 2 and says in done.stderr
+        assert done.stderr.strip().count("\n") == 0 and "Traceback" not in done.stderr
+
+
+def test_a_command_with_no_script_needs_a_name(jobs: dict[str, Path], work: Path) -> None:
+    cap = work / "nameless"
+    shutil.copytree(jobs["plain"], cap)
+    for r in (0, 1):
+        meta = cap / f"rank{r}.meta.json"
+        meta.write_text(json.dumps(json.loads(meta.read_text()) | {"command": "/opt/launch-my-job"}))
+    done = commgate("check", cap, "--baseline-dir", work / "unused")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == (
+        f"{cap / 'rank0.meta.json'}: $.command: no job name in the command '/opt/launch-my-job'; give one: "
+        "commgate check DIR --name NAME"
+    )
+    assert not (work / "unused").exists()  # nothing written
+
+
+# ------------------------------------------------------------------------------ a scenario with capture:
+
+
+def suite(root: Path, capture: str) -> Path:
+    """``root/comm/job.yaml``: the DDP job's scenario (tests/data/jobs/ddp-mlp.yaml), pointing at ``capture``
+    (relative to the file)."""
+    comm = root / "comm"
+    comm.mkdir(parents=True)
+    text = (JOBS / "ddp-mlp.yaml").read_text().replace("name: captured-ddp-mlp", f"name: job\ncapture: {capture}")
+    (comm / "job.yaml").write_text(text)
+    return comm
+
+
+def pytest_run(comm: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
+    """``pytest comm/`` in its own process (the plugin collects the scenario files), the job's module on the path."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(JOBS), os.environ.get("PYTHONPATH")])))
+    argv = [sys.executable, "-m", "pytest", comm.name, "-p", "no:cacheprovider", "-q", *map(str, args)]
+    return subprocess.run(argv, cwd=comm.parent, env=env, capture_output=True, text=True, timeout=BOUND_S)
+
+
+def test_pytest_judges_a_scenario_s_capture_as_check_does(jobs: dict[str, Path], tmp_path: Path) -> None:
+    store = tmp_path / "baselines"
+    comm = suite(tmp_path, str(jobs["plain"]))
+    written = pytest_run(comm, "--commgate-baseline-dir", store, "--commgate-update-baselines")
+    assert (store / "gloo" / "job.json").is_file(), written.stdout[-3000:]
+    passed = pytest_run(comm, "--commgate-baseline-dir", store, "--commgate-report-dir", tmp_path / "report")
+    assert passed.returncode == 0, passed.stdout[-3000:]
+    assert "1 passed" in passed.stdout
+    (s,) = json.loads((tmp_path / "report" / "report.json").read_text())["scenarios"]
+    assert s["status"] == "passed" and {c["op"] for c in s["collectives"]} == {"all_reduce", "broadcast"}
+    assert all(c["unexplained_bytes"] == 0 for c in s["collectives"])
+    assert s["capture"]["stack"]["launcher"] == "torchrun"  # the captured job's, not a local run's
+    # the same baseline judges the same capture through commgate check and commgate run
+    checked = commgate("check", jobs["plain"], "--scenario", comm / "job.yaml", "--baseline-dir", store)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    run = commgate("run", comm, "--gate", "--baseline-dir", store)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "PASSED  job (ddp, 2 ranks" in run.stdout and "unexplained 0 B" in run.stdout
+
+
+def test_a_planted_change_fails_pytest_and_run_naming_it(jobs: dict[str, Path], tmp_path: Path) -> None:
+    store = tmp_path / "baselines"
+    stored = commgate("check", jobs["plain"], "--scenario", suite(tmp_path / "a", str(jobs["plain"])) / "job.yaml",
+                      "--baseline-dir", store, "--update-baselines")  # fmt: skip
+    assert stored.returncode == 0, stored.stdout + stored.stderr
+    comm = suite(tmp_path / "b", os.path.relpath(jobs["planted"], tmp_path / "b" / "comm"))  # beside the file
+    failed = pytest_run(comm, "--commgate-baseline-dir", store)
+    assert failed.returncode == 1 and "1 failed" in failed.stdout
+    assert "communication differs from the baseline" in failed.stdout and PLANTED in failed.stdout
+    run = commgate("run", comm, "--gate", "--baseline-dir", store)
+    assert run.returncode == 1 and PLANTED in run.stdout
+    mismatch = commgate("check", jobs["plain"], "--scenario", comm / "job.yaml", "--baseline-dir", store)
+    assert mismatch.returncode == 2 and "give one of them" in mismatch.stderr  # two captures named: which?
+
+
+def test_a_missing_or_empty_capture_is_one_line_naming_the_file_and_field(tmp_path: Path) -> None:
+    comm = suite(tmp_path / "missing", "no-such-capture")
+    done = commgate("validate", comm / "job.yaml")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    line = done.stderr.strip()
+    assert line.count("\n") == 0
+    assert line.startswith(f"{comm / 'job.yaml'}:") and "$.capture: 'no-such-capture'" in line
+    assert "no such directory; give the -o directory of commgate capture" in line
+    (tmp_path / "empty" / "comm" / "empty").mkdir(parents=True)
+    comm = tmp_path / "empty" / "comm"
+    (comm / "job.yaml").write_text(
+        (JOBS / "ddp-mlp.yaml").read_text().replace("name: captured-ddp-mlp", "name: job\ncapture: empty")
+    )
+    run = commgate("run", comm / "job.yaml", "--gate", "--baseline-dir", tmp_path / "baselines")
+    assert run.returncode == 1
+    assert "ERROR   job (ddp, 2 ranks" in run.stdout
+    assert f"{comm / 'job.yaml'}: capture: {comm / 'empty'}: $: not a capture: no rank<N>.json in it" in run.stdout
+    assert not (tmp_path / "baselines").exists()  # nothing written
