@@ -83,7 +83,9 @@ def test_a_failed_write_leaves_the_old_baseline_intact(tmp_path: Path, monkeypat
         raise OSError("disk full")
 
     monkeypatch.setattr("os.replace", boom)
-    with pytest.raises(OSError, match="disk full"):
+    from commgate.core.errors import WriteError
+
+    with pytest.raises(WriteError, match="disk full"):  # one line naming the path, and no partial file
         bl.write(path, bl.load(DATA / "ddp-split-bucket.json"))
     assert path.read_text() == before and [p.name for p in path.parent.iterdir()] == ["x.json"]
 
@@ -290,8 +292,11 @@ def test_a_report_with_cold_starts_is_valid_and_compares(tmp_path: Path) -> None
     (s,) = load_text("schema_version: 1\nname: p\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: ddp, dp: 2}\n")
     doc = ScenarioResult(prediction=predict(s), status="passed", capture=cap).document()
     assert doc["cold_starts"] and {"expected", "late"} <= set(doc["cold_starts"][0])
+    from commgate.judge.reconcile import reconcile
+
     report = Report(tmp_path / "report.json")
-    report.add(ScenarioResult(prediction=predict(s), status="passed", capture=cap))
+    rec = reconcile(predict(s), cap)  # its calls: what compare compares
+    report.add(ScenarioResult(prediction=predict(s), status="passed", capture=cap, reconciliation=rec))
     validate(json.loads((tmp_path / "report.json").read_text()))
     assert main(["compare", str(tmp_path / "report.json"), str(tmp_path / "report.json")]) == 0
 
