@@ -30,6 +30,50 @@ if TYPE_CHECKING:
     import pytest
 
 
+# the pytest plugin's markers and options (``commgate.plugin`` registers them)
+MARKERS: dict[str, str] = {
+    "gpu": "needs a GPU (NCCL/RCCL); skipped where none is present",
+    "multinode": "starts several nodes (torchrun agents); slow",
+    "slurm": "brings up a two-node Slurm cluster on this machine (ci/slurm-in-a-box.sh; root, Linux); slow",
+    "slow": "takes more than a few seconds",
+    "nightly": "part of the nightly cluster run, not of pull-request gating",
+}
+PYTEST_OPTIONS: dict[str, dict[str, Any]] = {
+    "update-baselines": {"action": "store_true", "help": "write the baselines of the scenarios run (missing or "
+                         "changed ones), and report what changed"},
+    "refresh-latency": {"action": "store_true", "help": "with --commgate-update-baselines: rewrite unchanged "
+                        "baselines too, storing this run's latency samples"},
+    "baseline-dir": {"metavar": "DIR", "type": Path, "help": "where baselines live (default: <rootdir>/baselines)"},
+    "report-dir": {"metavar": "DIR", "type": Path, "help": "write report.json and the HTML there"},
+    "backend": {"choices": ("auto", "gloo", "nccl"), "help": "run every scenario on this backend instead of the one "
+                "it declares"},
+    "deadline": {"metavar": "S", "type": float, "help": "per-scenario deadline in seconds"},
+    "fault": {"metavar": "FAULT", "action": "append", "default": [], "help": "plant a fault to prove the gate: "
+              "delay-first-recv[=MS], late-rank[=MS], extra-collective, ddp-bucket-mb=MB, zero-stage=N"},
+}  # fmt: skip
+
+
+def sigterm_as_interrupt() -> Callable[[], None]:
+    """SIGTERM (a CI runner's cancel) unwinds as Ctrl-C does: ranks killed, report.json kept and marked
+    interrupted. Only where SIGTERM is at its default, on the main thread; returns what puts the handler
+    back (nothing where it left it alone)."""
+    import signal
+    import threading
+
+    if signal.getsignal(signal.SIGTERM) != signal.SIG_DFL or threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+
+    def restore() -> None:
+        signal.signal(signal.SIGTERM, previous)
+
+    return restore
+
+
 def options(
     flag: Callable[[str], str],
     *,
@@ -84,6 +128,12 @@ class Session:
     used: set[str] = field(default_factory=set)
     """Resolved paths of the baseline files the scenarios were judged against."""
     html: Path | None = None
+    ids: dict[str, str | None] = field(default_factory=dict)
+    """The scenario ids collected so far, with their files (two files naming one scenario alike: an error)."""
+    not_scenarios: list[str] = field(default_factory=list)
+    """``<file>: <rule>`` of each YAML file in a directory the user named that is not collected."""
+    unwritten: str | None = None
+    """Why the report could not be written at the end (said in the run's last lines)."""
     """The HTML page, once ``finish`` wrote it."""
     flag: Callable[[str], str] = lambda name: f"--{name}"
     """How the entry point spells an option (``--commgate-report-dir``), for the fix a one-line error names."""
@@ -210,12 +260,26 @@ class Session:
         return self.html
 
     def sections(self, *, whole: bool) -> dict[str, list[str]]:
-        """The end of the run, by title: the baselines written, the warnings and, after a ``whole`` suite
-        ran, the baselines no scenario used (only those with lines)."""
+        """The end of the run, by title: the YAML files not collected (with the rule that decided), a report
+        that could not be written, the baselines written, the warnings and, after a ``whole`` suite ran, the
+        baselines no scenario used (only those with lines)."""
         unused = [str(p) for p in self.unused_baselines()] if whole else []
-        sections = {"commgate baselines": self.updated, "commgate warnings": self.warnings}
-        sections["commgate: baselines no scenario used"] = unused
+        sections = {
+            "commgate: YAML files not collected as scenarios (the rule that decided)": self.not_scenarios,
+            "commgate: the report was not written": [self.unwritten] if self.unwritten else [],
+            "commgate baselines": self.updated,
+            "commgate warnings": self.warnings,
+            "commgate: baselines no scenario used": unused,
+        }
         return {title: lines for title, lines in sections.items() if lines}
+
+    def end(self) -> bool:
+        """``finish``, a failure to write the report kept as one line (``unwritten``); whether it was written."""
+        try:
+            self.finish()
+        except CommgateError as exc:  # e.g. the report directory filled up or was taken away
+            self.unwritten = str(exc)
+        return self.unwritten is None
 
     def unused_baselines(self) -> list[Path]:
         """The baselines no scenario was judged against (none when no scenario was judged against any);

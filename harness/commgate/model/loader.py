@@ -15,6 +15,7 @@ import functools
 import itertools
 import json
 import math
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -342,6 +343,16 @@ def load_file(path: str | Path) -> list[Scenario]:
         message = f"not UTF-8 text ({what}); scenario files are UTF-8 YAML"
         raise ScenarioError([Problem(file=file, path="$", message=message)]) from None
     return load_text(text.removeprefix("\ufeff"), file=file)
+
+
+_DECLARES = re.compile(r"""^[\s{"']*schema_version\b""", re.MULTILINE)
+
+
+def declares_scenario(path: Path) -> bool:
+    """Whether a YAML file declares ``schema_version`` in its first MiB (a scenario wherever it lies)."""
+    from commgate.core.fsutil import text_head
+
+    return _DECLARES.search(text_head(path, 1 << 20) or "") is not None
 
 
 def not_a_scenario(path: Path) -> str | None:
