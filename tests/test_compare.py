@@ -32,8 +32,10 @@ def test_a_volume_change_fails_and_is_shown(tmp_path: Path, capsys: pytest.Captu
     a, b = baseline_dir(tmp_path, "a", "ddp.json"), baseline_dir(tmp_path, "b", "ddp-split-bucket.json")
     assert main(["compare", str(a), str(b)]) == 1
     out = capsys.readouterr().out.splitlines()
-    assert out[:2] == [
+    assert out[:3] == [  # what changed in words, then the numbers that prove it
         "ddp-19m-dp4:",
+        "    all_reduce fp32 1,061,888 B (backward, group [0, 1, 2, 3]) became 2 calls of 530,432 B and 531,456 B: "
+        "a bucket split",
         "    calls [steps] all_reduce fp32 1061888 B backward group [0, 1, 2, 3]: after 0, before 12 (-12)",
     ]
     assert out[-1] == "1 of 1 scenario(s) changed"

@@ -145,11 +145,37 @@ def test_a_failing_scenario_shows_why_and_no_success_badge(out: Path) -> None:
     assert f'<a href="#{anchor}">failed</a>' in html and f'<h3 id="{anchor}" class="bad">' in html
     assert f'<details id="d{anchor[1:]}" open>' in html  # its figures are open; the passing ones closed
     assert "FAIL [baseline] communication differs from the baseline" in html
-    assert "obtained 4, expected 0 (+4)" in html and "accept it with --commgate-update-baselines" in html
+    assert "accept it with --commgate-update-baselines" in html
+    assert "obtained 4, expected 0 (+4)" not in html  # the difference is shown once: in the table below
     assert "needs a GPU (NCCL/RCCL)" in html
     assert html.index(f'id="{anchor}"') < html.index("needs a GPU")  # failures first
     row = "<td>calls [steps] all_reduce fp32 4 B forward group [0, 1]</td><td>4</td><td>0</td><td>+4</td>"
     assert row in html  # the before/after/difference table
+
+
+def test_a_findings_causes_are_in_words_and_its_differences_shown_once(out: Path) -> None:
+    """A finding of this commgate (with ``causes`` and ``notes``): its causes in the text above, its notes
+    too, and each difference in the table alone (the text says where they are)."""
+    from commgate.judge.causes import CallKey, recognise
+    from commgate.judge.finding import Difference, Finding
+    from commgate.report.htmlreport import page
+
+    def key(nbytes: int) -> CallKey:
+        return ("steps", "all_reduce", (0, 1), "fp32", nbytes, "backward")
+
+    parts = (528384, 533504)
+    causes = recognise({key(b): 4 for b in parts}, {key(1061888): 4})
+    diffs = tuple(Difference(f"calls {b} B", 4 if b in parts else 0, 0 if b in parts else 4) for b in (1061888, *parts))
+    f = Finding(kind="baseline", fail=True, title="differs", causes=causes, differences=diffs, notes=("a note",))
+    doc = json.loads((out / "report.json").read_text())
+    doc["scenarios"][0].update(status="failed", findings=[f.to_json()])
+    html = page(doc, {})
+    words = (
+        "all_reduce fp32 1,061,888 B (backward, group [0, 1]) became 2 calls of 528,384 B and 533,504 B: a bucket split"
+    )
+    assert html.count(words) == 1 and html.count("a note") == 1
+    assert "3 difference(s): the table below" in html
+    assert html.count("calls 528384 B") == 1 and "<td>calls 528384 B</td><td>4</td><td>0</td><td>+4</td>" in html
 
 
 def test_report_json_is_its_document_with_each_scenario_encoded_once_on_a_line(out: Path, tmp_path: Path) -> None:

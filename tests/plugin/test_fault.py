@@ -15,10 +15,6 @@ import pytest
             "extra-collective",
             "*calls [[]steps[]] all_reduce fp32 4 B forward group [[]0, 1[]]: obtained 4, expected 0*",
         ),
-        (
-            "ddp-bucket-mb=0.5",
-            "*calls [[]steps[]] all_reduce fp32 * backward group [[]0, 1[]]: obtained 0, expected 4*",
-        ),
     ],
 )
 def test_planted_faults_fail_naming_them(
@@ -29,6 +25,43 @@ def test_planted_faults_fail_naming_them(
     result = pytester.runpytest("--commgate-fault", fault)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines([f"g: (planted fault: {fault})", "*[[]model[]]*", expected, "*[[]baseline[]]*"])
+
+
+SPLIT = "all_reduce fp32 1,061,888 B (backward, group [0, 1]) became 2 calls of 528,384 B and 533,504 B: a bucket split"
+
+
+def test_a_planted_bucket_change_is_named_a_bucket_split_above_its_numbers(
+    pytester: pytest.Pytester, scenario_file: Callable[..., Path]
+) -> None:
+    """DDP's bucket cap cut to 0.5 MB: its 1,061,888 B bucket becomes two. The model's finding and the
+    baseline's each say so in words, once, above the counts that prove it (each count once too); report.json
+    carries the same cause as data."""
+    import json
+
+    scenario_file("g")
+    pytester.runpytest("--commgate-update-baselines").assert_outcomes(passed=1)
+    result = pytester.runpytest("--commgate-fault", "ddp-bucket-mb=0.5", "--commgate-report-dir", "out")
+    result.assert_outcomes(failed=1)
+    gone = "calls [steps] all_reduce fp32 1061888 B backward group [0, 1]: obtained 0, expected 4"
+    pattern = gone.replace("[", "[[]")
+    result.stdout.fnmatch_lines(
+        [
+            "g: (planted fault: ddp-bucket-mb=0.5)",
+            "*[[]model[]]*",
+            f"    {SPLIT.replace('[', '[[]')}",
+            f"    {pattern} (DDP gradient all-reduce*",
+            "*[[]baseline[]]*",
+            f"    {SPLIT.replace('[', '[[]')}",
+            f"    {pattern} (-4)",
+        ]
+    )
+    text = result.stdout.str()
+    assert text.count(SPLIT) == 2 and text.count(f"{gone} (-4)") == 1  # one per finding, each number once
+    (scenario,) = json.loads((pytester.path / "out" / "report.json").read_text())["scenarios"]
+    for kind in ("model", "baseline"):
+        (f,) = [f for f in scenario["findings"] if f["kind"] == kind]
+        assert {"pattern": "bucket split", "text": SPLIT} in f["causes"]
+        assert f["lines"].count(SPLIT) == 1 and f["lines"].index(SPLIT) < len(f["causes"])
 
 
 def test_a_delayed_first_recv_is_a_cold_start_spike(

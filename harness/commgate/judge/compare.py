@@ -23,6 +23,7 @@ from commgate.core import schemas
 from commgate.core.errors import CommgateError
 from commgate.core.fsutil import read_json
 from commgate.judge import baseline as bl
+from commgate.judge.causes import Cause, recognise
 from commgate.judge.drift import Assessment, shifts
 from commgate.judge.finding import Difference
 from commgate.judge.store import BaselineStore
@@ -100,6 +101,8 @@ def _load_report(path: Path) -> Side:
 class ScenarioChange:
     scenario: str
     volume: list[Difference] = field(default_factory=list)
+    causes: tuple[Cause, ...] = ()
+    """What the calls that differ mean, in words, where a pattern proves it (``commgate.judge.causes``)."""
     latency: Assessment = field(default_factory=Assessment)
     only: str = ""
     """'before' or 'after' when the scenario is on one side only."""
@@ -128,6 +131,7 @@ class ScenarioChange:
         if not self.volume and not moved:
             return [f"{self.scenario}: unchanged ({self.latency.summary()})"]
         out = [f"{self.scenario}:"]
+        out += [f"    {c.text}" for c in self.causes]
         out += [f"    {d.text(('after', 'before'))}" for d in self.volume]
         out += [f"    {s.text()}" for s in moved]
         return out
@@ -146,7 +150,7 @@ def compare(before: Side, after: Side, rule: LatencyRule) -> list[ScenarioChange
             volume = bl.compare(a, b, bytes_tol=EXACT, calls_tol=EXACT)
             volume += [replace(d, what=f"{d.what} (differs between the before runs)") for d in b.unsteady]
             volume += [replace(d, what=f"{d.what} (differs between the after runs)") for d in a.unsteady]
-            change = ScenarioChange(name, volume=volume)
+            change = ScenarioChange(name, volume=volume, causes=recognise(a.calls, b.calls))
             common = sorted(set(a.latency) & set(b.latency))  # the same hardware if both have it
             lat_a = a.latency[common[0]] if common else next(iter(a.latency.values()), ())
             lat_b = b.latency[common[0]] if common else next(iter(b.latency.values()), ())

@@ -3,19 +3,23 @@
 A difference is data (what, obtained, expected, unit), not text: the console renders it as
 ``what: obtained X, expected Y (+Z)``, report.json stores it as numbers (``Finding.to_json``), and the
 HTML page draws its table from those numbers (``commgate.report.htmlreport``), so no renderer reads
-another's text. Torch-free.
+another's text. What the differences mean, where a pattern proves it (a bucket split, a dtype change:
+``commgate.judge.causes``), is the finding's ``causes``: one line each, shown above the numbers.
+Torch-free.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass
 from fractions import Fraction
 from typing import Any, Literal
 
 from commgate.core.units import number, shown, signed
+from commgate.judge.causes import Cause
 
 MAX_LINES = 12
-"""Lines of a finding the console shows (report.json has them all)."""
+"""Lines of a finding's causes, and of its numbers, the console shows (report.json has them all)."""
 
 Kind = Literal["model", "paper", "baseline", "cold-start", "latency", "config", "time"]
 
@@ -68,14 +72,23 @@ class Difference:
         }
 
 
+def _bounded(lines: Sequence[str]) -> list[str]:
+    """The first ``MAX_LINES`` of ``lines``, and how many more report.json has."""
+    more = len(lines) - MAX_LINES
+    return [*lines[:MAX_LINES], *([f"... and {more} more (report.json has them all)"] if more > 0 else [])]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Finding:
-    """One assertion of the gate that did not hold (``fail``), or a warning: what differs first (its
-    ``differences``), then the lines that are not a difference (``notes``), bounded in the console."""
+    """One assertion of the gate that did not hold (``fail``), or a warning: what the differences mean
+    (``causes``), what differs (its ``differences``), then the lines that are not a difference (``notes``),
+    bounded in the console."""
 
     kind: Kind
     fail: bool
     title: str
+    causes: tuple[Cause, ...] = ()
+    """The patterns the differences prove, in words (``commgate.judge.causes.recognise``): the top lines."""
     differences: tuple[Difference, ...] = ()
     notes: tuple[str, ...] = ()
     """Lines after the differences: what is not obtained against expected (a paper term, a latency shift)."""
@@ -84,24 +97,26 @@ class Finding:
 
     @property
     def lines(self) -> tuple[str, ...]:
-        """Every line of it, differences first."""
-        return (*(d.text() for d in self.differences), *self.notes)
+        """Every line of it: its causes, then its differences, then its notes."""
+        return (*(c.text for c in self.causes), *(d.text() for d in self.differences), *self.notes)
 
     def text(self) -> str:
-        lines = self.lines
-        shown_lines = list(lines[:MAX_LINES])
-        if len(lines) > MAX_LINES:
-            shown_lines.append(f"... and {len(lines) - MAX_LINES} more (report.json has them all)")
+        """The title, its causes, then its numbers: each of the two at most ``MAX_LINES``."""
+        numbers = (*(d.text() for d in self.differences), *self.notes)
+        shown_lines = [*_bounded([c.text for c in self.causes]), *_bounded(numbers)]
         body = "".join(f"\n    {line}" for line in shown_lines)
         return f"[{self.kind}] {self.title}{body}" + (f"\n    {self.hint}" if self.hint else "")
 
     def to_json(self) -> dict[str, Any]:
-        """Its record in report.json: the lines as the console shows them, and the differences as data."""
+        """Its record in report.json: the lines as the console shows them, the causes, the differences as
+        data, and the notes (the lines that are neither)."""
         return {
             "kind": self.kind,
             "fail": self.fail,
             "title": self.title,
             "lines": list(self.lines),
             "hint": self.hint,
+            "causes": [c.to_json() for c in self.causes],
             "differences": [d.to_json() for d in self.differences],
+            "notes": list(self.notes),
         }

@@ -27,9 +27,10 @@ from pathlib import Path
 
 from commgate.core.units import human_bytes, shown, signed
 from commgate.judge.baseline import Baseline, compare, provenance
+from commgate.judge.causes import CallKey, Cause, recognise
 from commgate.judge.drift import Assessment, RunLatency, cold_starts, shifts, summarize
 from commgate.judge.finding import Difference, Finding
-from commgate.judge.reconcile import Reconciliation
+from commgate.judge.reconcile import KeyCount, Reconciliation
 from commgate.judge.store import BaselineStore
 from commgate.model.expectation import TermComparison
 from commgate.model.scenario import Expectations
@@ -46,11 +47,8 @@ class Verdict:
 
 
 def against_model(e: Expectations, rec: Reconciliation) -> Finding | None:
-    diffs = [
-        Difference(k.label, k.measured_calls, k.predicted_calls, detail=k.source)
-        for k in rec.keys
-        if not e.model_calls.allows(k.measured_calls, k.predicted_calls)
-    ]
+    differing = [k for k in rec.keys if not e.model_calls.allows(k.measured_calls, k.predicted_calls)]
+    diffs = [Difference(k.label, k.measured_calls, k.predicted_calls, detail=k.source) for k in differing]
     for o in rec.ops:
         expected = o.predicted_bytes + sum((b for _, b in o.residuals), Fraction(0))
         if not e.model_bytes.allows(o.measured_bytes, expected):
@@ -69,8 +67,19 @@ def against_model(e: Expectations, rec: Reconciliation) -> Finding | None:
         kind="model",
         fail=True,
         title="measured communication differs from the per-collective model",
+        causes=model_causes(differing, steps=rec.steps),
         differences=tuple(diffs),
     )
+
+
+def model_causes(keys: Sequence[KeyCount], *, steps: int | None) -> tuple[Cause, ...]:
+    """What the call keys whose count differs from the model's mean, in words (``recognise``)."""
+
+    def key(k: KeyCount) -> CallKey:
+        return (k.window, k.op, k.group, k.dtype, k.bytes_per_call, k.phase)
+
+    measured = {key(k): k.measured_calls for k in keys}
+    return recognise(measured, {key(k): k.predicted_calls for k in keys}, steps=steps)
 
 
 def unchecked(e: Expectations) -> Finding:
@@ -120,7 +129,11 @@ def against_paper(e: Expectations, paper: Sequence[TermComparison]) -> Finding |
     )
 
 
-def against_baseline(e: Expectations, now: Baseline, stored: Baseline, update_flag: str = UPDATE_FLAG) -> list[Finding]:
+def against_baseline(
+    e: Expectations, now: Baseline, stored: Baseline, update_flag: str = UPDATE_FLAG, *, steps: int | None = None
+) -> list[Finding]:
+    """Counts, bytes and message sizes against the stored baseline; what the differing calls mean in words
+    where a pattern proves it (``steps``, the run's measured steps, gives an added call's rate)."""
     out = []
     diffs = compare(now, stored, bytes_tol=e.baseline_bytes, calls_tol=e.baseline_calls)
     if diffs:
@@ -131,6 +144,7 @@ def against_baseline(e: Expectations, now: Baseline, stored: Baseline, update_fl
                 fail=True,
                 title=f"communication differs from the baseline (taken {taken.get('date')} at "
                 f"{taken.get('commit')}, torch {taken.get('torch')}, deepspeed {taken.get('deepspeed')})",
+                causes=recognise(now.calls, stored.calls, steps=steps),
                 differences=tuple(diffs),
                 hint=f"if the change is intended, accept it with {update_flag}",
             )
@@ -263,7 +277,7 @@ def evaluate(
         if f is not None:
             v.findings.append(f)
     if stored is not None:
-        v.findings += against_baseline(e, now, stored, update_flag)
+        v.findings += against_baseline(e, now, stored, update_flag, steps=capture.steps)
         if emulated:
             v.latency_note = (
                 f"latency not judged: an emulated run (rank 0 of {capture.world_size}), whose calls complete "

@@ -77,6 +77,8 @@ class Reconciliation:
     ops: tuple[OpBalance, ...]
     traffic_measured: dict[tuple[int, int], Fraction]
     traffic_predicted: dict[tuple[int, int], Fraction]
+    steps: int = 0
+    """The measured steps the ``steps`` window's counts are over."""
 
     @property
     def mismatches(self) -> tuple[KeyCount, ...]:
@@ -187,4 +189,5 @@ def reconcile(prediction: Prediction, capture: Capture) -> Reconciliation:
         ops=ops,
         traffic_measured={k: v for k, v in traffic_measured.items() if v},
         traffic_predicted={k: v for k, v in traffic_predicted.items() if v},
+        steps=len(steps),
     )

@@ -2,8 +2,9 @@
 for Perfetto (``commgate.report.trace``), written next to ``report.json`` from the report document alone (so
 any saved report can be re-rendered: ``commgate html out/report.json``).
 
-The page: the counts, one row per scenario, the findings (each failure's differences as an obtained /
-expected / difference table, drawn from the findings' ``differences``), the time model's accuracy, the
+The page: the counts, one row per scenario, the findings (what they mean in words, their ``causes``,
+then their differences once, as an obtained / expected / difference table drawn from the findings'
+``differences``), the time model's accuracy, the
 plots across scenarios, and every scenario's own figures (traffic matrices, timeline, message sizes),
 drawn inline by ``commgate.report.detail``.
 """
@@ -74,7 +75,9 @@ def _findings(doc: dict[str, Any]) -> str:
         for f in s.get("findings", []):
             verdict = "FAIL" if f["fail"] else "warn"
             lines.append(f"{verdict} [{f['kind']}] {f['title']}")
-            lines += [f"    {line}" for line in f["lines"]]
+            lines += [f"    {line}" for line in _words(f)]
+            if n := len(f.get("differences", [])):
+                lines.append(f"    {n} difference(s): the table below")
             if f.get("hint"):
                 lines.append(f"    {f['hint']}")
         cls = "bad" if s["status"] in ("failed", "error") else ""
@@ -87,16 +90,26 @@ def _findings(doc: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def _words(f: dict[str, Any]) -> list[str]:
+    """A finding's lines that are not a difference (those are the table's, shown once): its causes, then its
+    notes. A report written before findings carried ``differences`` has only its ``lines``; one written
+    before ``causes`` and ``notes``, its differences' lines first."""
+    if "differences" not in f:
+        return list(f["lines"])
+    if "notes" not in f:
+        return list(f["lines"][len(f["differences"]) :])
+    return [c["text"] for c in f.get("causes", [])] + list(f["notes"])
+
+
 def _diff_table(s: dict[str, Any]) -> str:
-    """The failing findings' differences (against the baseline, the model or the time model's allowance) as
-    a table: against, what, now, expected, and the difference (or what the finding says in its place)."""
+    """The findings' differences (against the baseline, the model or the time model's allowance) as one
+    table, the only place the page shows them: against, what, now, expected, and the difference (or what the
+    finding says in its place)."""
     rows = []
     for f in s.get("findings", []):
-        if not f["fail"]:
-            continue
         for d in f.get("differences", []):  # reports written before findings carried them have none
             cells = [
-                f["kind"],
+                f["kind"] if f["fail"] else f"{f['kind']} (warning)",
                 d["what"],
                 shown(d["obtained"]),
                 shown(d["expected"]),

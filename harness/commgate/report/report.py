@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -16,6 +17,7 @@ from commgate.core import schemas
 from commgate.core.fsutil import atomic_write_text, dumps
 from commgate.core.provenance import environment
 from commgate.core.units import human_bytes, number, shown
+from commgate.judge.causes import Cause
 from commgate.judge.drift import cold_starts
 from commgate.judge.finding import Finding
 from commgate.judge.reconcile import Reconciliation
@@ -121,7 +123,8 @@ class ScenarioResult:
             lines += [f"    {o.op:<15} measured {human_bytes(o.measured_bytes):>11}/step ({view})" for o in r.ops]
             lines += [f"    {line}" for f in self.findings for line in f.text().splitlines()]
             return "\n".join(lines)
-        lines += self._model_lines(r, view)
+        causes = [c for f in self.findings if f.kind == "model" and f.fail for c in f.causes]
+        lines += self._model_lines(r, view, causes)
         s = self.prediction.scenario
         lines += [f"    {s.trainer}: {line}" for line in derived(s)]  # what the trainer resolved, never silent
         for f in self.findings:
@@ -155,8 +158,9 @@ class ScenarioResult:
         return head, view
 
     @staticmethod
-    def _model_lines(r: Reconciliation, view: str) -> list[str]:
-        """Per op measured, predicted and unexplained bytes, then the first call counts that differ."""
+    def _model_lines(r: Reconciliation, view: str, causes: Sequence[Cause] = ()) -> list[str]:
+        """Per op measured, predicted and unexplained bytes, then what the differing counts mean in words
+        (``causes``), then the first call counts that differ."""
         lines = []
         for o in r.ops:
             extra = f" + {human_bytes(sum((b for _, b in o.residuals), Fraction(0)))} named" if o.residuals else ""
@@ -164,6 +168,7 @@ class ScenarioResult:
                 f"    {o.op:<15} measured {human_bytes(o.measured_bytes):>11}/step ({view})  predicted "
                 f"{human_bytes(o.predicted_bytes):>11}{extra}  unexplained {shown(o.unexplained_bytes)} B"
             )
+        lines += [f"    {c.text}" for c in causes]
         for k in r.mismatches[:10]:
             lines.append(f"    {k.label}: measured {k.measured_calls}, predicted {k.predicted_calls} ({k.source})")
         if len(r.mismatches) > 10:
