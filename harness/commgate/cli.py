@@ -625,12 +625,12 @@ def cmd_import(a: argparse.Namespace) -> int:
     import yaml
 
     from commgate.core.fsutil import atomic_write_text
-    from commgate.model.importer import build, hf_trainer
+    from commgate.model.importer import build, hf_trainer, scenario_name
     from commgate.model.loader import load_document
     from commgate.model.predict import predict
 
     if a.name is None:  # the written file's name: imports of one config into several files do not collide
-        a.name = "".join(c if c.isalnum() or c in "-_." else "-" for c in a.out.stem) or None
+        a.name = scenario_name(a.out)
     got: Imported
     if a.torchtitan:
         got = _torchtitan_import(a)

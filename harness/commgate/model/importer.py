@@ -113,7 +113,7 @@ def build(
     par.setdefault("pp", 1)
     out.doc = {
         "schema_version": 1,
-        "name": name or _name(neox or hf or deepspeed),
+        "name": name or scenario_name(neox or hf or deepspeed),
         "description": "Imported by commgate import from " + ", ".join(str(p) for p in (neox, deepspeed, hf) if p),
         "model": model,
         "parallelism": {k: par[k] for k in ("scheme", "dp", "tp", "pp") if k in par}
@@ -133,7 +133,8 @@ def _stage(ds: dict[str, Any]) -> int:
     return _whole(stage, "deepspeed zero_optimization.stage") if dsconfig.given(stage) else 0
 
 
-def _name(path: Path | None) -> str:
+def scenario_name(path: Path | None) -> str:
+    """A scenario name from a file's stem (characters a file name and an id both take)."""
     if path is None:
         return "imported"
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in path.stem) or "imported"
@@ -451,7 +452,7 @@ def torchtitan(job: TitanJob, *, dp: int | None, tp: int | None, cpu: bool, name
     block = _torchtitan_block(job, out)
     out.doc = {
         "schema_version": 1,
-        "name": name or _name(Path(job.source)) if Path(job.source).suffix == ".toml" else name or job.config,
+        "name": name or scenario_name(Path(job.source)) if Path(job.source).suffix == ".toml" else name or job.config,
         "description": f"Imported by commgate import from torchtitan {job.source}",
         "trainer": "torchtitan",
         "torchtitan": block,
@@ -529,7 +530,7 @@ def hf_trainer(*, hf: Path, deepspeed: Path | None, dp: int, out: Path, name: st
     s = int(cfg.get("max_position_embeddings", 2048))
     doc: dict[str, Any] = {
         "schema_version": 1,
-        "name": name or _name(hf),
+        "name": name or scenario_name(hf),
         "description": "Imported by commgate import --trainer hf from "
         + ", ".join(map(str, filter(None, (hf, deepspeed)))),
         "trainer": "hf",
