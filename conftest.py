@@ -3,7 +3,90 @@
 ``pytester`` drives the commgate plugin end to end in the plugin's own tests.
 """
 
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
 pytest_plugins = ["pytester"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The tests kill runs on purpose, and a process killed while torch builds or loads a C++ extension
+    (DeepSpeed's CPU comm op, which every forkserver loads) leaves that build's lock behind; every later
+    build on the machine then waits for it. So the tests build in a directory of their own, removed at the
+    end (the user's builds for this Python copied in, without their locks), and build the op there once, up
+    front, in a process no test can kill. A ``TORCH_EXTENSIONS_DIR`` already set is left as it is."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return
+    own = Path(tempfile.mkdtemp(prefix="commgate-tests-extensions-"))
+    config.add_cleanup(lambda: shutil.rmtree(own, ignore_errors=True))
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{sys.abiflags}_"
+    for ninja in (Path.home() / ".cache" / "torch_extensions").glob(f"{python}*/*/build.ninja"):
+        # torch's layout there is <python>_<cpu|cuXY>/<op>; under TORCH_EXTENSIONS_DIR it is <op>
+        shutil.copytree(ninja.parent, own / ninja.parent.name, ignore=shutil.ignore_patterns("lock"), symlinks=True)
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(own)
+    _build_deepspeed_op(own)
+
+
+def _build_deepspeed_op(own: Path) -> None:
+    """Where the forkserver loads DeepSpeed's CPU comm op (no GPU), build it now unless a build for this
+    environment was copied in (a build for another one is rebuilt: its flags name that environment's paths)."""
+    from commgate.run.launcher import gpu_visible
+
+    ninja = own / "deepspeed_shm_comm" / "build.ninja"
+    if gpu_visible() or (ninja.is_file() and sys.prefix in ninja.read_text()):
+        return
+    print("commgate tests: building DeepSpeed's CPU comm op once, for the session (a minute or two)", flush=True)
+    done = subprocess.run(
+        [sys.executable, "-c", "import commgate.run.deepspeed_ops"], capture_output=True, text=True, timeout=900
+    )
+    if done.returncode != 0:
+        print(f"commgate tests: the op's build failed; DeepSpeed's tests will say why:\n{done.stderr[-2000:]}")
+
 
 # The malformed-scenario corpus is read by tests/test_malformed.py, not collected by the gate.
 collect_ignore = ["tests/data"]
+
+
+TEST_BOUND_S = float(os.environ.get("COMMGATE_TEST_BOUND_S") or 1200)
+"""No test runs longer (the longest, torchtitan's own 8B and 70B configurations, takes minutes): past it, every
+process the test session started is killed, so that a test waiting on one fails instead of holding CI until its
+own timeout, and the session goes on. ``COMMGATE_TEST_BOUND_S`` sets another bound."""
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    timer = threading.Timer(TEST_BOUND_S, _kill_descendants, args=(item.nodeid,))
+    timer.daemon = True
+    timer.start()
+    try:
+        return (yield)
+    finally:
+        timer.cancel()
+
+
+def _kill_descendants(nodeid: str) -> None:
+    import psutil
+    from commgate.run.diagnose import stale_build_locks
+
+    children = psutil.Process().children(recursive=True)
+    names = []
+    for child in children:
+        try:
+            names.append(" ".join(child.cmdline())[:120])
+            child.kill()
+        except psutil.Error:
+            continue
+    print(
+        f"\n{nodeid}: ran past {TEST_BOUND_S:g} s; killed the {len(names)} process(es) it had started: {names}; "
+        f"torch extension build locks: {[str(lock) for lock in stale_build_locks()]}",
+        file=sys.__stderr__,
+        flush=True,
+    )

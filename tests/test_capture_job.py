@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from subprocess import PIPE
 
 import pytest
 from commgate.run.external import BOOTSTRAP, CAPTURE_ENV
@@ -30,15 +32,22 @@ BOUND_S = 300
 def commgate(
     *args: str | Path, cwd: Path = JOBS, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "commgate", *map(str, args)],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=BOUND_S,
-        check=False,
-    )
+    return bounded([sys.executable, "-m", "commgate", *map(str, args)], cwd=cwd, env=env)
+
+
+def bounded(cmd: list[str], *, cwd: Path, env: dict[str, str] | None) -> subprocess.CompletedProcess[str]:
+    """``cmd`` in a session of its own, killed with everything it started (torchrun, the ranks) after
+    ``BOUND_S``; a test that runs out says what the command had printed and any torch build lock."""
+    with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=PIPE, stderr=PIPE, text=True, start_new_session=True) as p:
+        try:
+            out, err = p.communicate(timeout=BOUND_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+            from commgate.run.diagnose import stale_build_locks
+
+            pytest.fail(f"{cmd} ran past {BOUND_S} s; build locks {stale_build_locks()}\n{out}\n{err}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def capture(out: Path, *script_args: str, dumps: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -168,7 +177,7 @@ def test_commgate_capture_in_the_environment_with_explicit_steps(work: Path, bas
     out = work / "env"
     env = dict(os.environ, **{CAPTURE_ENV: str(out), "PYTHONPATH": str(BOOTSTRAP)})
     cmd = [*TORCHRUN, "ddp_train.py", "--steps", "3", "--mark-steps"]
-    done = subprocess.run(cmd, cwd=JOBS, env=env, capture_output=True, text=True, timeout=BOUND_S, check=False)
+    done = bounded(cmd, cwd=JOBS, env=env)
     assert done.returncode == 0, done.stderr
     meta = json.loads((out / "rank1.meta.json").read_text())
     assert meta["step_marks"] == "commgate.capture.step()" and meta["steps"] == 3

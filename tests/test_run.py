@@ -23,7 +23,7 @@ from commgate.model.scenario import Scenario
 from commgate.model.schemes.zero3_fetch import INERT
 from commgate.run.capture import INIT_STEP, Capture
 from commgate.run.capture import validate as validate_capture
-from commgate.run.launcher import RunError, launch_local
+from commgate.run.launcher import RunError, gpu_visible, launch_local
 
 BASE = (
     "schema_version: 1\nname: {name}\nmodel: {{preset: 19M-cpu}}\n"
@@ -261,6 +261,29 @@ def test_ranks_die_with_a_launcher_killed_outright(tmp_path: Path) -> None:
     (orphan,) = tmp_path.iterdir()  # the killed launcher's private directory; the next launch removes it
     launch_local(scenario(), workdir=tmp_path)
     assert not orphan.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(gpu_visible(), reason="the forkserver loads DeepSpeed's CPU comm op only where no GPU is visible")
+def test_a_stale_build_lock_fails_the_forkservers_start_naming_the_lock(tmp_path: Path) -> None:
+    """A build lock left by a killed DeepSpeed op build: every later build waits for it forever. The
+    forkserver's start is bounded (here 12 s): the run says it waits on the lock, then fails naming it, and
+    the scenario after it fails at once with the same words; nothing is left running."""
+    lock = tmp_path / "extensions" / "deepspeed_shm_comm" / "lock"  # torch's layout under TORCH_EXTENSIONS_DIR
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.yaml").write_text(text(name))
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(lock.parents[1]), "COMMGATE_FORKSERVER_START_S": "12"}
+    cmd = [sys.executable, "-m", "commgate", "run", "a.yaml", "b.yaml", "--report-dir", "out"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    said = f"{lock} is a build lock of torch's C++ extensions"
+    assert "the ranks' forkserver has waited" in proc.stderr and said in proc.stderr
+    for name in ("a", "b"):
+        assert f"ERROR   {name}" in proc.stdout
+    assert proc.stdout.count("the ranks' forkserver did not start within 12 s") == 2
+    assert proc.stdout.count(said) == 2
+    assert rank_processes(tmp_path) == []
 
 
 def test_cli_run_writes_the_report_and_fails_on_a_planted_crash(tmp_path: Path) -> None:

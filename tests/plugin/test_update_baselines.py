@@ -34,7 +34,7 @@ def test_create_pass_change_fail_update_pass(pytester: pytest.Pytester, scenario
 
     updated = pytester.runpytest("--commgate-update-baselines")
     updated.assert_outcomes(passed=1)
-    updated.stdout.fnmatch_lines(["*commgate baselines*", "g: *g.json updated: calls *"])
+    updated.stdout.fnmatch_lines(["*commgate baselines*", "g: *g.json updated: *calls [[]steps[]] *"])
     pytester.runpytest().assert_outcomes(passed=1)
 
 

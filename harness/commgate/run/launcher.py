@@ -23,7 +23,9 @@ import pickle
 import shutil
 import signal
 import socket
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.context import ForkServerContext
@@ -35,7 +37,15 @@ from commgate.core.errors import CommgateError
 from commgate.model.scenario import Scenario
 from commgate.run import budget
 from commgate.run.capture import Capture, merge, timeline
-from commgate.run.diagnose import POLL_S, Exits, Watchdog, failure, hang_report, stall_report
+from commgate.run.diagnose import (
+    POLL_S,
+    Exits,
+    Watchdog,
+    failure,
+    hang_report,
+    stale_build_locks,
+    stall_report,
+)
 from commgate.run.emulate import started_ranks
 from commgate.run.inject import Faults
 from commgate.run.links import Network
@@ -83,6 +93,88 @@ def _context() -> ForkServerContext:
         ctx.set_forkserver_preload(list(PRELOAD if gpu_visible() else PRELOAD + PRELOAD_CPU))
         _CONTEXT = ctx
     return _CONTEXT
+
+
+FORKSERVER_START_S = 600.0
+"""How long the forkserver may take to start: torch's and DeepSpeed's imports, and on a first run DeepSpeed's
+CPU comm op build (minutes on two busy cores). ``COMMGATE_FORKSERVER_START_S`` sets another bound."""
+LOCK_NOTE_S = 30.0
+"""After this long (or half the bound, if less), a start still waiting where a torch-extension build lock
+exists says so on stderr."""
+_START_FAILED: list[str] = []
+"""Why the forkserver failed to start in this process: the later scenarios fail at once with it."""
+
+
+def _forkserver_ready(ctx: ForkServerContext) -> None:
+    """Wait, bounded, until the forkserver forks (its first start imports and builds for minutes; a build
+    lock that a killed build left behind would hold it forever). Past the bound, stop it and raise
+    ``RunError`` naming any build lock and the bound's variable."""
+    if _START_FAILED:
+        raise RunError(_START_FAILED[0])
+    bound = float(os.environ.get("COMMGATE_FORKSERVER_START_S") or FORKSERVER_START_S)
+    probe = ctx.Process(target=os.getpid, name="commgate-forkserver-probe", daemon=True)
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            probe.start()
+            probe.join()
+        except (OSError, EOFError) as e:  # the forkserver died, or was stopped below
+            errors.append(e)
+
+    waiter = threading.Thread(target=start, daemon=True)
+    waiter.start()
+    begun, told = time.monotonic(), False
+    while waiter.is_alive():
+        waited = time.monotonic() - begun
+        if waited > bound:
+            _stop_forkserver()
+            waiter.join(10)
+            _START_FAILED.append(_start_report(f"did not start within {bound:g} s"))
+            raise RunError(_START_FAILED[0])
+        if not told and waited > min(LOCK_NOTE_S, bound / 2) and (locks := stale_build_locks()):
+            told = True
+            print(f"commgate: the ranks' forkserver has waited {waited:.0f} s; {_lock_words(locks)}", file=sys.stderr)
+        waiter.join(POLL_S)
+    if errors:
+        _START_FAILED.append(_start_report(f"exited while starting ({type(errors[0]).__name__})"))
+        raise RunError(_START_FAILED[0])
+
+
+def _start_report(what: str) -> str:
+    start = "it imports torch and DeepSpeed and, on a first run, builds DeepSpeed's CPU comm op"
+    locks = stale_build_locks()
+    fix = _lock_words(locks) if locks else "set COMMGATE_FORKSERVER_START_S (seconds) to wait longer"
+    return f"the ranks' forkserver {what} ({start}); {fix}"
+
+
+def _lock_words(locks: list[Path]) -> str:
+    return (
+        f"{locks[0]} is a build lock of torch's C++ extensions, which a killed build leaves behind and every later "
+        "build waits for: delete it if no build is running"
+    )
+
+
+def _stop_forkserver() -> None:
+    """Kill the forkserver this process started and everything it started (a build's compilers: the next
+    start begins afresh)."""
+    parents: dict[int, int] = {}
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    doomed = [pid for pid, ppid in parents.items() if ppid == os.getpid() and _is_forkserver(pid)]
+    for pid in doomed:  # the list grows as it is walked: each doomed process's children join it
+        doomed += [child for child, ppid in parents.items() if ppid == pid]
+    for pid in doomed:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _is_forkserver(pid: int) -> bool:
+    try:
+        return b"multiprocessing.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 MARKER = ".commgate-launcher"
@@ -201,11 +293,11 @@ def launch_local(
     _sweep_orphans(Path(workdir or tempfile.gettempdir()))
     tmp = _private_dir(workdir)
     procs: list[BaseProcess] = []
-    launched = time.monotonic()
     try:
+        _forkserver_ready(_context())
+        launched = time.monotonic()
         _start(scenario, ran, tmp, procs, launched=launched, faults=faults or Faults(), network=network)
-        # the deadline runs from here: the forkserver's start (torch's and DeepSpeed's imports, DeepSpeed's op
-        # build on a first run), which the first rank's start waits for, is not the ranks' time
+        # the deadline runs from here: the forkserver's start has its own bound (_forkserver_ready)
         started = time.monotonic()
         _wait(scenario, ran, tmp, procs, started=started, deadline=deadline)
         if progress:

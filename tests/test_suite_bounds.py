@@ -1,0 +1,45 @@
+"""The test session's own bounds (the repository's ``conftest.py``): a test waiting on a process that never
+ends fails at ``COMMGATE_TEST_BOUND_S`` with the process killed and named, and the session goes on; the tests
+build torch's C++ extensions in a directory of their own, so a build lock they leave cannot hold the user's."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_test_waiting_on_a_process_that_never_ends_fails_and_the_session_goes_on(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytester.makeconftest((ROOT / "conftest.py").read_text().replace('pytest_plugins = ["pytester"]', ""))
+    pytester.makepyfile(
+        test_wait="""
+        import subprocess
+
+        def test_waits_forever():
+            done = subprocess.run(["sleep", "600"])
+            assert done.returncode == 0
+
+        def test_after():
+            assert True
+        """
+    )
+    monkeypatch.setenv("COMMGATE_TEST_BOUND_S", "3")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=120)
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(
+        ["*test_wait.py::test_waits_forever: ran past 3 s; killed the 1 process(es)*sleep 600*", "*assert -9 == 0*"]
+    )
+
+
+def test_the_tests_build_torch_extensions_in_a_directory_of_their_own() -> None:
+    own = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    if not own.name.startswith("commgate-tests-extensions-"):
+        pytest.skip("TORCH_EXTENSIONS_DIR was set before the session: the tests use it as it is")
+    assert own.parent == Path(tempfile.gettempdir()) and own.is_dir()
+    assert not list(own.glob("*/*/lock")), "a lock copied in from the user's directory"
