@@ -20,33 +20,34 @@ pytest_plugins = ["pytester"]
 def pytest_configure(config: pytest.Config) -> None:
     """The tests kill runs on purpose, and a process killed while torch builds or loads a C++ extension
     (DeepSpeed's CPU comm op, which every forkserver loads) leaves that build's lock behind; every later
-    build on the machine then waits for it. So the tests build in a directory of their own, removed at the
-    end (the user's builds for this Python copied in, without their locks), and build the op there once, up
-    front, in a process no test can kill. A ``TORCH_EXTENSIONS_DIR`` already set is left as it is."""
+    build then waits for it. So the op is built up front, in a process no test can kill, where commgate
+    builds it for this environment (``commgate.run.extensions``), and the tests load copies of it from a
+    directory of their own, removed at the end. A ``TORCH_EXTENSIONS_DIR`` already set is left as it is."""
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return
-    own = Path(tempfile.mkdtemp(prefix="commgate-tests-extensions-"))
-    config.add_cleanup(lambda: shutil.rmtree(own, ignore_errors=True))
-    python = f"py{sys.version_info.major}{sys.version_info.minor}{sys.abiflags}_"
-    for ninja in (Path.home() / ".cache" / "torch_extensions").glob(f"{python}*/*/build.ninja"):
-        # torch's layout there is <python>_<cpu|cuXY>/<op>; under TORCH_EXTENSIONS_DIR it is <op>
-        shutil.copytree(ninja.parent, own / ninja.parent.name, ignore=shutil.ignore_patterns("lock"), symlinks=True)
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(own)
-    _build_deepspeed_op(own)
-
-
-def _build_deepspeed_op(own: Path) -> None:
-    """Where the forkserver loads DeepSpeed's CPU comm op (no GPU), build it now unless a build for this
-    environment was copied in (a build for another one is rebuilt: its flags name that environment's paths)."""
+    from commgate.run.extensions import environment_dir
     from commgate.run.launcher import gpu_visible
 
-    ninja = own / "deepspeed_shm_comm" / "build.ninja"
-    if gpu_visible() or (ninja.is_file() and sys.prefix in ninja.read_text()):
+    own = Path(tempfile.mkdtemp(prefix="commgate-tests-extensions-"))
+    config.add_cleanup(lambda: shutil.rmtree(own, ignore_errors=True))
+    built = environment_dir()
+    if not gpu_visible():  # only there does the forkserver load the op
+        _build_deepspeed_op(built if not (built / "deepspeed_shm_comm" / "lock").exists() else own)
+    if built.is_dir():
+        shutil.copytree(built, own, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"), symlinks=True)
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(own)
+
+
+def _build_deepspeed_op(where: Path) -> None:
+    """Build DeepSpeed's CPU comm op in ``where`` unless it holds a build for this environment (a build's
+    flags name its environment's paths)."""
+    ninja = where / "deepspeed_shm_comm" / "build.ninja"
+    if ninja.is_file() and sys.prefix in ninja.read_text():
         return
-    print("commgate tests: building DeepSpeed's CPU comm op once, for the session (a minute or two)", flush=True)
-    done = subprocess.run(
-        [sys.executable, "-c", "import commgate.run.deepspeed_ops"], capture_output=True, text=True, timeout=900
-    )
+    print(f"commgate tests: building DeepSpeed's CPU comm op once, in {where} (a minute or two)", flush=True)
+    env = os.environ | {"TORCH_EXTENSIONS_DIR": str(where)}
+    cmd = [sys.executable, "-c", "import commgate.run.deepspeed_ops"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         print(f"commgate tests: the op's build failed; DeepSpeed's tests will say why:\n{done.stderr[-2000:]}")
 
@@ -74,7 +75,7 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 
 def _kill_descendants(nodeid: str) -> None:
     import psutil
-    from commgate.run.diagnose import stale_build_locks
+    from commgate.run.extensions import build_locks
 
     children = psutil.Process().children(recursive=True)
     names = []
@@ -86,7 +87,7 @@ def _kill_descendants(nodeid: str) -> None:
             continue
     print(
         f"\n{nodeid}: ran past {TEST_BOUND_S:g} s; killed the {len(names)} process(es) it had started: {names}; "
-        f"torch extension build locks: {[str(lock) for lock in stale_build_locks()]}",
+        f"torch extension build locks: {[str(lock) for lock in build_locks()]}",
         file=sys.__stderr__,
         flush=True,
     )

@@ -44,9 +44,9 @@ def bounded(cmd: list[str], *, cwd: Path, env: dict[str, str] | None) -> subproc
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             out, err = p.communicate()
-            from commgate.run.diagnose import stale_build_locks
+            from commgate.run.extensions import build_locks
 
-            pytest.fail(f"{cmd} ran past {BOUND_S} s; build locks {stale_build_locks()}\n{out}\n{err}")
+            pytest.fail(f"{cmd} ran past {BOUND_S} s; build locks {build_locks()}\n{out}\n{err}")
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 

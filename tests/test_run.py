@@ -509,14 +509,29 @@ def test_cli_run_gate_judges_against_baselines_like_pytest(tmp_path: Path, capsy
 
 
 def test_a_stale_extension_build_lock_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from commgate.run.diagnose import stale_build_locks
+    from commgate.run.extensions import build_locks
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    assert stale_build_locks() == []
-    lock = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    assert build_locks() == []
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"  # torch's layout under TORCH_EXTENSIONS_DIR
     lock.parent.mkdir(parents=True)
     lock.touch()
-    assert stale_build_locks() == [lock]
+    assert build_locks() == [lock]
+
+
+def test_the_forkserver_builds_in_a_directory_of_its_environments_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two checkouts' environments do not share (and so do not rebuild alternately) DeepSpeed's op; a
+    TORCH_EXTENSIONS_DIR the user set is theirs."""
+    from commgate.run import extensions
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    mine = extensions.use_environment_dir()
+    assert mine == extensions.environment_dir() and os.environ["TORCH_EXTENSIONS_DIR"] == str(mine)
+    assert mine.is_relative_to(Path.home() / ".cache" / "commgate")
+    monkeypatch.setattr(sys, "prefix", "/elsewhere/.venv")
+    assert extensions.environment_dir() != mine and extensions.environment_dir().parent == mine.parent
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/users/own")
+    assert extensions.use_environment_dir() == Path("/users/own")
 
 
 LLAMA = (

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import signal
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from commgate.run.extensions import build_locks
 
 POLL_S = 0.02
 """How often the launcher looks at its ranks (their exit statuses, and the calls they dump when asked)."""
@@ -305,12 +306,6 @@ def hang_report(scenario_id: str, tmp: Path, ranks: Sequence[int], waited: float
         lines += [
             f"  {lock}: a build lock of torch's C++ extensions, which a killed build leaves behind and every "
             "later build then waits for; delete it if no build is running"
-            for lock in stale_build_locks()
+            for lock in build_locks()
         ]
     return "\n".join(lines)
-
-
-def stale_build_locks() -> list[Path]:
-    """Lock files in torch's C++-extension build directories (``TORCH_EXTENSIONS_DIR``)."""
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    return sorted(root.glob("*/*/lock")) + sorted(root.glob("*/lock"))

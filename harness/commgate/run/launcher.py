@@ -43,10 +43,10 @@ from commgate.run.diagnose import (
     Watchdog,
     failure,
     hang_report,
-    stale_build_locks,
     stall_report,
 )
 from commgate.run.emulate import started_ranks
+from commgate.run.extensions import build_locks, use_environment_dir
 from commgate.run.inject import Faults
 from commgate.run.links import Network
 from commgate.run.rank import child
@@ -89,6 +89,7 @@ def _context() -> ForkServerContext:
     """The forkserver every rank is forked from, started on first use with torch preloaded."""
     global _CONTEXT
     if _CONTEXT is None:
+        use_environment_dir()  # DeepSpeed's op built once per environment (commgate.run.extensions)
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(list(PRELOAD if gpu_visible() else PRELOAD + PRELOAD_CPU))
         _CONTEXT = ctx
@@ -132,7 +133,7 @@ def _forkserver_ready(ctx: ForkServerContext) -> None:
             waiter.join(10)
             _START_FAILED.append(_start_report(f"did not start within {bound:g} s"))
             raise RunError(_START_FAILED[0])
-        if not told and waited > min(LOCK_NOTE_S, bound / 2) and (locks := stale_build_locks()):
+        if not told and waited > min(LOCK_NOTE_S, bound / 2) and (locks := build_locks()):
             told = True
             print(f"commgate: the ranks' forkserver has waited {waited:.0f} s; {_lock_words(locks)}", file=sys.stderr)
         waiter.join(POLL_S)
@@ -143,7 +144,7 @@ def _forkserver_ready(ctx: ForkServerContext) -> None:
 
 def _start_report(what: str) -> str:
     start = "it imports torch and DeepSpeed and, on a first run, builds DeepSpeed's CPU comm op"
-    locks = stale_build_locks()
+    locks = build_locks()
     fix = _lock_words(locks) if locks else "set COMMGATE_FORKSERVER_START_S (seconds) to wait longer"
     return f"the ranks' forkserver {what} ({start}); {fix}"
 

@@ -1,0 +1,41 @@
+"""Where torch builds the C++ extensions commgate's ranks load (DeepSpeed's CPU comm op), and the build
+locks found there.
+
+torch builds into ``TORCH_EXTENSIONS_DIR``, else into one directory per Python version and device
+(``~/.cache/torch_extensions/py311_cpu``) shared by every environment, while a build's flags name its
+environment's paths: two checkouts would rebuild the op alternately (minutes each on two cores). Unless
+the user set ``TORCH_EXTENSIONS_DIR``, commgate's forkserver builds into a directory of this environment's
+own (``~/.cache/commgate/torch_extensions/<environment>``): once per environment.
+
+A build that is killed leaves its ``lock`` file behind, and every later build waits for it forever:
+``build_locks`` finds them, for the messages that name them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+ENV = "TORCH_EXTENSIONS_DIR"
+
+
+def environment_dir() -> Path:
+    """This Python environment's own build directory (named after its prefix and Python version)."""
+    tag = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{sys.abiflags}"
+    return Path.home() / ".cache" / "commgate" / "torch_extensions" / f"{python}-{tag}"
+
+
+def use_environment_dir() -> Path:
+    """Set ``TORCH_EXTENSIONS_DIR`` to this environment's own directory unless the user set it (before the
+    forkserver starts: it and the ranks inherit it); the directory in use."""
+    os.environ.setdefault(ENV, str(environment_dir()))
+    return Path(os.environ[ENV])
+
+
+def build_locks() -> list[Path]:
+    """Lock files in the build directories in use (``TORCH_EXTENSIONS_DIR``, else torch's default)."""
+    root = Path(os.environ.get(ENV) or Path.home() / ".cache" / "torch_extensions")
+    return sorted(root.glob("*/*/lock")) + sorted(root.glob("*/lock"))
