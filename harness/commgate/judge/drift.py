@@ -14,9 +14,9 @@ includes waiting for its sender: exactly what the paper's cold-cache anomaly loo
   *run* is the unit of replication: the calls of one run are not independent samples (on a busy or
   drifting machine they all move together; on the 2-core CI machine two unchanged runs differ by 2x and
   more in a third of their ops). So the baseline keeps a history of runs, a verdict needs
-  ``min_runs`` of them, the threshold is the larger of ``factor`` and the widest spread the stored
-  runs show among themselves, a whole-machine drift (compute and the other collectives) excuses its share, and the
-  gate reruns a scenario that looks shifted ``confirm`` times: *slower* (*faster*) only when every run is beyond.
+  ``min_runs`` of them, an op's threshold is the larger of ``factor`` and the widest spread the stored
+  runs show among themselves in that op, a whole-machine drift (compute and the other collectives)
+  excuses its share, and the gate reruns a scenario that looks shifted ``confirm`` times: *slower* (*faster*) only when every run is beyond.
 """
 
 from __future__ import annotations
@@ -290,12 +290,12 @@ def _common(sets: Iterable[set[_T]]) -> set[_T]:
     return out or set()
 
 
-def envelope(runs: Sequence[RunLatency]) -> float:
-    """The widest ratio between two of ``runs`` in any op's time per step: what this machine shows
-    with nothing changed (1.0 for fewer than two runs)."""
+def envelope(runs: Sequence[RunLatency], op: str | None = None) -> float:
+    """The widest ratio between two of ``runs`` in ``op``'s time per step (any op's, for None): what
+    this machine does with nothing changed (1.0 for fewer than two runs)."""
     widest = 1.0
-    for op in _common(r.ops() for r in runs):
-        times = [r.op_time(op) for r in runs]
+    for o in _common(r.ops() for r in runs) if op is None else {op}:
+        times = [r.op_time(o) for r in runs]
         if min(times) > 0:
             widest = max(widest, max(times) / min(times))
     return widest
@@ -316,10 +316,10 @@ def shifts(now: Sequence[RunLatency], base: Sequence[RunLatency], rule: LatencyR
 
     The run is the unit: an op is *slower* only when its time in **every** run now is beyond the
     threshold times the base runs' median, the threshold being the larger of ``rule.factor`` and the
-    widest spread the base runs show among themselves (``envelope``: what this machine does with
-    nothing changed); a drift of the whole machine — its compute *and* the scenario's other collectives
-    slower (``_drift``) — excuses that much. *faster*
-    mirrors it (reported, never a failure). Fewer than ``rule.min_runs`` base runs: not judged; an op
+    widest spread the base runs show among themselves in that op (``envelope``: what this machine does
+    with nothing changed; each op its own, so that a 20 us broadcast that the scheduler moves x10 on a busy
+    machine does not hide a stable all-reduce slowing x3); a drift of the whole machine — its compute *and*
+    the scenario's other collectives slower (``_drift``) — excuses that much. *faster* mirrors it (reported, never a failure). Fewer than ``rule.min_runs`` base runs: not judged; an op
     under ``rule.min_share`` of the step in the base runs is not judged either (a 20 us broadcast is
     scheduling noise on a shared machine)."""
     if len(base) < rule.min_runs or not now:
@@ -330,13 +330,13 @@ def shifts(now: Sequence[RunLatency], base: Sequence[RunLatency], rule: LatencyR
     all_now, all_base = now, base
     base = [_only(r, judged) for r in base]
     now = [_only(r, judged) for r in now]
-    threshold = max(rule.factor, envelope(base))
     machine = _machine(now, base)
     out = []
     for op in sorted(judged):
         ref = statistics.median(r.op_time(op) for r in base)
         if ref <= 0:
             continue
+        threshold = max(rule.factor, envelope(base, op))
         times = [r.op_time(op) / ref for r in now]
         drift = _drift(op, machine, all_now, all_base)
         verdict: Verdict = "~"
@@ -356,6 +356,7 @@ def shifts(now: Sequence[RunLatency], base: Sequence[RunLatency], rule: LatencyR
                 keys=_moved_keys(op, now, base) if verdict != "~" else (),
             )
         )
+    threshold = max((s.threshold for s in out), default=rule.factor)
     return Assessment(shifts=tuple(out), threshold=threshold, unjudged=len(ops - judged))
 
 

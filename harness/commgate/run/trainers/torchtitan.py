@@ -298,9 +298,6 @@ def overrides(scenario: Scenario, job: Job, *, tokenizer: Path, data: Path, dump
         else "--parallelism.no-enable-sequence-parallel"
     )
     seed = ["--debug.seed", str(job.seed)] if job.seed is not None else []
-    # the scenario's loss_chunks is given, not only described (tests/trainer_gen.py found loss_chunks != 8
-    # refused by the check after the build: "make them agree", with no way to set it)
-    chunks = ["--loss.num_chunks", str(job.loss_chunks)] if job.loss == "chunked" else []
     return [
         "--module", job.module, "--config", job.config,
         "--hf_assets_path", str(tokenizer), "--dataloader.dataset", "c4_test", "--dataloader.dataset_path", str(data),
@@ -317,7 +314,6 @@ def overrides(scenario: Scenario, job: Job, *, tokenizer: Path, data: Path, dump
         "--training.mixed_precision_param", job.mixed_precision_param,
         "--metrics.log_freq", str(job.log_freq),
         *seed,
-        *chunks,
         *job.args,
         f"activation-checkpoint:{job.ac(par.activation_checkpointing)}",
     ]  # fmt: skip
@@ -375,7 +371,18 @@ def parse(scenario: Scenario, job: Job, argv: list[str]) -> Any:
             f"torchtitan config {job.module}:{job.config} {LEFT_OFF_WHY['float8'][0]} ({LEFT_OFF_WHY['float8'][1]}): "
             "list float8 in torchtitan.left_off to run without it"
         )
+    # the scenario's loss_chunks is given, not only described (tests/trainer_gen.py found loss_chunks != 8
+    # refused by check_config: "make them agree", with no way to set it). Not as a flag: a config whose loss
+    # is not chunked has no --loss.num_chunks, and must reach check_config's one line about its loss
+    if _chunked(config) and job.loss == "chunked" and not any(a.startswith("--loss.num_chunks") for a in job.args):
+        config.loss.num_chunks = job.loss_chunks
     return config
+
+
+def _chunked(config: Any) -> bool:
+    from torchtitan.components.loss import ChunkedLossWrapper
+
+    return isinstance(config.loss, ChunkedLossWrapper.Config)
 
 
 def model_dims(config: Any) -> dict[str, Any]:
@@ -460,10 +467,8 @@ def leave_off(config: Any, job: Job) -> None:
 def check_config(config: Any, scenario: Scenario, job: Job) -> None:
     """Stop in one line where the parsed job is not the scenario's (a config function, or torchtitan.args,
     that sets what the scenario gives)."""
-    from torchtitan.components.loss import ChunkedLossWrapper
-
     par, m = scenario.parallelism, scenario.model
-    chunked = isinstance(config.loss, ChunkedLossWrapper.Config)
+    chunked = _chunked(config)
     got = {
         "activation_checkpoint": ac_mode(config) or type(config.activation_checkpoint).__qualname__,
         "loss": "chunked" if chunked else type(config.loss).__qualname__,
