@@ -16,7 +16,8 @@ includes waiting for its sender: exactly what the paper's cold-cache anomaly loo
   more in a third of their ops). So the baseline keeps a history of runs, a verdict needs
   ``min_runs`` of them, an op's threshold is the larger of ``factor`` and the widest spread the stored
   runs show among themselves in that op, a whole-machine drift (compute and the other collectives)
-  excuses its share, and the gate reruns a scenario that looks shifted ``confirm`` times: *slower* (*faster*) only when every run is beyond.
+  excuses its share, and the gate reruns a scenario that looks shifted ``confirm`` times: *slower*
+  (*faster*) only when every run is beyond.
 """
 
 from __future__ import annotations
@@ -319,8 +320,9 @@ def shifts(now: Sequence[RunLatency], base: Sequence[RunLatency], rule: LatencyR
     widest spread the base runs show among themselves in that op (``envelope``: what this machine does
     with nothing changed; each op its own, so that a 20 us broadcast that the scheduler moves x10 on a busy
     machine does not hide a stable all-reduce slowing x3); a drift of the whole machine — its compute *and*
-    the scenario's other collectives slower (``_drift``) — excuses that much. *faster* mirrors it (reported, never a failure). Fewer than ``rule.min_runs`` base runs: not judged; an op
-    under ``rule.min_share`` of the step in the base runs is not judged either (a 20 us broadcast is
+    the scenario's other collectives slower (``_drift``) — excuses that much. *faster* mirrors it
+    (reported, never a failure). Fewer than ``rule.min_runs`` base runs: not judged; an op under
+    ``rule.min_share`` of the step in the base runs is not judged either (a 20 us broadcast is
     scheduling noise on a shared machine)."""
     if len(base) < rule.min_runs or not now:
         return Assessment(note=f"latency not judged: {len(base)} run(s) to compare with, {rule.min_runs} needed")
