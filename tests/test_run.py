@@ -299,6 +299,9 @@ def test_cli_run_writes_the_report_and_fails_on_a_planted_crash(tmp_path: Path) 
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASSED  good" in proc.stdout and "unexplained 0 B" in proc.stdout
+    # the frameworks' chatter stays in the forkserver's log and the ranks' (issue 29, item 7)
+    for chatter in ("Setting accelerator to CPU", "built successfully"):
+        assert chatter not in proc.stdout + proc.stderr
     import json
 
     doc = json.loads((out / "report.json").read_text())

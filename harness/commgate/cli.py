@@ -23,6 +23,7 @@ from commgate.model.schemes import SCHEMES
 if TYPE_CHECKING:
     from commgate.model.importer import Imported
     from commgate.model.scenario import Scenario
+    from commgate.report.liveline import LiveLine
     from commgate.run.runners import Runner
     from commgate.session import Session
 
@@ -148,6 +149,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     import signal
 
     from commgate.model.loader import load_paths
+    from commgate.report.liveline import LiveLine
     from commgate.run import links
     from commgate.run.runners import LocalRanks, TorchrunRank, under_torchrun
     from commgate.session import Session, options
@@ -170,6 +172,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     if a.emulate:  # those that cannot be are skipped with the reason (commgate.run.workloads.skip_reason)
         scenarios = [dataclasses.replace(s, emulate=True) for s in scenarios]
     link = links.Link.parse(a.link) if a.link else None
+    live = LiveLine(sys.stdout)
     runner: Runner
     if under_torchrun():
         if link is not None:
@@ -177,26 +180,32 @@ def cmd_run(a: argparse.Namespace) -> int:
         runner = rank = TorchrunRank()
         lead, how = rank.lead, " (torchrun)"
     else:
-        runner, lead, how = LocalRanks(deadline_s=a.deadline), True, ""
+        runner, lead, how = LocalRanks(deadline_s=a.deadline, progress=live), True, ""
     whole = all(Path(p).is_dir() for p in a.paths) and not a.select  # the suite of its directories, all of it
     with contextlib.ExitStack() as stack:
         if link is not None:
-            runner = LocalRanks(deadline_s=a.deadline, network=stack.enter_context(links.shaped(link)))
+            shaped = stack.enter_context(links.shaped(link))
+            runner = LocalRanks(deadline_s=a.deadline, network=shaped, progress=live)
             how = f" over a {link} link"
         session = Session(options=checked, runner=runner, report_dir=a.report_dir if lead else None)
         session.check_writable()  # before any rank starts: a path that cannot be written is one line
-        return _run_all(session, scenarios, how, whole=whole) if lead else _run_rank(session, scenarios)
+        return _run_all(session, scenarios, how, live, whole=whole) if lead else _run_rank(session, scenarios)
 
 
-def _run_all(session: Session, scenarios: list[Scenario], how: str, *, whole: bool) -> int:
-    """Every scenario with its progress and summary lines, then ``_finish``."""
+def _run_all(session: Session, scenarios: list[Scenario], how: str, live: LiveLine, *, whole: bool) -> int:
+    """Every scenario with its progress (``live``) and summary lines, then ``_finish``."""
     at = ""
     try:
         for i, s in enumerate(scenarios, 1):
             at = f" during {s.id}, scenario {i} of {len(scenarios)}"
             what = s.parallelism.scheme if s.expectations.model_known else "no scenario"
             print(f"[{i}/{len(scenarios)}] {s.id}: {what} on {s.world_size} ranks{how} ...", flush=True)
-            if (result := session.run(s)) is not None:
+            live.start(s.id)
+            try:
+                result = session.run(s)
+            finally:
+                live.clear()
+            if result is not None:
                 print(result.summary(), flush=True)
     except KeyboardInterrupt as exc:  # the report says so, and holds the scenarios that finished
         session.interrupt(f"{str(exc) or 'Ctrl-C'}{at}")
@@ -242,6 +251,7 @@ def cmd_capture(a: argparse.Namespace) -> int:
 def cmd_check(a: argparse.Namespace) -> int:
     """A captured job judged as a run is: ``commgate.pipeline.run_scenario`` over the capture (or over a
     Flight Recorder dump's calls, placed in the capture's steps)."""
+    from commgate.report.liveline import LiveLine
     from commgate.run.captured import FromCapture, load
     from commgate.session import Session, options
 
@@ -269,7 +279,7 @@ def cmd_check(a: argparse.Namespace) -> int:
         print(f"    every one of the dumps' {len(dumps.calls)} calls is a captured call; judged in the capture's steps")
         captured = dataclasses.replace(captured, capture=placed)
     session = Session(options=checked, runner=FromCapture(captured=captured), report_dir=a.report_dir)
-    return _run_all(session, scenarios, " (captured)", whole=False)
+    return _run_all(session, scenarios, " (captured)", LiveLine(sys.stdout), whole=False)
 
 
 def _check_scenario(a: argparse.Namespace, captured: Any) -> list[Scenario]:

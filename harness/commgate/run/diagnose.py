@@ -208,6 +208,34 @@ def _beat(tmp: Path, rank: int) -> dict[str, Any]:
     return beat
 
 
+PHASES = {
+    "": "starting the ranks",
+    "entry": "joining the process group",
+    "joined": "building the model and the framework",
+    "built": "steps",
+    "stepped": "gathering the capture",
+}
+"""What a rank is doing after each mark of ``commgate.run.rank`` (its heartbeat's ``phase``)."""
+
+
+def phase(tmp: Path, ranks: Sequence[int], steps: int) -> str:
+    """What the slowest of ``ranks`` is doing, from their phase files and heartbeats: ``building the
+    model and the framework``, ``step 3 of 5``, ..."""
+    order = list(PHASES)
+
+    def where(rank: int) -> tuple[int, int]:
+        try:
+            mark = json.loads((tmp / f"rank{rank}.phase.json").read_text())["phase"]
+        except (OSError, ValueError, KeyError):
+            mark = ""
+        return order.index(mark) if mark in PHASES else 0, len(_beat(tmp, rank).get("steps_ns", ()))
+
+    at, done = min(where(r) for r in ranks)
+    if order[at] == "built":
+        return f"step {min(done + 1, steps)} of {steps}"
+    return PHASES[order[at]]
+
+
 def _in_call(beat: dict[str, Any]) -> bool:
     """Whether a heartbeat shows a call open, or the steps over (the rank waiting in the teardown)."""
     return bool(beat.get("open", 0) > 0 or beat.get("teardown"))

@@ -15,6 +15,7 @@ ranks (``PR_SET_PDEATHSIG``).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import multiprocessing
@@ -37,14 +38,7 @@ from commgate.core.errors import CommgateError
 from commgate.model.scenario import Scenario
 from commgate.run import budget
 from commgate.run.capture import Capture, merge, timeline
-from commgate.run.diagnose import (
-    POLL_S,
-    Exits,
-    Watchdog,
-    failure,
-    hang_report,
-    stall_report,
-)
+from commgate.run.diagnose import POLL_S, Exits, Watchdog, failure, hang_report, phase, stall_report
 from commgate.run.emulate import started_ranks
 from commgate.run.extensions import build_locks, use_environment_dir
 from commgate.run.inject import Faults
@@ -58,6 +52,7 @@ class RunError(CommgateError):
 
 # What a rank would otherwise import for seconds: torch, what DDP imports on construction (dynamo), DTensor.
 PRELOAD = (
+    "commgate.run.quiet",  # first: the forkserver's own output to its log
     "commgate.run.rank",
     "commgate.run.interpose",
     "torch._dynamo",
@@ -85,11 +80,30 @@ def gpu_visible() -> bool:
     return any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()
 
 
+LOG_ENV = "COMMGATE_FORKSERVER_LOG"
+"""Read by ``commgate.run.quiet`` in the forkserver (imported by nothing else, so that no other process
+that inherits the variable sends its output there)."""
+
+
+def forkserver_log() -> Path:
+    """Where this process's forkserver writes what it prints (``commgate.run.quiet``); removed when this
+    process exits, unless the forkserver failed to start."""
+    return Path(tempfile.gettempdir()) / f"commgate-forkserver-{os.getpid()}.log"
+
+
+def _remove_log() -> None:
+    if not _START_FAILED:
+        with contextlib.suppress(OSError):
+            forkserver_log().unlink()
+
+
 def _context() -> ForkServerContext:
     """The forkserver every rank is forked from, started on first use with torch preloaded."""
     global _CONTEXT
     if _CONTEXT is None:
         use_environment_dir()  # DeepSpeed's op built once per environment (commgate.run.extensions)
+        os.environ[LOG_ENV] = str(forkserver_log())
+        atexit.register(_remove_log)
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(list(PRELOAD if gpu_visible() else PRELOAD + PRELOAD_CPU))
         _CONTEXT = ctx
@@ -106,7 +120,7 @@ _START_FAILED: list[str] = []
 """Why the forkserver failed to start in this process: the later scenarios fail at once with it."""
 
 
-def _forkserver_ready(ctx: ForkServerContext) -> None:
+def _forkserver_ready(ctx: ForkServerContext, progress: Callable[[str], None] | None = None) -> None:
     """Wait, bounded, until the forkserver forks (its first start imports and builds for minutes; a build
     lock that a killed build left behind would hold it forever). Past the bound, stop it and raise
     ``RunError`` naming any build lock and the bound's variable."""
@@ -128,6 +142,8 @@ def _forkserver_ready(ctx: ForkServerContext) -> None:
     begun, told = time.monotonic(), False
     while waiter.is_alive():
         waited = time.monotonic() - begun
+        if progress and waited > 1:
+            progress(f"starting the ranks' forkserver (imports; a first run builds DeepSpeed's op), {waited:.0f} s")
         if waited > bound:
             _stop_forkserver()
             waiter.join(10)
@@ -144,6 +160,7 @@ def _forkserver_ready(ctx: ForkServerContext) -> None:
 
 def _start_report(what: str) -> str:
     start = "it imports torch and DeepSpeed and, on a first run, builds DeepSpeed's CPU comm op"
+    start += f"; its output: {forkserver_log()}"
     locks = build_locks()
     fix = _lock_words(locks) if locks else "set COMMGATE_FORKSERVER_START_S (seconds) to wait longer"
     return f"the ranks' forkserver {what} ({start}); {fix}"
@@ -295,16 +312,14 @@ def launch_local(
     tmp = _private_dir(workdir)
     procs: list[BaseProcess] = []
     try:
-        _forkserver_ready(_context())
+        _forkserver_ready(_context(), progress)
         launched = time.monotonic()
         _start(scenario, ran, tmp, procs, launched=launched, faults=faults or Faults(), network=network)
         # the deadline runs from here: the forkserver's start has its own bound (_forkserver_ready)
         started = time.monotonic()
-        _wait(scenario, ran, tmp, procs, started=started, deadline=deadline)
+        _wait(scenario, ran, tmp, procs, started=started, deadline=deadline, progress=progress)
         if progress:
-            world = scenario.world_size
-            done = f"{len(ran)} of {world} ranks (the others emulated)" if scenario.emulate else f"{world} ranks"
-            progress(f"{scenario.id}: {done} done in {time.monotonic() - started:.1f} s")
+            progress("merging the ranks' captures")
         return _merged(scenario, ran, tmp)
     finally:
         _kill(procs)
@@ -368,7 +383,14 @@ def _rank_env(rank: int, world: int, network: Network | None) -> dict[str, str]:
 
 
 def _wait(
-    scenario: Scenario, ran: tuple[int, ...], tmp: Path, procs: list[BaseProcess], *, started: float, deadline: float
+    scenario: Scenario,
+    ran: tuple[int, ...],
+    tmp: Path,
+    procs: list[BaseProcess],
+    *,
+    started: float,
+    deadline: float,
+    progress: Callable[[str], None] | None = None,
 ) -> None:
     """Wait until every rank has exited; raise ``RunError`` with the reason ``commgate.run.diagnose`` gives
     once a rank has failed (after GRACE_S for its peers to settle), when the ranks stall, or ``deadline``
@@ -384,6 +406,8 @@ def _wait(
             raise RunError(hang_report(scenario.id, tmp, ran, deadline))
         if (stalled := watchdog.stalled([p.exitcode is None for p in procs])) is not None:
             raise RunError(stall_report(scenario.id, tmp, _exits(procs), stalled))
+        if progress:
+            progress(f"{phase(tmp, ran, scenario.warmup_steps + scenario.steps)}, {time.monotonic() - started:.0f} s")
         time.sleep(POLL_S)
     if reason := failure(scenario.id, _exits(procs), tmp):
         raise RunError(reason)

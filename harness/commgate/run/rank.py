@@ -226,7 +226,8 @@ def _write_status(fd: int, text: str) -> None:
 
 
 def _heartbeat(out: Path, rank: int, marks: dict[str, float], status: int) -> None:
-    """The rank's side of the launcher's stall watchdog, off the calls' path: every HEARTBEAT_S the
+    """The rank's side of the launcher's stall watchdog, off the calls' path: every HEARTBEAT_S its phase
+    (the latest of ``marks``) to ``OUT/rank{r}.phase.json`` for the launcher's progress line, the
     recorder's progress (calls issued, completed, open), the steps' durations so far and whether the
     steps are over (teardown) go to ``OUT/rank{r}.beat``, the call issued last to the ``status`` file
     (``OUT/rank{r}.status``); when the launcher asks (``OUT/dump.request``),
@@ -235,9 +236,12 @@ def _heartbeat(out: Path, rank: int, marks: dict[str, float], status: int) -> No
     from commgate.run import interpose
 
     fd = os.open(out / f"rank{rank}.beat", os.O_WRONLY | os.O_CREAT, 0o644)
-    dumped, last = False, None
+    dumped, last, told = False, None, ""
     while True:
         time.sleep(HEARTBEAT_S)
+        if (phase := list(marks)[-1]) != told:  # the latest mark: entry, joined, built, stepped (list(): atomic)
+            atomic_write_json(out / f"rank{rank}.phase.json", {"phase": phase})
+            told = phase
         rec = interpose.INSTALLED  # still there after the steps, when the teardown unsets RECORDER
         if rec is None:
             continue

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -39,6 +40,8 @@ class LocalRanks:
     faults: Faults = field(default_factory=Faults)
     network: Network | None = None
     """Run the ranks on the two sides of this shaped link (``commgate.run.links.shaped``)."""
+    progress: Callable[[str], None] | None = None
+    """Told what the run is doing (forkserver start, phase, step k of n), several times a second."""
 
     def skip_reason(self, scenario: Scenario) -> str | None:
         from commgate.run.launcher import gpu_visible
@@ -50,7 +53,9 @@ class LocalRanks:
     def run(self, scenario: Scenario) -> Capture:
         from commgate.run.launcher import launch_local
 
-        return launch_local(scenario, deadline_s=self.deadline_s, faults=self.faults, network=self.network)
+        return launch_local(
+            scenario, deadline_s=self.deadline_s, faults=self.faults, network=self.network, progress=self.progress
+        )
 
 
 @dataclass(kw_only=True)
