@@ -113,3 +113,36 @@ def test_nightly_dry_run_with_job_prints_the_captured_srun_and_the_check() -> No
     assert "COMMGATE_CAPTURE=" in srun and "/capture" in srun
     assert "-m commgate check " in check and "/capture --baseline-dir baselines --report-dir reports/nightly/" in check
     assert check.endswith("--scenario comm/job.yaml ")
+
+
+def test_under_load_runs_the_tests_beside_busy_processes_and_kills_them_after(tmp_path: Path) -> None:
+    """ci/under-load.sh: its busy processes run while pytest does (a test of its own sees them) and are
+    gone once it ends, failing or not; the exit status is pytest's."""
+    import os
+    import subprocess
+    import sys
+
+    probe = tmp_path / "test_probe.py"
+    probe.write_text(  # the script's other children, alive while pytest runs: the busy processes
+        "import os\nfrom pathlib import Path\n\ndef test_busy():\n"
+        "    def ppid(p):\n"
+        "        try:\n"
+        "            return int((p / 'stat').read_text().rsplit(')', 1)[1].split()[1])\n"
+        "        except (OSError, ValueError):\n"
+        "            return None\n"
+        "    siblings = [p for p in Path('/proc').iterdir() if p.name.isdigit() and ppid(p) == os.getppid()]\n"
+        "    assert len(siblings) == 3  # two busy processes and this pytest\n"
+    )
+    failing = tmp_path / "test_failing.py"
+    failing.write_text("def test_fails():\n    assert False\n")
+    script = str(ROOT / "ci" / "under-load.sh")
+    for target, status in ((probe, 0), (failing, 1)):
+        env = {**os.environ, "HOGS": "2", "PYTHON": sys.executable}
+        with subprocess.Popen([script, str(target)], env=env, stdout=subprocess.PIPE, text=True) as proc:
+            assert proc.stdout is not None
+            head = proc.stdout.readline()
+            pids = head.split("(")[1].split(")")[0].split()
+            out, _ = proc.communicate(timeout=300)
+        assert head.startswith("under load: 2 busy processes") and len(pids) == 2
+        assert proc.returncode == status, out
+        assert not any(os.path.exists(f"/proc/{p}") for p in pids)
