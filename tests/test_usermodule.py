@@ -165,3 +165,29 @@ def test_tied_weights_of_a_users_model_are_a_named_term_and_reconcile(tmp_path: 
     rec = reconcile(prediction, launch_local(s, workdir=tmp_path))
     assert not rec.mismatches, rec.mismatches
     assert all(o.unexplained_bytes == 0 for o in rec.ops)
+
+
+def test_what_the_module_prints_while_commgate_builds_and_traces_it_is_not_shown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 29, item 7: a user's build that prints (as many do) printed once per prediction, between the
+    run's lines; the ranks build it again and their logs keep it."""
+    (tmp_path / "chatty.py").write_text(
+        "import torch\n\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        print('building Net')\n"
+        "        self.lin = torch.nn.Linear(8, 8)\n\n"
+        "    def forward(self, x):\n"
+        "        print('forward of Net')\n"
+        "        return self.lin(x).sum()\n\n"
+        "def build(scenario):\n"
+        "    print('chatty build')\n"
+        "    return Net(), lambda seed: (torch.randn(2, 8),)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (s,) = load_text(text("chatty:build", "scheme: zero3, dp: 2"))
+    assert predict(s).collectives
+    out = capsys.readouterr().out
+    assert "chatty build" not in out and "building Net" not in out and "forward of Net" not in out

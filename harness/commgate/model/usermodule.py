@@ -34,9 +34,11 @@ engines see it:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import importlib
+import io
 import os
 import sys
 from collections.abc import Callable
@@ -124,15 +126,20 @@ def describe(scenario: Scenario) -> Described:
 
 @functools.cache
 def _describe(scenario: Scenario) -> Described:
+    """The module built and traced on the meta device in this process; what it prints meanwhile is not shown
+    (once per scenario and prediction, it would interleave with the run's lines): the ranks build it again,
+    and its prints are in their logs."""
     import torch
 
-    model, inputs = build(scenario, torch.device("meta"))
+    with contextlib.redirect_stdout(io.StringIO()):
+        model, inputs = build(scenario, torch.device("meta"))
     spec = scenario.model.module
     assert spec is not None
     # as the workload holds it (commgate.run.workloads.gpt.build): floating-point tensors in the scenario's dtype
     model = model.to(dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[scenario.model.dtype])
     params, buffers, modules = _inventory(model, spec)
-    ready, events = _trace(model, inputs, spec)
+    with contextlib.redirect_stdout(io.StringIO()):
+        ready, events = _trace(model, inputs, spec)
     by_name = {p.name: p for p in params}
     first, later = _hooks(events, modules, by_name, {p.name: i for i, p in enumerate(params)})
     return Described(params=params, buffers=buffers, ready=ready, first=first, later=later)
