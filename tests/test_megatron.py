@@ -150,7 +150,13 @@ def test_the_group_keys_are_what_megatron_pickles() -> None:
 
 
 REFUSED = [
-    ("scheme: ddp, dp: 2, pp: 2", "", TINY, r"parallelism.pp: 2: Megatron's pipeline schedules"),
+    ("scheme: pp, pp: 2", "", TINY, r"parallelism.pipeline.engine: deepspeed: Megatron's stages run its own"),
+    (
+        "scheme: pp, pp: 2, pipeline: {engine: megatron, schedule: gpipe}",
+        "",
+        TINY,
+        r"parallelism.pipeline.schedule: gpipe: Megatron's 1F1B without interleaving",
+    ),
     (DP + ", activation_checkpointing: true", "", TINY, r"activation_checkpointing: true: Megatron's recompute"),
     (DP, "", TINY.replace("gpt-neox", "llama") + ", kv_heads: 4", r"model.architecture: 'llama'"),
     (DP, "", TINY + ", dtype: fp16", r"model.dtype: 'fp16': Megatron's fp16 loss scaling"),
@@ -159,7 +165,7 @@ REFUSED = [
     (DP, "grad_reduce_in_fp32: true", TINY, r"megatron.grad_reduce_in_fp32: true: the parameters are fp32"),
     (DP, "buckets: 3", TINY, r"megatron.buckets: unknown field 'buckets'"),
     (TP + ", sequence_parallel: true", "", TINY.replace("s: 32", "s: 31"), r"model.s: 31: sequence parallelism"),
-    ("scheme: zero2, dp: 2", "", TINY, r"'zero2': trainer 'megatron' runs schemes ddp, tp"),
+    ("scheme: zero2, dp: 2", "", TINY, r"'zero2': trainer 'megatron' runs schemes ddp, tp, pp, 3d"),
 ]
 
 
@@ -168,6 +174,53 @@ def test_what_megatron_refuses_is_one_line_naming_the_key(par: str, block: str, 
     with pytest.raises(ScenarioError, match=message) as err:
         scenario(par, block, model)
     assert all("\n" not in str(p) for p in err.value.problems)
+
+
+def test_megatrons_engine_is_megatrons_only() -> None:
+    with pytest.raises(ScenarioError, match=r"parallelism.pipeline.engine: megatron: Megatron's schedule runs under"):
+        load_text(
+            "schema_version: 1\nname: x\nmodel: {preset: 19M-cpu}\n"
+            "parallelism: {scheme: pp, pp: 2, pipeline: {engine: megatron}}\n"
+        )
+
+
+PP = "scheme: pp, pp: 2, micro_batch: 2, micro_batches: 3, pipeline: {engine: megatron}"
+PP3D = (
+    "scheme: 3d, tp: 2, pp: 2, sequence_parallel: true, micro_batch: 2, micro_batches: 3, pipeline: {engine: megatron}"
+)
+
+
+def test_each_stage_holds_its_layers_and_the_last_a_copy_of_the_tied_embedding() -> None:
+    """language_module.py:204-222: with tied embeddings the first stage's word embedding and the last stage's
+    output layer are the shared pair, each in a bucket of its own under the distributed optimizer."""
+    s = scenario(PP, "", TINY.replace("L: 2", "L: 4") + ", tied_embeddings: true")
+    first, last = param_shapes(s, stage=0), param_shapes(s, stage=1)
+    assert [p.name for p in first][:2] == ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight"]
+    assert [p.name for p in last][-3:] == [
+        "decoder.final_layernorm.weight",
+        "decoder.final_layernorm.bias",
+        "output_layer.weight",
+    ]
+    assert {p.name for p in first if p.shared_embedding} == {"embedding.word_embeddings.weight"}
+    assert {p.name for p in last if p.shared_embedding} == {"output_layer.weight"}
+    assert sum("decoder.layers.1." in p.name for p in first) and not any("layers.2." in p.name for p in last)
+    job = Job(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=10**9)
+    (own, _), *rest = buckets(first, job, 1, stage=0)[::-1]  # reduced last: the embedding, alone
+    assert own == -(-256 * 64 // 128) * 128 and rest
+
+
+@pytest.mark.parametrize(
+    ("par", "model", "names"),
+    [
+        (PP, TINY + ", tied_embeddings: true", {"micro-batches"}),
+        (PP3D, TINY, {"micro-batches", "sequence-parallel activations"}),
+    ],
+    ids=["pp", "3d-sp"],
+)
+def test_the_pipelines_paper_term_is_explained(par: str, model: str, names: set[str]) -> None:
+    p = predict(scenario(par, "", model))
+    explained(p)
+    assert {r.name for r in p.residuals if r.term == "Eq. 4"} == names
 
 
 def test_without_megatron_the_run_is_one_line_naming_the_extra() -> None:
@@ -199,11 +252,16 @@ def test_a_job_other_than_the_scenarios_is_one_line() -> None:
     good = [(p.name, p.shape) for p in param_shapes(s)]
     check_built(_Built(good), s, Job(), tp_rank=0, tp=1, dp=2)
     bad = [*good[:1], ("embedding.position_embeddings.weight", (64, 64)), *good[2:]]
-    differ = r"^megatron-core built the job \(tensor rank 0\) with parameters that differ from the model's: "
-    with pytest.raises(CommgateError, match=differ + r"\('embedding.position_embeddings.weight', \(64, 64\)\) vs"):
+    differ = r"^megatron-core built the job \(tensor rank 0, stage 0\) with parameters that differ from the model's: "
+    position = r"\('embedding.position_embeddings.weight', \(64, 64\), False\) vs"
+    with pytest.raises(CommgateError, match=differ + position):
         check_built(_Built(bad), s, Job(), tp_rank=0, tp=1, dp=2)
-    with pytest.raises(CommgateError, match=r"with tp=2, dp=1; the scenario describes tp=1, dp=2$"):
+    with pytest.raises(CommgateError, match=r"with tp=2, dp=1, pp=1; the scenario describes tp=1, dp=2, pp=1$"):
         check_built(_Built(good), s, Job(), tp_rank=0, tp=2, dp=1)
+    last = scenario(PP, "", TINY + ", tied_embeddings: true")  # the last stage's copy, not marked shared
+    built = [(p.name, p.shape) for p in param_shapes(last, stage=1)]
+    with pytest.raises(CommgateError, match=r"stage 1\) .*\('output_layer.weight', \(256, 64\), False\) vs"):
+        check_built(_Built(built), last, Job(), tp_rank=0, tp=1, dp=1, stage=1, pp=2)
 
 
 # ----------------------------------------------------------------------------------------- upstream
@@ -387,6 +445,24 @@ def test_a_changed_bucket_size_is_caught(mg: Any, tmp_path: Path) -> None:
 )
 def test_tensor_parallelism_on_2_ranks_reconciles(mg: Any, par: str, block: str, model: str, tmp_path: Path) -> None:
     s = scenario(TP + par, block, model)
+    reconciles(s, run(s, tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("par", "block", "model"),
+    [
+        (PP, "", TINY + ", tied_embeddings: true"),
+        (PP + ", dp: 2", "use_distributed_optimizer: true, overlap_grad_reduce: true, bucket_size: 5000",
+         TINY + ", tied_embeddings: true, dtype: bf16"),
+        (PP3D, "use_distributed_optimizer: true, overlap_grad_reduce: true, bucket_size: 5000, "
+         "grad_reduce_in_fp32: true", TINY.replace("L: 2", "L: 4") + ", tied_embeddings: true, dtype: bf16"),
+    ],
+    ids=["pp2-tied", "pp2-dp2-distopt-overlap-bf16", "3d-sp-distopt-overlap-fp32-reduce"],
+)  # fmt: skip
+def test_the_pipeline_reconciles(mg: Any, par: str, block: str, model: str, tmp_path: Path) -> None:
+    """1F1B over 2 stages: every boundary's sends and receives, each stage's own buckets (one on the last,
+    launched by the schedule after the last backward when overlapped), the embedding group's all-reduces."""
+    s = scenario(par, block, model)
     reconciles(s, run(s, tmp_path))
 
 

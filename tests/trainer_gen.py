@@ -194,10 +194,12 @@ def torchtitan(rng: random.Random, index: int) -> Draw:
 
 def megatron(rng: random.Random, index: int) -> Draw:
     """A Megatron-core job: its GPTModel (local spec) under its DDP (distributed optimizer or not, overlapped
-    buckets or one), TP with or without sequence parallelism, or both; bf16 with fp32 or bf16 reduction."""
+    buckets or one), TP with or without sequence parallelism, its 1F1B pipeline, or several; tied embeddings
+    or not; bf16 with fp32 or bf16 reduction."""
     a = rng.choice([2, 4])
     tp = rng.choice([1, 2])
-    dp = rng.choice([d for d in (1, 2) if d * tp > 1])
+    pp = rng.choice([1, 2])
+    dp = rng.choice([d for d in (1, 2) if 1 < d * tp * pp <= 4])
     bf16 = rng.random() < 0.3
     block: dict[str, Any] = {}
     if dp > 1 and rng.random() < 0.6:
@@ -215,6 +217,8 @@ def megatron(rng: random.Random, index: int) -> Draw:
     par: dict[str, Any] = {"scheme": "tp" if dp == 1 else "ddp", "dp": dp}
     if tp > 1:
         par |= {"scheme": "tp", "tp": tp, "sequence_parallel": rng.random() < 0.6}
+    if pp > 1:
+        par |= {"scheme": "3d" if tp > 1 else "pp", "pp": pp, "pipeline": {"engine": "megatron"}}
     par |= {"micro_batch": rng.choice([1, 2]), "micro_batches": rng.choice([1, 2, 3])}
     doc = {
         "schema_version": 1,
@@ -222,12 +226,13 @@ def megatron(rng: random.Random, index: int) -> Draw:
         "trainer": "megatron",
         "model": {
             "architecture": "gpt-neox",
-            "L": rng.choice([1, 2]),
+            "L": pp * rng.choice([1, 2]),
             "h": a * rng.choice([8, 16]),
             "a": a,
             "V": rng.choice([128, 256, 320]),
             "s": rng.choice([16, 32]),
             "dtype": "bf16" if bf16 else "fp32",
+            "tied_embeddings": rng.random() < 0.4,
         },
         "parallelism": par,
         "steps": 2,

@@ -140,7 +140,7 @@ class FSDPConfig:
 class PipelineConfig:
     """The pipeline engine: DeepSpeed's (its own 1F1B) or ``torch.distributed.pipelining`` with a schedule."""
 
-    engine: Literal["deepspeed", "torch"] = "deepspeed"
+    engine: Literal["deepspeed", "torch", "megatron"] = "deepspeed"
     schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
     virtual_stages: int = 1
     """Stages per rank (interleaved schedules: stage k on rank k mod pp)."""

@@ -82,7 +82,7 @@ SCHEMES: dict[str, Scheme] = {
             summary="pipeline parallelism: DeepSpeed's engine, or torch.distributed.pipelining's schedules",
             components=(_PP, _PDP),
             pipeline=True,
-            pipeline_engines=("deepspeed", "torch"),
+            pipeline_engines=("deepspeed", "torch", "megatron"),
             min_dp=1,
         ),
         Scheme(
@@ -92,7 +92,7 @@ SCHEMES: dict[str, Scheme] = {
             tensor=True,
             min_dp=1,
             pipeline=True,
-            pipeline_engines=("deepspeed",),
+            pipeline_engines=("deepspeed", "megatron"),
         ),
         Scheme(
             name="moe",

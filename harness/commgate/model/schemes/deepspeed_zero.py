@@ -700,8 +700,9 @@ def deepspeed_keys(c: Check) -> None:
 
 def optimizer_wrapper(c: Check) -> None:
     """The optimizer wrapper DeepSpeed's engine would choose (``dsconfig.optimizer``): a mix it refuses is an
-    error, one the model does not follow yet an error unless the model check is off."""
-    if not c.scheme.deepspeed:
+    error, one the model does not follow yet an error unless the model check is off. Not where Megatron's
+    own engine runs the stages (trainer megatron under scheme 3d: no DeepSpeed at all)."""
+    if not c.scheme.deepspeed or c.par.pipeline.engine == "megatron":
         return
     par, dtype = c.par, c.model.dtype
     where: list[str | int] = ["deepspeed", "data_types", "grad_accum_dtype"]

@@ -379,6 +379,8 @@ def engine(c: Check) -> None:
     elif pl.engine == "torch":
         torch_engine(c)
         torch_schedule(c)
+    elif pl.engine == "megatron" and c.doc.get("trainer") != "megatron":
+        c.bad([P, "pipeline", "engine"], "megatron: Megatron's schedule runs under trainer: megatron only")
     if pl.engine == "torch" and "deepspeed" in c.doc:
         c.bad(
             ["deepspeed"],

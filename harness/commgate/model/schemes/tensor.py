@@ -327,7 +327,7 @@ def sequence_parallelism(c: Check) -> None:
             [P, "sequence_parallel"],
             f"true: not modelled under DeepSpeed's pipeline engine yet (scheme {rule.name}); use {alone}",
         )
-    elif par.pp > 1:
+    elif par.pp > 1 and par.pipeline.engine != "megatron":  # Megatron's stages: its own model's
         c.bad([P, "sequence_parallel"], "true: not modelled in pipeline stages yet")
 
 

@@ -28,6 +28,11 @@ measured on CPU gloo ranks (paths under ``megatron/core/``):
   optimizer's step, its parameters all-gathered (``:285``; in the next forward with
   ``overlap_param_gather``), in the gradients' dtype (fp32 with ``grad_reduce_in_fp32``) and the
   parameters' dtype.
+* Pipeline parallelism (Megatron's 1F1B, ``pipeline_parallel/schedules.py``): per micro-batch each stage
+  boundary carries the activations forward and their gradients back (``p2p_communication.py``), each
+  stage holds its L/p layers and its own buckets (one on every stage but the first), the stages after the
+  first reduce from the schedule's ``grad_sync_func`` when overlapped; with tied embeddings the embedding
+  group all-reduces the word embedding at construction and its gradient every step (``MegatronPP``).
 * ``finalize_model_grads``: with sequence parallelism the gradients of the parameters marked
   ``sequence_parallel`` (both norms and the row-parallel biases of each layer, the final norm) all-reduced
   as one tensor over the tensor-parallel group (``distributed/finalize_model_grads.py:376``).
@@ -36,7 +41,8 @@ measured on CPU gloo ranks (paths under ``megatron/core/``):
 * Construction: ``get_megatron_optimizer`` all-gathers its parameter-group keys with
   ``all_gather_object`` (``optimizer/__init__.py:181``): the pickled keys' sizes, then the keys.
 
-Paper: Eq. 2 for the gradient buckets, Eq. 5 for tensor parallelism, every difference a named term.
+Paper: Eq. 2 for the gradient buckets, Eq. 4 for the pipeline, Eq. 5 for tensor parallelism, every difference a
+named term.
 """
 
 from __future__ import annotations
@@ -50,15 +56,19 @@ from typing import Any
 
 from commgate.model.collectives import Op
 from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
+from commgate.model.layout import Group
 from commgate.model.paper import eq5_tensor
 from commgate.model.scenario import Scenario
 from commgate.model.schemes._common import micro_batches, rank0_term
 from commgate.model.schemes.data_parallel import DataParallel
+from commgate.model.schemes.pipeline import PipelineParallel
 from commgate.model.schemes.scheme import Check, Component, Rule, Scheme
 from commgate.model.trainers.trainer import Trainer
 from commgate.model.transformer import WIRE_ITEMSIZE
 
-EQ2, EQ5 = "Eq. 2", "Eq. 5"
+EQ2, EQ4, EQ5 = "Eq. 2", "Eq. 4", "Eq. 5"
+PIPELINE_PHASE = Phase.FORWARD
+"""The phase the schedule's sends and receives are captured in (outside autograd: ``forward``)."""
 MG = "megatron"
 
 
@@ -131,41 +141,52 @@ class Param:
     shape: tuple[int, ...]
     sequence_parallel: bool = False
     """Marked ``sequence_parallel`` (its gradient all-reduced over TP by ``finalize_model_grads``)."""
+    shared_embedding: bool = False
+    """The word embedding's copy on the first or last of several pipeline stages (tied embeddings,
+    ``language_module.py:204-222``): its gradient all-reduced between them, in a bucket of its own with the
+    distributed optimizer."""
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
 
-def param_shapes(scenario: Scenario, job: Job | None = None) -> tuple[Param, ...]:
-    """The local spec's GPTModel parameters on a tensor-parallel rank, in ``named_parameters`` order."""
-    m, t = scenario.model, scenario.parallelism.tp
+def param_shapes(scenario: Scenario, job: Job | None = None, stage: int = 0) -> tuple[Param, ...]:
+    """The local spec's GPTModel parameters on a tensor-parallel rank of pipeline ``stage``, in
+    ``named_parameters`` order: the embeddings on the first stage, L/p layers (numbered from 0 on each
+    stage), the final norm and the output layer on the last; with tied embeddings the last of several
+    stages holds its own copy of the word embedding as ``output_layer.weight``."""
+    m, t, p = scenario.model, scenario.parallelism.tp, scenario.parallelism.pp
     sp = scenario.parallelism.sequence_parallel and t > 1
+    first, last, tied = stage == 0, stage == p - 1, m.tied_embeddings and p > 1
     h, hd = m.h, m.h // m.a
     qkv = (m.a + 2 * m.kv) * hd // t
-    out = [
-        Param("embedding.word_embeddings.weight", (m.V // t, h)),
-        Param("embedding.position_embeddings.weight", (m.s, h)),
-    ]
-    for i in range(m.L):
-        p = f"decoder.layers.{i}."
+    out = []
+    if first:
         out += [
-            Param(p + "input_layernorm.weight", (h,), sp),
-            Param(p + "input_layernorm.bias", (h,), sp),
-            Param(p + "self_attention.linear_proj.weight", (h, m.a * hd // t)),
-            Param(p + "self_attention.linear_proj.bias", (h,), sp),
-            Param(p + "self_attention.linear_qkv.weight", (qkv, h)),
-            Param(p + "self_attention.linear_qkv.bias", (qkv,)),
-            Param(p + "pre_mlp_layernorm.weight", (h,), sp),
-            Param(p + "pre_mlp_layernorm.bias", (h,), sp),
-            Param(p + "mlp.linear_fc1.weight", (m.ffn // t, h)),
-            Param(p + "mlp.linear_fc1.bias", (m.ffn // t,)),
-            Param(p + "mlp.linear_fc2.weight", (h, m.ffn // t)),
-            Param(p + "mlp.linear_fc2.bias", (h,), sp),
+            Param("embedding.word_embeddings.weight", (m.V // t, h), shared_embedding=tied),
+            Param("embedding.position_embeddings.weight", (m.s, h)),
         ]
-    out += [Param("decoder.final_layernorm.weight", (h,), sp), Param("decoder.final_layernorm.bias", (h,), sp)]
-    if not m.tied_embeddings:
-        out.append(Param("output_layer.weight", (m.V // t, h)))
+    for i in range(m.L // p):
+        pre = f"decoder.layers.{i}."
+        out += [
+            Param(pre + "input_layernorm.weight", (h,), sp),
+            Param(pre + "input_layernorm.bias", (h,), sp),
+            Param(pre + "self_attention.linear_proj.weight", (h, m.a * hd // t)),
+            Param(pre + "self_attention.linear_proj.bias", (h,), sp),
+            Param(pre + "self_attention.linear_qkv.weight", (qkv, h)),
+            Param(pre + "self_attention.linear_qkv.bias", (qkv,)),
+            Param(pre + "pre_mlp_layernorm.weight", (h,), sp),
+            Param(pre + "pre_mlp_layernorm.bias", (h,), sp),
+            Param(pre + "mlp.linear_fc1.weight", (m.ffn // t, h)),
+            Param(pre + "mlp.linear_fc1.bias", (m.ffn // t,)),
+            Param(pre + "mlp.linear_fc2.weight", (h, m.ffn // t)),
+            Param(pre + "mlp.linear_fc2.bias", (h,), sp),
+        ]
+    if last:
+        out += [Param("decoder.final_layernorm.weight", (h,), sp), Param("decoder.final_layernorm.bias", (h,), sp)]
+        if not m.tied_embeddings or not first:
+            out.append(Param("output_layer.weight", (m.V // t, h), shared_embedding=tied))
     return tuple(out)
 
 
@@ -173,29 +194,38 @@ def _pad(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
-def buckets(params: tuple[Param, ...], job: Job, d: int) -> list[tuple[int, int]]:
+def buckets(params: tuple[Param, ...], job: Job, d: int, stage: int = 0) -> list[tuple[int, int]]:
     """(elements, of them parameters) of each gradient bucket, in the order they are reduced
     (``param_and_grad_buffer.py:638-739``): the parameters in reverse registration order, a bucket closed
-    once it reaches the bucket size; with the distributed optimizer each parameter starts at a multiple of
-    64 elements and each bucket ends at a multiple of lcm(d, 128)."""
-    size, distopt = job.buckets_of(d), job.use_distributed_optimizer
+    once it reaches the bucket size (one bucket on every pipeline stage but the first,
+    ``distributed_data_parallel.py:101-102``); with the distributed optimizer each parameter starts at a
+    multiple of 64 elements, each bucket ends at a multiple of lcm(d, 128), and a shared embedding has a
+    bucket of its own (``:698-733``)."""
+    size, distopt = job.buckets_of(d) if stage == 0 else None, job.use_distributed_optimizer
     out: list[tuple[int, int]] = []
     start = begun = held = 0
     end = 0
+
+    def close(at: int) -> int:
+        nonlocal begun, held
+        closed = _pad(at, math.lcm(d, 128)) if distopt else at
+        out.append((closed - begun, held))
+        begun, held = closed, 0
+        return closed
+
     for p in reversed(params):
+        own = p.shared_embedding and distopt
         if distopt:
             start = _pad(start, 64)
+        if own and held:
+            start = close(start)
         end = start + p.numel
         held += p.numel
         start = end
-        if size is not None and end - begun >= size:
-            closed = _pad(end, math.lcm(d, 128)) if distopt else end
-            out.append((closed - begun, held))
-            start = begun = closed
-            held = 0
+        if (size is not None and end - begun >= size) or own:
+            start = close(end)
     if held:
-        closed = _pad(end, math.lcm(d, 128)) if distopt else end
-        out.append((closed - begun, held))
+        close(end)
     return out
 
 
@@ -229,12 +259,13 @@ class MegatronTP:
 
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         _s, par, m = ctx.scenario, ctx.scenario.parallelism, ctx.scenario.model
-        L, mb, bsh = m.L, par.micro_batches, ctx.bsh
+        L, mb, bsh, lay = m.L // par.pp, par.micro_batches, ctx.bsh, ctx.layout
         fwd, bwd = Phase.FORWARD, Phase.BACKWARD
+        first, last = lay.tp_groups(0), lay.tp_groups(par.pp - 1)  # the embedding's, the output layer's
         base = ExpectedCollective(
             op=Op.ALL_REDUCE,
             axis="tp",
-            groups=ctx.layout.tp_groups(),
+            groups=lay.tp_groups(),
             dtype=m.dtype,
             elements=bsh,
             calls=0,
@@ -243,76 +274,84 @@ class MegatronTP:
             paper_term=EQ5,
         )
 
-        def row(op: Op, calls: int, phase: Phase, source: str, term: str | None = EQ5) -> ExpectedCollective:
-            return replace(base, op=op, calls=calls * mb, phase=phase, source=source, paper_term=term)
+        def row(
+            op: Op, calls: int, phase: Phase, source: str, term: str | None = EQ5, groups: tuple[Group, ...] = ()
+        ) -> ExpectedCollective:
+            return replace(
+                base, op=op, calls=calls * mb, phase=phase, source=source, paper_term=term, groups=groups or base.groups
+            )
 
         ar, ag, rs = Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER
+        layers = f"{L} layers a stage" if par.pp > 1 else f"{L} layers"
         rows = [
             replace(
                 base,
+                groups=last,
                 dtype="fp32",
                 elements=par.micro_batch * m.s,
                 calls=3 * mb,
                 paper_term=None,
                 source="vocab-parallel cross-entropy all-reduces: max, sum of exp, target logit (fp32; "
-                "cross_entropy.py:130,148,154)",
+                "cross_entropy.py:130,148,154)" + (", last stage" if par.pp > 1 else ""),
             )
         ]
         if par.tp == 1:
             return rows
-        rows.append(row(ar, 1, fwd, "TP embedding all-reduce (layers.py:300)"))
+        rows.append(row(ar, 1, fwd, "TP embedding all-reduce (layers.py:300)", groups=first))
         if not par.sequence_parallel:
             return [
                 *rows,
-                row(ar, 2 * L, fwd, "TP all-reduce of the row-parallel linear_proj and linear_fc2 outputs"),
-                row(ar, 2 * L, bwd, "TP all-reduce of the linear_qkv and linear_fc1 input gradients (layers.py:544)"),
-                row(ar, 1, bwd, "TP all-reduce of the output layer's input gradient (layers.py:544)", None),
-            ]
+                row(ar, 2 * L, fwd, f"TP all-reduce of the row-parallel linear_proj and linear_fc2 outputs ({layers})"),
+                row(ar, 2 * L, bwd, f"TP all-reduce of the linear_qkv and linear_fc1 input gradients ({layers}; "
+                    "layers.py:544)"),
+                row(ar, 1, bwd, "TP all-reduce of the output layer's input gradient (layers.py:544)", None, last),
+            ]  # fmt: skip
         return [
             *rows,
-            row(ag, 2 * L, fwd, "SP all-gather before linear_qkv and linear_fc1 (layers.py:483)"),
-            row(rs, 2 * L, fwd, "SP reduce-scatter of the linear_proj and linear_fc2 outputs (mappings.py:182)"),
-            row(ag, 2 * L, bwd, "SP all-gather of the reduce-scatters' output gradients (mappings.py:142)"),
-            row(rs, 2 * L, bwd, "SP reduce-scatter of the linear_qkv and linear_fc1 input gradients (layers.py:555)"),
-            row(
-                ag,
-                2 * L,
-                bwd,
-                "SP re-gather of the linear_qkv and linear_fc1 inputs for the weight gradients (layers.py:522)",
-            ),
-            row(ag, 1, fwd, "SP all-gather before the output layer (layers.py:483)", None),
-            row(ag, 1, bwd, "SP re-gather of the output layer's input for its weight gradient (layers.py:522)", None),
-            row(rs, 1, bwd, "SP reduce-scatter of the output layer's input gradient (layers.py:555)", None),
-            row(ag, 1, bwd, "SP all-gather of the embedding split's gradient (mappings.py:293)", None),
-        ]
+            row(ag, 2 * L, fwd, f"SP all-gather before linear_qkv and linear_fc1 ({layers}; layers.py:483)"),
+            row(rs, 2 * L, fwd, f"SP reduce-scatter of the linear_proj and linear_fc2 outputs ({layers}; "
+                "mappings.py:182)"),
+            row(ag, 2 * L, bwd, f"SP all-gather of the reduce-scatters' output gradients ({layers}; mappings.py:142)"),
+            row(rs, 2 * L, bwd, f"SP reduce-scatter of the linear_qkv and linear_fc1 input gradients ({layers}; "
+                "layers.py:555)"),
+            row(ag, 2 * L, bwd, f"SP re-gather of the linear_qkv and linear_fc1 inputs for the weight gradients "
+                f"({layers}; layers.py:522)"),
+            row(ag, 1, fwd, "SP all-gather before the output layer (layers.py:483)", None, last),
+            row(ag, 1, bwd, "SP re-gather of the output layer's input for its weight gradient (layers.py:522)", None,
+                last),
+            row(rs, 1, bwd, "SP reduce-scatter of the output layer's input gradient (layers.py:555)", None, last),
+            row(ag, 1, bwd, "SP all-gather of the embedding split's gradient (mappings.py:293)", None, first),
+        ]  # fmt: skip
 
     def _per_micro_batch(self, ctx: Context) -> Fraction:
-        """Rank 0's Eq. 5 rows for one micro-batch, in elements of the paper's volume."""
-        par, L = ctx.scenario.parallelism, ctx.scenario.model.L
+        """Rank 0's Eq. 5 rows for one micro-batch, in elements of the paper's volume (its stage's L/p
+        layers and the embedding's all-reduce)."""
+        par, L = ctx.scenario.parallelism, ctx.scenario.model.L // ctx.scenario.parallelism.pp
         unit = Fraction(ctx.bsh * (par.tp - 1), par.tp)
         return unit * (2 + (10 * L if par.sequence_parallel else 8 * L))
 
     def _eq5(self, ctx: Context) -> Fraction:
         m, par = ctx.scenario.model, ctx.scenario.parallelism
-        return eq5_tensor(L=m.L, b=par.micro_batch, s=m.s, h=m.h, t=par.tp)
+        return eq5_tensor(L=Fraction(m.L, par.pp), b=par.micro_batch, s=m.s, h=m.h, t=par.tp)
 
     def paper_terms(self, ctx: Context) -> list[PaperTerm]:
         m, par = ctx.scenario.model, ctx.scenario.parallelism
         if par.tp == 1:
             return []
-        formula = f"(12L+2)*b*s*h*(t-1)/t, L={m.L}, b={par.micro_batch}, s={m.s}, h={m.h}, t={par.tp}"
+        L = f"L/p={m.L}/{par.pp}" if par.pp > 1 else f"L={m.L}"
+        formula = f"(12L+2)*b*s*h*(t-1)/t, {L}, b={par.micro_batch}, s={m.s}, h={m.h}, t={par.tp}"
         return [rank0_term(ctx, equation=EQ5, formula=formula, elements=self._eq5(ctx))]
 
     def residuals(self, ctx: Context) -> list[Residual]:
         par, m = ctx.scenario.parallelism, ctx.scenario.model
         if par.tp == 1:
             return []
-        isz, unit = m.itemsize, Fraction(ctx.bsh * (par.tp - 1), par.tp)
+        isz, unit, L = m.itemsize, Fraction(ctx.bsh * (par.tp - 1), par.tp), m.L // par.pp
         out = [
             Residual(
                 term=EQ5,
                 name="no activation checkpointing",
-                bytes=-4 * m.L * unit * isz,
+                bytes=-4 * L * unit * isz,
                 detail="Megatron's local spec recomputes nothing here: 4 all-reduces per layer, Eq. 5 assumes 6",
             )
         ]
@@ -321,7 +360,7 @@ class MegatronTP:
                 Residual(
                     term=EQ5,
                     name="sequence-parallel re-gathers",
-                    bytes=2 * m.L * unit * isz,
+                    bytes=2 * L * unit * isz,
                     detail="the backward all-gathers linear_qkv's and linear_fc1's sequence shards again for "
                     "their weight gradients (layers.py:522): 2 all-gathers per layer beyond Eq. 5",
                 )
@@ -344,7 +383,6 @@ class MegatronDDP:
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         s, par, lay = ctx.scenario, ctx.scenario.parallelism, ctx.layout
         job, d = Job.of(s), par.data_ranks
-        params = param_shapes(s, job)
         grad = grad_dtype(s, job)
         term = EQ2 if d > 1 else None
         base = ExpectedCollective(
@@ -360,35 +398,44 @@ class MegatronDDP:
             overlaps=job.overlap_grad_reduce,
         )
         red = "averaged in the collective (AVG)" if job.average_in_collective else "pre-scaled by 1/d, summed"
-        bs = buckets(params, job, d)
         gather = Phase.FORWARD if job.overlap_param_gather else Phase.OPTIMIZER
         where = "the next forward's pre-hook" if job.overlap_param_gather else "the optimizer's step"
         rows = []
-        for i, (n, _) in enumerate(bs):
-            what = f"bucket {i} of {len(bs)}"
-            if not job.use_distributed_optimizer:
-                rows.append(replace(base, elements=n, source=f"DDP gradient all-reduce ({red}), {what} (:455)"))
-                continue
-            rows += [
-                replace(base, op=Op.REDUCE_SCATTER, elements=n, source=f"distributed optimizer gradient "
-                        f"reduce-scatter ({red}), {what} (param_and_grad_buffer.py:443)"),
-                replace(base, op=Op.ALL_GATHER, dtype=s.model.dtype, elements=n, phase=gather,
-                        overlaps=job.overlap_param_gather,
-                        source=f"distributed optimizer parameter all-gather in {where}, {what} (:285)"),
-            ]  # fmt: skip
-        if par.sequence_parallel and par.tp > 1:
-            rows.append(
-                replace(
-                    base,
-                    axis="tp",
-                    groups=lay.tp_groups(),
-                    elements=sum(p.numel for p in params if p.sequence_parallel),
-                    paper_term=None,
-                    overlaps=False,
-                    source="finalize_model_grads: the sequence-parallel norms' and row-parallel biases' gradients "
-                    "all-reduced (finalize_model_grads.py:376)",
+        for stage in range(par.pp):  # each stage its own parameters, so its own buckets
+            params = param_shapes(s, job, stage)
+            bs = buckets(params, job, d, stage)
+            at = replace(base, groups=lay.dp_groups(stage))
+            on = f", stage {stage}" if par.pp > 1 else ""
+            if job.overlap_grad_reduce and stage > 0:
+                # the schedule lets only the first stage reduce in its last backward; the others call
+                # grad_sync_func after it, outside autograd (schedules.py:2246-2298)
+                at = replace(at, phase=PIPELINE_PHASE)
+                on += ", launched by the schedule after the last backward"
+            for i, (n, _) in enumerate(bs):
+                what = f"bucket {i} of {len(bs)}{on}"
+                if not job.use_distributed_optimizer:
+                    rows.append(replace(at, elements=n, source=f"DDP gradient all-reduce ({red}), {what} (:455)"))
+                    continue
+                rows += [
+                    replace(at, op=Op.REDUCE_SCATTER, elements=n, source=f"distributed optimizer gradient "
+                            f"reduce-scatter ({red}), {what} (param_and_grad_buffer.py:443)"),
+                    replace(at, op=Op.ALL_GATHER, dtype=s.model.dtype, elements=n, phase=gather,
+                            overlaps=job.overlap_param_gather,
+                            source=f"distributed optimizer parameter all-gather in {where}, {what} (:285)"),
+                ]  # fmt: skip
+            if par.sequence_parallel and par.tp > 1:
+                rows.append(
+                    replace(
+                        base,
+                        axis="tp",
+                        groups=lay.tp_groups(stage),
+                        elements=sum(p.numel for p in params if p.sequence_parallel),
+                        paper_term=None,
+                        overlaps=False,
+                        source="finalize_model_grads: the sequence-parallel norms' and row-parallel biases' gradients "
+                        f"all-reduced{on} (finalize_model_grads.py:376)",
+                    )
                 )
-            )
         if job.clip_grad > 0:
             norm_groups = lay.world() if job.use_distributed_optimizer else lay.mp_groups()
             rows.append(
@@ -454,6 +501,82 @@ class MegatronDDP:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class MegatronPP:
+    """Megatron's pipeline schedule (``forward_backward_pipelining_without_interleaving``, 1F1B,
+    ``pipeline_parallel/schedules.py``) and, with tied embeddings, the embedding group of the first and last
+    stages; Eq. 4 with named terms. Per micro-batch every stage boundary carries the activations forward and
+    their gradients back (``p2p_communication.py``, ``batch_isend_irecv``): s*b*h elements in
+    ``pipeline_dtype`` (s/t*b*h under sequence parallelism), between the ranks of the same tensor and data
+    index. The embedding group all-reduces the word embedding once at construction (the last stage's copy
+    starts at zero, ``language_module.py:244``) and its gradient every step (``finalize_model_grads.py:258``)."""
+
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        return ()
+
+    def collectives(self, ctx: Context) -> list[ExpectedCollective]:
+        s, par, m, lay = ctx.scenario, ctx.scenario.parallelism, ctx.scenario.model, ctx.layout
+        if par.pp == 1:
+            return []
+        base = ExpectedCollective(
+            op=Op.SEND,
+            axis="pp",
+            groups=(),
+            dtype=m.dtype,
+            elements=_boundary(ctx),
+            calls=par.micro_batches,
+            phase=PIPELINE_PHASE,
+            source="",
+            paper_term=EQ4,
+        )
+        rows = []
+        for k in range(par.pp - 1):
+            for src, dst, what in ((k, k + 1, "activation"), (k + 1, k, "gradient")):
+                for op, pairs in ((Op.SEND, lay.stage_pairs(src, dst)), (Op.RECV, lay.stage_pairs(dst, src))):
+                    rows.append(
+                        replace(base, op=op, groups=pairs, source=f"PP {what} {op} (stage {src} -> {dst}; "
+                                "p2p_communication.py, batch_isend_irecv)")
+                    )  # fmt: skip
+        if m.tied_embeddings:
+            ends = tuple((g[0], g[-1]) for g in lay.pp_groups())
+            tied = replace(base, op=Op.ALL_REDUCE, axis="pp", groups=ends, elements=m.V // par.tp * m.h,
+                           calls=1, paper_term=None)  # fmt: skip
+            rows += [
+                replace(tied, phase=Phase.INIT, once=True, source="embedding group: the word embedding all-reduced "
+                        "at construction, the last stage's copy zeroed first (language_module.py:244)"),
+                replace(tied, dtype=grad_dtype(s, Job.of(s)), phase=Phase.BACKWARD, source="embedding group: the "
+                        "word embedding's gradient all-reduced (finalize_model_grads.py:258)"),
+            ]  # fmt: skip
+        return rows
+
+    def paper_terms(self, ctx: Context) -> list[PaperTerm]:
+        return PipelineParallel().paper_terms(ctx)
+
+    def residuals(self, ctx: Context) -> list[Residual]:
+        par, m = ctx.scenario.parallelism, ctx.scenario.model
+        if par.pp == 1:
+            return []
+        out = PipelineParallel().residuals(ctx)
+        if (shard := _boundary(ctx)) != ctx.bsh:
+            out.append(
+                Residual(
+                    term=EQ4,
+                    name="sequence-parallel activations",
+                    bytes=Fraction(2 * (par.pp - 1) * par.micro_batches * (shard - ctx.bsh) * m.itemsize),
+                    detail=f"under sequence parallelism each stage sends its 1/{par.tp} of the sequence "
+                    "(p2p_communication.py's tensor_shape); Eq. 4 counts b*s*h",
+                )
+            )
+        return out
+
+
+def _boundary(ctx: Context) -> int:
+    """Elements a stage boundary carries per micro-batch each way: s*b*h, s/t*b*h under sequence parallelism."""
+    par = ctx.scenario.parallelism
+    return ctx.bsh // par.tp if par.sequence_parallel and par.tp > 1 else ctx.bsh
+
+
 def _construction(ctx: Context) -> list[ExpectedCollective]:
     """``get_megatron_optimizer``'s ``all_gather_object`` of its parameter-group keys over every rank, once for
     the dense parameters and once for the (absent) experts' (``optimizer/__init__.py:610,647``): the
@@ -482,7 +605,7 @@ def _construction(ctx: Context) -> list[ExpectedCollective]:
 
 def components(scenario: Scenario, scheme: Scheme) -> tuple[Component, ...]:
     """Megatron's own model of what it sends, whichever scheme (ddp or tp) names the scenario's axes."""
-    return (MegatronTP(), MegatronDDP())
+    return (MegatronTP(), MegatronDDP(), MegatronPP())
 
 
 # ------------------------------------------------------------------------------------------- rules
@@ -512,11 +635,17 @@ def megatrons_model(c: Check) -> None:
 
 
 def megatrons_axes(c: Check) -> None:
-    """What the adapter runs and the model holds: TP with or without SP over tp, DDP over dp; no pipeline,
-    context, replicas, recomputation or emulation."""
+    """What the adapter runs and the model holds: TP with or without SP over tp, DDP over dp, 1F1B over pp
+    (Megatron's own schedule, ``pipeline.engine: megatron``); no context parallelism, replicas,
+    recomputation or emulation."""
     par = c.par
+    if par.pp > 1 and par.pipeline.engine != "megatron":
+        c.bad([P, "pipeline", "engine"], f"{par.pipeline.engine}: Megatron's stages run its own schedule; set "
+              "parallelism.pipeline.engine: megatron")  # fmt: skip
+    elif par.pp > 1 and (par.pipeline.schedule != "1f1b" or par.pipeline.virtual_stages != 1):
+        c.bad([P, "pipeline", "schedule"], f"{par.pipeline.schedule}: Megatron's 1F1B without interleaving "
+              "(forward_backward_pipelining_without_interleaving) is modelled; virtual stages are not")  # fmt: skip
     refused = (
-        ("pp", par.pp, "Megatron's pipeline schedules under the gate are not modelled yet"),
         ("cp", par.cp, "Megatron's context parallelism is not modelled"),
         ("dp_replicate", par.dp_replicate, "HSDP is not Megatron's"),
     )
@@ -551,8 +680,8 @@ RULES: tuple[Rule, ...] = (megatrons_model, megatrons_axes, megatrons_options)
 MEGATRON = Trainer(
     name="megatron",
     summary="Megatron-core 0.16.1's own GPTModel (local spec), DistributedDataParallel, distributed optimizer "
-    "and get_forward_backward_func schedule, with tensor and sequence parallelism",
-    schemes=("ddp", "tp"),
+    "and get_forward_backward_func schedule, with tensor, sequence and pipeline parallelism (1F1B)",
+    schemes=("ddp", "tp", "pp", "3d"),
     extra="megatron",
     packages=("megatron.core",),
     options=OPTIONS,

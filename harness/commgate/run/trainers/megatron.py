@@ -1,5 +1,5 @@
 """Megatron-core 0.16.1 on commgate's ranks (trainer ``megatron``): its own ``GPTModel`` (the local layer
-spec), its ``DistributedDataParallel``, ``get_megatron_optimizer`` and the schedule of
+spec; this rank's pipeline stage of it), its ``DistributedDataParallel``, ``get_megatron_optimizer`` and the schedule of
 ``get_forward_backward_func``, built and stepped as Megatron's ``examples/run_simple_mcore_train_loop.py``
 does (and ``megatron/training`` wires ``no_sync_func``, ``finalize_model_grads_func``, ``grad_sync_func``
 and ``param_sync_func``); then checked against the scenario (``check_built``).
@@ -18,9 +18,9 @@ fails when upstream changes under it:
   ``pipeline_parallel/schedules.py:596``, the optimizer's ``optimizer/optimizer.py:481,485,907``,
   ``optimizer/clip_grads.py:103,174`` and ``utils.py:1207`` (``local_multi_tensor_l2_norm``).
 * W4, ``Tensor.cuda()`` as the tensor itself: the tied embedding's sync at construction
-  (``models/common/language_module/language_module.py:244``; pipeline stages only, not run here).
+  (``models/common/language_module/language_module.py:244``; tied embeddings across pipeline stages).
 * W5, ``torch.cuda.synchronize()`` as nothing: ``pipeline_parallel/p2p_communication.py:398`` (pipeline
-  stages only, not run here).
+  stages).
 * W6, ``Tensor.type()`` of a CPU tensor answering ``torch.cuda.*Tensor``: the string checks of
   ``optimizer/optimizer.py:671,690``, ``optimizer/distrib_optimizer.py:361,420,582`` and
   ``optimizer/clip_grads.py:167``.
@@ -192,23 +192,29 @@ def _forward_step(data: Iterator[dict[str, torch.Tensor]], model: Any) -> tuple[
     return out, functools.partial(_loss, batch["loss_mask"])
 
 
-def check_built(model: Any, scenario: Scenario, job: Job, *, tp_rank: int, tp: int, dp: int) -> None:
+def check_built(
+    model: Any, scenario: Scenario, job: Job, *, tp_rank: int, tp: int, dp: int, stage: int = 0, pp: int = 1
+) -> None:
     """The job Megatron built is the scenario's: its groups' sizes and its parameters, name by name (in
-    registration order, the order its gradient buckets follow)."""
+    registration order, the order its gradient buckets follow), on this rank's pipeline stage."""
     where = "megatron-core built the job"
-    if (tp, dp) != (scenario.parallelism.tp, scenario.parallelism.data_ranks):
+    par = scenario.parallelism
+    if (tp, dp, pp) != (par.tp, par.data_ranks, par.pp):
         raise CommgateError(
-            f"{where} with tp={tp}, dp={dp}; the scenario describes tp={scenario.parallelism.tp}, "
-            f"dp={scenario.parallelism.data_ranks}"
+            f"{where} with tp={tp}, dp={dp}, pp={pp}; the scenario describes tp={par.tp}, dp={par.data_ranks}, "
+            f"pp={par.pp}"
         )
-    built = [(n.removeprefix("module."), tuple(p.shape)) for n, p in model.named_parameters()]
-    wanted = [(p.name, p.shape) for p in param_shapes(scenario, job)]
+    built = [(n.removeprefix("module."), tuple(p.shape), getattr(p, "shared_embedding", False))
+             for n, p in model.named_parameters()]  # fmt: skip
+    wanted = [(p.name, p.shape, p.shared_embedding) for p in param_shapes(scenario, job, stage)]
     if built != wanted:
         diff = next(
             (f"{b} vs {w}" for b, w in zip(built, wanted, strict=False) if b != w),
             f"{len(built)} vs {len(wanted)} tensors",
         )
-        raise CommgateError(f"{where} (tensor rank {tp_rank}) with parameters that differ from the model's: {diff}")
+        raise CommgateError(
+            f"{where} (tensor rank {tp_rank}, stage {stage}) with parameters that differ from the model's: {diff}"
+        )
 
 
 def _configs(scenario: Scenario, job: Job) -> tuple[Any, Any, Any]:
@@ -227,6 +233,7 @@ def _configs(scenario: Scenario, job: Job) -> tuple[Any, Any, Any]:
         num_query_groups=m.kv,
         ffn_hidden_size=m.ffn,
         tensor_model_parallel_size=par.tp,
+        pipeline_model_parallel_size=par.pp,
         sequence_parallel=par.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -275,7 +282,9 @@ class MegatronWorkload:
 
         s, job, par, m = self.s, self.job, self.s.parallelism, self.s.model
         ps.destroy_model_parallel()
-        ps.initialize_model_parallel(tensor_model_parallel_size=par.tp, create_gloo_process_groups=False)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp, create_gloo_process_groups=False
+        )
         torch.manual_seed(job.seed)
         model_parallel_cuda_manual_seed(job.seed)
         config, ddp_config, optimizer_config = _configs(s, job)
@@ -285,9 +294,20 @@ class MegatronWorkload:
             vocab_size=m.V,
             max_sequence_length=m.s,
             share_embeddings_and_output_weights=m.tied_embeddings,
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
         )
         tp_rank, dp = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_world_size()
-        check_built(model, s, job, tp_rank=tp_rank, tp=ps.get_tensor_model_parallel_world_size(), dp=dp)
+        check_built(
+            model,
+            s,
+            job,
+            tp_rank=tp_rank,
+            tp=ps.get_tensor_model_parallel_world_size(),
+            dp=dp,
+            stage=ps.get_pipeline_model_parallel_rank(),
+            pp=ps.get_pipeline_model_parallel_world_size(),
+        )
         if m.dtype == "bf16":  # as megatron/training's get_model wraps it
             from megatron.core.transformer.module import Float16Module
 
