@@ -163,7 +163,15 @@ def test_ctrl_c_tears_the_cluster_down(tmp_path: Path) -> None:
 
     before = namespaces()
     argv = [str(BOX), "sleep", "600"]  # far longer than the teardown may take, even on a loaded machine
-    with subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
+
+    def interruptible() -> None:
+        # a test session started in the background of a non-interactive shell (a CI step's `cmd &`) has
+        # SIGINT ignored, which the box would inherit, and bash cannot trap a signal ignored at its entry
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    with subprocess.Popen(
+        argv, cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=interruptible
+    ) as proc:
         assert proc.stderr is not None
         deadline = time.monotonic() + 60
         while "idle" not in (line := proc.stderr.readline()) and time.monotonic() < deadline:
