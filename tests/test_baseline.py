@@ -236,6 +236,77 @@ def test_a_cold_start_spike_names_rank_op_peer_size_and_ratio() -> None:
     assert cold_starts(cap, ColdStartRule(factor=1000, min_excess_ms=0)) == []  # nor relatively
 
 
+def _p2p(rank: int, op: str, step: int, seq: int, start_ms: float, ms: float) -> CapturedCall:
+    """A 4 KiB send or recv between ranks 0 and 1, issued at ``start_ms`` on its rank's clock."""
+    return replace(_call(rank, step, seq, int(ms * 1e6)), op=Op(op), start_ns=int(start_ms * 1e6))
+
+
+def _pipeline(first_recv_ms: float, send_late_ms: float) -> Capture:
+    """Rank 1 sends rank 0 one activation a step; step 0 is the warm-up. Rank 0's first recv takes
+    ``first_recv_ms``; rank 1 issues its send ``send_late_ms`` after rank 0 issued the recv (its first
+    forward, say), and the send completes with the recv. Later steps: 1 ms each, both sides on time.
+    Rank 1's clock origin is 5 s before rank 0's, on one host (its calls' times are 5 s later)."""
+    from commgate.run.capture import RankClock
+
+    calls = [
+        _p2p(0, "recv", 0, 0, 100.0, first_recv_ms),
+        _p2p(1, "send", 0, 0, 5100.0 + send_late_ms, first_recv_ms - send_late_ms),
+    ]
+    for k in (1, 2, 3):
+        calls += [_p2p(0, "recv", k, k, 100.0 + 2000.0 * k, 1.0), _p2p(1, "send", k, k, 5100.0 + 2000.0 * k, 1.0)]
+    clocks = (
+        RankClock(rank=0, host="h", monotonic_ns=10**12, wall_ns=0),
+        RankClock(rank=1, host="h", monotonic_ns=10**12 - 5 * 10**9, wall_ns=0),
+    )
+    return Capture(
+        scenario="p", world_size=2, warmup_steps=1, steps=3, backend="gloo", calls=tuple(calls), clocks=clocks
+    )
+
+
+def test_a_first_recv_that_waited_for_a_late_sender_is_a_slow_start_not_a_cold_link() -> None:
+    """The ranks' clocks tell the two apart: rank 0's first recv took 900 ms because rank 1 issued its
+    send 890 ms later (a slow first forward): no spike. Without the clocks the same calls are a spike."""
+    rule = ColdStartRule(factor=10, min_excess_ms=100)
+    late_sender = _pipeline(first_recv_ms=900.0, send_late_ms=890.0)
+    assert cold_starts(late_sender, rule) == []
+    (spike,) = cold_starts(replace(late_sender, clocks=()), rule)
+    assert (spike.rank, spike.op, spike.first_ms, spike.waited_ms) == (0, "recv", 900.0, None)
+
+
+def test_a_link_slow_once_both_sides_issued_is_one_cold_start_for_the_pair() -> None:
+    """Rank 1 issued its send 10 ms after the recv and both then took 890 ms more: a cold link (the
+    cold-cache recv of Anthony et al.), flagged once, as the recv, naming the send."""
+    (spike,) = cold_starts(
+        _pipeline(first_recv_ms=900.0, send_late_ms=10.0), ColdStartRule(factor=10, min_excess_ms=100)
+    )
+    assert (spike.rank, spike.op, spike.first_ms, spike.waited_ms, spike.partner) == (0, "recv", 890.0, 10.0, 1)
+    assert spike.text() == (
+        "cold-start spike: rank 0 recv peer 1 4096 B took 890.0 ms in step 0 once every party had issued it "
+        "(after waiting 10.0 ms for the last) vs 1.00 ms steady (890x); rank 1's send to it was as slow"
+    )
+
+
+def test_a_collective_that_waited_for_a_late_member_is_not_a_spike() -> None:
+    """An all-reduce whose rank 1 issued it 500 ms late: rank 0's 501 ms is waiting (no spike with the
+    clocks; without them, the spike names rank 1 as the one that arrived last)."""
+    from commgate.run.capture import RankClock
+
+    def ar(rank: int, step: int, start_ms: float, ms: float) -> CapturedCall:
+        c = replace(_call(rank, step, step, int(ms * 1e6)), op=Op.ALL_REDUCE, peer=None, start_ns=int(start_ms * 1e6))
+        return c
+
+    calls = [ar(0, 0, 0.0, 501.0), ar(1, 0, 500.0, 1.0)]
+    calls += [ar(r, k, 1000.0 * k, 1.0) for r in (0, 1) for k in (1, 2, 3)]
+    clocks = tuple(RankClock(rank=r, host="h", monotonic_ns=7, wall_ns=0) for r in (0, 1))
+    cap = Capture(
+        scenario="c", world_size=2, warmup_steps=1, steps=3, backend="gloo", calls=tuple(calls), clocks=clocks
+    )
+    rule = ColdStartRule(factor=10, min_excess_ms=100)
+    assert cold_starts(cap, rule) == []
+    (spike,) = cold_starts(replace(cap, clocks=()), rule)
+    assert (spike.rank, spike.late) == (0, 1)
+
+
 def test_another_scenarios_baseline_is_a_one_line_error(tmp_path: Path) -> None:
     """A baseline copied or renamed from another scenario's file is not compared with this one's run."""
     stored = bl.load(DATA / "ddp.json")

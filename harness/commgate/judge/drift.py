@@ -8,7 +8,12 @@ includes waiting for its sender: exactly what the paper's cold-cache anomaly loo
   first bucket), against the time the measured steps' calls of the same op give its size (their fastest
   call's time plus their median time per byte); flagged when the ratio passes the scenario's factor
   *and* the first call is at least ``min_excess_ms`` slower (a 20 us call taking 10x is noise, a recv
-  taking seconds is not). The rank that arrived last is named: the member whose own instance of the
+  taking seconds is not). Where the capture holds the ranks' clock origins (``Capture.clocks``), every
+  call's time is counted from when its *last* party issued it (its group's members, a send's recv and a
+  recv's send), on one time line: a first recv that waited for its sender's first forward is a slow
+  start of that rank, not a cold link, and is not a spike; a link that is slow once both sides are there
+  (the cold-cache recv of Anthony et al.) is, and a send and its recv flagged together are one finding.
+  Without the clocks, the rank that arrived last is named instead: the member whose own instance of the
   call was the shortest (the others waited for it).
 * Shift: per op, its time per measured step (median rank) in this run against the stored runs'. The
   *run* is the unit of replication: the calls of one run are not independent samples (on a busy or
@@ -29,6 +34,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, TypeVar
 
+from commgate.model.collectives import Op
 from commgate.model.scenario import ColdStartRule, LatencyRule
 from commgate.run.capture import Capture, CapturedCall, busy_ns
 
@@ -60,7 +66,12 @@ class ColdStart:
     expected: bool = False
     late: int | None = None
     """The member rank that arrived last (its own call of the same instance was the shortest: everyone
-    else waited for it), when another rank than ``rank``."""
+    else waited for it), when another rank than ``rank`` (without the ranks' clocks)."""
+    waited_ms: float | None = None
+    """With the ranks' clocks: how long the call waited for its last party to issue it, left out of
+    ``first_ms`` (None without the clocks)."""
+    partner: int | None = None
+    """A recv whose sender's send was flagged with it: the sender (one finding for the pair)."""
 
     @property
     def ratio(self) -> float:
@@ -69,20 +80,110 @@ class ColdStart:
     def text(self) -> str:
         vs = "expected from the measured steps' rate for its size" if self.expected else "steady"
         late = f"; rank {self.late} arrived last (the others waited for it)" if self.late is not None else ""
+        waited = ""
+        if self.waited_ms is not None:
+            waited = " once every party had issued it" + (
+                f" (after waiting {self.waited_ms:.1f} ms for the last)" if self.waited_ms >= 0.05 else ""
+            )
+        pair = f"; rank {self.partner}'s send to it was as slow" if self.partner is not None else ""
         return (
             f"cold-start spike: rank {self.rank} {self.op} {self.where} {self.bytes} B took {self.first_ms:.1f} ms "
-            f"in step 0 vs {self.steady_ms:.2f} ms {vs} ({self.ratio:.0f}x){late}"
+            f"in step 0{waited} vs {self.steady_ms:.2f} ms {vs} ({self.ratio:.0f}x){late}{pair}"
         )
 
 
-def _rate(calls: list[CapturedCall]) -> tuple[float, float] | None:
-    """(latency ns, ns per byte) of an op from its measured calls: the fastest call's time as the floor,
-    the median excess per byte as the rate; None with fewer than 3 calls."""
+def _rate(calls: list[tuple[int, int]]) -> tuple[float, float] | None:
+    """(latency ns, ns per byte) of an op from its measured calls' (bytes, time): the fastest call's time
+    as the floor, the median excess per byte as the rate; None with fewer than 3 calls."""
     if len(calls) < 3:
         return None
-    floor = min(c.duration_ns or 0 for c in calls)
-    per_byte = [((c.duration_ns or 0) - floor) / c.bytes for c in calls if c.bytes]
+    floor = min(t for _, t in calls)
+    per_byte = [(t - floor) / b for b, t in calls if b]
     return float(floor), statistics.median(per_byte) if per_byte else 0.0
+
+
+_Call = tuple[int, int]
+"""(rank, seq): a call of a capture."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Waits:
+    """Each call's wait for its last party (ns, on the ranks' common time line) and that party's rank, and
+    each send's recv."""
+
+    wait: dict[_Call, int]
+    last: dict[_Call, int]
+    recv_of: dict[_Call, _Call]
+
+
+def _waits(capture: Capture) -> _Waits | None:
+    """How long after its issue each call's last party issued it, from the ranks' clock origins (None
+    where the capture has none). A collective's parties are its group's instances of it (same step, op,
+    group and size, the same ordinal on every member; an instance some member lacks is left out); a
+    send's is the k-th recv on its peer from its rank (the k-th send from a to b meets the k-th recv on b
+    from a), when their sizes agree."""
+    origins = capture.origins()
+    if origins is None:
+        return None
+    instances: dict[tuple[object, ...], dict[int, CapturedCall]] = defaultdict(dict)
+    seen: dict[tuple[object, ...], int] = defaultdict(int)
+    for c in capture.calls:
+        if c.peer is None:
+            k: tuple[object, ...] = (c.rank, c.step, str(c.op), c.group, c.bytes)
+        elif c.op in (Op.SEND, Op.RECV):
+            k = (c.rank, c.op, c.peer)
+        else:
+            continue
+        ordinal = seen[k]
+        seen[k] += 1
+        if c.peer is None:
+            instances[(c.step, str(c.op), c.group, c.bytes, ordinal)][c.rank] = c
+        else:
+            src, dst = (c.rank, c.peer) if c.op is Op.SEND else (c.peer, c.rank)
+            instances[("p2p", src, dst, ordinal)][c.rank] = c
+    wait: dict[_Call, int] = {}
+    last: dict[_Call, int] = {}
+    recv_of: dict[_Call, _Call] = {}
+    for k, parties in instances.items():
+        if k[0] == "p2p":
+            if len(parties) != 2 or len({c.bytes for c in parties.values()}) != 1:
+                continue
+            send, recv = (c for c in sorted(parties.values(), key=lambda c: c.op is Op.RECV))
+            recv_of[(send.rank, send.seq)] = (recv.rank, recv.seq)
+        elif len(parties) < 2 or set(parties) != set(next(iter(parties.values())).group):
+            continue
+        starts = {r: origins[r] + c.start_ns for r, c in parties.items()}
+        latest = max(starts, key=starts.__getitem__)
+        for r, c in parties.items():
+            wait[(r, c.seq)] = starts[latest] - starts[r]
+            last[(r, c.seq)] = latest
+    return _Waits(wait=wait, last=last, recv_of=recv_of)
+
+
+def slow_starts(capture: Capture, rule: ColdStartRule) -> dict[int, float]:
+    """With the ranks' clocks: the ranks that issued a collective of step 0 at least ``rule.min_excess_ms``
+    after another member had (a pipeline's recv waiting for its sender's forward is its schedule, not
+    counted) (a slow start of that rank: its first forward, its build, a loaded core; not
+    a slow link, and not a cold-start spike), with the longest such wait in ms. Empty without clocks or
+    when there is a measured step 0 (no warm-up)."""
+    aligned = _waits(capture) if capture.warmup_steps > 0 else None
+    late: dict[int, float] = {}
+    if aligned is None:
+        return late
+    for c in capture.calls:
+        w = aligned.wait.get((c.rank, c.seq))
+        if c.step == 0 and c.peer is None and w is not None and w / 1e6 >= rule.min_excess_ms:
+            r = aligned.last[(c.rank, c.seq)]
+            late[r] = max(late.get(r, 0.0), w / 1e6)
+    return dict(sorted(late.items()))
+
+
+def slow_start_text(late: dict[int, float]) -> str:
+    """The note on ``slow_starts`` (empty for none)."""
+    if not late:
+        return ""
+    who = ", ".join(f"rank {r} up to {ms:,.0f} ms" for r, ms in late.items())
+    return f"slow start in step 0 (collectives issued after the other members': {who}): the rank, not the link"
 
 
 def _late(capture: Capture, call: CapturedCall) -> int | None:
@@ -108,48 +209,60 @@ def _late(capture: Capture, call: CapturedCall) -> int | None:
 def cold_starts(capture: Capture, rule: ColdStartRule) -> list[ColdStart]:
     """Calls whose first occurrence in step 0 was a spike by ``rule``, worst first."""
     steps = range(capture.warmup_steps, capture.warmup_steps + capture.steps)
-    first: dict[tuple[int, LatencyKey], int] = {}
+    if 0 in steps:  # no warm-up: step 0 is measured, nothing to compare it with
+        return []
+    aligned = _waits(capture)
+
+    def took(c: CapturedCall) -> int:
+        """The call's time: from its issue, or (with the clocks) from when its last party issued it."""
+        d = c.duration_ns or 0
+        if aligned is not None and (w := aligned.wait.get((c.rank, c.seq))) is not None:
+            return max(0, d - w)
+        return d
+
+    first: dict[tuple[int, LatencyKey], CapturedCall] = {}
     steady: dict[tuple[int, LatencyKey], list[int]] = defaultdict(list)
+    measured: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for c in capture.calls:
         if c.duration_ns is None:
             continue
         k = (c.rank, latency_key(c))
         if c.step == 0:
-            first.setdefault(k, c.duration_ns)
+            first.setdefault(k, c)
         elif c.step in steps:
-            steady[k].append(c.duration_ns)
-    if 0 in steps:  # no warm-up: step 0 is measured, nothing to compare it with
-        return []
-    firsts = {(c.rank, latency_key(c)): c for c in reversed(capture.calls) if c.step == 0 and c.duration_ns is not None}
-    measured: dict[str, list[CapturedCall]] = defaultdict(list)
-    for c in capture.calls:
-        if c.step in steps and c.duration_ns is not None:
-            measured[str(c.op)].append(c)
-    out = []
-    for k, f in first.items():
+            steady[k].append(took(c))
+            measured[str(c.op)].append((c.bytes, took(c)))
+    out: dict[_Call, ColdStart] = {}
+    for k, call in first.items():
         rank, (op, where, nbytes, _) = k
+        f = took(call)
         if k in steady:  # its own twin in the measured steps
             expected, estimated = float(statistics.median(steady[k])), False
-        elif firsts[k].peer is None and (rate := _rate(measured.get(op, []))) is not None:
+        elif call.peer is None and (rate := _rate(measured.get(op, []))) is not None:
             # a collective with no twin (DDP's single first bucket, say); a send or recv without one (the
             # pipeline's first tensor-metadata recv) waits for its peer's compute, not for the network
             expected, estimated = rate[0] + rate[1] * nbytes, True
         else:
             continue
         if f > rule.factor * expected and (f - expected) / 1e6 >= rule.min_excess_ms:
-            out.append(
-                ColdStart(
-                    rank=rank,
-                    op=op,
-                    where=where,
-                    bytes=nbytes,
-                    first_ms=f / 1e6,
-                    steady_ms=expected / 1e6,
-                    expected=estimated,
-                    late=_late(capture, firsts[k]),
-                )
+            wait = aligned.wait.get((rank, call.seq)) if aligned is not None else None
+            out[(rank, call.seq)] = ColdStart(
+                rank=rank,
+                op=op,
+                where=where,
+                bytes=nbytes,
+                first_ms=f / 1e6,
+                steady_ms=expected / 1e6,
+                expected=estimated,
+                late=_late(capture, call) if wait is None else None,
+                waited_ms=None if wait is None else max(0, wait) / 1e6,
             )
-    return sorted(out, key=lambda s: s.first_ms - s.steady_ms, reverse=True)
+    if aligned is not None:  # a send flagged with its recv: one finding, the recv's
+        for send, recv in aligned.recv_of.items():
+            if send in out and recv in out:
+                out[recv] = replace(out[recv], partner=send[0])
+                del out[send]
+    return sorted(out.values(), key=lambda s: s.first_ms - s.steady_ms, reverse=True)
 
 
 @dataclass(frozen=True, slots=True)

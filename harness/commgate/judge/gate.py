@@ -28,7 +28,7 @@ from pathlib import Path
 from commgate.core.units import human_bytes, shown, signed
 from commgate.judge.baseline import Baseline, compare, provenance
 from commgate.judge.causes import CallKey, Cause, recognise
-from commgate.judge.drift import Assessment, RunLatency, cold_starts, shifts, summarize
+from commgate.judge.drift import Assessment, RunLatency, cold_starts, shifts, slow_start_text, slow_starts, summarize
 from commgate.judge.finding import Difference, Finding
 from commgate.judge.reconcile import KeyCount, Reconciliation
 from commgate.judge.store import BaselineStore
@@ -292,6 +292,8 @@ def evaluate(
             latency, v.latency_note = against_latency(e, now, stored, rerun, update_flag)
             if latency is not None:
                 v.findings.append(latency)
+    if not emulated and (slow := slow_start_text(slow_starts(capture, e.cold_start))):
+        v.latency_note = f"{v.latency_note}; {slow}" if v.latency_note else slow
     return v
 
 

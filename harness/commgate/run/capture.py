@@ -85,6 +85,19 @@ class StepWindow:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RankClock:
+    """Where one rank's clock origin (the zero of its calls' ``start_ns``) lies on its host's clocks, so
+    that the calls of different ranks can be put on one time line: ``monotonic_ns`` on the host's
+    monotonic clock (one clock for every process of a host), ``wall_ns`` on its real-time clock (between
+    hosts, as well as their clocks are synchronised)."""
+
+    rank: int
+    host: str
+    monotonic_ns: int
+    wall_ns: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Capture:
     """The merged capture of one run."""
 
@@ -106,6 +119,17 @@ class Capture:
     ranks: tuple[int, ...] | None = None
     """The ranks that ran and were captured; None: all ``world_size`` of them. An emulated run
     (``commgate.run.emulate``): rank 0 alone, the job seen from it."""
+    clocks: tuple[RankClock, ...] = ()
+    """Each rank's clock origin; empty where not recorded (a Flight Recorder dump, an older capture)."""
+
+    def origins(self) -> dict[int, int] | None:
+        """Each rank's clock origin on one time line (ns): the host's monotonic clock when every rank ran
+        on one host, the real-time clock otherwise; None unless every rank with a call has a clock."""
+        if not self.clocks:
+            return None
+        one_host = len({c.host for c in self.clocks}) == 1
+        out = {c.rank: c.monotonic_ns if one_host else c.wall_ns for c in self.clocks}
+        return out if all(c.rank in out for c in self.calls) else None
 
     @property
     def ran(self) -> tuple[int, ...]:
@@ -115,6 +139,8 @@ class Capture:
         doc = self._json()
         if self.ranks is not None:
             doc["ranks"] = list(self.ranks)
+        if self.clocks:
+            doc["clocks"] = [asdict(c) for c in self.clocks]
         return doc
 
     def _json(self) -> dict[str, Any]:
@@ -144,6 +170,7 @@ class Capture:
             stack=dict(d.get("stack", {})),
             step_windows=tuple(StepWindow(**w) for w in d.get("step_windows", [])),
             ranks=tuple(d["ranks"]) if "ranks" in d else None,
+            clocks=tuple(RankClock(**c) for c in d.get("clocks", [])),
         )
 
 
@@ -157,10 +184,22 @@ def validate(doc: Any) -> None:
     schemas.validate("capture", doc)
 
 
-def write_rank_calls(path: Path, calls: Iterable[CapturedCall], windows: Iterable[StepWindow] = ()) -> None:
-    """One rank's file: its calls and its step windows."""
-    doc = {"calls": [asdict(c) | {"group": list(c.group)} for c in calls], "step_windows": [asdict(w) for w in windows]}
+def write_rank_calls(
+    path: Path, calls: Iterable[CapturedCall], windows: Iterable[StepWindow] = (), clock: RankClock | None = None
+) -> None:
+    """One rank's file: its calls, its step windows and its clock origin."""
+    doc: dict[str, Any] = {
+        "calls": [asdict(c) | {"group": list(c.group)} for c in calls],
+        "step_windows": [asdict(w) for w in windows],
+    }
+    if clock is not None:
+        doc["clock"] = asdict(clock)
     atomic_write_json(path, doc)
+
+
+def rank_clock(doc: dict[str, Any]) -> tuple[RankClock, ...]:
+    """The clock of a rank file's document (``write_rank_calls``), if it has one."""
+    return (RankClock(**doc["clock"]),) if "clock" in doc else ()
 
 
 def timeline(marks: dict[str, float]) -> dict[str, float]:
@@ -187,10 +226,12 @@ def merge(
     the files are some ranks of a larger job (an emulated run)."""
     calls: list[CapturedCall] = []
     windows: list[StepWindow] = []
+    clocks: list[RankClock] = []
     for f in rank_files:
         doc = json.loads(f.read_text())
         calls += [CapturedCall.from_json(c) for c in doc["calls"]]
         windows += [StepWindow(**w) for w in doc["step_windows"]]
+        clocks += rank_clock(doc)
     calls.sort(key=lambda c: (c.rank, c.seq))
     windows.sort(key=lambda w: (w.rank, w.step))
     return Capture(
@@ -204,6 +245,7 @@ def merge(
         stack=stack or {},
         step_windows=tuple(windows),
         ranks=ranks,
+        clocks=tuple(sorted(clocks, key=lambda c: c.rank)),
     )
 
 

@@ -26,7 +26,7 @@ from commgate.core.errors import DocumentError, Problem, UsageError
 from commgate.core.fsutil import atomic_write_json, read_json
 from commgate.model.scenario import Expectations, ModelSpec, Parallelism, Scenario
 from commgate.run import capture as capture_doc
-from commgate.run.capture import Capture, CapturedCall, StepWindow
+from commgate.run.capture import Capture, CapturedCall, StepWindow, rank_clock
 from commgate.run.external import BOOTSTRAP, CAPTURE_ENV, COMMAND_ENV, JOB_ENV
 
 RANK_FILE = re.compile(r"rank(\d+)\.json")
@@ -111,7 +111,8 @@ def _check_rank_file(doc: Any) -> None:
 
         raise jsonschema.ValidationError("expected an object with calls and step_windows (a rank's capture)")
     stub = {"capture_version": 1, "scenario": "-", "world_size": 1, "warmup_steps": 0, "steps": 1, "backend": "-"}
-    capture_doc.validate(stub | {"calls": doc["calls"], "step_windows": doc["step_windows"]})
+    clocks = {"clocks": [doc["clock"]]} if "clock" in doc else {}
+    capture_doc.validate(stub | {"calls": doc["calls"], "step_windows": doc["step_windows"]} | clocks)
 
 
 def _check_meta(doc: Any) -> None:
@@ -182,6 +183,7 @@ def _merge(directory: Path, docs: dict[int, dict[str, Any]], metas: dict[int, di
         calls=tuple(calls),
         stack=stack,
         step_windows=tuple(windows),
+        clocks=tuple(sorted((k for d in docs.values() for k in rank_clock(d)), key=lambda k: k.rank)),
     )
     return Captured(directory=directory, capture=cap, metas=tuple(metas[r] for r in sorted(metas)), exit_status=status)
 

@@ -318,7 +318,7 @@ def finish(how: str) -> None:
     windows = list(rec.windows) if rec is not None else []
     meta = _meta(state, how, len(windows))
     state.out.mkdir(parents=True, exist_ok=True)
-    write_rank_calls(state.out / f"rank{state.rank}.json", calls, windows)
+    write_rank_calls(state.out / f"rank{state.rank}.json", calls, windows, rec.clock() if rec is not None else None)
     atomic_write_json(state.out / f"rank{state.rank}.meta.json", meta)
     state.done = True
     if state.pending is not None:

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,7 @@ from commgate.core.errors import CommgateError
 from commgate.core.fsutil import atomic_write_json
 from commgate.model.scenario import Scenario
 from commgate.run import links
-from commgate.run.capture import RUN_DIR, CapturedCall, StepWindow, write_rank_calls
+from commgate.run.capture import RUN_DIR, CapturedCall, RankClock, StepWindow, write_rank_calls
 from commgate.run.emulate import started_ranks
 from commgate.run.inject import Faults
 
@@ -31,6 +32,15 @@ if TYPE_CHECKING:
     import torch
 
 STATUS_WIDTH = 240
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Gathered:
+    """Every rank's calls, step windows and clock origin, gathered on rank 0 (an in-process run)."""
+
+    calls: list[CapturedCall]
+    windows: list[StepWindow]
+    clocks: list[RankClock]
 
 
 def resolve_backend(scenario: Scenario) -> str:
@@ -71,7 +81,7 @@ def run_rank(
     out_dir: Path | None = None,
     marks: dict[str, float] | None = None,
     faults: Faults | None = None,
-) -> tuple[list[CapturedCall], list[StepWindow]] | None:
+) -> Gathered | None:
     """Run ``scenario`` as ``rank``. With ``out_dir`` the rank writes its own calls there and returns
     None (the local launcher); without, the calls and step windows of every rank are gathered over the
     process group and rank 0 returns them all (torchrun, where ranks share no file system). ``marks``
@@ -117,14 +127,18 @@ def run_rank(
     # peers fail) before its own error is written; its process exits right after.
     interpose.RECORDER = None  # the teardown below is not part of the scenario
     calls, windows = rec.drain(), rec.windows
-    gathered: tuple[list[CapturedCall], list[StepWindow]] | None = None
+    gathered: Gathered | None = None
     if out_dir is not None:
-        write_rank_calls(out_dir / f"rank{rank}.json", calls, windows)
+        write_rank_calls(out_dir / f"rank{rank}.json", calls, windows, rec.clock())
     else:
         everyone: list[Any] | None = [None] * world_size if rank == 0 else None
-        dist.gather_object((calls, windows), everyone, dst=0)
+        dist.gather_object((calls, windows, rec.clock()), everyone, dst=0)
         if everyone is not None:
-            gathered = ([c for cs, _ in everyone for c in cs], [w for _, ws in everyone for w in ws])
+            gathered = Gathered(
+                calls=[c for cs, _, _ in everyone for c in cs],
+                windows=[w for _, ws, _ in everyone for w in ws],
+                clocks=[k for _, _, k in everyone],
+            )
     dist.barrier()  # no rank leaves while a peer may still be sending to it
     if out_dir is None:  # in-process (torchrun): the next scenario runs in this process; leave nothing
         dist.destroy_process_group()

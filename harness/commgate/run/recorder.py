@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ import torch
 
 from commgate.model.collectives import Op
 from commgate.model.transformer import dtype_name
-from commgate.run.capture import INIT_STEP, CapturedCall, StepWindow
+from commgate.run.capture import INIT_STEP, CapturedCall, RankClock, StepWindow
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
@@ -56,7 +57,8 @@ class Recorder:
         self.step = INIT_STEP
         self.phase = "init"
         self._seq = itertools.count()
-        self._t0 = time.perf_counter_ns()
+        self._t0 = time.perf_counter_ns()  # the host's monotonic clock (CLOCK_MONOTONIC on Linux)
+        self._wall0 = time.time_ns()
         self._open: dict[int, tuple[Any, ...]] = {}
         self._works: dict[int, tuple[Any, int]] = {}
         """seq -> (the backend's work, its issue time): what the poller watches."""
@@ -67,6 +69,10 @@ class Recorder:
         self.windows: list[StepWindow] = []
         """Step boundaries (``commgate.run.rank`` stamps them around each step)."""
         self.poller = Poller(self)
+
+    def clock(self) -> RankClock:
+        """This rank's clock origin, for putting its calls and its peers' on one time line."""
+        return RankClock(rank=self.rank, host=socket.gethostname(), monotonic_ns=self._t0, wall_ns=self._wall0)
 
     def now(self) -> int:
         return time.perf_counter_ns() - self._t0

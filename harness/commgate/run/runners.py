@@ -96,7 +96,6 @@ class TorchrunRank:
             os._exit(1)
         if gathered is None:
             return None
-        calls, windows = gathered
         backend = resolve_backend(scenario)
         return Capture(
             scenario=scenario.id,
@@ -104,10 +103,11 @@ class TorchrunRank:
             warmup_steps=scenario.warmup_steps,
             steps=scenario.steps,
             backend=backend,
-            calls=tuple(sorted(calls, key=lambda c: (c.rank, c.seq))),
+            calls=tuple(sorted(gathered.calls, key=lambda c: (c.rank, c.seq))),
             timeline=timeline(marks),
             stack=stack(backend, int(os.environ.get("LOCAL_WORLD_SIZE", self.world))),
-            step_windows=tuple(sorted(windows, key=lambda w: (w.rank, w.step))),
+            step_windows=tuple(sorted(gathered.windows, key=lambda w: (w.rank, w.step))),
+            clocks=tuple(sorted(gathered.clocks, key=lambda c: c.rank)),
         )
 
 
