@@ -383,8 +383,11 @@ def test_a_report_with_cold_starts_is_valid_and_compares(tmp_path: Path) -> None
 
     report = Report(tmp_path / "report.json")
     rec = reconcile(predict(s), cap)  # its calls: what compare compares
-    report.add(ScenarioResult(prediction=predict(s), status="passed", capture=cap, reconciliation=rec))
+    result = ScenarioResult(prediction=predict(s), status="passed", capture=cap, reconciliation=rec)
+    report.add(result)
     validate(json.loads((tmp_path / "report.json").read_text()))
+    # not judged (no --gate, so no finding): the console says so, as the HTML's markers do
+    assert "    not judged (run with --gate to judge): cold-start spike: rank 0 recv peer 1 4096 B" in result.summary()
     assert main(["compare", str(tmp_path / "report.json"), str(tmp_path / "report.json")]) == 0
 
 

@@ -131,7 +131,19 @@ class ScenarioResult:
             if not (f.kind == "model" and f.fail):  # the model's differences are the lines above
                 lines += [f"    {line}" for line in f.text().splitlines()]
         lines += [f"    {note}" for note in (self.latency_note, self.baseline_written) if note]
+        lines += self._unjudged_cold_starts()
         return "\n".join(lines)
+
+    def _unjudged_cold_starts(self) -> list[str]:
+        """The spikes the report's pages mark, when the gate did not judge them (``commgate run`` without
+        ``--gate``): said on the console too, never only in the HTML."""
+        if self.capture is None or self.capture.ranks is not None or any(f.kind == "cold-start" for f in self.findings):
+            return []
+        spikes = cold_starts(self.capture, self.prediction.scenario.expectations.cold_start)
+        if not spikes:
+            return []
+        more = f" (and {len(spikes) - 1} more in the report)" if len(spikes) > 1 else ""
+        return [f"    not judged (run with --gate to judge): {spikes[0].text()}{more}"]
 
     def _head(self) -> tuple[str, str]:
         """The summary's first line (status, id, scheme, ranks, times, comm fraction), and whose view the
