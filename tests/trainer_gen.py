@@ -148,7 +148,8 @@ def hf(rng: random.Random, index: int) -> Draw:
 
 def torchtitan(rng: random.Random, index: int) -> Draw:
     """A torchtitan job: its llama3 debug config on a drawn llama3, FSDP2, TP with sequence parallelism,
-    or FSDP2 x TP, with its checkpointing, precision, resharding, loss and logging knobs."""
+    FSDP2 x TP, or its pipeline under each schedule, with its checkpointing, precision, resharding, loss
+    and logging knobs."""
     a = rng.choice([2, 4])
     tp = rng.choice([1, 2])
     dp = rng.choice([d for d in (1, 2, 4) if d * tp <= MAX_WORLD and d * tp > 1])
@@ -179,6 +180,15 @@ def torchtitan(rng: random.Random, index: int) -> Draw:
     if tp > 1:
         par["sequence_parallel"] = True
     par |= {"micro_batch": rng.choice([1, 2]), "activation_checkpointing": ac}
+    if rng.random() < 0.35:  # torchtitan's pipeline (dp = tp = 1), each schedule it names
+        pp = rng.choice([p for p in (2, 4) if p <= MAX_WORLD])
+        schedule = rng.choice(["gpipe", "1f1b", "interleaved-1f1b"])
+        v = 2 if schedule == "interleaved-1f1b" else 1
+        model["L"] = pp * v * rng.choice([1, 2])
+        pipeline: dict[str, Any] = {"engine": "torch", "schedule": schedule} | ({"virtual_stages": v} if v > 1 else {})
+        par = {"scheme": "pp", "pp": pp, "micro_batch": par["micro_batch"], "micro_batches": rng.choice([pp, 2 * pp])}
+        par |= {"activation_checkpointing": ac, "pipeline": pipeline}
+        block.pop("fsdp_reshard_after_forward", None)
     doc = {
         "schema_version": 1,
         "name": f"gen-torchtitan-{index}",

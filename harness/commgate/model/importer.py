@@ -427,7 +427,12 @@ def torchtitan(job: TitanJob, *, dp: int | None, tp: int | None, cpu: bool, name
     lines; what the model cannot hold turns the model check off (baseline-only), saying why."""
     f = job.source
     for key, value, why in (
-        ("pipeline_parallel_degree", job.pp, "pipeline parallelism does not run on torch 2.13"),
+        (
+            "pipeline_parallel_degree",
+            job.pp,
+            "importing torchtitan's pipeline is not supported yet: write the scenario "
+            "(scheme pp, engine torch, as scenarios/torchtitan-pp.yaml; pipelines with dp = tp = 1 are modelled)",
+        ),
         ("context_parallel_degree", job.cp, "context parallelism under torchtitan is not modelled yet"),
         ("data_parallel_replicate_degree", job.replicate, "HSDP under torchtitan is not modelled yet"),
     ):

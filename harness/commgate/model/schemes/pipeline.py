@@ -152,6 +152,10 @@ class PipelineParallel:
             )
         return rows
 
+    def activation_dtype(self, ctx: Context) -> str:
+        """The dtype the stages compute in, so send: FSDP2's ``param_dtype`` when set, else the model's."""
+        return activation_dtype(ctx)
+
     def _eq4(self, ctx: Context) -> Fraction:
         m, par = ctx.scenario.model, ctx.scenario.parallelism
         return eq4_pipeline(b=par.micro_batch, s=m.s, h=m.h, p=par.pp)
@@ -187,7 +191,7 @@ class PipelineParallel:
                     detail=f"{par.pp}x{v} stages have {par.pp * v - 1} boundaries, Eq. 4 counts p-1 = {par.pp - 1}",
                 )
             )
-        act = activation_dtype(ctx)
+        act = self.activation_dtype(ctx)
         if WIRE_ITEMSIZE[act] != isz:  # every boundary's bytes so far, in the dtype the stages compute in
             sent = self._eq4(ctx) * isz * mb + sum((r.bytes for r in out if r.name != "micro-batches"), Fraction(0))
             out.append(

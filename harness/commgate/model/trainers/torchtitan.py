@@ -49,6 +49,7 @@ from commgate.model.paper import eq5_tensor
 from commgate.model.scenario import Scenario
 from commgate.model.schemes._common import beyond_eq1, rank0_term, sharding
 from commgate.model.schemes.fsdp import Group
+from commgate.model.schemes.pipeline import PipelineParallel, _torch_pipelining
 from commgate.model.schemes.scheme import Check, Component, Rule, Scheme
 from commgate.model.schemes.zero3 import TERM as EQ3
 from commgate.model.schemes.zero3 import eq3_term
@@ -660,6 +661,50 @@ class TorchtitanStep:
         return []
 
 
+@dataclass(frozen=True, slots=True)
+class TorchtitanPP(PipelineParallel):
+    """torchtitan's pipeline (``distributed/pipeline_parallel.py``) on ``torch.distributed.pipelining``:
+    the model split into p x v stages (the first holds ``tok_embeddings``, the last ``norm`` and
+    ``lm_head``), each stage's FSDP2 on its own (one-rank, so silent) data-parallel mesh, stepped by the
+    scenario's schedule over ``training.local_batch_size / pipeline_parallel_microbatch_size`` micro-batches.
+    Per micro-batch each stage boundary carries the activation forward and its gradient back, b*s*h each,
+    in FSDP2's ``param_dtype`` (the stages compute in it), recorded in the forward phase: the schedule
+    sends outside autograd (``_torch_pipelining``). ``clip_grad_norm_`` all-reduces the total norm across
+    the stages (``distributed/utils.py:667-672``). The first step also infers the stages' shapes
+    (int32 votes and pickled metadata, ``stage.py:1720-1810``): a warm-up step, never reconciled (the rules
+    require one)."""
+
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        return ()
+
+    def activation_dtype(self, ctx: Context) -> str:
+        return Job.of(ctx.scenario).param_dtype
+
+    def collectives(self, ctx: Context) -> list[ExpectedCollective]:
+        par = ctx.scenario.parallelism
+        if par.pp == 1:
+            return []
+        act = self.activation_dtype(ctx)
+        rows = [
+            replace(r, dtype=act, phase=Phase.FORWARD, source=r.source.replace("torch PP", "torchtitan PP"))
+            for r in _torch_pipelining(ctx)
+        ]
+        rows.append(
+            ExpectedCollective(
+                op=Op.ALL_REDUCE,
+                axis="pp",
+                groups=ctx.layout.pp_groups(),
+                dtype="fp32",
+                elements=1,
+                calls=1,
+                phase=Phase.OPTIMIZER,
+                source="clip_grad_norm_: the total norm all-reduced across the stages (distributed/utils.py:667-672)",
+            )
+        )
+        return rows
+
+
 def _metrics(base: ExpectedCollective, job: Job, steps: int) -> list[ExpectedCollective]:
     """The logging steps' all-reduces over the loss mesh (the data-parallel ranks): the loss's sum and
     max, the tokens seen (``trainer.py:957-985``); every step with ``log_freq`` 1, else once at each
@@ -676,7 +721,7 @@ def _metrics(base: ExpectedCollective, job: Job, steps: int) -> list[ExpectedCol
 
 def components(scenario: Scenario, scheme: Scheme) -> tuple[Component, ...]:
     """torchtitan's own model of what it sends, whichever scheme (fsdp or tp) names the scenario's axes."""
-    return (TorchtitanFSDP(), TorchtitanTP(), TorchtitanStep())
+    return (TorchtitanFSDP(), TorchtitanTP(), TorchtitanPP(), TorchtitanStep())
 
 
 # ------------------------------------------------------------------------------------------- rules
@@ -729,13 +774,30 @@ def torchtitans_axes(c: Check) -> None:
     """What torchtitan runs on torch 2.13 CPU and the model holds: FSDP2 over dp (scheme with FSDP), TP with
     dp = 1 (the tensor scheme), no pipeline, context, replicas or gradient accumulation."""
     par = c.par
-    refused = (
-        ("pp", par.pp, "pipeline parallelism does not run on torch 2.13: torchtitan's trainer.py:856 calls "
-         "pp_schedule.step(arg_mbs=...), which torch 2.13's schedules do not take"),
+    refused: tuple[tuple[str, int, str], ...] = (
         ("cp", par.cp, "context parallelism under torchtitan is not modelled yet"),
         ("dp_replicate", par.dp_replicate, "HSDP (data_parallel_replicate_degree) under torchtitan is not modelled"),
-        ("micro_batches", par.micro_batches, "gradient accumulation under torchtitan is not modelled yet"),
     )  # fmt: skip
+    if par.pp == 1:
+        refused += (("micro_batches", par.micro_batches, "gradient accumulation under torchtitan is not modelled yet"),)
+    elif par.dp > 1 or par.tp > 1:
+        why = (
+            "torchtitan's pipeline with FSDP2 or TP is not modelled yet (its chunked loss unshards and reduces the "
+            "last stage's [norm, lm_head] group once per micro-batch, components/loss.py:724-772): pp with dp = tp = 1"
+        )
+        c.bad([P, "dp" if par.dp > 1 else "tp"], f"{par.dp if par.dp > 1 else par.tp}: {why}")
+    elif c.doc.get("warmup_steps", 1) == 0:
+        c.bad(
+            ["warmup_steps"],
+            "0: torchtitan's pipeline infers its stages' shapes in the first step (pickled "
+            "metadata the model does not predict): give it a warm-up step",
+        )
+    if par.pp > 1 and par.pipeline.schedule == "zero-bubble":
+        c.bad(
+            [P, "pipeline", "schedule"],
+            "zero-bubble: torchtitan's InterleavedZeroBubble splits the backward "
+            "(not modelled under torchtitan): gpipe, 1f1b or interleaved-1f1b",
+        )
     for key, value, why in refused:
         if value != 1:
             c.bad([P, key], f"{value}: {why}")
@@ -788,11 +850,15 @@ GIVEN: dict[str, str] = {
     "config": "torchtitan.config",
     "parallelism.data_parallel_shard_degree": "parallelism.dp",
     "parallelism.tensor_parallel_degree": "parallelism.tp",
+    "parallelism.pipeline_parallel_degree": "parallelism.pp",
+    "parallelism.pipeline_parallel_schedule": "parallelism.pipeline.schedule",
+    "parallelism.pipeline_parallel_microbatch_size": "parallelism.micro_batch",
+    "training.disable_cuda_graphs": "the adapter (under a pipeline: torchtitan refuses PP otherwise, trainer.py:179)",
     "parallelism.enable_sequence_parallel": "parallelism.sequence_parallel",
     "parallelism.fsdp_reshard_after_forward": "torchtitan.fsdp_reshard_after_forward",
     "parallelism.spmd_backend": "the adapter (partial_dtensor: spmd_types fails in torch 2.13's fully_shard)",
-    "training.local_batch_size": "parallelism.micro_batch",
-    "training.global_batch_size": "parallelism.micro_batch x dp (gradient accumulation is not modelled)",
+    "training.local_batch_size": "parallelism.micro_batch (x micro_batches under a pipeline)",
+    "training.global_batch_size": "parallelism.micro_batch x dp (x micro_batches under a pipeline; no accumulation)",
     "training.seq_len": "model.s",
     "training.dtype": "model.dtype",
     "training.mixed_precision_param": "torchtitan.mixed_precision_param",
@@ -808,8 +874,6 @@ GIVEN: dict[str, str] = {
 """torchtitan's command-line keys the scenario (or the run) gives: refused in ``torchtitan.args``."""
 
 BLOCKED: dict[str, str] = {
-    "parallelism.pipeline_parallel_degree": "pipeline parallelism does not run on torch 2.13 (trainer.py:856 calls "
-    "pp_schedule.step(arg_mbs=...))",
     "parallelism.context_parallel_degree": "context parallelism under torchtitan is not modelled yet",
     "parallelism.data_parallel_replicate_degree": "HSDP under torchtitan is not modelled yet",
     "parallelism.expert_parallel_degree": "llama3 has no experts",
@@ -888,7 +952,7 @@ TORCHTITAN = Trainer(
     name="torchtitan",
     summary="torchtitan 0.3.0's own Trainer: its llama3 model, parallelize_llama (FSDP2, TP with sequence "
     "parallelism) and train_step",
-    schemes=("fsdp", "tp"),
+    schemes=("fsdp", "tp", "pp"),
     extra="torchtitan",
     packages=("torchtitan", "tyro", "tokenizers"),
     options=OPTIONS,

@@ -40,6 +40,9 @@ a test of each that fails when upstream changes so that it is no longer needed o
 * P6 (speed) ``create_block_mask`` compiled at import (``models/common/attention.py:622``): on CPU the
   first step would compile it with inductor's C++ backend (5-50 s); it runs eagerly, building the same
   mask (no collective changes).
+* P7 the pipeline's ``step`` (``trainer.py:856``: ``pp_schedule.step(arg_mbs=...)``, a torch newer than
+  2.13): ``microbatch_step`` gives the schedule a ``step`` that takes torchtitan's micro-batches and does
+  what torch 2.13's own ``step`` does after splitting a batch.
 * And not a patch: ``--parallelism.spmd_backend partial_dtensor``, since the default ``spmd_types`` fails in
   torch 2.13's ``fully_shard`` (``distributed/fsdp.py:195`` -> ``torch/.../_fsdp_param.py:346``).
 """
@@ -298,6 +301,14 @@ def overrides(scenario: Scenario, job: Job, *, tokenizer: Path, data: Path, dump
         else "--parallelism.no-enable-sequence-parallel"
     )
     seed = ["--debug.seed", str(job.seed)] if job.seed is not None else []
+    pipeline, micro_batches = [], 1
+    if par.pp > 1:  # the scenario's schedule (llama3_debugmodel's own is Interleaved1F1B, config_registry.py:60)
+        micro_batches = par.micro_batches
+        pipeline = [
+            "--parallelism.pipeline_parallel_microbatch_size", str(par.micro_batch),
+            "--parallelism.pipeline_parallel_schedule", PP_SCHEDULES[par.pipeline.schedule],
+            "--training.disable_cuda_graphs",  # else Trainer.Config refuses PP (trainer.py:179-187)
+        ]  # fmt: skip
     return [
         "--module", job.module, "--config", job.config,
         "--hf_assets_path", str(tokenizer), "--dataloader.dataset", "c4_test", "--dataloader.dataset_path", str(data),
@@ -307,8 +318,10 @@ def overrides(scenario: Scenario, job: Job, *, tokenizer: Path, data: Path, dump
         "--parallelism.tensor_parallel_degree", str(par.tp),
         sp,
         "--parallelism.fsdp_reshard_after_forward", job.fsdp_reshard_after_forward,
-        "--training.local_batch_size", str(par.micro_batch),
-        "--training.global_batch_size", str(par.micro_batch * par.dp),
+        "--parallelism.pipeline_parallel_degree", str(par.pp),
+        *pipeline,
+        "--training.local_batch_size", str(par.micro_batch * micro_batches),
+        "--training.global_batch_size", str(par.micro_batch * micro_batches * par.dp),
         "--training.seq_len", str(m.s),
         "--training.dtype", "float32",
         "--training.mixed_precision_param", job.mixed_precision_param,
@@ -317,6 +330,54 @@ def overrides(scenario: Scenario, job: Job, *, tokenizer: Path, data: Path, dump
         *job.args,
         f"activation-checkpoint:{job.ac(par.activation_checkpointing)}",
     ]  # fmt: skip
+
+
+PP_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}
+"""The scenario's schedule -> torchtitan's ``parallelism.pipeline_parallel_schedule``."""
+
+
+def microbatch_step(schedule: Any) -> None:
+    """P7: torchtitan 0.3.0 steps its pipeline with micro-batches it split itself,
+    ``pp_schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=, losses=, loss_kwargs=, return_outputs=)``
+    (``trainer.py:856-863``), a signature of torch after 2.13; torch 2.13's ``step(*args, target=, ...)``
+    splits a whole batch itself and takes those names for model inputs ("Expecting 4 arg_mbs but got 1").
+    The schedule's ``step`` is given what torch 2.13's own does after its split (``schedules.py:761-772``
+    for one stage a rank, ``1955-1972`` for several), then ``_step_microbatches`` with torchtitan's
+    micro-batches: the same calls, in the same order."""
+    import torch
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+    whole = schedule.step
+
+    def step(
+        *args: Any,
+        arg_mbs: Any = None,
+        kwarg_mbs: Any = None,
+        target_mbs: Any = None,
+        losses: Any = None,
+        loss_kwargs: Any = None,
+        return_outputs: bool = True,
+        **kwargs: Any,
+    ) -> Any:
+        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+            return whole(*args, losses=losses, loss_kwargs=loss_kwargs, return_outputs=return_outputs, **kwargs)
+        if isinstance(schedule, PipelineScheduleSingle):
+            stages, grad = [schedule._stage], schedule._has_backward
+        elif isinstance(schedule, PipelineScheduleMulti):
+            stages, grad = schedule._stages, schedule._has_backward and schedule._backward_requires_autograd
+        else:
+            raise CommgateError(f"torchtitan built a {type(schedule).__name__}, a schedule commgate does not step")
+        if grad and not torch.is_grad_enabled():
+            raise RuntimeError("step() requires gradients to be enabled for backward computation")
+        for stage in stages:
+            stage.has_backward = schedule._has_backward
+        for stage in stages:
+            stage.clear_runtime_states()
+        schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+        return None
+
+    schedule.step = step
+    APPLIED.append(f"P7 {type(schedule).__name__}.step(arg_mbs=...)")
 
 
 @contextlib.contextmanager
@@ -477,7 +538,7 @@ def check_config(config: Any, scenario: Scenario, job: Job) -> None:
     want: dict[str, tuple[object, str]] = {
         "parallelism.data_parallel_shard_degree": (par.dp, "parallelism.dp"),
         "parallelism.tensor_parallel_degree": (par.tp, "parallelism.tp"),
-        "parallelism.pipeline_parallel_degree": (1, "parallelism.pp"),
+        "parallelism.pipeline_parallel_degree": (par.pp, "parallelism.pp"),
         "parallelism.context_parallel_degree": (1, "parallelism.cp"),
         "parallelism.data_parallel_replicate_degree": (1, "parallelism.dp_replicate"),
         "parallelism.enable_sequence_parallel": (par.sequence_parallel, "parallelism.sequence_parallel"),
@@ -485,8 +546,22 @@ def check_config(config: Any, scenario: Scenario, job: Job) -> None:
             job.fsdp_reshard_after_forward,
             "torchtitan.fsdp_reshard_after_forward",
         ),
-        "training.local_batch_size": (par.micro_batch, "parallelism.micro_batch"),
+        "training.local_batch_size": (
+            par.micro_batch * (par.micro_batches if par.pp > 1 else 1),
+            "parallelism.micro_batch x micro_batches",
+        ),
         "training.seq_len": (m.s, "model.s"),
+        **(
+            {
+                "parallelism.pipeline_parallel_schedule": (
+                    PP_SCHEDULES[par.pipeline.schedule],
+                    "parallelism.pipeline.schedule",
+                ),
+                "parallelism.pipeline_parallel_microbatch_size": (par.micro_batch, "parallelism.micro_batch"),
+            }
+            if par.pp > 1
+            else {}
+        ),
         "training.dtype": ("float32", "model.dtype fp32"),
         "training.mixed_precision_param": (job.mixed_precision_param, "torchtitan.mixed_precision_param"),
         "training.mixed_precision_reduce": ("float32", "the model's reduce dtype"),
@@ -546,16 +621,25 @@ def check_built(trainer: Any, scenario: Scenario, job: Job) -> None:
     par, m = scenario.parallelism, scenario.model
     dims = trainer.parallel_dims
     built = {"dp_shard": dims.dp_shard, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "dp_replicate": dims.dp_replicate}
-    wanted = {"dp_shard": par.dp, "tp": par.tp, "pp": 1, "cp": 1, "dp_replicate": 1}
+    wanted = {"dp_shard": par.dp, "tp": par.tp, "pp": par.pp, "cp": 1, "dp_replicate": 1}
     where = f"torchtitan built {job.module}:{job.config}"
     if built != wanted:
         raise CommgateError(f"{where} with meshes {built}, the scenario describes {wanted}")
-    (model,) = trainer.model_parts
-    shapes = {name.replace("._checkpoint_wrapped_module", ""): tuple(p.shape) for name, p in model.named_parameters()}
+    parts = trainer.model_parts
     want = expected_shapes(m)
-    if shapes != want:
+    if len(parts) != (par.pipeline.virtual_stages if par.pp > 1 else 1):
+        raise CommgateError(f"{where} with {len(parts)} model parts on a rank, the scenario describes "
+                            f"{par.pipeline.virtual_stages if par.pp > 1 else 1}")  # fmt: skip
+    shapes = {
+        name.replace("._checkpoint_wrapped_module", ""): tuple(p.shape)
+        for part in parts
+        for name, p in part.named_parameters()
+    }
+    # one rank holds the whole model, or (pipelined) its stages' share of it
+    if (shapes != want) if par.pp == 1 else not (shapes and shapes.items() <= want.items()):
         diff = sorted(set(shapes.items()) ^ set(want.items()))[:2]
         raise CommgateError(f"{where} with parameters that differ from the scenario's model: {diff} ...")
+    model = parts[0]
     if trainer.gradient_accumulation_steps != 1:
         raise CommgateError(
             f"{where} with {trainer.gradient_accumulation_steps} gradient-accumulation steps; 1 is modelled"
@@ -592,6 +676,8 @@ class TorchtitanWorkload:
         with_scenario_model(config, scenario, job)
         leave_off(config, job)
         self.trainer = config.build()
+        if self.trainer.parallel_dims.pp_enabled:
+            microbatch_step(self.trainer.pp_schedule)
         check_built(self.trainer, scenario, job)
         self.data: Iterator[Any] = self.trainer.batch_generator(self.trainer.dataloader)
         print(
