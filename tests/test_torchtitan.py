@@ -156,7 +156,8 @@ def test_left_off_is_named_in_every_prediction_and_run() -> None:
 
 FSDP, TP = "scheme: fsdp, dp: 2", "scheme: tp, dp: 1, tp: 2, sequence_parallel: true"
 REFUSED = [
-    (FSDP + ", cp: 2", "", TINY, r"parallelism.cp: 2: context parallelism under torchtitan"),
+    (FSDP + ", cp: 2", "", TINY, r"parallelism.cp: 2: torchtitan's context parallelism is modelled alone"),
+    ("scheme: cp, cp: 4", "", TINY, r"model.s: 256: flex attention under context parallelism needs s divisible"),
     (FSDP + ", dp_replicate: 2", "", TINY, r"parallelism.dp_replicate: 2: HSDP"),
     (FSDP + ", micro_batches: 2", "", TINY, r"parallelism.micro_batches: 2: gradient accumulation"),
     (FSDP + ", fsdp: {param_dtype: bf16}", "", TINY, r"parallelism.fsdp: torchtitan's FSDP2 options"),
@@ -516,6 +517,26 @@ def test_pipeline_on_torchtitans_own_step_reconciles(
     """torchtitan's own split and train step, through P7, under each schedule torchtitan names."""
     par = PP.replace("1f1b", schedule).replace("pp: 2", f"pp: {pp}")
     run_and_reconcile(scenario(par, "log_freq: 1", TINY_TP.replace("L: 2", f"L: {layers}")), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("par", "block", "s"),
+    [
+        ("cp: 2, activation_checkpointing: true", "log_freq: 1", 256),
+        ("cp: 2, activation_checkpointing: false", "log_freq: 2, mixed_precision_param: float32", 256),
+        ("cp: 2, activation_checkpointing: true", "log_freq: 1, activation_checkpoint: full", 256),
+        ("cp: 4, activation_checkpointing: true", "config: llama3_debugmodel_ce_loss, loss: cross_entropy", 512),
+    ],
+    ids=["selective", "no-ac-fp32", "full", "cp4-ce"],
+)
+def test_context_parallelism_on_torchtitans_flex_attention_reconciles(
+    tt: Any, par: str, block: str, s: int, tmp_path: Path
+) -> None:
+    """torchtitan's flex CP: K and V all-gathered per layer, their gradients reduce-scattered, FSDP2 over
+    the cp ranks."""
+    run_and_reconcile(
+        scenario(f"scheme: cp, micro_batch: 2, {par}", block, TINY.replace("s: 256", f"s: {s}")), tmp_path
+    )
 
 
 def test_fsdp2_and_tp_on_4_ranks_reconciles(tt: Any, tmp_path: Path) -> None:

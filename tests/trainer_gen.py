@@ -148,8 +148,8 @@ def hf(rng: random.Random, index: int) -> Draw:
 
 def torchtitan(rng: random.Random, index: int) -> Draw:
     """A torchtitan job: its llama3 debug config on a drawn llama3, FSDP2, TP with sequence parallelism,
-    FSDP2 x TP, or its pipeline under each schedule, with its checkpointing, precision, resharding, loss
-    and logging knobs."""
+    FSDP2 x TP, its pipeline under each schedule or its context parallelism, with its checkpointing,
+    precision, resharding, loss and logging knobs."""
     a = rng.choice([2, 4])
     tp = rng.choice([1, 2])
     dp = rng.choice([d for d in (1, 2, 4) if d * tp <= MAX_WORLD and d * tp > 1])
@@ -188,6 +188,12 @@ def torchtitan(rng: random.Random, index: int) -> Draw:
         pipeline: dict[str, Any] = {"engine": "torch", "schedule": schedule} | ({"virtual_stages": v} if v > 1 else {})
         par = {"scheme": "pp", "pp": pp, "micro_batch": par["micro_batch"], "micro_batches": rng.choice([pp, 2 * pp])}
         par |= {"activation_checkpointing": ac, "pipeline": pipeline}
+        block.pop("fsdp_reshard_after_forward", None)
+    elif rng.random() < 0.25:  # its context parallelism (alone), flex attention's K/V all-gathers
+        cp = rng.choice([2, 4])
+        model["s"] = 128 * cp  # flex CP splits the sequence into whole 128-token blocks
+        model["kv_heads"] = rng.choice([k for k in (1, 2, a) if a % k == 0])
+        par = {"scheme": "cp", "cp": cp, "micro_batch": par["micro_batch"], "activation_checkpointing": ac}
         block.pop("fsdp_reshard_after_forward", None)
     doc = {
         "schema_version": 1,

@@ -433,7 +433,12 @@ def torchtitan(job: TitanJob, *, dp: int | None, tp: int | None, cpu: bool, name
             "importing torchtitan's pipeline is not supported yet: write the scenario "
             "(scheme pp, engine torch, as scenarios/torchtitan-pp.yaml; pipelines with dp = tp = 1 are modelled)",
         ),
-        ("context_parallel_degree", job.cp, "context parallelism under torchtitan is not modelled yet"),
+        (
+            "context_parallel_degree",
+            job.cp,
+            "importing torchtitan's context parallelism is not supported yet: write the "
+            "scenario (scheme cp, as scenarios/torchtitan-cp.yaml; CP alone is modelled)",
+        ),
         ("data_parallel_replicate_degree", job.replicate, "HSDP under torchtitan is not modelled yet"),
     ):
         if value != 1:

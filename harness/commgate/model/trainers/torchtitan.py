@@ -30,7 +30,10 @@ torch 2.13 and measured on CPU gloo ranks (paths under ``torchtitan/``):
   (``distributed/activation_checkpoint.py:61-64``), full recomputes both. Activations move in the
   mixed-precision dtype, FSDP2's policy applying even on a one-rank data-parallel mesh.
 
-Paper: Eq. 3 for the FSDP2 part, Eq. 5 for tensor parallelism, every difference a named term.
+* Its pipeline (dp = tp = 1, ``TorchtitanPP``) and its flex context parallelism (alone, ``TorchtitanCP``).
+
+Paper: Eq. 3 for the FSDP2 part, Eq. 5 for tensor parallelism, Eq. 4 for the pipeline, commgate's CP
+derivation for context parallelism, every difference a named term.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ from commgate.model.layout import Group as Ranks
 from commgate.model.paper import eq5_tensor
 from commgate.model.scenario import Scenario
 from commgate.model.schemes._common import beyond_eq1, rank0_term, sharding
+from commgate.model.schemes.context import TERM as CP_TERM
+from commgate.model.schemes.context import ContextParallel, kv_buffer
 from commgate.model.schemes.fsdp import Group
 from commgate.model.schemes.pipeline import PipelineParallel, _torch_pipelining
 from commgate.model.schemes.scheme import Check, Component, Rule, Scheme
@@ -633,8 +638,9 @@ class TorchtitanStep:
                 )
             )
         axes: list[tuple[Axis, tuple[Ranks, ...]]] = []
-        if par.data_ranks > 1:
+        if par.dp > 1:  # the batch mesh: dp alone (with cp = 1, the dp x cp groups are dp's)
             rows.append(base)
+        if par.data_ranks > 1:
             axes.append(("dp", lay.dp_groups()))
         if par.tp > 1:
             axes.append(("tp", lay.tp_groups()))
@@ -705,6 +711,81 @@ class TorchtitanPP(PipelineParallel):
         return rows
 
 
+@dataclass(frozen=True, slots=True)
+class TorchtitanCP(ContextParallel):
+    """torchtitan's context parallelism with flex attention (``distributed/context_parallel/api.py:57-77``,
+    ``flex_cp_allgather``): each layer all-gathers its K and V shards (b x kv heads x s/c x head size each,
+    in FSDP2's ``param_dtype``) over the cp ranks before attention; autograd's backward of each all-gather is
+    a reduce-scatter of its gradient, in the same dtype; activation checkpointing re-runs the forward's
+    all-gathers in the backward. FSDP2 shards over the dp x cp ranks (``TorchtitanFSDP``), the metrics and
+    the gradient norm go over them too, the global token count over dp alone (none with dp = 1). Against
+    commgate's derivation of V_cp (forward K/V, backward K/V, dK/dV: three passes), the backward K/V pass
+    is the recomputation's, so without checkpointing it is a named term."""
+
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        return ()
+
+    def collectives(self, ctx: Context) -> list[ExpectedCollective]:
+        par, L = ctx.scenario.parallelism, ctx.scenario.model.L
+        if par.cp == 1:
+            return []
+        gather = ExpectedCollective(
+            op=Op.ALL_GATHER,
+            axis="cp",
+            groups=ctx.layout.cp_groups(),
+            dtype=Job.of(ctx.scenario).param_dtype,
+            elements=par.cp * kv_buffer(ctx) // 2,  # K or V: half the buffer of kv_buffer's K and V
+            calls=2 * L,
+            phase=Phase.FORWARD,
+            source="flex CP: each layer's K and V all-gathered (context_parallel/api.py:57-77)",
+            paper_term=CP_TERM,
+        )
+        rows = [
+            gather,
+            replace(
+                gather,
+                op=Op.REDUCE_SCATTER,
+                phase=Phase.BACKWARD,
+                source="flex CP: the all-gathers' backward, K's and V's gradients reduce-scattered",
+            ),
+        ]
+        if par.activation_checkpointing:
+            rows.append(
+                replace(gather, phase=Phase.BACKWARD, source="flex CP: K and V all-gathered again by the recomputation")
+            )
+        return rows
+
+    def residuals(self, ctx: Context) -> list[Residual]:
+        par, model = ctx.scenario.parallelism, ctx.scenario.model
+        if par.cp == 1:
+            return []
+        isz, act = model.itemsize, Job.of(ctx.scenario).param_dtype
+        block = par.cp * kv_buffer(ctx) * Fraction(par.cp - 1, par.cp)  # one K/V pass, the paper's convention
+        passes = 2 + par.activation_checkpointing
+        out = []
+        if not par.activation_checkpointing:
+            out.append(
+                Residual(
+                    term=CP_TERM,
+                    name="no backward K/V pass",
+                    bytes=-model.L * block * isz,
+                    detail="flex's all-gather keeps the gathered K and V for the backward; only a recomputation "
+                    "(activation checkpointing) gathers them again",
+                )
+            )
+        if WIRE_ITEMSIZE[act] != isz:
+            out.append(
+                Residual(
+                    term=CP_TERM,
+                    name="activations in a lower precision",
+                    bytes=model.L * passes * block * (WIRE_ITEMSIZE[act] - isz),
+                    detail=f"K, V and their gradients move in {act}; the derivation counts {model.dtype}",
+                )
+            )
+        return out
+
+
 def _metrics(base: ExpectedCollective, job: Job, steps: int) -> list[ExpectedCollective]:
     """The logging steps' all-reduces over the loss mesh (the data-parallel ranks): the loss's sum and
     max, the tokens seen (``trainer.py:957-985``); every step with ``log_freq`` 1, else once at each
@@ -721,7 +802,7 @@ def _metrics(base: ExpectedCollective, job: Job, steps: int) -> list[ExpectedCol
 
 def components(scenario: Scenario, scheme: Scheme) -> tuple[Component, ...]:
     """torchtitan's own model of what it sends, whichever scheme (fsdp or tp) names the scenario's axes."""
-    return (TorchtitanFSDP(), TorchtitanTP(), TorchtitanPP(), TorchtitanStep())
+    return (TorchtitanFSDP(), TorchtitanTP(), TorchtitanPP(), TorchtitanCP(), TorchtitanStep())
 
 
 # ------------------------------------------------------------------------------------------- rules
@@ -734,6 +815,9 @@ def _block(c: Check) -> dict[str, Any]:
     block = c.doc.get(TT, {})
     return dict(block) if isinstance(block, Mapping) else {}
 
+
+FLEX_BLOCK = 128
+"""Flex attention's block size: under context parallelism the sequence must split into whole blocks."""
 
 MIN_VOCAB = 258
 """A byte-level tokenizer's least vocabulary (256 bytes and the two special tokens): the run trains torchtitan
@@ -775,7 +859,6 @@ def torchtitans_axes(c: Check) -> None:
     dp = 1 (the tensor scheme), no pipeline, context, replicas or gradient accumulation."""
     par = c.par
     refused: tuple[tuple[str, int, str], ...] = (
-        ("cp", par.cp, "context parallelism under torchtitan is not modelled yet"),
         ("dp_replicate", par.dp_replicate, "HSDP (data_parallel_replicate_degree) under torchtitan is not modelled"),
     )  # fmt: skip
     if par.pp == 1:
@@ -791,6 +874,18 @@ def torchtitans_axes(c: Check) -> None:
             ["warmup_steps"],
             "0: torchtitan's pipeline infers its stages' shapes in the first step (pickled "
             "metadata the model does not predict): give it a warm-up step",
+        )
+    if par.cp > 1 and (par.dp > 1 or par.tp > 1 or par.pp > 1 or par.micro_batches > 1):
+        c.bad(
+            [P, "cp"],
+            f"{par.cp}: torchtitan's context parallelism is modelled alone (dp = tp = pp = 1, one "
+            "micro-batch): its composition with the others is not yet",
+        )
+    if par.cp > 1 and c.model.s % (FLEX_BLOCK * par.cp):
+        c.bad(
+            ["model", "s"],
+            f"{c.model.s}: flex attention under context parallelism needs s divisible by cp={par.cp} x its block "
+            f"size {FLEX_BLOCK} (torch's flex CP raises NotImplementedError otherwise)",
         )
     if par.pp > 1 and par.pipeline.schedule == "zero-bubble":
         c.bad(
@@ -851,6 +946,7 @@ GIVEN: dict[str, str] = {
     "parallelism.data_parallel_shard_degree": "parallelism.dp",
     "parallelism.tensor_parallel_degree": "parallelism.tp",
     "parallelism.pipeline_parallel_degree": "parallelism.pp",
+    "parallelism.context_parallel_degree": "parallelism.cp",
     "parallelism.pipeline_parallel_schedule": "parallelism.pipeline.schedule",
     "parallelism.pipeline_parallel_microbatch_size": "parallelism.micro_batch",
     "training.disable_cuda_graphs": "the adapter (under a pipeline: torchtitan refuses PP otherwise, trainer.py:179)",
@@ -874,7 +970,6 @@ GIVEN: dict[str, str] = {
 """torchtitan's command-line keys the scenario (or the run) gives: refused in ``torchtitan.args``."""
 
 BLOCKED: dict[str, str] = {
-    "parallelism.context_parallel_degree": "context parallelism under torchtitan is not modelled yet",
     "parallelism.data_parallel_replicate_degree": "HSDP under torchtitan is not modelled yet",
     "parallelism.expert_parallel_degree": "llama3 has no experts",
     "parallelism.enable_fsdp_symm_mem": "symmetric memory is CUDA-only",
@@ -952,7 +1047,7 @@ TORCHTITAN = Trainer(
     name="torchtitan",
     summary="torchtitan 0.3.0's own Trainer: its llama3 model, parallelize_llama (FSDP2, TP with sequence "
     "parallelism) and train_step",
-    schemes=("fsdp", "tp", "pp"),
+    schemes=("fsdp", "tp", "pp", "cp"),
     extra="torchtitan",
     packages=("torchtitan", "tyro", "tokenizers"),
     options=OPTIONS,

@@ -319,6 +319,7 @@ def overrides(scenario: Scenario, job: Job, *, tokenizer: Path, data: Path, dump
         sp,
         "--parallelism.fsdp_reshard_after_forward", job.fsdp_reshard_after_forward,
         "--parallelism.pipeline_parallel_degree", str(par.pp),
+        "--parallelism.context_parallel_degree", str(par.cp),
         *pipeline,
         "--training.local_batch_size", str(par.micro_batch * micro_batches),
         "--training.global_batch_size", str(par.micro_batch * micro_batches * par.dp),
@@ -539,7 +540,7 @@ def check_config(config: Any, scenario: Scenario, job: Job) -> None:
         "parallelism.data_parallel_shard_degree": (par.dp, "parallelism.dp"),
         "parallelism.tensor_parallel_degree": (par.tp, "parallelism.tp"),
         "parallelism.pipeline_parallel_degree": (par.pp, "parallelism.pp"),
-        "parallelism.context_parallel_degree": (1, "parallelism.cp"),
+        "parallelism.context_parallel_degree": (par.cp, "parallelism.cp"),
         "parallelism.data_parallel_replicate_degree": (1, "parallelism.dp_replicate"),
         "parallelism.enable_sequence_parallel": (par.sequence_parallel, "parallelism.sequence_parallel"),
         "parallelism.fsdp_reshard_after_forward": (
@@ -621,7 +622,7 @@ def check_built(trainer: Any, scenario: Scenario, job: Job) -> None:
     par, m = scenario.parallelism, scenario.model
     dims = trainer.parallel_dims
     built = {"dp_shard": dims.dp_shard, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "dp_replicate": dims.dp_replicate}
-    wanted = {"dp_shard": par.dp, "tp": par.tp, "pp": par.pp, "cp": 1, "dp_replicate": 1}
+    wanted = {"dp_shard": par.dp, "tp": par.tp, "pp": par.pp, "cp": par.cp, "dp_replicate": 1}
     where = f"torchtitan built {job.module}:{job.config}"
     if built != wanted:
         raise CommgateError(f"{where} with meshes {built}, the scenario describes {wanted}")
