@@ -736,3 +736,26 @@ def test_the_memory_refusal_of_an_emulated_run_counts_the_ranks_it_starts(monkey
     monkeypatch.delenv(budget.SKIP, raising=False)
     why = budget.refusal(s, runtime=0)
     assert why is not None and "for 1 local rank(s) (of 64, the others emulated)" in why, why
+
+
+def test_the_resource_trackers_warnings_go_to_the_forkserver_log_not_the_terminal(tmp_path: Path) -> None:
+    """A rank that leaks a semaphore (torchtitan's dataset and progress-bar locks do) makes multiprocessing's
+    resource tracker warn when the command exits; the tracker commgate starts writes that to the forkserver's
+    log. Here a semaphore is leaked on purpose in the commgate process itself."""
+    code = (
+        "import multiprocessing as mp, os\n"
+        "from commgate.run.launcher import _context\n"
+        "_context()\n"
+        "lock = mp.get_context('forkserver').Lock()\n"  # registered with the tracker, never released
+        "os._exit(0)\n"
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    for _ in range(100):  # the tracker warns once its pipe closes, just after the command has exited
+        logs = list(tmp_path.glob("commgate-forkserver-*.log"))
+        if logs and "leaked semaphore" in logs[0].read_text():
+            break
+        time.sleep(0.1)
+    assert "leaked semaphore" not in done.stderr
+    assert logs and "leaked semaphore" in logs[0].read_text()

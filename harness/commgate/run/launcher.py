@@ -97,6 +97,26 @@ def _remove_log() -> None:
             forkserver_log().unlink()
 
 
+def _quiet_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (the forkserver's ranks register their semaphores with it)
+    with its stderr in the forkserver's log: at exit it warns of those a framework leaked in a rank
+    (torchtitan's dataset and progress-bar locks: "There appear to be 2 leaked semaphore objects") and
+    removes them; the warning is the framework's chatter, not the user's. A tracker already running is
+    left as it is."""
+    from multiprocessing import resource_tracker
+
+    log = os.open(forkserver_log(), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    saved = os.dup(2)
+    try:
+        sys.stderr.flush()
+        os.dup2(log, 2)  # the tracker inherits this process's fd 2 (resource_tracker.ensure_running)
+        resource_tracker.ensure_running()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(log)
+
+
 def _context() -> ForkServerContext:
     """The forkserver every rank is forked from, started on first use with torch preloaded."""
     global _CONTEXT
@@ -104,6 +124,7 @@ def _context() -> ForkServerContext:
         use_environment_dir()  # DeepSpeed's op built once per environment (commgate.run.extensions)
         os.environ[LOG_ENV] = str(forkserver_log())
         atexit.register(_remove_log)
+        _quiet_resource_tracker()
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(list(PRELOAD if gpu_visible() else PRELOAD + PRELOAD_CPU))
         _CONTEXT = ctx
