@@ -162,10 +162,10 @@ def _waits(capture: Capture) -> _Waits | None:
 
 def slow_starts(capture: Capture, rule: ColdStartRule) -> dict[int, float]:
     """With the ranks' clocks: the ranks that issued a collective of step 0 at least ``rule.min_excess_ms``
-    after another member had (a pipeline's recv waiting for its sender's forward is its schedule, not
-    counted) (a slow start of that rank: its first forward, its build, a loaded core; not
-    a slow link, and not a cold-start spike), with the longest such wait in ms. Empty without clocks or
-    when there is a measured step 0 (no warm-up)."""
+    after another member had, with the longest such wait in ms: a slow start of that rank (its first
+    forward, its build, a loaded core), not a slow link and not a cold-start spike. A pipeline's recv
+    waiting for its sender's forward is its schedule and is not counted. Empty without clocks or when
+    there is a measured step 0 (no warm-up)."""
     aligned = _waits(capture) if capture.warmup_steps > 0 else None
     late: dict[int, float] = {}
     if aligned is None:
