@@ -307,6 +307,22 @@ def test_a_collective_that_waited_for_a_late_member_is_not_a_spike() -> None:
     assert (spike.rank, spike.late) == (0, 1)
 
 
+def test_a_cold_start_on_an_oversubscribed_run_says_what_it_cannot_tell() -> None:
+    """On 8 ranks on 2 cores a rank can wait for a core after both sides issued: the finding says so."""
+    from commgate.judge.gate import cold_start
+    from commgate.model.loader import load_text
+
+    (s,) = load_text("schema_version: 1\nname: p\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: ddp, dp: 2}\n")
+    calls = [_call(0, 0, 0, 900_000_000)] + [_call(0, k, k, 1_000_000) for k in (1, 2, 3)]
+    cap = Capture(scenario="s", world_size=2, warmup_steps=1, steps=3, backend="gloo", calls=tuple(calls))
+    quiet = cold_start(s.expectations, cap)
+    assert quiet is not None and not any("cores" in n for n in quiet.notes)
+    crowded = cold_start(s.expectations, replace(cap, stack={"oversubscribed": "8 ranks on 2 cores"}))
+    assert crowded is not None and crowded.notes[-1].startswith(
+        "this run had 8 ranks on 2 cores: a rank that waited for a core after both sides issued looks the same"
+    )
+
+
 def test_another_scenarios_baseline_is_a_one_line_error(tmp_path: Path) -> None:
     """A baseline copied or renamed from another scenario's file is not compared with this one's run."""
     stored = bl.load(DATA / "ddp.json")

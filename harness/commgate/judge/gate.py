@@ -210,8 +210,18 @@ def cold_start(e: Expectations, capture: Capture) -> Finding | None:
         fail=rule.action == "fail",
         title=f"first-step latency spikes (> {rule.factor:g}x the steady median, or the time expected for the "
         f"size, and > {rule.min_excess_ms:g} ms slower)",
-        notes=tuple(c.text() for c in spikes),
+        notes=tuple(c.text() for c in spikes) + _crowded(capture),
     )
+
+
+def _crowded(capture: Capture) -> tuple[str, ...]:
+    """What a spike on a run with more ranks than cores cannot tell: a rank waiting for a core to
+    deliver its side looks the same as a slow link."""
+    crowded = capture.stack.get("oversubscribed")
+    if not crowded:
+        return ()
+    return (f"this run had {crowded}: a rank that waited for a core after both sides issued looks the same as a "
+            "slow link; judge cold starts where each rank has a core (or a GPU) of its own",)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
