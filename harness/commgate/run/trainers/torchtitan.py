@@ -372,7 +372,6 @@ def microbatch_step(schedule: Any) -> None:
             raise RuntimeError("step() requires gradients to be enabled for backward computation")
         for stage in stages:
             stage.has_backward = schedule._has_backward
-        for stage in stages:
             stage.clear_runtime_states()
         schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
         return None
