@@ -8,13 +8,18 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import yaml
 from commgate.cli import main
 from commgate.model.loader import load_file
 from commgate.model.predict import predict
+from commgate.model.scenario import Scenario
 from commgate.model.trainers import TRAINERS
+
+if TYPE_CHECKING:
+    from commgate.judge.reconcile import Reconciliation
 
 DATA = Path(__file__).parent / "data" / "torchtitan"
 
@@ -82,7 +87,10 @@ def test_the_debug_model_toml_notes_what_0_3_0_runs_differently(
     [
         (["llama3_8b.toml"], "data_parallel_shard_degree = -1 (the rest of the ranks): give --dp"),
         (["nope"], "--torchtitan nope: expected a .toml file or MODULE:CONFIG"),
-        (["llama3_8b.toml", "--dp", "2", "--pp", "2"], "--torchtitan imports a torchtitan job alone"),
+        (["llama3_8b.toml", "--dp", "2", "--neox", "x.yml"], "--torchtitan imports a torchtitan job alone"),
+        (["llama3_8b.toml", "--dp", "8", "--pp", "4"], "micro_batches: 1: torch's Schedule1F1B needs at least pp=4"),
+        (["llama3_70b.toml", "--dp", "2", "--pp", "2"], "pipeline_parallel_degree = 2 with tensor_parallel_degree = 8"),
+        (["debug_model.toml", "--dp", "2", "--pp", "2"], "'Interleaved1F1B' with dp = 2: FSDP2 in torchtitan's interl"),
     ],
 )
 def test_what_it_cannot_import_is_one_line(
@@ -99,8 +107,14 @@ def test_what_it_cannot_import_is_one_line(
     [
         ('[model]\nname = "deepseek_v3"\nflavor = "16B"\n', "[model] name 'deepseek_v3': commgate models torchtitan"),
         ('[model]\nname = "llama3"\nflavor = "13B"\n', "[model] flavor '13B': commgate knows llama3's debugmodel"),
-        ('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\npipeline_parallel_degree = 2\n',
-         "parallelism.pipeline_parallel_degree = 2: importing torchtitan's pipeline is not supported yet"),
+        ('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\npipeline_parallel_degree = 2\n'
+         'pipeline_parallel_schedule = "ZBVZeroBubble"\n',
+         "pipeline_parallel_schedule = 'ZBVZeroBubble': torchtitan's GPipe, 1F1B, Interleaved1F1B are modelled"),
+        ('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nlocal_batch_size = 6\n[parallelism]\n'
+         'pipeline_parallel_degree = 2\npipeline_parallel_microbatch_size = 4\n',
+         "local_batch_size = 6 is not a multiple of pipeline_parallel_microbatch_size = 4"),
+        ('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ncontext_parallel_degree = 2\n',
+         "context_parallel_degree = 2 with dp = 2, tp = 1, pp = 1: torchtitan's context parallelism is modelled alone"),
         ("[model\n", "not a torchtitan TOML"),
     ],
 )  # fmt: skip
@@ -137,6 +151,42 @@ def test_a_config_function_and_its_toml_describe_the_same_job(toml: str, config:
         assert from_function[key] == from_toml[key], key
 
 
+def test_a_pipelined_toml_at_full_size_predicts_each_stage(tmp_path: Path) -> None:
+    """llama3_8b.toml with 4 GPipe stages of FSDP2 over 8 ranks, 8 micro-batches of 2: the parallelism block
+    as torchtitan runs it (local_batch_size / pipeline_parallel_microbatch_size micro-batches), and every
+    equation explained."""
+    text = (DATA / "llama3_8b.toml").read_text().replace("local_batch_size = 1", "local_batch_size = 16")
+    text = text.replace(
+        "pipeline_parallel_degree = 1",
+        'pipeline_parallel_degree = 4\npipeline_parallel_schedule = "GPipe"\npipeline_parallel_microbatch_size = 2',
+    )
+    toml = tmp_path / "llama3_8b_pp.toml"
+    toml.write_text(text)
+    doc, _ = imported(tmp_path, str(toml), "--dp", "8")
+    assert doc["parallelism"] == {
+        "scheme": "fsdp", "dp": 8, "pp": 4, "micro_batch": 2, "micro_batches": 8, "activation_checkpointing": True,
+        "pipeline": {"engine": "torch", "schedule": "gpipe"},
+    }  # fmt: skip
+    (s,) = load_file(tmp_path / "imported.yaml")
+    p = predict(s)
+    assert s.world_size == 32 and all(c.unexplained_bytes == 0 for c in p.comparison())
+    last = s.world_size - 1  # the last stage's head group: gathered per micro-batch by the chunked loss
+    assert any(c.issued_by(last) and "chunked loss" in c.source for c in p.collectives)
+    assert not any(c.issued_by(0) and "chunked loss" in c.source for c in p.collectives)
+
+
+def test_a_context_parallel_toml_is_cps_scenario(tmp_path: Path) -> None:
+    text = (DATA / "debug_model.toml").read_text().replace("context_parallel_degree = 1", "context_parallel_degree = 2")
+    toml = tmp_path / "cp.toml"
+    toml.write_text(text)
+    doc, _ = imported(tmp_path, str(toml), "--dp", "1", "--cpu")
+    assert doc["parallelism"] == {"scheme": "cp", "cp": 2, "micro_batch": 8, "activation_checkpointing": True}
+    assert isinstance(doc["model"], dict) and doc["model"]["s"] == 256  # flex CP's 128-token blocks x cp
+    assert any("flex attention's 128-token blocks" in n for n in doc["notes"])  # type: ignore[attr-defined]
+    (s,) = load_file(tmp_path / "imported.yaml")
+    assert all(c.unexplained_bytes == 0 for c in predict(s).comparison())
+
+
 @needs_torchtitan
 def test_a_float8_config_function_is_read_on_a_cpu(tmp_path: Path) -> None:
     """llama3_405b builds a float8 converter, which refuses a CPU: read with it disabled, and named."""
@@ -156,6 +206,28 @@ def test_the_cpu_variant_of_the_debug_model_runs_and_reconciles(tmp_path: Path) 
     assert (s.model.h, s.model.V, s.model.s, s.model.L) == (128, 1024, 128, 6)
     rec = reconcile(predict(s), launch_local(s, workdir=tmp_path))
     assert not rec.mismatches and all(o.unexplained_bytes == 0 for o in rec.ops)
+
+
+@needs_torchtitan
+def test_the_cpu_variant_of_a_pipelined_debug_model_runs_and_reconciles(tmp_path: Path) -> None:
+    """debug_model.toml under 1F1B on 2 stages of FSDP2 over 2 ranks each (--pp 2 --dp 2): torchtitan's own
+    split of its 6 layers, 8 micro-batches, reconciled to 0 B."""
+    text = (DATA / "debug_model.toml").read_text().replace('"Interleaved1F1B"', '"1F1B"')
+    toml = tmp_path / "debug_1f1b.toml"
+    toml.write_text(text)
+    imported(tmp_path, str(toml), "--dp", "2", "--pp", "2", "--cpu")
+    (s,) = load_file(tmp_path / "imported.yaml")
+    s = replace(s, steps=1)
+    assert (s.world_size, s.parallelism.micro_batches, s.parallelism.pipeline.schedule) == (4, 8, "1f1b")
+    rec = reconcile_run(s, tmp_path)
+    assert not rec.mismatches and rec.keys and all(o.unexplained_bytes == 0 for o in rec.ops)
+
+
+def reconcile_run(s: Scenario, workdir: Path) -> Reconciliation:
+    from commgate.judge.reconcile import reconcile
+    from commgate.run.launcher import launch_local
+
+    return reconcile(predict(s), launch_local(s, workdir=workdir))
 
 
 @needs_torchtitan

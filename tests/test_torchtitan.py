@@ -187,10 +187,42 @@ REFUSED = [
     (FSDP, "args: [activation-checkpoint:full]", TINY, r"activation-checkpoint is given by parallelism.activation_che"),
     (FSDP, "args: ['--parallelism.pipeline_parallel_degree=2']", TINY, r"given by parallelism.pp"),
     (
-        PP.replace("pp: 2", "pp: 2, dp: 2").replace("scheme: pp", "scheme: fsdp"),
+        PP.replace("pp: 2", "pp: 2, tp: 2, sequence_parallel: true").replace("scheme: pp", "scheme: tp"),
         "",
+        TINY_TP,
+        r"parallelism.tp: 2: torchtitan's pipeline with tensor parallelism is not modelled yet",
+    ),
+    (
+        PP.replace("pp: 2", "pp: 2, dp: 2").replace("scheme: pp", "scheme: fsdp").replace("1f1b", "interleaved-1f1b"),
+        "",
+        TINY.replace("L: 2", "L: 4"),
+        r"virtual_stages: 1: an interleaved schedule needs virtual_stages >= 2",
+    ),
+    (
+        PP.replace("pp: 2", "pp: 2, dp: 2")
+        .replace("scheme: pp", "scheme: fsdp")
+        .replace("1f1b", "interleaved-1f1b, virtual_stages: 2"),
+        "",
+        TINY.replace("L: 2", "L: 4"),
+        r"interleaved-1f1b: FSDP2 in torchtitan's pipeline stages is modelled under gpipe and 1f1b",
+    ),
+    (
+        PP,
+        "loss_chunks: 1",
         TINY,
-        r"parallelism.dp: 2: torchtitan's pipeline with FSDP2 or TP is not modelled yet \(its chunked loss",
+        r"torchtitan.loss_chunks: 1: torchtitan itself fails this job: under a pipeline whose last stage runs",
+    ),
+    (
+        PP.replace("pp: 2", "pp: 4"),
+        "",
+        TINY.replace("L: 2", "L: 1"),
+        r"parallelism.pp: 4: torchtitan splits L \+ 2 = 3 units .* refuses an empty one",
+    ),
+    (
+        PP,
+        "args: ['--parallelism.pipeline_parallel_layers_per_stage', '1']",
+        TINY,
+        r"pipeline_parallel_layers_per_stage': the model holds torchtitan's default split",
     ),
     (
         PP.replace("1f1b", "zero-bubble, virtual_stages: 2"),
@@ -396,6 +428,56 @@ def test_p7_torchtitan_steps_its_pipeline_with_micro_batches_torch_2_13_does_not
         assert "has_backward = self._has_backward" in body
 
 
+def test_the_model_splits_the_stages_as_torchtitan_does(tt: Any) -> None:
+    """``stages`` against torchtitan's own ``_generate_llm_fqn_per_model_part`` (its default weights), for
+    every split it accepts up to 8 stages and 40 blocks."""
+    from commgate.model.trainers.torchtitan import stages
+    from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part as split
+
+    checked = 0
+    for n in range(1, 9):
+        for L in range(1, 41):
+            try:
+                theirs = split(n, L, 1, 1)
+            except ValueError:
+                continue
+            held = [("tok_embeddings" in m, sum(x.startswith("layers.") for x in m), "lm_head" in m) for m in theirs]
+            assert [(st.embedding, st.layers, st.head) for st in stages(n, L)] == held, (n, L)
+            checked += 1
+    assert checked > 250
+
+
+@pytest.mark.parametrize(
+    ("order", "replay"),
+    [("FBFBFBFB", (5, 4, 1, 3)), ("FFFBBB", (6, 1, 3, 0)), ("FFBFBB", (5, 2, 2, 1))],
+    ids=["1f1b-last-stage", "gpipe", "1f1b-stage-0-of-2"],
+)
+def test_the_head_group_replay_under_the_chunked_loss(order: str, replay: tuple[int, int, int, int]) -> None:
+    """(forward gathers, backward gathers, lm_head-alone reduce-scatters, lm_head+norm ones) per step; the
+    first two as measured on the last stage (1F1B and GPipe, 4 ranks), the third worked by hand."""
+    from commgate.model.trainers.torchtitan import head_replay
+
+    r = head_replay(order)
+    assert (r.forward, r.backward, r.head_alone, r.head_and_norm) == replay
+
+
+def test_the_pipeline_keeps_fsdp_gathered_by_default_and_reduces_after_the_last_backward(tt: Any) -> None:
+    """What the pipelined FSDP2 model assumes: torchtitan's default policy keeps groups gathered under a
+    pipeline, and torch's stage turns resharding after backward and gradient sync off, then reduces
+    once in ``perform_reduce_grad``."""
+    from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy as policy
+
+    assert policy("default", True) is False and policy("default", False) is True and policy("always", True)
+    stage = source("torch.distributed.pipelining.stage")
+    for line in (
+        "self.submod.set_reshard_after_backward(False)",
+        "self.submod.set_requires_gradient_sync(False)",
+        "def perform_reduce_grad(",
+        "fsdp_param_group.post_backward()",
+    ):
+        assert line in stage, line
+
+
 def test_model_assumption_the_chunked_loss_reshards_the_head_group(tt: Any) -> None:
     """components/loss.py:728-772, the model's extra head-group gathers and split reduce-scatters."""
     src = source("torchtitan.components.loss")
@@ -517,6 +599,30 @@ def test_pipeline_on_torchtitans_own_step_reconciles(
     """torchtitan's own split and train step, through P7, under each schedule torchtitan names."""
     par = PP.replace("1f1b", schedule).replace("pp: 2", f"pp: {pp}")
     run_and_reconcile(scenario(par, "log_freq: 1", TINY_TP.replace("L: 2", f"L: {layers}")), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "m", "block", "pp", "layers"),
+    [
+        ("1f1b", 4, "log_freq: 1", 2, 2),
+        ("gpipe", 3, "log_freq: 1, fsdp_reshard_after_forward: always", 2, 3),
+        ("1f1b", 2, "config: llama3_debugmodel_ce_loss, loss: cross_entropy, log_freq: 2", 2, 4),
+        ("1f1b", 5, "log_freq: 1", 4, 3),
+    ],
+    ids=["1f1b", "gpipe-always-L3", "1f1b-ce", "pp4-m5-head-alone"],
+)
+def test_pipeline_with_fsdp2_in_each_stage_reconciles(
+    tt: Any, schedule: str, m: int, block: str, pp: int, layers: int, tmp_path: Path
+) -> None:
+    """pp x dp on 4 ranks (8 with pp = 4): each stage's FSDP2 groups over its own data-parallel ranks,
+    gathered as the schedule's order leaves them, the last stage's head group per micro-batch by the
+    chunked loss; torchtitan's uneven splits (L = 3 on 2 stages; on 4, a last stage of [norm, lm_head]
+    alone)."""
+    par = (
+        f"scheme: fsdp, dp: 2, pp: {pp}, micro_batch: 1, micro_batches: {m}, activation_checkpointing: true, "
+        f"pipeline: {{engine: torch, schedule: {schedule}}}"
+    )
+    run_and_reconcile(scenario(par, block, TINY.replace("L: 2", f"L: {layers}")), tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -180,15 +180,19 @@ def torchtitan(rng: random.Random, index: int) -> Draw:
     if tp > 1:
         par["sequence_parallel"] = True
     par |= {"micro_batch": rng.choice([1, 2]), "activation_checkpointing": ac}
-    if rng.random() < 0.35:  # torchtitan's pipeline (dp = tp = 1), each schedule it names
-        pp = rng.choice([p for p in (2, 4) if p <= MAX_WORLD])
+    if rng.random() < 0.35:  # torchtitan's pipeline (tp = 1), each schedule it names, FSDP2 in the stages
+        pp = rng.choice([p for p in (2, 2, 4) if p <= MAX_WORLD])
         schedule = rng.choice(["gpipe", "1f1b", "interleaved-1f1b"])
         v = 2 if schedule == "interleaved-1f1b" else 1
-        model["L"] = pp * v * rng.choice([1, 2])
+        dp = rng.choice([1, 2]) if v == 1 and 2 * pp <= MAX_WORLD else 1
+        model["L"] = rng.randint(max(1, pp * v - 2), 2 * pp * v)  # torchtitan splits L + 2 units, unevenly too
         pipeline: dict[str, Any] = {"engine": "torch", "schedule": schedule} | ({"virtual_stages": v} if v > 1 else {})
-        par = {"scheme": "pp", "pp": pp, "micro_batch": par["micro_batch"], "micro_batches": rng.choice([pp, 2 * pp])}
-        par |= {"activation_checkpointing": ac, "pipeline": pipeline}
-        block.pop("fsdp_reshard_after_forward", None)
+        par = {"scheme": "fsdp" if dp > 1 else "pp", "dp": dp, "pp": pp, "micro_batch": par["micro_batch"]}
+        par |= {"micro_batches": rng.choice([pp, 2 * pp, pp + 1]), "activation_checkpointing": ac, "pipeline": pipeline}
+        if dp > 1 and rng.random() < 0.4:
+            block["fsdp_reshard_after_forward"] = rng.choice(["default", "always", "never"])
+        elif dp == 1:
+            block.pop("fsdp_reshard_after_forward", None)
     elif rng.random() < 0.25:  # its context parallelism (alone), flex attention's K/V all-gathers
         cp = rng.choice([2, 4])
         model["s"] = 128 * cp  # flex CP splits the sequence into whole 128-token blocks

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from commgate import __version__
-from commgate.core.errors import CommgateError, UsageError
+from commgate.core.errors import CommgateError, ScenarioError, UsageError
 from commgate.model.importer import HF_TYPES
 from commgate.model.schemes import SCHEMES
 
@@ -658,7 +658,11 @@ def cmd_import(a: argparse.Namespace) -> int:
         print(f"note: {note}", file=sys.stderr)
     if got.notes:  # written into the scenario, shown with its warnings: never on stderr alone
         got.doc["notes"] = list(got.notes)
-    scenarios = load_document(got.doc, file=str(a.out))  # the result validates ...
+    try:
+        scenarios = load_document(got.doc, file=str(a.out))  # the result validates ...
+    except ScenarioError as exc:  # nothing written: say what in the configs it comes from
+        what = "; ".join(f"{p.path}: {p.message}" for p in exc.problems)
+        raise UsageError(f"{a.out} not written: the imported scenario is refused: {what}") from None
     for s in scenarios:
         predict(s)  # ... and predicts
     text = "# written by commgate import; what the configs set that it does not take as such: its notes\n"
@@ -673,8 +677,8 @@ def _torchtitan_import(a: argparse.Namespace) -> Imported:
     from commgate.model.importer import torchtitan, torchtitan_toml
     from commgate.model.trainers import TRAINERS
 
-    if a.neox or a.deepspeed or a.hf or a.pp is not None:
-        raise UsageError("--torchtitan imports a torchtitan job alone (no --neox, --deepspeed, --hf or --pp)")
+    if a.neox or a.deepspeed or a.hf:
+        raise UsageError("--torchtitan imports a torchtitan job alone (no --neox, --deepspeed or --hf)")
     source = str(a.torchtitan)
     if source.endswith(".toml") or Path(source).is_file():
         job = torchtitan_toml(Path(source))
@@ -687,7 +691,7 @@ def _torchtitan_import(a: argparse.Namespace) -> Imported:
         job = read_config(module, config)
     else:
         raise UsageError(f"--torchtitan {source}: expected a .toml file or MODULE:CONFIG (llama3:llama3_8b)")
-    return torchtitan(job, dp=a.dp, tp=a.tp, cpu=a.cpu, name=a.name)
+    return torchtitan(job, dp=a.dp, tp=a.tp, pp=a.pp, cpu=a.cpu, name=a.name)
 
 
 COMMANDS = {

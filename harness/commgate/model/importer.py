@@ -321,6 +321,10 @@ class TitanJob:
     pp: int = 1
     cp: int = 1
     replicate: int = 1
+    schedule: str = "1F1B"
+    """``pipeline_parallel_schedule``: torchtitan's name of torch's schedule class."""
+    microbatch_size: int = 1
+    """``pipeline_parallel_microbatch_size``."""
     sequence_parallel: bool = True
     ac: str = "selective"
     """none, selective or full."""
@@ -387,6 +391,10 @@ def torchtitan_toml(path: Path) -> TitanJob:
         pp=_whole(par["pipeline_parallel_degree"], f"{f}: parallelism.pipeline_parallel_degree"),
         cp=_whole(par["context_parallel_degree"], f"{f}: parallelism.context_parallel_degree"),
         replicate=_whole(par["data_parallel_replicate_degree"], f"{f}: parallelism.data_parallel_replicate_degree"),
+        schedule=str(par["pipeline_parallel_schedule"]),
+        microbatch_size=_whole(
+            par["pipeline_parallel_microbatch_size"], f"{f}: parallelism.pipeline_parallel_microbatch_size"
+        ),
         ac=str(ac),
         log_freq=_whole(get("metrics", "log_freq", 10), f"{f}: metrics.log_freq"),
         reshard=str(par["fsdp_reshard_after_forward"]),
@@ -405,6 +413,8 @@ _TOML_PARALLELISM: dict[str, Any] = {
     "tensor_parallel_degree": 1,
     "pipeline_parallel_degree": 1,
     "context_parallel_degree": 1,
+    "pipeline_parallel_schedule": "1F1B",
+    "pipeline_parallel_microbatch_size": 1,
     "fsdp_reshard_after_forward": "default",
     "enable_async_tensor_parallel": False,
 }
@@ -421,44 +431,60 @@ def _toml_sections(doc: dict[str, Any], prefix: str = "") -> list[tuple[str, dic
     return out
 
 
-def torchtitan(job: TitanJob, *, dp: int | None, tp: int | None, cpu: bool, name: str | None) -> Imported:
+def torchtitan(
+    job: TitanJob, *, dp: int | None, tp: int | None, pp: int | None = None, cpu: bool, name: str | None
+) -> Imported:
     """The ``trainer: torchtitan`` scenario of ``job``: full size (``--cpu``: the reduced variant that runs).
     What the job does that a CPU run cannot is named in ``torchtitan.left_off`` and in the scenario's first
     lines; what the model cannot hold turns the model check off (baseline-only), saying why."""
     f = job.source
-    for key, value, why in (
-        (
-            "pipeline_parallel_degree",
-            job.pp,
-            "importing torchtitan's pipeline is not supported yet: write the scenario "
-            "(scheme pp, engine torch, as scenarios/torchtitan-pp.yaml; pipelines with dp = tp = 1 are modelled)",
-        ),
-        (
-            "context_parallel_degree",
-            job.cp,
-            "importing torchtitan's context parallelism is not supported yet: write the "
-            "scenario (scheme cp, as scenarios/torchtitan-cp.yaml; CP alone is modelled)",
-        ),
-        ("data_parallel_replicate_degree", job.replicate, "HSDP under torchtitan is not modelled yet"),
-    ):
-        if value != 1:
-            raise UsageError(f"{f}: parallelism.{key} = {value}: {why}")
+    if job.replicate != 1:
+        raise UsageError(
+            f"{f}: parallelism.data_parallel_replicate_degree = {job.replicate}: HSDP under torchtitan is not "
+            "modelled yet"
+        )
     if job.model.get("tied_embeddings"):
         raise UsageError(f"{f}: a tied llama3 (1B, 3B) is sharded as one group by torchtitan: not modelled yet")
     dp = dp if dp is not None else job.dp
     if dp < 1:
         raise UsageError(f"{f}: data_parallel_shard_degree = {job.dp} (the rest of the ranks): give --dp")
     tp = tp if tp is not None else job.tp
+    pp = pp if pp is not None else job.pp
+    if job.cp > 1 and (dp, tp, pp) != (1, 1, 1):
+        raise UsageError(
+            f"{f}: context_parallel_degree = {job.cp} with dp = {dp}, tp = {tp}, pp = {pp}: torchtitan's context "
+            "parallelism is modelled alone (give --dp 1; tp and pp 1)"
+        )
+    if pp > 1 and tp > 1:
+        raise UsageError(
+            f"{f}: pipeline_parallel_degree = {pp} with tensor_parallel_degree = {tp}: torchtitan's pipeline with "
+            "tensor parallelism is not modelled yet (FSDP2 in the stages is: --tp 1)"
+        )
     out = Imported(doc={}, notes=list(job.notes))
     model = {"architecture": "llama", **{k: v for k, v in job.model.items() if k != "tied_embeddings"}}
     model |= {"s": job.seq_len, "dtype": "fp32"}
     par: dict[str, Any] = {"dp": dp, "tp": tp}
     if cpu:
         _reduce(model, par, {}, out.notes)
-    parallelism: dict[str, Any] = {"scheme": "fsdp" if dp > 1 else "tp", "dp": dp, "tp": tp}
-    if tp > 1:
-        parallelism["sequence_parallel"] = job.sequence_parallel
-    parallelism |= {"micro_batch": job.local_batch_size, "activation_checkpointing": job.ac != "none"}
+        if job.cp > 1:  # flex CP splits the sequence into whole 128-token blocks
+            out.notes.append(f"--cpu: s {model['s']} -> {128 * job.cp} (flex attention's 128-token blocks x cp)")
+            model["s"] = 128 * job.cp
+    ac = job.ac != "none"
+    parallelism: dict[str, Any]
+    if job.cp > 1:
+        parallelism = {
+            "scheme": "cp",
+            "cp": job.cp,
+            "micro_batch": job.local_batch_size,
+            "activation_checkpointing": ac,
+        }
+    elif pp > 1:
+        parallelism = _titan_pipeline(job, dp, pp, ac)
+    else:
+        parallelism = {"scheme": "fsdp" if dp > 1 else "tp", "dp": dp, "tp": tp}
+        if tp > 1:
+            parallelism["sequence_parallel"] = job.sequence_parallel
+        parallelism |= {"micro_batch": job.local_batch_size, "activation_checkpointing": ac}
     block = _torchtitan_block(job, out)
     out.doc = {
         "schema_version": 1,
@@ -474,6 +500,47 @@ def torchtitan(job: TitanJob, *, dp: int | None, tp: int | None, cpu: bool, name
         out.doc["expectations"] = {"model": {"check": False}}
         out.comments.append(f"expectations.model.check false (baseline-only): {unchecked}")
     return out
+
+
+TITAN_SCHEDULES = {"GPipe": "gpipe", "1F1B": "1f1b", "Interleaved1F1B": "interleaved-1f1b"}
+"""torchtitan's ``pipeline_parallel_schedule`` names (torch's schedule classes) -> commgate's; the others
+(zero-bubble, DualPipeV, looped BFS, a CSV schedule) are not modelled under torchtitan."""
+
+
+def _titan_pipeline(job: TitanJob, dp: int, pp: int, ac: bool) -> dict[str, Any]:
+    """The ``parallelism`` block of torchtitan's pipeline: its schedule, ``local_batch_size /
+    pipeline_parallel_microbatch_size`` micro-batches of the micro-batch size (``trainer.py:434-438``),
+    FSDP2 in each stage over dp."""
+    f = job.source
+    if job.schedule not in TITAN_SCHEDULES:
+        raise UsageError(
+            f"{f}: pipeline_parallel_schedule = {job.schedule!r}: torchtitan's {', '.join(TITAN_SCHEDULES)} are "
+            "modelled; write the scenario with one of them, or gate it baseline-only"
+        )
+    m, rest = divmod(job.local_batch_size, job.microbatch_size)
+    if rest or not m:
+        raise UsageError(
+            f"{f}: local_batch_size = {job.local_batch_size} is not a multiple of pipeline_parallel_microbatch_size"
+            f" = {job.microbatch_size} (torchtitan refuses it too)"
+        )
+    schedule = TITAN_SCHEDULES[job.schedule]
+    if schedule == "interleaved-1f1b" and dp > 1:
+        raise UsageError(
+            f"{f}: pipeline_parallel_schedule = {job.schedule!r} with dp = {dp}: FSDP2 in torchtitan's interleaved "
+            "stages is not modelled yet (in one stage per rank it is): --dp 1, or the schedule 1F1B or GPipe"
+        )
+    pipeline: dict[str, Any] = {"engine": "torch", "schedule": schedule}
+    if schedule == "interleaved-1f1b":  # torchtitan's default: 2 stages a rank (pipeline_parallel.py:256-262)
+        pipeline["virtual_stages"] = 2
+    return {
+        "scheme": "fsdp" if dp > 1 else "pp",
+        "dp": dp,
+        "pp": pp,
+        "micro_batch": job.microbatch_size,
+        "micro_batches": m,
+        "activation_checkpointing": ac,
+        "pipeline": pipeline,
+    }
 
 
 def _torchtitan_block(job: TitanJob, out: Imported) -> dict[str, Any]:

@@ -503,7 +503,16 @@ def _build(doc: dict[str, Any], *, file: str, where: _Located, label: str) -> tu
     trainer = TRAINERS[doc.get("trainer", "commgate")]
     if trainer.model is not None and model.module is not None:  # the trainer builds the model it names
         model = replace(model, builder=trainer.model)
-    check = Check(doc=doc, model=model, par=par, ds=ds, scheme=SCHEMES[par.scheme], schemes=SCHEMES, bad=bad)
+    check = Check(
+        doc=doc,
+        model=model,
+        par=par,
+        ds=ds,
+        scheme=SCHEMES[par.scheme],
+        schemes=SCHEMES,
+        bad=bad,
+        splits_stages=trainer.splits_stages,
+    )
     for rule in (*rules.RULES, *RULES, *trainers.rules(trainer)):
         rule(check)
     if problems:

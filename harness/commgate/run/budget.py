@@ -57,7 +57,10 @@ def per_rank(scenario: Scenario, runtime: int) -> Estimate:
     m, par = scenario.model, scenario.parallelism
     fsdp = SCHEMES[par.scheme].fsdp  # FSDP2 shards like ZeRO-3, over dp x cp
     isz, d, stage = m.itemsize, (par.data_ranks if fsdp else par.dp), (3 if fsdp else par.zero.stage)
-    n = max(ctx.rank_params(k) for k in range(par.pp)) if not m.module else ctx.param_count
+    # commgate's even split of the stages; a user's module, or a trainer's uneven split (torchtitan's),
+    # counts the whole model: an upper bound
+    even = not m.module and m.L % par.pp == 0
+    n = max(ctx.rank_params(k) for k in range(par.pp)) if even else ctx.param_count
     layer = n // max(1, m.L // par.pp) if not m.module else n
     params = (n // d + layer) * isz if stage >= 3 else n * isz
     if fsdp and not (scenario.emulate and par.tp == 1):  # built whole before fully_shard keeps a shard

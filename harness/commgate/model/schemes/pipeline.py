@@ -361,7 +361,7 @@ P = "parallelism"
 
 def stage_layers(c: Check) -> None:
     m, pp = c.model, c.par.pp
-    if pp > 1 and m.module is None and m.L % pp:
+    if pp > 1 and m.module is None and m.L % pp and not c.splits_stages:
         c.bad([P, "pp"], f"{pp}: layers L={m.L} are not divisible by pp")
 
 
@@ -429,7 +429,7 @@ def torch_schedule(c: Check) -> None:
     if pl.schedule == "1f1b" and par.micro_batches < par.pp:
         c.bad([P, "micro_batches"], f"{par.micro_batches}: torch's Schedule1F1B needs at least pp={par.pp}")
     stages = par.pp * pl.virtual_stages
-    if m.module is None and m.L % stages:
+    if m.module is None and m.L % stages and not c.splits_stages:
         c.bad(
             [P, "pipeline", "virtual_stages"],
             f"{pl.virtual_stages}: layers L={m.L} are not divisible by pp*virtual_stages={stages}",

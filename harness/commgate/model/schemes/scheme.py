@@ -122,6 +122,8 @@ class Check:
     scheme: Scheme
     schemes: Mapping[str, Scheme]
     bad: Bad
+    splits_stages: bool = False
+    """The scenario's trainer splits the pipeline's stages itself (``Trainer.splits_stages``)."""
 
     @property
     def declared(self) -> Mapping[str, Any]:

@@ -53,7 +53,7 @@ from commgate.model.scenario import Scenario
 from commgate.model.schemes._common import beyond_eq1, rank0_term, sharding
 from commgate.model.schemes.context import TERM as CP_TERM
 from commgate.model.schemes.context import ContextParallel, kv_buffer
-from commgate.model.schemes.fsdp import Group
+from commgate.model.schemes.fsdp import Group, pipeline_order, pipelined_gathers
 from commgate.model.schemes.pipeline import PipelineParallel, _torch_pipelining
 from commgate.model.schemes.scheme import Check, Component, Rule, Scheme
 from commgate.model.schemes.zero3 import TERM as EQ3
@@ -273,9 +273,44 @@ def vocab_param(ctx: Context, name: str) -> Param:
     return Param(name, -(-m.V // t), m.h)
 
 
-def param_tensors(ctx: Context) -> int:
-    """Parameter tensors with a gradient: 7 a block, the embedding, the final norm and the head."""
-    return len(block_params(ctx)) * ctx.scenario.model.L + 3
+def param_tensors(ctx: Context, stage: Stage | None = None) -> int:
+    """Parameter tensors with a gradient (of one pipeline ``stage``): 7 a block, the embedding, the final
+    norm and the head."""
+    st = stage or Stage(0, True, ctx.scenario.model.L, True)
+    return len(block_params(ctx)) * st.layers + st.embedding + 2 * st.head
+
+
+# -------------------------------------------------------------------------------------- pipeline split
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """One pipeline stage's share of the model as torchtitan splits it."""
+
+    index: int
+    embedding: bool
+    """Holds ``tok_embeddings`` (the first stage)."""
+    layers: int
+    head: bool
+    """Holds ``norm`` and ``lm_head`` (the last stage)."""
+
+
+def stages(n: int, L: int) -> tuple[Stage, ...]:
+    """torchtitan's split of L blocks into n stages (``_generate_llm_fqn_per_model_part``,
+    ``distributed/pipeline_parallel.py:366-476``, the embedding and the head weighing one block each, its
+    defaults ``pipeline_parallel_first/last_stage_less_layers`` = 1): L + 2 units dealt out evenly, the
+    first stages taking one more of the remainder; the embedding and the head each take one of their
+    stage's units. A test holds it against torchtitan's own function."""
+    if n == 1:
+        return (Stage(0, True, L, True),)
+    per, extra = divmod(L + 2, n)
+    out, left = [], L
+    for k in range(n):
+        units = per + (k < extra) - (k == 0) - (k == n - 1)
+        take = min(max(units, 0), left)
+        left -= take
+        out.append(Stage(k, k == 0, take, k == n - 1))
+    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------- FSDP2
@@ -321,6 +356,39 @@ def groups(ctx: Context, job: Job) -> Groups:
     )
 
 
+def _fsdp_base(job: Job, groups: tuple[Ranks, ...]) -> ExpectedCollective:
+    """An FSDP2 all-gather over ``groups`` in the job's gather dtype, prefetched (its elements, calls, phase
+    and source are the caller's)."""
+    return ExpectedCollective(
+        op=Op.ALL_GATHER,
+        axis="dp",
+        groups=groups,
+        dtype=job.param_dtype,
+        elements=0,
+        calls=0,
+        phase=Phase.FORWARD,
+        source="",
+        paper_term=EQ3,
+        overlaps=True,
+    )
+
+
+def _scatters(
+    ctx: Context, base: ExpectedCollective, elements: int, calls: int, phase: Phase, why: str
+) -> list[ExpectedCollective]:
+    """FSDP2's gradient reduce-scatter of ``elements`` (a group's padded gradients), summed, in fp32."""
+    rs = replace(
+        base,
+        op=Op.REDUCE_SCATTER,
+        dtype=REDUCE_DTYPE,
+        elements=elements,
+        calls=calls,
+        phase=phase,
+        source=f"FSDP2 gradient reduce-scatter (summed), {why}",
+    )
+    return [rs]
+
+
 @dataclass(frozen=True, slots=True)
 class TorchtitanFSDP:
     """torchtitan's FSDP2 over the data-parallel ranks (``apply_fsdp_to_decoder``): what is gathered and
@@ -334,36 +402,19 @@ class TorchtitanFSDP:
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         if ctx.scenario.parallelism.data_ranks == 1:  # a one-rank mesh: torch skips the collectives
             return []
+        if ctx.scenario.parallelism.pp > 1:
+            return _pipelined_fsdp(ctx)
         job = Job.of(ctx.scenario)
         g, L = groups(ctx, job), ctx.scenario.model.L
-        base = ExpectedCollective(
-            op=Op.ALL_GATHER,
-            axis="dp",
-            groups=ctx.layout.dp_groups(),
-            dtype=job.param_dtype,
-            elements=0,
-            calls=0,
-            phase=Phase.FORWARD,
-            source="",
-            paper_term=EQ3,
-            overlaps=True,
-        )
+        base = _fsdp_base(job, ctx.layout.dp_groups())
 
         def gather(group: Group, calls: int, phase: Phase, why: str, **kw: Any) -> ExpectedCollective:
             return replace(
                 base, elements=group.padded, calls=calls, phase=phase, source=f"FSDP2 all-gather, {why}", **kw
             )
 
-        def scatter(elements: int, calls: int, why: str) -> ExpectedCollective:
-            return replace(
-                base,
-                op=Op.REDUCE_SCATTER,
-                dtype=REDUCE_DTYPE,
-                elements=elements,
-                calls=calls,
-                phase=Phase.BACKWARD,
-                source=f"FSDP2 gradient reduce-scatter (summed), {why}",
-            )
+        def scatter(elements: int, calls: int, why: str) -> list[ExpectedCollective]:
+            return _scatters(ctx, base, elements, calls, Phase.BACKWARD, why)
 
         fwd, bwd = Phase.FORWARD, Phase.BACKWARD
         rows = [
@@ -374,19 +425,19 @@ class TorchtitanFSDP:
         if job.loss == "chunked":
             again = "[norm, lm_head] again: ChunkedLossWrapper's unshard() after norm's post-forward resharded it"
             rows.append(gather(g.head, 1, fwd, again, from_step=0 if job.fsdp_reshard_after_forward == "always" else 1))
-            rows.append(scatter(g.head.padded - g.norm_padded, 1, "lm_head alone, at the loss's last chunk"))
+            rows += scatter(g.head.padded - g.norm_padded, 1, "lm_head alone, at the loss's last chunk")
             rows.append(gather(g.head, 1, bwd, "[norm, lm_head] again for norm's backward (the loss resharded it)"))
-            rows.append(scatter(g.norm_padded, 1, "norm alone"))
+            rows += scatter(g.norm_padded, 1, "norm alone")
         else:
             if g.head.backward:
                 rows.append(gather(g.head, 1, bwd, "[norm, lm_head] (resharded: policy always)"))
-            rows.append(scatter(g.head.padded, 1, "[norm, lm_head]"))
+            rows += scatter(g.head.padded, 1, "[norm, lm_head]")
         if g.block.backward:
             rows.append(gather(g.block, L, bwd, "each block (resharded after forward)"))
-        rows.append(scatter(g.block.padded, L, "each block"))
+        rows += scatter(g.block.padded, L, "each block")
         if g.embedding.backward:
             rows.append(gather(g.embedding, 1, bwd, "tok_embeddings (resharded after forward)"))
-        rows.append(scatter(g.embedding.padded, 1, "tok_embeddings"))
+        rows += scatter(g.embedding.padded, 1, "tok_embeddings")
         return rows
 
     def paper_terms(self, ctx: Context) -> list[PaperTerm]:
@@ -401,7 +452,7 @@ class TorchtitanFSDP:
             return []
         job = Job.of(ctx.scenario)
         g, isz, share = groups(ctx, job), model.itemsize, Fraction(d - 1, d)
-        every = g.all(model.L)
+        every = g.all(model.L) if par.pp == 1 else _first_stage(ctx, g, job)
         padded = sum(grp.padded * n for grp, n in every)
         unpadded = sum(grp.unpadded * n for grp, n in every)
         full = ctx.param_count
@@ -417,7 +468,10 @@ class TorchtitanFSDP:
                 f"{padded - unpadded:,} elements",
             )
         )
-        out += _gather_terms(g, model.L, job, share * isz)
+        if par.pp == 1:
+            out += _gather_terms(g, model.L, job, share * isz)
+        else:
+            out += _stage_gather_terms(ctx, every, share * isz)
         p_isz, r_isz = WIRE_ITEMSIZE[job.param_dtype], WIRE_ITEMSIZE[REDUCE_DTYPE]
         precision = share * sum(
             n * grp.padded * ((grp.forward + grp.backward) * (p_isz - isz) + (r_isz - isz)) for grp, n in every
@@ -432,6 +486,136 @@ class TorchtitanFSDP:
             )
         )
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class HeadReplay:
+    """The ``[norm, lm_head]`` group on the last stage over one step of the schedule, under the chunked loss."""
+
+    forward: int
+    backward: int
+    head_alone: int
+    """The loss's reduce-scatters of ``lm_head``'s gradient alone (no ``norm`` gradient held yet)."""
+    head_and_norm: int
+    """... of ``lm_head``'s with ``norm``'s, accumulated by the backwards since the previous forward."""
+
+
+def head_replay(order: str) -> HeadReplay:
+    """Replay the chunked loss (``components/loss.py:724-772``) on the last stage's schedule order. Each
+    forward: ``norm`` gathers the group if it is sharded and (the loss having set reshard_after_forward
+    true at the end of the step before) frees it; the loss ``unshard()``s it again, reduce-scatters at its
+    last chunk the gradients the group holds unsharded (``lm_head``'s, and ``norm``'s when a backward has
+    run since the previous forward), then ``reshard()``s it. Each backward: ``norm``'s backward gathers it
+    if sharded and, the stage having turned resharding after backward and gradient sync off, keeps it
+    gathered with ``norm``'s gradient unreduced. The step's ``perform_reduce_grad`` reduce-scatters the
+    ``norm`` gradient of the last backward."""
+    gathered = pending = False
+    fwd = bwd = alone = both = 0
+    for action in order:
+        if action == "F":
+            fwd += 1 + (not gathered)
+            both, alone = both + pending, alone + (not pending)
+            gathered = pending = False
+        else:
+            bwd += not gathered
+            gathered = pending = True
+    return HeadReplay(fwd, bwd, alone, both)
+
+
+def _pipelined_fsdp(ctx: Context) -> list[ExpectedCollective]:
+    """FSDP2 in each pipeline stage (``apply_fsdp_to_decoder`` on the stage's model part, its own data-
+    parallel groups), replaying the single-stage schedule's order (``pipelined_gathers``): under a pipeline
+    the default policy does not reshard after the forward (``fsdp.py:54-74``), so a group is gathered once
+    a step and its gradient reduce-scattered once, by the schedule's ``perform_reduce_grad`` after the last
+    backward, outside autograd (recorded in the forward phase). The last stage's ``[norm, lm_head]`` follows
+    the chunked loss (``head_replay``)."""
+    job = Job.of(ctx.scenario)
+    g = groups(ctx, job)
+    rows = [row for st in stages(ctx.scenario.parallelism.pp, ctx.scenario.model.L) for row in _stage(ctx, job, g, st)]
+    return [r for r in rows if r.calls]
+
+
+def _stage(ctx: Context, job: Job, g: Groups, st: Stage) -> list[ExpectedCollective]:
+    """One pipeline stage's FSDP2 calls (``_pipelined_fsdp``)."""
+    always = job.fsdp_reshard_after_forward == "always"
+    where = f", stage {st.index} ({pipeline_order(ctx, st.index)})"
+    base = _fsdp_base(job, ctx.layout.dp_groups(st.index))
+    fwd, bwd = pipelined_gathers(ctx, st.index, always)
+
+    def gathers(group: Group, n: int, what: str) -> list[ExpectedCollective]:
+        one = replace(base, elements=group.padded, source=f"FSDP2 all-gather, {what}{where}")
+        backward = replace(one, calls=n * bwd, phase=Phase.BACKWARD, source=f"{one.source}, backward")
+        return [replace(one, calls=n * fwd), backward]
+
+    def scatter(elements: int, calls: int, what: str, phase: Phase = Phase.FORWARD) -> list[ExpectedCollective]:
+        when = "" if phase == Phase.BACKWARD else " (perform_reduce_grad after the last backward)"
+        return _scatters(ctx, base, elements, calls, phase, f"{what}{where}{when}")
+
+    rows = []
+    if st.embedding:
+        rows += [*gathers(g.embedding, 1, "tok_embeddings"), *scatter(g.embedding.padded, 1, "tok_embeddings")]
+    if st.layers:
+        rows += [*gathers(g.block, st.layers, "each block"), *scatter(g.block.padded, st.layers, "each block")]
+    if st.head and job.loss != "chunked":
+        rows += [*gathers(g.head, 1, "[norm, lm_head]"), *scatter(g.head.padded, 1, "[norm, lm_head]")]
+    elif st.head:
+        r, head, bwd_phase = head_replay(pipeline_order(ctx, st.index)), g.head.padded, Phase.BACKWARD
+        rows += [
+            replace(
+                base,
+                elements=head,
+                calls=r.forward,
+                source=f"FSDP2 all-gather, [norm, lm_head]: norm's forward and the chunked loss's unshard(){where}",
+            ),
+            replace(
+                base,
+                elements=head,
+                calls=r.backward,
+                phase=bwd_phase,
+                source=f"FSDP2 all-gather, [norm, lm_head] for norm's backward, kept until a forward{where}",
+            ),
+            *scatter(head - g.norm_padded, r.head_alone, "lm_head alone, the loss's last chunk", bwd_phase),
+            *scatter(head, r.head_and_norm, "lm_head and the norm gradient held, the loss's last chunk", bwd_phase),
+            *scatter(g.norm_padded, 1, "norm's gradient of the last backward"),
+        ]
+    return rows
+
+
+def _first_stage(ctx: Context, g: Groups, job: Job) -> tuple[tuple[Group, int], ...]:
+    """Rank 0's groups under a pipeline (stage 0: the embedding and its blocks; the head is on the last
+    stage), with their all-gathers per step in the schedule (``pipelined_gathers``)."""
+    st = stages(ctx.scenario.parallelism.pp, ctx.scenario.model.L)[0]
+    fwd, bwd = pipelined_gathers(ctx, 0, job.fsdp_reshard_after_forward == "always")
+    mine = ((g.embedding, 1), (g.block, st.layers))
+    return tuple((replace(grp, forward=fwd, backward=bwd), n) for grp, n in mine if n)
+
+
+def _stage_gather_terms(ctx: Context, every: tuple[tuple[Group, int], ...], per_element: Fraction) -> list[Residual]:
+    """Rank 0's all-gathers under a pipeline beyond Eq. 3's one forward and one backward per parameter."""
+    order, policy = pipeline_order(ctx, 0), Job.of(ctx.scenario).fsdp_reshard_after_forward
+    fwd = sum((grp.forward - 1) * grp.padded * n for grp, n in every)
+    bwd = sum((grp.backward - 1) * grp.padded * n for grp, n in every)
+    why = {
+        "default": "under a pipeline the default policy does not reshard after the forward (distributed/fsdp.py:54-74)",
+        "never": "fsdp_reshard_after_forward never",
+        "always": "fsdp_reshard_after_forward always",
+    }[policy]
+    sched = f"in the {ctx.scenario.parallelism.pipeline.schedule} schedule on stage 0 ({order})"
+    terms = (
+        (
+            fwd,
+            "forward all-gathers per micro-batch",
+            f"{sched} a forward after a forward gathers again ({why}), one after a backward finds the group "
+            "gathered (torch's stage turns resharding after backward off)",
+        ),
+        (
+            bwd,
+            "backward all-gathers",
+            f"{sched} a backward gathers only a group its forward freed ({why}); one after a backward finds it "
+            "gathered",
+        ),
+    )
+    return [Residual(term=EQ3, name=n, bytes=e * per_element, detail=d) for e, n, d in terms if e]
 
 
 def _gather_terms(g: Groups, L: int, job: Job, per_element: Fraction) -> list[Residual]:
@@ -645,17 +829,22 @@ class TorchtitanStep:
         if par.tp > 1:
             axes.append(("tp", lay.tp_groups()))
         for axis, grps in axes:
-            rows.append(
-                replace(
-                    base,
-                    axis=axis,
-                    groups=grps,
-                    dtype="fp32",
-                    elements=param_tensors(ctx),
-                    phase=Phase.OPTIMIZER,
-                    source=f"clip_grad_norm_: the per-tensor partial norms all-reduced over the {axis} mesh dimension",
-                )
+            clip = replace(
+                base,
+                axis=axis,
+                groups=grps,
+                dtype="fp32",
+                elements=param_tensors(ctx),
+                phase=Phase.OPTIMIZER,
+                source=f"clip_grad_norm_: the per-tensor partial norms all-reduced over the {axis} mesh dimension",
             )
+            if par.pp == 1:
+                rows.append(clip)
+                continue
+            for st in stages(par.pp, s.model.L):  # each stage's own tensors, over its own groups
+                mine = lay.dp_groups(st.index) if axis == "dp" else lay.tp_groups(st.index)
+                rows.append(replace(clip, groups=mine, elements=param_tensors(ctx, st),
+                                    source=f"{clip.source}, stage {st.index}'s tensors"))  # fmt: skip
         if par.data_ranks > 1:
             rows += _metrics(base, job, s.warmup_steps + s.steps)
         return rows
@@ -863,12 +1052,25 @@ def torchtitans_axes(c: Check) -> None:
     )  # fmt: skip
     if par.pp == 1:
         refused += (("micro_batches", par.micro_batches, "gradient accumulation under torchtitan is not modelled yet"),)
-    elif par.dp > 1 or par.tp > 1:
-        why = (
-            "torchtitan's pipeline with FSDP2 or TP is not modelled yet (its chunked loss unshards and reduces the "
-            "last stage's [norm, lm_head] group once per micro-batch, components/loss.py:724-772): pp with dp = tp = 1"
+    elif par.tp > 1:
+        c.bad(
+            [P, "tp"],
+            f"{par.tp}: torchtitan's pipeline with tensor parallelism is not modelled yet: pp with tp = 1 "
+            "(FSDP2 over dp is)",
         )
-        c.bad([P, "dp" if par.dp > 1 else "tp"], f"{par.dp if par.dp > 1 else par.tp}: {why}")
+    elif par.dp > 1 and par.pipeline.virtual_stages > 1:
+        c.bad(
+            [P, "pipeline", "schedule"],
+            f"{par.pipeline.schedule}: FSDP2 in torchtitan's pipeline stages is modelled under gpipe and 1f1b "
+            "(one stage per rank) yet: gpipe or 1f1b, or dp = 1",
+        )
+    elif par.pp * par.pipeline.virtual_stages > c.model.L + 2:
+        c.bad(
+            [P, "pp"],
+            f"{par.pp}: torchtitan splits L + 2 = {c.model.L + 2} units (the blocks, the embedding and the head) "
+            f"over pp x virtual_stages = {par.pp * par.pipeline.virtual_stages} stages and refuses an empty one: "
+            "fewer stages or more layers",
+        )
     elif c.doc.get("warmup_steps", 1) == 0:
         c.bad(
             ["warmup_steps"],
@@ -938,6 +1140,20 @@ def torchtitans_modes(c: Check) -> None:
         c.bad(["model", "s"], f"{s}: ChunkedLossWrapper splits the sequence into loss_chunks={job.loss_chunks}")
     if par.tp > 1 and s % par.tp:
         c.bad(["model", "s"], f"{s}: sequence parallelism splits the sequence over tp={par.tp}")
+    if (
+        par.pp > 1
+        and par.pipeline.schedule != "gpipe"
+        and job.loss == "chunked"
+        and job.chunks == 1
+        and job.param_dtype != "fp32"
+    ):
+        c.bad(
+            [TT, "loss_chunks"],
+            "1: torchtitan itself fails this job: under a pipeline whose last stage runs a backward before a "
+            "forward, the loss's single chunk reduce-scatters lm_head's bf16 gradient with norm's fp32 "
+            "accumulated one and FSDP2 asserts a uniform dtype (seen on torch 2.13): 2 or more chunks, "
+            "gpipe, or mixed_precision_param float32",
+        )
 
 
 GIVEN: dict[str, str] = {
@@ -976,6 +1192,10 @@ BLOCKED: dict[str, str] = {
     "compile.enable": "compile does not run on torch 2.13 CPU (InductorError compiling a block with flex attention)",
     "compile.enable_async_tensor_parallel": "async TP needs compile and CUDA symmetric memory",
     "training.enable_cpu_offload": "FSDP2's CPU offload under torchtitan is not modelled yet",
+    "parallelism.pipeline_parallel_layers_per_stage": "the model holds torchtitan's default split of the blocks",
+    "parallelism.pipeline_parallel_first_stage_less_layers": "the model holds torchtitan's default split (1)",
+    "parallelism.pipeline_parallel_last_stage_less_layers": "the model holds torchtitan's default split (1)",
+    "parallelism.module_fqns_per_model_part": "the model holds torchtitan's default split of the blocks",
 }
 """torchtitan's command-line keys that do not run on torch 2.13 CPU or are not modelled (their negation,
 ``--compile.no-enable``, passes)."""
@@ -1054,4 +1274,5 @@ TORCHTITAN = Trainer(
     components=components,
     rules=RULES,
     warnings=left_off_warnings,
+    splits_stages=True,
 )

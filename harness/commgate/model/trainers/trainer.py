@@ -58,6 +58,9 @@ class Trainer:
     configuration names the model (a Hugging Face ``config.json``): the scenario's ``model.module`` then
     names the model for people, and the model is read off this build on the meta device, as a user's
     module is."""
+    splits_stages: bool = False
+    """It splits the model into pipeline stages itself (its components read that split): commgate's own
+    rule that the layers divide evenly over the stages does not apply."""
     derived: Derived | None = None
     """What it decided for the scenario, shown with the prediction and the result (nothing it resolves is
     silent); None: nothing beyond the document as written."""

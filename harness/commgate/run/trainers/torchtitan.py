@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any
 from commgate.core.errors import CommgateError
 from commgate.model.importer import TitanJob
 from commgate.model.scenario import ModelSpec, Scenario
-from commgate.model.trainers.torchtitan import LEFT_OFF_WHY, Job
+from commgate.model.trainers.torchtitan import LEFT_OFF_WHY, Job, stages
 from commgate.run import interpose
 from commgate.run.capture import RUN_DIR
 
@@ -639,6 +639,8 @@ def check_built(trainer: Any, scenario: Scenario, job: Job) -> None:
     if (shapes != want) if par.pp == 1 else not (shapes and shapes.items() <= want.items()):
         diff = sorted(set(shapes.items()) ^ set(want.items()))[:2]
         raise CommgateError(f"{where} with parameters that differ from the scenario's model: {diff} ...")
+    if par.pp > 1:
+        check_split(parts, scenario, dims.get_mesh("pp").get_local_rank(), where)
     model = parts[0]
     if trainer.gradient_accumulation_steps != 1:
         raise CommgateError(
@@ -649,6 +651,28 @@ def check_built(trainer: Any, scenario: Scenario, job: Job) -> None:
     want_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[job.mixed_precision_param]
     if policy is None or policy.param_dtype != want_dtype or policy.reduce_dtype != torch.float32:
         raise CommgateError(f"{where} with FSDP2 mixed precision {policy}, the scenario describes {want_dtype} gathers")
+
+
+def check_split(parts: list[Any], scenario: Scenario, pp_rank: int, where: str) -> None:
+    """Stop where torchtitan split the model into stages other than the model's ``stages`` (this rank's
+    parts are stages pp_rank, pp_rank + p, ...: the "loop" style of its schedules)."""
+    par = scenario.parallelism
+    split = stages(par.pp * par.pipeline.virtual_stages, scenario.model.L)
+    for k, part in enumerate(parts):
+        names = {name.replace("._checkpoint_wrapped_module", "") for name, _ in part.named_parameters()}
+        layers = {n.split(".")[1] for n in names if n.startswith("layers.")}
+        held = (
+            any(n.startswith("tok_embeddings.") for n in names),
+            len(layers),
+            any(n.startswith("lm_head.") for n in names),
+        )
+        st = split[pp_rank + k * par.pp]
+        if held != (st.embedding, st.layers, st.head):
+            raise CommgateError(
+                f"{where} with stage {st.index} holding (embedding, blocks, head) = {held}, the model's split "
+                f"of torchtitan's default is {(st.embedding, st.layers, st.head)}: its pipeline_parallel_* split "
+                "options are not modelled"
+            )
 
 
 def run_dir(rank: int) -> Path:
@@ -729,6 +753,8 @@ def read_config(module: str, config: str) -> TitanJob:
         pp=par.pipeline_parallel_degree,
         cp=par.context_parallel_degree,
         replicate=par.data_parallel_replicate_degree,
+        schedule=par.pipeline_parallel_schedule,
+        microbatch_size=par.pipeline_parallel_microbatch_size,
         sequence_parallel=par.enable_sequence_parallel,
         ac=ac,
         loss="chunked" if chunked else "cross_entropy",
