@@ -175,6 +175,16 @@ def test_a_pipelined_toml_at_full_size_predicts_each_stage(tmp_path: Path) -> No
     assert not any(c.issued_by(0) and "chunked loss" in c.source for c in p.collectives)
 
 
+def test_an_hsdp_toml_keeps_its_replicas(tmp_path: Path) -> None:
+    text = (DATA / "llama3_8b.toml").read_text()
+    toml = tmp_path / "hsdp.toml"
+    toml.write_text(text.replace("data_parallel_replicate_degree = 1", "data_parallel_replicate_degree = 4"))
+    doc, _ = imported(tmp_path, str(toml), "--dp", "8")
+    assert isinstance(doc["parallelism"], dict) and doc["parallelism"]["dp_replicate"] == 4
+    (s,) = load_file(tmp_path / "imported.yaml")
+    assert s.world_size == 32 and all(c.unexplained_bytes == 0 for c in predict(s).comparison())
+
+
 def test_a_context_parallel_toml_is_cps_scenario(tmp_path: Path) -> None:
     text = (DATA / "debug_model.toml").read_text().replace("context_parallel_degree = 1", "context_parallel_degree = 2")
     toml = tmp_path / "cp.toml"

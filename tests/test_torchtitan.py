@@ -158,7 +158,12 @@ FSDP, TP = "scheme: fsdp, dp: 2", "scheme: tp, dp: 1, tp: 2, sequence_parallel: 
 REFUSED = [
     (FSDP + ", cp: 2", "", TINY, r"parallelism.cp: 2: torchtitan's context parallelism is modelled alone"),
     ("scheme: cp, cp: 4", "", TINY, r"model.s: 256: flex attention under context parallelism needs s divisible"),
-    (FSDP + ", dp_replicate: 2", "", TINY, r"parallelism.dp_replicate: 2: HSDP"),
+    (
+        "scheme: fsdp, dp: 2, dp_replicate: 2, tp: 2, sequence_parallel: true",
+        "",
+        TINY_TP,
+        r"parallelism.dp_replicate: 2: HSDP with tensor parallelism is not modelled yet",
+    ),
     (FSDP + ", micro_batches: 2", "", TINY, r"parallelism.micro_batches: 2: gradient accumulation"),
     (FSDP + ", fsdp: {param_dtype: bf16}", "", TINY, r"parallelism.fsdp: torchtitan's FSDP2 options"),
     (TP.replace("dp: 1", "dp: 2"), "", TINY_TP, r"parallelism.dp: 2: torchtitan shards .* scheme 'fsdp'"),
@@ -580,6 +585,23 @@ def run_and_reconcile(s: Scenario, workdir: Path) -> None:
 )
 def test_fsdp2_on_2_ranks_reconciles(tt: Any, par: str, block: str, tmp_path: Path) -> None:
     run_and_reconcile(scenario(f"scheme: fsdp, dp: 2, micro_batch: 2, {par}", block, steps=3), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("replicas", "block"),
+    [(2, "log_freq: 1"), (2, "log_freq: 2, fsdp_reshard_after_forward: always, loss: cross_entropy, "
+     "config: llama3_debugmodel_ce_loss")],
+    ids=["chunked", "always-ce-log2"],
+)  # fmt: skip
+def test_hsdp_replicas_of_fsdp2_reconcile(tt: Any, replicas: int, block: str, tmp_path: Path) -> None:
+    """HSDP (data_parallel_replicate_degree 2 x data_parallel_shard_degree 2): each reduce-scattered shard
+    all-reduced across the replicas, the token count and the metrics over all four ranks, the gradient
+    norm over the sharding group alone."""
+    par = f"scheme: fsdp, dp: 2, dp_replicate: {replicas}, micro_batch: 1, activation_checkpointing: true"
+    s = scenario(par, block)
+    p = predict(s)
+    assert any(c.op == Op.ALL_REDUCE and c.axis == "rep" for c in p.collectives)
+    run_and_reconcile(s, tmp_path)
 
 
 @pytest.mark.parametrize("ac", ["selective", "full"])

@@ -147,8 +147,8 @@ def hf(rng: random.Random, index: int) -> Draw:
 
 
 def torchtitan(rng: random.Random, index: int) -> Draw:
-    """A torchtitan job: its llama3 debug config on a drawn llama3, FSDP2, TP with sequence parallelism,
-    FSDP2 x TP, its pipeline under each schedule or its context parallelism, with its checkpointing,
+    """A torchtitan job: its llama3 debug config on a drawn llama3, FSDP2 (HSDP), TP with sequence parallelism,
+    FSDP2 x TP, its pipeline under each schedule (FSDP2 in its stages) or its context parallelism, with its checkpointing,
     precision, resharding, loss and logging knobs."""
     a = rng.choice([2, 4])
     tp = rng.choice([1, 2])
@@ -199,6 +199,8 @@ def torchtitan(rng: random.Random, index: int) -> Draw:
         model["kv_heads"] = rng.choice([k for k in (1, 2, a) if a % k == 0])
         par = {"scheme": "cp", "cp": cp, "micro_batch": par["micro_batch"], "activation_checkpointing": ac}
         block.pop("fsdp_reshard_after_forward", None)
+    elif par["scheme"] == "fsdp" and tp == 1 and 2 * dp <= MAX_WORLD and rng.random() < 0.4:
+        par["dp_replicate"] = 2  # HSDP: replicas of the sharded model
     doc = {
         "schema_version": 1,
         "name": f"gen-torchtitan-{index}",

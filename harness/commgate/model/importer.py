@@ -438,11 +438,6 @@ def torchtitan(
     What the job does that a CPU run cannot is named in ``torchtitan.left_off`` and in the scenario's first
     lines; what the model cannot hold turns the model check off (baseline-only), saying why."""
     f = job.source
-    if job.replicate != 1:
-        raise UsageError(
-            f"{f}: parallelism.data_parallel_replicate_degree = {job.replicate}: HSDP under torchtitan is not "
-            "modelled yet"
-        )
     if job.model.get("tied_embeddings"):
         raise UsageError(f"{f}: a tied llama3 (1B, 3B) is sharded as one group by torchtitan: not modelled yet")
     dp = dp if dp is not None else job.dp
@@ -482,6 +477,8 @@ def torchtitan(
         parallelism = _titan_pipeline(job, dp, pp, ac)
     else:
         parallelism = {"scheme": "fsdp" if dp > 1 else "tp", "dp": dp, "tp": tp}
+        if job.replicate > 1:  # HSDP: replicas of the sharded model (the rules say what it composes with)
+            parallelism["dp_replicate"] = job.replicate
         if tp > 1:
             parallelism["sequence_parallel"] = job.sequence_parallel
         parallelism |= {"micro_batch": job.local_batch_size, "activation_checkpointing": ac}

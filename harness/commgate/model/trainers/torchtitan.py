@@ -30,7 +30,10 @@ torch 2.13 and measured on CPU gloo ranks (paths under ``torchtitan/``):
   (``distributed/activation_checkpoint.py:61-64``), full recomputes both. Activations move in the
   mixed-precision dtype, FSDP2's policy applying even on a one-rank data-parallel mesh.
 
-* Its pipeline (dp = tp = 1, ``TorchtitanPP``) and its flex context parallelism (alone, ``TorchtitanCP``).
+* HSDP (``data_parallel_replicate_degree``): each reduce-scattered shard all-reduced across the replicas.
+* Its pipeline (tp = 1, ``TorchtitanPP``; its own split of the stages, ``stages``), FSDP2 in each stage
+  replayed over the schedule's order (``_pipelined_fsdp``), and its flex context parallelism (alone,
+  ``TorchtitanCP``).
 
 Paper: Eq. 3 for the FSDP2 part, Eq. 5 for tensor parallelism, Eq. 4 for the pipeline, commgate's CP
 derivation for context parallelism, every difference a named term.
@@ -386,7 +389,18 @@ def _scatters(
         phase=phase,
         source=f"FSDP2 gradient reduce-scatter (summed), {why}",
     )
-    return [rs]
+    lay = ctx.layout
+    if lay.replicate == 1:
+        return [rs]
+    replicas = replace(
+        rs,
+        op=Op.ALL_REDUCE,
+        axis="rep",
+        groups=lay.replicate_groups(),
+        elements=elements // lay.dp,
+        source=f"HSDP: the reduce-scattered shard all-reduced across the replicas, {why}",
+    )
+    return [rs, replicas]
 
 
 @dataclass(frozen=True, slots=True)
@@ -485,6 +499,17 @@ class TorchtitanFSDP:
                 f"reduce-scattered in {REDUCE_DTYPE}; Eq. 3 counts {model.dtype}",
             )
         )
+        r = par.dp_replicate
+        if r > 1:
+            out.append(
+                Residual(
+                    term=EQ3,
+                    name="HSDP replica all-reduce",
+                    bytes=2 * Fraction(r - 1, r) * sum(grp.padded // d * n for grp, n in every) * r_isz,
+                    detail=f"each rank's reduce-scattered gradient shard is all-reduced (fp32) over the {r} replicas "
+                    f"(data_parallel_replicate_degree); Eq. 3 counts d={d}, the sharding group",
+                )
+            )
         return out
 
 
@@ -822,6 +847,8 @@ class TorchtitanStep:
                 )
             )
         axes: list[tuple[Axis, tuple[Ranks, ...]]] = []
+        if lay.replicate > 1:  # the batch and loss meshes span the replicas too (dp_replicate x dp_shard)
+            base = replace(base, axis="world", groups=lay.world())
         if par.dp > 1:  # the batch mesh: dp alone (with cp = 1, the dp x cp groups are dp's)
             rows.append(base)
         if par.data_ranks > 1:
@@ -1044,12 +1071,11 @@ def torchtitans_model(c: Check) -> None:
 
 
 def torchtitans_axes(c: Check) -> None:
-    """What torchtitan runs on torch 2.13 CPU and the model holds: FSDP2 over dp (scheme with FSDP), TP with
-    dp = 1 (the tensor scheme), no pipeline, context, replicas or gradient accumulation."""
+    """What torchtitan runs on torch 2.13 CPU and the model holds: FSDP2 (HSDP) over dp (scheme with FSDP),
+    TP with dp = 1 (the tensor scheme), its pipeline with FSDP2 in single-stage schedules, context
+    parallelism alone, no gradient accumulation outside a pipeline."""
     par = c.par
-    refused: tuple[tuple[str, int, str], ...] = (
-        ("dp_replicate", par.dp_replicate, "HSDP (data_parallel_replicate_degree) under torchtitan is not modelled"),
-    )  # fmt: skip
+    refused: tuple[tuple[str, int, str], ...] = ()
     if par.pp == 1:
         refused += (("micro_batches", par.micro_batches, "gradient accumulation under torchtitan is not modelled yet"),)
     elif par.tp > 1:
@@ -1160,6 +1186,7 @@ GIVEN: dict[str, str] = {
     "module": "torchtitan.module",
     "config": "torchtitan.config",
     "parallelism.data_parallel_shard_degree": "parallelism.dp",
+    "parallelism.data_parallel_replicate_degree": "parallelism.dp_replicate",
     "parallelism.tensor_parallel_degree": "parallelism.tp",
     "parallelism.pipeline_parallel_degree": "parallelism.pp",
     "parallelism.context_parallel_degree": "parallelism.cp",
@@ -1186,7 +1213,6 @@ GIVEN: dict[str, str] = {
 """torchtitan's command-line keys the scenario (or the run) gives: refused in ``torchtitan.args``."""
 
 BLOCKED: dict[str, str] = {
-    "parallelism.data_parallel_replicate_degree": "HSDP under torchtitan is not modelled yet",
     "parallelism.expert_parallel_degree": "llama3 has no experts",
     "parallelism.enable_fsdp_symm_mem": "symmetric memory is CUDA-only",
     "compile.enable": "compile does not run on torch 2.13 CPU (InductorError compiling a block with flex attention)",

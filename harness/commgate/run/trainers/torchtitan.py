@@ -315,6 +315,7 @@ def overrides(scenario: Scenario, job: Job, *, tokenizer: Path, data: Path, dump
         "--dump_folder", str(dump),
         "--parallelism.spmd_backend", "partial_dtensor",
         "--parallelism.data_parallel_shard_degree", str(par.dp),
+        "--parallelism.data_parallel_replicate_degree", str(par.dp_replicate),
         "--parallelism.tensor_parallel_degree", str(par.tp),
         sp,
         "--parallelism.fsdp_reshard_after_forward", job.fsdp_reshard_after_forward,
@@ -322,7 +323,7 @@ def overrides(scenario: Scenario, job: Job, *, tokenizer: Path, data: Path, dump
         "--parallelism.context_parallel_degree", str(par.cp),
         *pipeline,
         "--training.local_batch_size", str(par.micro_batch * micro_batches),
-        "--training.global_batch_size", str(par.micro_batch * micro_batches * par.dp),
+        "--training.global_batch_size", str(par.micro_batch * micro_batches * par.dp * par.dp_replicate),
         "--training.seq_len", str(m.s),
         "--training.dtype", "float32",
         "--training.mixed_precision_param", job.mixed_precision_param,
@@ -540,7 +541,7 @@ def check_config(config: Any, scenario: Scenario, job: Job) -> None:
         "parallelism.tensor_parallel_degree": (par.tp, "parallelism.tp"),
         "parallelism.pipeline_parallel_degree": (par.pp, "parallelism.pp"),
         "parallelism.context_parallel_degree": (par.cp, "parallelism.cp"),
-        "parallelism.data_parallel_replicate_degree": (1, "parallelism.dp_replicate"),
+        "parallelism.data_parallel_replicate_degree": (par.dp_replicate, "parallelism.dp_replicate"),
         "parallelism.enable_sequence_parallel": (par.sequence_parallel, "parallelism.sequence_parallel"),
         "parallelism.fsdp_reshard_after_forward": (
             job.fsdp_reshard_after_forward,
@@ -621,7 +622,7 @@ def check_built(trainer: Any, scenario: Scenario, job: Job) -> None:
     par, m = scenario.parallelism, scenario.model
     dims = trainer.parallel_dims
     built = {"dp_shard": dims.dp_shard, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "dp_replicate": dims.dp_replicate}
-    wanted = {"dp_shard": par.dp, "tp": par.tp, "pp": par.pp, "cp": par.cp, "dp_replicate": 1}
+    wanted = {"dp_shard": par.dp, "tp": par.tp, "pp": par.pp, "cp": par.cp, "dp_replicate": par.dp_replicate}
     where = f"torchtitan built {job.module}:{job.config}"
     if built != wanted:
         raise CommgateError(f"{where} with meshes {built}, the scenario describes {wanted}")
