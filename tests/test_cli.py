@@ -50,6 +50,11 @@ def test_predict_reads_as_the_scheme_is_for_torch_native_schemes() -> None:
     assert fsdp_tp.returncode == zero3.returncode == 0
     assert "zero stage" not in fsdp_tp.stdout.splitlines()[0] and "zero stage 3" in zero3.stdout.splitlines()[0]
     assert "Eq. 5 (part)" in fsdp_tp.stdout and "-,Eq" not in fsdp_tp.stdout
+    # scheme pp is DeepSpeed's engine by default; torch's schedules (and Megatron's) run no ZeRO
+    torch_pp = commgate("predict", str(ROOT / "scenarios" / "pp-torch-interleaved.yaml"))
+    deepspeed_pp = commgate("predict", str(ROOT / "scenarios" / "pp.yaml"))
+    assert "zero stage" not in torch_pp.stdout.splitlines()[0]
+    assert "zero stage 0" in deepspeed_pp.stdout.splitlines()[0]
 
 
 def test_predict_13b_ddp_json_reproduces_eqs_1_and_2() -> None:

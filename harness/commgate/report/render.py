@@ -207,7 +207,9 @@ def _heading(p: Prediction) -> list[str]:
         f"{' tied' if m.tied_embeddings else ''} {m.position} positions; {p.param_count:,} parameters ({eq1})"
     )
     by = f" by trainer {s.trainer}" if s.trainer != "commgate" else ""  # (commgate's own: as it always read)
-    zero = f"zero stage {par.zero.stage}, " if SCHEMES[par.scheme].deepspeed else ""  # torch's schemes have none
+    # torch's schemes have no ZeRO stage, nor a pipeline that torch's or Megatron's engine runs
+    deepspeed = SCHEMES[par.scheme].deepspeed and (par.pp == 1 or par.pipeline.engine == "deepspeed")
+    zero = f"zero stage {par.zero.stage}, " if deepspeed else ""
     return [
         f"{s.id}: {par.scheme}{by} on {s.world_size} ranks ({axes or 'single rank'}), {zero}"
         f"b={par.micro_batch}, m={par.micro_batches}{', checkpointing' if par.activation_checkpointing else ''}",
