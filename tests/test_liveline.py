@@ -70,3 +70,20 @@ def test_the_phase_is_the_slowest_ranks(tmp_path: Path) -> None:
     rank(0, "stepped", steps=5)
     rank(1, "stepped", steps=5)
     assert phase(tmp_path, [0, 1], 5) == "gathering the capture"
+
+
+def test_under_pytest_a_long_scenario_says_what_its_run_is_doing(pytester: pytest.Pytester) -> None:
+    """The pytest gate tells the same progress between the scenario's name and its result, one line per
+    quiet stretch (here made zero, so every progress call of the run prints), past pytest's capture."""
+    pytester.makeconftest("import commgate.report.liveline as live\nlive.QUIET_S = 0.0\n")
+    pytester.makefile(
+        ".yaml",
+        ddp="schema_version: 1\nname: ddp-tiny\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: ddp, dp: 2}\n"
+        "steps: 2\n",
+    )
+    flags = ("--commgate-update-baselines", "-p", "no:cacheprovider", "-p", "no:randomly")
+    result = pytester.runpytest_subprocess("ddp.yaml", *flags, timeout=600)
+    result.assert_outcomes(passed=1)
+    lines = [line for line in result.stdout.lines if line.startswith("    ddp.yaml::ddp-tiny: ")]
+    assert any("step " in line for line in lines), result.stdout.str()
+    assert any("merging the ranks' captures" in line for line in lines), result.stdout.str()

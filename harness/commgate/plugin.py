@@ -5,6 +5,8 @@ are imported only when a scenario runs."""
 
 from __future__ import annotations
 
+import contextlib
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,9 +35,39 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
-    config.stash[SESSION] = Session.for_pytest(config)
+    progress = _Progress(config)
+    config.stash[SESSION] = Session.for_pytest(config, progress)
+    config.pluginmanager.register(progress, "commgate-progress")
     config.pluginmanager.register(_OnInterrupt(config.stash[SESSION]), "commgate-interrupt")
     config.add_cleanup(sigterm_as_interrupt())  # SIGTERM unwinds as Ctrl-C does until the session ends
+
+
+class _Progress:
+    """A long scenario under pytest is never silent: what its run is doing (the launcher's progress: the
+    forkserver, the ranks' phase, step k of n), one line after each ``QUIET_S`` without one, written to the
+    terminal around pytest's capture as its live logging is; a short run prints nothing more. A pytest-xdist
+    worker has no terminal: its controller shows the results."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.nodeid = ""
+        self.last = time.monotonic()
+
+    def pytest_runtest_logstart(self, nodeid: str) -> None:
+        self.nodeid, self.last = nodeid, time.monotonic()
+
+    def __call__(self, text: str) -> None:
+        from commgate.report.liveline import QUIET_S
+
+        if time.monotonic() - self.last < QUIET_S:
+            return
+        plugins = self.config.pluginmanager
+        terminal, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
+        if terminal is None:
+            return
+        with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+            terminal.write_line(f"    {self.nodeid}: {text}")
+        self.last = time.monotonic()
 
 
 class _OnInterrupt:

@@ -143,9 +143,9 @@ class Session:
         self.report = Report(self.report_dir / "report.json" if self.report_dir is not None else None)
 
     @classmethod
-    def for_pytest(cls, config: pytest.Config) -> Session:
-        """The pytest gate's session, from its ``--commgate-*`` options (on local ranks; a pytest-xdist
-        worker's writes no report: it hands its part to the controller)."""
+    def for_pytest(cls, config: pytest.Config, progress: Callable[[str], None] | None = None) -> Session:
+        """The pytest gate's session, from its ``--commgate-*`` options (on local ranks, telling ``progress``
+        what a run is doing; a pytest-xdist worker's writes no report: it hands its part to the controller)."""
 
         import pytest
 
@@ -166,7 +166,7 @@ class Session:
         except UsageError as exc:
             raise pytest.UsageError(str(exc)) from None
         worker = hasattr(config, "workeroutput")
-        runner = LocalRanks(deadline_s=option("deadline"), faults=faults)
+        runner = LocalRanks(deadline_s=option("deadline"), faults=faults, progress=progress)
         session = cls(
             options=checked,
             runner=runner,
