@@ -109,7 +109,7 @@ def test_what_it_cannot_import_is_one_line(
         ('[model]\nname = "llama3"\nflavor = "13B"\n', "[model] flavor '13B': commgate knows llama3's debugmodel"),
         ('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\npipeline_parallel_degree = 2\n'
          'pipeline_parallel_schedule = "ZBVZeroBubble"\n',
-         "pipeline_parallel_schedule = 'ZBVZeroBubble': torchtitan's GPipe, 1F1B, Interleaved1F1B are modelled"),
+         "'ZBVZeroBubble': torchtitan's GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble are modelled"),
         ('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nlocal_batch_size = 6\n[parallelism]\n'
          'pipeline_parallel_degree = 2\npipeline_parallel_microbatch_size = 4\n',
          "local_batch_size = 6 is not a multiple of pipeline_parallel_microbatch_size = 4"),

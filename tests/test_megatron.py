@@ -157,7 +157,13 @@ REFUSED = [
         TINY,
         r"parallelism.pipeline.schedule: gpipe: Megatron's 1F1B without interleaving",
     ),
-    (DP + ", activation_checkpointing: true", "", TINY, r"activation_checkpointing: true: Megatron's recompute"),
+    (DP, "recompute_granularity: full", TINY, r"megatron.recompute_granularity: full: parallelism.activation_ch"),
+    (
+        DP + ", activation_checkpointing: true",
+        "recompute_granularity: block",
+        TINY,
+        r"recompute_granularity: \"block\" is not one of",
+    ),
     (DP, "", TINY.replace("gpt-neox", "llama") + ", kv_heads: 4", r"model.architecture: 'llama'"),
     (DP, "", TINY + ", dtype: fp16", r"model.dtype: 'fp16': Megatron's fp16 loss scaling"),
     (DP, "overlap_param_gather: true", TINY, r"megatron.overlap_param_gather: true: Megatron needs"),
@@ -440,10 +446,15 @@ def test_a_changed_bucket_size_is_caught(mg: Any, tmp_path: Path) -> None:
         (", sequence_parallel: true", "", TINY),
         (", sequence_parallel: false", "", TINY),
         (", sequence_parallel: true", "grad_reduce_in_fp32: true", TINY + ", dtype: bf16"),
+        (", sequence_parallel: true, activation_checkpointing: true", "", TINY),
+        (", sequence_parallel: false, activation_checkpointing: true", "", TINY),
+        (", sequence_parallel: true, activation_checkpointing: true", "recompute_granularity: selective", TINY),
     ],
-    ids=["sp", "no-sp", "sp-bf16-fp32-reduce"],
+    ids=["sp", "no-sp", "sp-bf16-fp32-reduce", "sp-full-recompute", "no-sp-full-recompute", "sp-selective"],
 )
 def test_tensor_parallelism_on_2_ranks_reconciles(mg: Any, par: str, block: str, model: str, tmp_path: Path) -> None:
+    """With full recompute (every layer, uniform) each layer's forward collectives run again in the backward:
+    Eq. 5's six all-reduces a layer, no named term for them; selective recompute sends nothing more."""
     s = scenario(TP + par, block, model)
     reconciles(s, run(s, tmp_path))
 

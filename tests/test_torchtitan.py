@@ -230,10 +230,12 @@ REFUSED = [
         r"pipeline_parallel_layers_per_stage': the model holds torchtitan's default split",
     ),
     (
-        PP.replace("1f1b", "zero-bubble, virtual_stages: 2"),
+        PP.replace("1f1b", "zero-bubble, virtual_stages: 2").replace(
+            "scheme: pp", "scheme: pp, activation_checkpointing: true"
+        ),
         "",
         TINY.replace("L: 2", "L: 4"),
-        r"schedule: zero-bubble: torchtitan's InterleavedZeroBubble splits the backward",
+        r"activation_checkpointing: true: torchtitan itself fails this job: InterleavedZeroBubble runs each backward",
     ),
     (FSDP, "left_off: [compile, compile]", TINY, r"torchtitan.left_off: .* has duplicate items"),
     (FSDP, "flavor: tiny", TINY, r"torchtitan.flavor: unknown field 'flavor'"),
@@ -612,8 +614,14 @@ def test_tp_with_sequence_parallelism_on_2_ranks_reconciles(tt: Any, ac: str, tm
 
 @pytest.mark.parametrize(
     ("schedule", "layers", "pp"),
-    [("1f1b", 2, 2), ("gpipe", 4, 2), ("interleaved-1f1b, virtual_stages: 2", 4, 2), ("1f1b", 4, 4)],
-    ids=["1f1b", "gpipe", "interleaved", "pp4"],
+    [
+        ("1f1b", 2, 2),
+        ("gpipe", 4, 2),
+        ("interleaved-1f1b, virtual_stages: 2", 4, 2),
+        ("1f1b", 4, 4),
+        ("zero-bubble, virtual_stages: 2", 3, 2),
+    ],
+    ids=["1f1b", "gpipe", "interleaved", "pp4", "zero-bubble-L3"],
 )
 def test_pipeline_on_torchtitans_own_step_reconciles(
     tt: Any, schedule: str, layers: int, pp: int, tmp_path: Path

@@ -147,9 +147,9 @@ def hf(rng: random.Random, index: int) -> Draw:
 
 
 def torchtitan(rng: random.Random, index: int) -> Draw:
-    """A torchtitan job: its llama3 debug config on a drawn llama3, FSDP2 (HSDP), TP with sequence parallelism,
-    FSDP2 x TP, its pipeline under each schedule (FSDP2 in its stages) or its context parallelism, with its checkpointing,
-    precision, resharding, loss and logging knobs."""
+    """A torchtitan job: its llama3 debug config on a drawn llama3, FSDP2 (HSDP), TP with sequence
+    parallelism, FSDP2 x TP, its pipeline under each schedule (FSDP2 in its stages) or its context
+    parallelism, with its checkpointing, precision, resharding, loss and logging knobs."""
     a = rng.choice([2, 4])
     tp = rng.choice([1, 2])
     dp = rng.choice([d for d in (1, 2, 4) if d * tp <= MAX_WORLD and d * tp > 1])
@@ -182,8 +182,8 @@ def torchtitan(rng: random.Random, index: int) -> Draw:
     par |= {"micro_batch": rng.choice([1, 2]), "activation_checkpointing": ac}
     if rng.random() < 0.35:  # torchtitan's pipeline (tp = 1), each schedule it names, FSDP2 in the stages
         pp = rng.choice([p for p in (2, 2, 4) if p <= MAX_WORLD])
-        schedule = rng.choice(["gpipe", "1f1b", "interleaved-1f1b"])
-        v = 2 if schedule == "interleaved-1f1b" else 1
+        schedule = rng.choice(["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"])
+        v = 2 if schedule in ("interleaved-1f1b", "zero-bubble") else 1
         dp = rng.choice([1, 2]) if v == 1 and 2 * pp <= MAX_WORLD else 1
         model["L"] = rng.randint(max(1, pp * v - 2), 2 * pp * v)  # torchtitan splits L + 2 units, unevenly too
         pipeline: dict[str, Any] = {"engine": "torch", "schedule": schedule} | ({"virtual_stages": v} if v > 1 else {})
@@ -217,7 +217,7 @@ def torchtitan(rng: random.Random, index: int) -> Draw:
 def megatron(rng: random.Random, index: int) -> Draw:
     """A Megatron-core job: its GPTModel (local spec) under its DDP (distributed optimizer or not, overlapped
     buckets or one), TP with or without sequence parallelism, its 1F1B pipeline, or several; tied embeddings
-    or not; bf16 with fp32 or bf16 reduction."""
+    or not; bf16 with fp32 or bf16 reduction; full or selective recompute."""
     a = rng.choice([2, 4])
     tp = rng.choice([1, 2])
     pp = rng.choice([1, 2])
@@ -242,6 +242,10 @@ def megatron(rng: random.Random, index: int) -> Draw:
     if pp > 1:
         par |= {"scheme": "3d" if tp > 1 else "pp", "pp": pp, "pipeline": {"engine": "megatron"}}
     par |= {"micro_batch": rng.choice([1, 2]), "micro_batches": rng.choice([1, 2, 3])}
+    if rng.random() < 0.4:  # its recompute: every layer (full) or the core attention (selective)
+        par["activation_checkpointing"] = True
+        if rng.random() < 0.4:
+            block["recompute_granularity"] = "selective"
     doc = {
         "schema_version": 1,
         "name": f"gen-megatron-{index}",

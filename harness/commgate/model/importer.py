@@ -499,9 +499,14 @@ def torchtitan(
     return out
 
 
-TITAN_SCHEDULES = {"GPipe": "gpipe", "1F1B": "1f1b", "Interleaved1F1B": "interleaved-1f1b"}
+TITAN_SCHEDULES = {
+    "GPipe": "gpipe",
+    "1F1B": "1f1b",
+    "Interleaved1F1B": "interleaved-1f1b",
+    "InterleavedZeroBubble": "zero-bubble",
+}
 """torchtitan's ``pipeline_parallel_schedule`` names (torch's schedule classes) -> commgate's; the others
-(zero-bubble, DualPipeV, looped BFS, a CSV schedule) are not modelled under torchtitan."""
+(ZBVZeroBubble, DualPipeV, looped BFS, a CSV schedule) are not modelled under torchtitan."""
 
 
 def _titan_pipeline(job: TitanJob, dp: int, pp: int, ac: bool) -> dict[str, Any]:
@@ -521,13 +526,16 @@ def _titan_pipeline(job: TitanJob, dp: int, pp: int, ac: bool) -> dict[str, Any]
             f" = {job.microbatch_size} (torchtitan refuses it too)"
         )
     schedule = TITAN_SCHEDULES[job.schedule]
-    if schedule == "interleaved-1f1b" and dp > 1:
+    if schedule in ("interleaved-1f1b", "zero-bubble") and dp > 1:
         raise UsageError(
             f"{f}: pipeline_parallel_schedule = {job.schedule!r} with dp = {dp}: FSDP2 in torchtitan's interleaved "
             "stages is not modelled yet (in one stage per rank it is): --dp 1, or the schedule 1F1B or GPipe"
         )
     pipeline: dict[str, Any] = {"engine": "torch", "schedule": schedule}
-    if schedule == "interleaved-1f1b":  # torchtitan's default: 2 stages a rank (pipeline_parallel.py:256-262)
+    if schedule in (
+        "interleaved-1f1b",
+        "zero-bubble",
+    ):  # torchtitan's default: 2 stages a rank (pipeline_parallel.py:256-262)
         pipeline["virtual_stages"] = 2
     return {
         "scheme": "fsdp" if dp > 1 else "pp",

@@ -88,6 +88,10 @@ class Job:
     average_in_collective: bool = False
     clip_grad: float = 1.0
     seed: int = 1234
+    recompute_granularity: str = "full"
+    """With ``parallelism.activation_checkpointing``: ``TransformerConfig.recompute_granularity``; "full"
+    checkpoints every layer (``recompute_method`` uniform, ``recompute_num_layers`` 1), "selective" its
+    core attention."""
 
     @classmethod
     def of(cls, scenario: Scenario) -> Job:
@@ -126,6 +130,13 @@ OPTIONS: dict[str, Any] = {
         "average_in_collective": _BOOL | {"default": False},
         "clip_grad": {"type": "number", "minimum": 0, "default": 1.0, "description": "0: no gradient norm."},
         "seed": {"type": "integer", "minimum": 0, "default": 1234},
+        "recompute_granularity": {
+            "enum": ["full", "selective"],
+            "default": "full",
+            "description": "With parallelism.activation_checkpointing: full recomputes every layer "
+            "(recompute_method uniform, recompute_num_layers 1), re-running its tensor-parallel collectives in "
+            "the backward; selective recomputes the core attention, which sends nothing.",
+        },
     },
 }
 
@@ -248,6 +259,12 @@ def group_keys_bytes() -> int:
 # ------------------------------------------------------------------------------------------- components
 
 
+def _recomputes(ctx: Context) -> bool:
+    """Whether each layer's forward runs again in the backward (full recompute, every layer)."""
+    par = ctx.scenario.parallelism
+    return par.activation_checkpointing and Job.of(ctx.scenario).recompute_granularity == "full"
+
+
 @dataclass(frozen=True, slots=True)
 class MegatronTP:
     """Megatron's tensor parallelism (and its sequence parallelism) and the vocabulary-parallel
@@ -283,6 +300,7 @@ class MegatronTP:
 
         ar, ag, rs = Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER
         layers = f"{L} layers a stage" if par.pp > 1 else f"{L} layers"
+        again = _recomputes(ctx)
         rows = [
             replace(
                 base,
@@ -305,6 +323,8 @@ class MegatronTP:
                 row(ar, 2 * L, bwd, f"TP all-reduce of the linear_qkv and linear_fc1 input gradients ({layers}; "
                     "layers.py:544)"),
                 row(ar, 1, bwd, "TP all-reduce of the output layer's input gradient (layers.py:544)", None, last),
+                *([row(ar, 2 * L, bwd, f"full recompute: each layer's forward again, its linear_proj and linear_fc2 "
+                       f"all-reduces ({layers}; tensor_parallel/random.py CheckpointFunction)")] if again else []),
             ]  # fmt: skip
         return [
             *rows,
@@ -321,6 +341,12 @@ class MegatronTP:
                 last),
             row(rs, 1, bwd, "SP reduce-scatter of the output layer's input gradient (layers.py:555)", None, last),
             row(ag, 1, bwd, "SP all-gather of the embedding split's gradient (mappings.py:293)", None, first),
+            *([
+                row(ag, 2 * L, bwd, f"full recompute: each layer's forward again, its all-gathers before linear_qkv "
+                    f"and linear_fc1 ({layers}; tensor_parallel/random.py CheckpointFunction)"),
+                row(rs, 2 * L, bwd, f"full recompute: each layer's forward again, its reduce-scatters of the "
+                    f"linear_proj and linear_fc2 outputs ({layers})"),
+            ] if again else []),
         ]  # fmt: skip
 
     def _per_micro_batch(self, ctx: Context) -> Fraction:
@@ -328,7 +354,7 @@ class MegatronTP:
         layers and the embedding's all-reduce)."""
         par, L = ctx.scenario.parallelism, ctx.scenario.model.L // ctx.scenario.parallelism.pp
         unit = Fraction(ctx.bsh * (par.tp - 1), par.tp)
-        return unit * (2 + (10 * L if par.sequence_parallel else 8 * L))
+        return unit * (2 + (8 + 2 * par.sequence_parallel + 4 * _recomputes(ctx)) * L)
 
     def _eq5(self, ctx: Context) -> Fraction:
         m, par = ctx.scenario.model, ctx.scenario.parallelism
@@ -347,14 +373,21 @@ class MegatronTP:
         if par.tp == 1:
             return []
         isz, unit, L = m.itemsize, Fraction(ctx.bsh * (par.tp - 1), par.tp), m.L // par.pp
-        out = [
-            Residual(
-                term=EQ5,
-                name="no activation checkpointing",
-                bytes=-4 * L * unit * isz,
-                detail="Megatron's local spec recomputes nothing here: 4 all-reduces per layer, Eq. 5 assumes 6",
+        out = []
+        if not _recomputes(ctx):  # full recompute re-runs the forward's two: Eq. 5's 6 all-reduces a layer
+            what = (
+                "selective recompute re-runs the core attention only, which sends nothing"
+                if par.activation_checkpointing
+                else "Megatron's local spec recomputes nothing here"
             )
-        ]
+            out.append(
+                Residual(
+                    term=EQ5,
+                    name="no activation checkpointing" if not par.activation_checkpointing else "selective recompute",
+                    bytes=-4 * L * unit * isz,
+                    detail=f"{what}: 4 all-reduces per layer, Eq. 5 assumes 6 (a full recompute's)",
+                )
+            )
         if par.sequence_parallel:
             out.append(
                 Residual(
@@ -636,9 +669,9 @@ def megatrons_model(c: Check) -> None:
 
 def megatrons_axes(c: Check) -> None:
     """What the adapter runs and the model holds: TP with or without SP over tp, DDP over dp, 1F1B over pp
-    (Megatron's own schedule, ``pipeline.engine: megatron``); no context parallelism, replicas,
-    recomputation or emulation."""
-    par = c.par
+    (Megatron's own schedule, ``pipeline.engine: megatron``), full or selective recompute; no context
+    parallelism, replicas or emulation."""
+    par, block = c.par, _block(c)
     if par.pp > 1 and par.pipeline.engine != "megatron":
         c.bad([P, "pipeline", "engine"], f"{par.pipeline.engine}: Megatron's stages run its own schedule; set "
               "parallelism.pipeline.engine: megatron")  # fmt: skip
@@ -652,8 +685,11 @@ def megatrons_axes(c: Check) -> None:
     for key, value, why in refused:
         if value != 1:
             c.bad([P, key], f"{value}: {why}")
-    if par.activation_checkpointing:
-        c.bad([P, "activation_checkpointing"], "true: Megatron's recompute is not modelled yet; set it false")
+    if "recompute_granularity" in block and not par.activation_checkpointing:
+        c.bad(
+            [MG, "recompute_granularity"],
+            f"{block['recompute_granularity']}: parallelism.activation_checkpointing is false; set it true",
+        )
     if c.doc.get("emulate"):
         c.bad(["emulate"], "true: Megatron's ranks all run (an emulated Megatron run is not supported)")
     if par.sequence_parallel and par.tp > 1 and c.model.s % par.tp:

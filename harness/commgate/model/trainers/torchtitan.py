@@ -1115,12 +1115,6 @@ def torchtitans_axes(c: Check) -> None:
             f"{c.model.s}: flex attention under context parallelism needs s divisible by cp={par.cp} x its block "
             f"size {FLEX_BLOCK} (torch's flex CP raises NotImplementedError otherwise)",
         )
-    if par.pp > 1 and par.pipeline.schedule == "zero-bubble":
-        c.bad(
-            [P, "pipeline", "schedule"],
-            "zero-bubble: torchtitan's InterleavedZeroBubble splits the backward "
-            "(not modelled under torchtitan): gpipe, 1f1b or interleaved-1f1b",
-        )
     for key, value, why in refused:
         if value != 1:
             c.bad([P, key], f"{value}: {why}")
@@ -1179,6 +1173,13 @@ def torchtitans_modes(c: Check) -> None:
             "forward, the loss's single chunk reduce-scatters lm_head's bf16 gradient with norm's fp32 "
             "accumulated one and FSDP2 asserts a uniform dtype (seen on torch 2.13): 2 or more chunks, "
             "gpipe, or mixed_precision_param float32",
+        )
+    if par.pp > 1 and par.pipeline.schedule == "zero-bubble" and job.ac(par.activation_checkpointing) == "selective":
+        c.bad(
+            [P, "activation_checkpointing"],
+            "true: torchtitan itself fails this job: InterleavedZeroBubble runs each backward in two passes "
+            '(inputs, then weights) and selective checkpointing allows one (RuntimeError "Trying to backward '
+            'an extra time", seen on torch 2.13): torchtitan.activation_checkpoint full, or none',
         )
 
 

@@ -217,6 +217,16 @@ def check_built(
         )
 
 
+def recompute(scenario: Scenario, job: Job) -> dict[str, Any]:
+    """``TransformerConfig``'s recompute fields of the scenario's checkpointing: full, every layer (uniform,
+    one layer a checkpoint), or selective (the core attention); none without it."""
+    if not scenario.parallelism.activation_checkpointing:
+        return {}
+    if job.recompute_granularity == "selective":
+        return {"recompute_granularity": "selective"}
+    return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
 def _configs(scenario: Scenario, job: Job) -> tuple[Any, Any, Any]:
     """Megatron's ``TransformerConfig``, ``DistributedDataParallelConfig`` and ``OptimizerConfig`` of the
     scenario's job (no dropout, weights initialised on the CPU: the same on every tensor-parallel degree)."""
@@ -241,6 +251,7 @@ def _configs(scenario: Scenario, job: Job) -> tuple[Any, Any, Any]:
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,
+        **recompute(scenario, job),
     )
     ddp = DistributedDataParallelConfig(
         grad_reduce_in_fp32=job.grad_reduce_in_fp32,

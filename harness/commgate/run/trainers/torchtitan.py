@@ -334,7 +334,12 @@ def overrides(scenario: Scenario, job: Job, *, tokenizer: Path, data: Path, dump
     ]  # fmt: skip
 
 
-PP_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}
+PP_SCHEDULES = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved-1f1b": "Interleaved1F1B",
+    "zero-bubble": "InterleavedZeroBubble",
+}
 """The scenario's schedule -> torchtitan's ``parallelism.pipeline_parallel_schedule``."""
 
 
