@@ -89,7 +89,10 @@ def test_the_debug_model_toml_notes_what_0_3_0_runs_differently(
         (["nope"], "--torchtitan nope: expected a .toml file or MODULE:CONFIG"),
         (["llama3_8b.toml", "--dp", "2", "--neox", "x.yml"], "--torchtitan imports a torchtitan job alone"),
         (["llama3_8b.toml", "--dp", "8", "--pp", "4"], "micro_batches: 1: torch's Schedule1F1B needs at least pp=4"),
-        (["llama3_70b.toml", "--dp", "2", "--pp", "2"], "pipeline_parallel_degree = 2 with tensor_parallel_degree = 8"),
+        (
+            ["llama3_70b.toml", "--dp", "1", "--pp", "2"],
+            "pipeline_parallel_degree = 2 with tensor_parallel_degree = 8 and",
+        ),
         (["debug_model.toml", "--dp", "2", "--pp", "2"], "'Interleaved1F1B' with dp = 2: FSDP2 in torchtitan's interl"),
     ],
 )
@@ -183,6 +186,28 @@ def test_an_hsdp_toml_keeps_its_replicas(tmp_path: Path) -> None:
     assert isinstance(doc["parallelism"], dict) and doc["parallelism"]["dp_replicate"] == 4
     (s,) = load_file(tmp_path / "imported.yaml")
     assert s.world_size == 32 and all(c.unexplained_bytes == 0 for c in predict(s).comparison())
+
+
+def test_the_70b_toml_pipelined_is_torchtitans_3d_at_full_size(tmp_path: Path) -> None:
+    """llama3_70b.toml (TP 8 with SP) with 4 1F1B stages and FSDP2 over 2: 64 ranks, every equation
+    explained (Eq. 3 on stage 0's share, Eq. 5 on its blocks, Eq. 4 with each TP rank's sequence shard)."""
+    text = (
+        (DATA / "llama3_70b.toml").read_text().replace("pipeline_parallel_degree = 1", "pipeline_parallel_degree = 4")
+    )
+    toml = tmp_path / "llama3_70b_pp.toml"
+    toml.write_text(text)
+    doc, _ = imported(tmp_path, str(toml), "--dp", "2")
+    assert isinstance(doc["parallelism"], dict)
+    assert {k: doc["parallelism"][k] for k in ("scheme", "dp", "tp", "pp")} == {
+        "scheme": "fsdp",
+        "dp": 2,
+        "tp": 8,
+        "pp": 4,
+    }
+    (s,) = load_file(tmp_path / "imported.yaml")
+    p = predict(s)
+    assert s.world_size == 64 and {c.term.equation for c in p.comparison()} == {"Eq. 3", "Eq. 4", "Eq. 5"}
+    assert all(c.unexplained_bytes == 0 for c in p.comparison())
 
 
 def test_a_context_parallel_toml_is_cps_scenario(tmp_path: Path) -> None:

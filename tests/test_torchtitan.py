@@ -195,7 +195,7 @@ REFUSED = [
         PP.replace("pp: 2", "pp: 2, tp: 2, sequence_parallel: true").replace("scheme: pp", "scheme: tp"),
         "",
         TINY_TP,
-        r"parallelism.tp: 2: torchtitan's pipeline with tensor parallelism is not modelled yet",
+        r"parallelism.tp: 2: torchtitan's pipeline with tensor parallelism is modelled with FSDP2 over dp >= 2",
     ),
     (
         PP.replace("pp: 2", "pp: 2, dp: 2").replace("scheme: pp", "scheme: fsdp").replace("1f1b", "interleaved-1f1b"),
@@ -653,6 +653,26 @@ def test_pipeline_with_fsdp2_in_each_stage_reconciles(
         f"pipeline: {{engine: torch, schedule: {schedule}}}"
     )
     run_and_reconcile(scenario(par, block, TINY.replace("L: 2", f"L: {layers}")), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "block"),
+    [
+        ("1f1b", "log_freq: 1"),
+        ("gpipe", "log_freq: 2, activation_checkpoint: full, fsdp_reshard_after_forward: always"),
+    ],
+    ids=["1f1b-selective", "gpipe-full-always"],
+)
+def test_torchtitans_3d_reconciles(tt: Any, schedule: str, block: str, tmp_path: Path) -> None:
+    """FSDP2 x TP (with SP) x its pipeline on 8 ranks: per stage, its blocks' TP collectives per micro-batch,
+    the embedding's on the first stage, the final norm's and the loss-parallel all-reduces on the last; the
+    boundaries carry each TP rank's sequence shard; the norms' gradients all-reduced with FSDP2's reduce of
+    their group (fp32, at perform_reduce_grad, the final norm's also at each loss that carries it)."""
+    par = (
+        "scheme: fsdp, dp: 2, tp: 2, sequence_parallel: true, pp: 2, micro_batch: 1, micro_batches: 2, "
+        f"activation_checkpointing: true, pipeline: {{engine: torch, schedule: {schedule}}}"
+    )
+    run_and_reconcile(scenario(par, block, TINY_TP), tmp_path)
 
 
 @pytest.mark.parametrize(

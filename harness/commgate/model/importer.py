@@ -450,10 +450,10 @@ def torchtitan(
             f"{f}: context_parallel_degree = {job.cp} with dp = {dp}, tp = {tp}, pp = {pp}: torchtitan's context "
             "parallelism is modelled alone (give --dp 1; tp and pp 1)"
         )
-    if pp > 1 and tp > 1:
+    if pp > 1 and tp > 1 and dp == 1:
         raise UsageError(
-            f"{f}: pipeline_parallel_degree = {pp} with tensor_parallel_degree = {tp}: torchtitan's pipeline with "
-            "tensor parallelism is not modelled yet (FSDP2 in the stages is: --tp 1)"
+            f"{f}: pipeline_parallel_degree = {pp} with tensor_parallel_degree = {tp} and dp = 1: torchtitan's "
+            "pipeline with tensor parallelism is modelled with FSDP2 over dp >= 2 (--dp), or --tp 1"
         )
     out = Imported(doc={}, notes=list(job.notes))
     model = {"architecture": "llama", **{k: v for k, v in job.model.items() if k != "tied_embeddings"}}
@@ -474,7 +474,7 @@ def torchtitan(
             "activation_checkpointing": ac,
         }
     elif pp > 1:
-        parallelism = _titan_pipeline(job, dp, pp, ac)
+        parallelism = _titan_pipeline(job, dp, tp, pp, ac)
     else:
         parallelism = {"scheme": "fsdp" if dp > 1 else "tp", "dp": dp, "tp": tp}
         if job.replicate > 1:  # HSDP: replicas of the sharded model (the rules say what it composes with)
@@ -509,10 +509,10 @@ TITAN_SCHEDULES = {
 (ZBVZeroBubble, DualPipeV, looped BFS, a CSV schedule) are not modelled under torchtitan."""
 
 
-def _titan_pipeline(job: TitanJob, dp: int, pp: int, ac: bool) -> dict[str, Any]:
+def _titan_pipeline(job: TitanJob, dp: int, tp: int, pp: int, ac: bool) -> dict[str, Any]:
     """The ``parallelism`` block of torchtitan's pipeline: its schedule, ``local_batch_size /
     pipeline_parallel_microbatch_size`` micro-batches of the micro-batch size (``trainer.py:434-438``),
-    FSDP2 in each stage over dp."""
+    FSDP2 in each stage over dp, tensor parallelism inside (torchtitan's 3-D)."""
     f = job.source
     if job.schedule not in TITAN_SCHEDULES:
         raise UsageError(
@@ -537,9 +537,11 @@ def _titan_pipeline(job: TitanJob, dp: int, pp: int, ac: bool) -> dict[str, Any]
         "zero-bubble",
     ):  # torchtitan's default: 2 stages a rank (pipeline_parallel.py:256-262)
         pipeline["virtual_stages"] = 2
+    axes = {"tp": tp, "sequence_parallel": job.sequence_parallel} if tp > 1 else {}
     return {
         "scheme": "fsdp" if dp > 1 else "pp",
         "dp": dp,
+        **axes,
         "pp": pp,
         "micro_batch": job.microbatch_size,
         "micro_batches": m,

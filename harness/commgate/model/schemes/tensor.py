@@ -327,7 +327,8 @@ def sequence_parallelism(c: Check) -> None:
             [P, "sequence_parallel"],
             f"true: not modelled under DeepSpeed's pipeline engine yet (scheme {rule.name}); use {alone}",
         )
-    elif par.pp > 1 and par.pipeline.engine != "megatron":  # Megatron's stages: its own model's
+    elif par.pp > 1 and par.pipeline.engine != "megatron" and not c.splits_stages:
+        # (Megatron's stages, and a trainer's own split, torchtitan's, are their own models')
         c.bad([P, "sequence_parallel"], "true: not modelled in pipeline stages yet")
 
 

@@ -53,10 +53,11 @@ from commgate.model.layout import Axis
 from commgate.model.layout import Group as Ranks
 from commgate.model.paper import eq5_tensor
 from commgate.model.scenario import Scenario
-from commgate.model.schemes._common import beyond_eq1, rank0_term, sharding
+from commgate.model.schemes._common import beyond_eq1, micro_batches, rank0_term, sharding
 from commgate.model.schemes.context import TERM as CP_TERM
 from commgate.model.schemes.context import ContextParallel, kv_buffer
 from commgate.model.schemes.fsdp import Group, pipeline_order, pipelined_gathers
+from commgate.model.schemes.pipeline import TERM as PP_TERM
 from commgate.model.schemes.pipeline import PipelineParallel, _torch_pipelining
 from commgate.model.schemes.scheme import Check, Component, Rule, Scheme
 from commgate.model.schemes.zero3 import TERM as EQ3
@@ -685,63 +686,148 @@ class TorchtitanTP:
         par, m = ctx.scenario.parallelism, ctx.scenario.model
         if par.tp == 1 or not par.sequence_parallel:  # without SP: measured only (baseline-only, a rule says)
             return []
+        if par.pp == 1:
+            return _tp_stage(ctx, Stage(0, True, m.L, True), pipelined=False)
+        return [row for st in stages(par.pp, m.L) for row in _tp_stage(ctx, st, pipelined=True)]
+
+    def _units(self, ctx: Context) -> int:
+        """Rank 0's all-gathers and reduce-scatters of one activation in one micro-batch under Eq. 5 (counted
+        in ``paper_term``): its stage's blocks (all of them without a pipeline) and the embedding's."""
+        par = ctx.scenario.parallelism
+        L0 = stages(par.pp, ctx.scenario.model.L)[0].layers
+        ac = Job.of(ctx.scenario).ac(par.activation_checkpointing)
+        return 8 * L0 + 2 + {"none": 0, "selective": 2 * L0, "full": 4 * L0}[ac]
+
+    def paper_terms(self, ctx: Context) -> list[PaperTerm]:
+        par, m = ctx.scenario.parallelism, ctx.scenario.model
+        if par.tp == 1 or not par.sequence_parallel:
+            return []
+        eq5 = eq5_tensor(L=Fraction(m.L, par.pp), b=par.micro_batch, s=m.s, h=m.h, t=par.tp)
+        L = f"L/p={m.L}/{par.pp}" if par.pp > 1 else f"L={m.L}"
+        formula = f"(12L+2)*b*s*h*(t-1)/t, {L}, b={par.micro_batch}, s={m.s}, h={m.h}, t={par.tp}"
+        return [rank0_term(ctx, equation=EQ5, formula=formula, elements=eq5)]
+
+    def residuals(self, ctx: Context) -> list[Residual]:
+        par, m = ctx.scenario.parallelism, ctx.scenario.model
+        if par.tp == 1 or not par.sequence_parallel:
+            return []
         job = Job.of(ctx.scenario)
-        L, ac = m.L, job.ac(par.activation_checkpointing)
-        tp = ctx.layout.tp_groups()
-        base = ExpectedCollective(
-            op=Op.ALL_GATHER,
-            axis="tp",
-            groups=tp,
-            dtype=job.param_dtype,
-            elements=ctx.bsh,
-            calls=0,
-            phase=Phase.FORWARD,
-            source="",
-            paper_term=EQ5,
-        )
-        ag, rs, fwd, bwd = Op.ALL_GATHER, Op.REDUCE_SCATTER, Phase.FORWARD, Phase.BACKWARD
+        unit = Fraction(ctx.bsh * (par.tp - 1), par.tp) * m.itemsize
+        L0, mb = stages(par.pp, m.L)[0].layers, par.micro_batches if par.pp > 1 else 1
+        units = self._units(ctx)
+        ac = job.ac(par.activation_checkpointing)
+        why = {
+            "none": "no activation checkpointing: nothing is recomputed; Eq. 5 assumes 2 all-reduces a layer",
+            "selective": "torchtitan's selective checkpointing saves reduce-scatter outputs, not all-gathers "
+            "(activation_checkpoint.py:61-64): 2 all-gathers a layer recomputed, Eq. 5 assumes 2 all-reduces",
+            "full": "",
+        }[ac]
+        out = []
+        if why:
+            out.append(Residual(term=EQ5, name=f"recomputation ({ac})", bytes=(units - 2 - 12 * L0) * unit, detail=why))
+        if Fraction(m.L, par.pp) != L0:
+            out.append(
+                Residual(
+                    term=EQ5,
+                    name="torchtitan's stage split",
+                    bytes=12 * (L0 - Fraction(m.L, par.pp)) * unit,
+                    detail=f"stage 0 holds {L0} of the {m.L} blocks (torchtitan weighs the embedding and the head "
+                    f"as a block each, pipeline_parallel.py:366-476); Eq. 5 counts L/p",
+                )
+            )
+        if mb > 1:
+            out.append(micro_batches(EQ5, units * unit, mb))
+        p_isz = WIRE_ITEMSIZE[job.param_dtype]
+        if p_isz != m.itemsize:
+            out.append(
+                Residual(
+                    term=EQ5,
+                    name="activations in a lower precision",
+                    bytes=units * mb * unit * (p_isz - m.itemsize) / m.itemsize,
+                    detail=f"FSDP2's mixed-precision policy ({job.mixed_precision_param}) applies even on a one-rank "
+                    f"data-parallel mesh: the layers compute, and TP moves, {job.param_dtype} activations; Eq. 5 "
+                    f"counts {m.dtype}",
+                )
+            )
+        return out
 
-        def r(op: Op, calls: int, phase: Phase, source: str, term: str | None = EQ5) -> ExpectedCollective:
-            return replace(base, op=op, calls=calls, phase=phase, source=source, paper_term=term)
 
-        rows = [
+def _tp_stage(ctx: Context, st: Stage, *, pipelined: bool) -> list[ExpectedCollective]:
+    """Tensor parallelism with sequence parallelism on one pipeline stage's model part (the whole model
+    without a pipeline), per micro-batch: the embedding's reduce-scatter on the first stage, each block's
+    two all-gathers and two reduce-scatters and their mirrors, the recomputed ones, the final norm's
+    gather and the loss-parallel all-reduces on the last stage; the norms' replicated weights all-reduce
+    their gradients: without a pipeline in the backward, in the activations' dtype; under one with FSDP2's
+    reduce of their group, in fp32, at the schedule's ``perform_reduce_grad`` (the forward phase), the final
+    norm's also with each of the chunked loss's reduce-scatters that carry its gradient (``head_replay``)."""
+    par, m, job = ctx.scenario.parallelism, ctx.scenario.model, Job.of(ctx.scenario)
+    L, ac, mb = st.layers, job.ac(par.activation_checkpointing), par.micro_batches if pipelined else 1
+    where = f", stage {st.index}" if pipelined else ""
+    base = ExpectedCollective(
+        op=Op.ALL_GATHER,
+        axis="tp",
+        groups=ctx.layout.tp_groups(st.index) if pipelined else ctx.layout.tp_groups(),
+        dtype=job.param_dtype,
+        elements=ctx.bsh,
+        calls=0,
+        phase=Phase.FORWARD,
+        source="",
+        paper_term=EQ5,
+    )
+    ag, rs, fwd, bwd = Op.ALL_GATHER, Op.REDUCE_SCATTER, Phase.FORWARD, Phase.BACKWARD
+
+    def r(op: Op, calls: int, phase: Phase, source: str, term: str | None = EQ5) -> ExpectedCollective:
+        return replace(base, op=op, calls=calls * mb, phase=phase, source=source + where, paper_term=term)
+
+    rows = []
+    if st.embedding:
+        rows += [
             r(rs, 1, fwd, "SP reduce-scatter of the vocabulary-parallel embedding's output (Partial -> Shard(1))"),
             r(ag, 1, bwd, "SP all-gather of the embedding output's gradient"),
-            r(ag, 2 * L, fwd, "SP all-gather of each block's attention and FFN inputs"),
-            r(rs, 2 * L, fwd, "SP reduce-scatter of each block's wo and w2 outputs"),
-            r(ag, 2 * L, bwd, "SP all-gather of the wo and w2 outputs' gradients"),
-            r(rs, 2 * L, bwd, "SP reduce-scatter of the attention and FFN inputs' gradients"),
+        ]
+    rows += [
+        r(ag, 2 * L, fwd, "SP all-gather of each block's attention and FFN inputs"),
+        r(rs, 2 * L, fwd, "SP reduce-scatter of each block's wo and w2 outputs"),
+        r(ag, 2 * L, bwd, "SP all-gather of the wo and w2 outputs' gradients"),
+        r(rs, 2 * L, bwd, "SP reduce-scatter of the attention and FFN inputs' gradients"),
+    ]
+    if ac != "none":
+        rows.append(r(ag, 2 * L, bwd, f"SP all-gathers recomputed by {ac} activation checkpointing"))
+    if ac == "full":
+        rows.append(r(rs, 2 * L, bwd, "SP reduce-scatters recomputed by full activation checkpointing"))
+    norm = replace(
+        base,
+        op=Op.ALL_REDUCE,
+        dtype=REDUCE_DTYPE if pipelined else base.dtype,  # FSDP2 reduces it (fp32) or autograd (bf16)
+        elements=m.h,
+        calls=2 * L,
+        phase=Phase.FORWARD if pipelined else bwd,
+        source="SP norm-weight gradient all-reduce (Replicate weight, Partial gradient), each block's two" + where,
+        paper_term=None,
+    )
+    rows.append(norm)
+    if st.head:
+        tokens = par.micro_batch * m.s // job.chunks
+        rows += [
             r(ag, 1, fwd, "SP all-gather of the final norm's output for the column-parallel head", None),
             r(rs, 1, bwd, "SP reduce-scatter of the final norm output's gradient", None),
-        ]
-        if ac != "none":
-            rows.append(r(ag, 2 * L, bwd, f"SP all-gathers recomputed by {ac} activation checkpointing"))
-        if ac == "full":
-            rows.append(r(rs, 2 * L, bwd, "SP reduce-scatters recomputed by full activation checkpointing"))
-        tokens = par.micro_batch * m.s // job.chunks
-        rows.append(
             replace(
                 base,
                 op=Op.ALL_REDUCE,
                 dtype="fp32",
                 elements=tokens,
-                calls=3 * job.chunks,
-                source="loss-parallel cross-entropy all-reduces (max, sum of exp, target logit) per loss chunk",
+                calls=3 * job.chunks * mb,
+                source="loss-parallel cross-entropy all-reduces (max, sum of exp, target logit) per loss chunk" + where,
                 paper_term=None,
                 overlaps=False,
-            )
-        )
-        rows.append(
-            replace(
-                base,
-                op=Op.ALL_REDUCE,
-                elements=m.h,
-                calls=2 * L + 1,
-                phase=bwd,
-                source="SP norm-weight gradient all-reduce (Replicate weight, Partial gradient)",
-                paper_term=None,
-            )
-        )
+            ),
+        ]
+        final = replace(norm, calls=1, source="SP norm-weight gradient all-reduce, the final norm's" + where)
+        if pipelined and job.loss == "chunked":  # with each loss reduce-scatter that carries its gradient
+            carried = head_replay(pipeline_order(ctx, st.index)).head_and_norm
+            rows.append(replace(final, calls=carried, phase=bwd, source=final.source + ", at the loss"))
+        rows.append(final)
+    if L:
         hd = m.h // m.a
         rows.append(
             replace(
@@ -752,58 +838,11 @@ class TorchtitanTP:
                 calls=L,
                 phase=Phase.INIT,
                 once=True,
-                source="RoPE cache broadcast (a Replicate buffer distributed), each layer",
+                source="RoPE cache broadcast (a Replicate buffer distributed), each layer" + where,
                 paper_term=None,
             )
         )
-        return rows
-
-    def _units(self, ctx: Context) -> int:
-        """Rank 0's all-gathers and reduce-scatters of one activation under Eq. 5 (counted in ``paper_term``)."""
-        par, L = ctx.scenario.parallelism, ctx.scenario.model.L
-        ac = Job.of(ctx.scenario).ac(par.activation_checkpointing)
-        return 8 * L + 2 + {"none": 0, "selective": 2 * L, "full": 4 * L}[ac]
-
-    def paper_terms(self, ctx: Context) -> list[PaperTerm]:
-        par, m = ctx.scenario.parallelism, ctx.scenario.model
-        if par.tp == 1 or not par.sequence_parallel:
-            return []
-        eq5 = eq5_tensor(L=m.L, b=par.micro_batch, s=m.s, h=m.h, t=par.tp)
-        formula = f"(12L+2)*b*s*h*(t-1)/t, L={m.L}, b={par.micro_batch}, s={m.s}, h={m.h}, t={par.tp}"
-        return [rank0_term(ctx, equation=EQ5, formula=formula, elements=eq5)]
-
-    def residuals(self, ctx: Context) -> list[Residual]:
-        par, m = ctx.scenario.parallelism, ctx.scenario.model
-        if par.tp == 1 or not par.sequence_parallel:
-            return []
-        job = Job.of(ctx.scenario)
-        unit = Fraction(ctx.bsh * (par.tp - 1), par.tp)
-        units, eq5 = self._units(ctx), 12 * m.L + 2
-        ac = job.ac(par.activation_checkpointing)
-        why = {
-            "none": "no activation checkpointing: nothing is recomputed; Eq. 5 assumes 2 all-reduces a layer",
-            "selective": "torchtitan's selective checkpointing saves reduce-scatter outputs, not all-gathers "
-            "(activation_checkpoint.py:61-64): 2 all-gathers a layer recomputed, Eq. 5 assumes 2 all-reduces",
-            "full": "",
-        }[ac]
-        out = []
-        if why:
-            out.append(
-                Residual(term=EQ5, name=f"recomputation ({ac})", bytes=(units - eq5) * unit * m.itemsize, detail=why)
-            )
-        p_isz = WIRE_ITEMSIZE[job.param_dtype]
-        if p_isz != m.itemsize:
-            out.append(
-                Residual(
-                    term=EQ5,
-                    name="activations in a lower precision",
-                    bytes=units * unit * (p_isz - m.itemsize),
-                    detail=f"FSDP2's mixed-precision policy ({job.mixed_precision_param}) applies even on a one-rank "
-                    f"data-parallel mesh: the layers compute, and TP moves, {job.param_dtype} activations; Eq. 5 "
-                    f"counts {m.dtype}",
-                )
-            )
-        return out
+    return [row for row in rows if row.calls]
 
 
 # ------------------------------------------------------------------------------- the step's others
@@ -903,13 +942,37 @@ class TorchtitanPP(PipelineParallel):
     def activation_dtype(self, ctx: Context) -> str:
         return Job.of(ctx.scenario).param_dtype
 
+    def residuals(self, ctx: Context) -> list[Residual]:
+        out = PipelineParallel.residuals(self, ctx)
+        t = ctx.scenario.parallelism.tp
+        if t == 1:
+            return out
+        sent = self._eq4(ctx) * ctx.scenario.model.itemsize + sum((r.bytes for r in out), Fraction(0))
+        out.append(
+            Residual(
+                term=PP_TERM,
+                name="sequence-parallel shards",
+                bytes=-sent * Fraction(t - 1, t),
+                detail=f"under sequence parallelism each of the t={t} tensor-parallel ranks sends its s/t shard of "
+                "the activation and its gradient to its peer of the next stage; Eq. 4 counts the whole b*s*h",
+            )
+        )
+        return out
+
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         par = ctx.scenario.parallelism
         if par.pp == 1:
             return []
         act = self.activation_dtype(ctx)
+        shard = ctx.bsh // par.tp  # under sequence parallelism each tensor-parallel rank sends its s/t shard
         rows = [
-            replace(r, dtype=act, phase=Phase.FORWARD, source=r.source.replace("torch PP", "torchtitan PP"))
+            replace(
+                r,
+                dtype=act,
+                elements=shard,
+                phase=Phase.FORWARD,
+                source=r.source.replace("torch PP", "torchtitan PP") + (", its sequence shard" if par.tp > 1 else ""),
+            )
             for r in _torch_pipelining(ctx)
         ]
         rows.append(
@@ -1078,11 +1141,11 @@ def torchtitans_axes(c: Check) -> None:
     refused: tuple[tuple[str, int, str], ...] = ()
     if par.pp == 1:
         refused += (("micro_batches", par.micro_batches, "gradient accumulation under torchtitan is not modelled yet"),)
-    elif par.tp > 1:
+    elif par.tp > 1 and par.dp == 1:
         c.bad(
             [P, "tp"],
-            f"{par.tp}: torchtitan's pipeline with tensor parallelism is not modelled yet: pp with tp = 1 "
-            "(FSDP2 over dp is)",
+            f"{par.tp}: torchtitan's pipeline with tensor parallelism is modelled with FSDP2 over dp >= 2 "
+            "(scheme fsdp, torchtitan's 3-D); with dp = 1 not yet",
         )
     elif par.dp > 1 and par.pipeline.virtual_stages > 1:
         c.bad(
