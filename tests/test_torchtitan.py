@@ -177,7 +177,6 @@ REFUSED = [
         r"activation_checkpoint: full: parallelism.activation_checkpointing is",
     ),
     (FSDP, "loss_chunks: 3", TINY, r"model.s: 256: ChunkedLossWrapper splits the sequence into loss_chunks=3"),
-    (FSDP, "", TINY + ", tied_embeddings: true", r"model.tied_embeddings: true: torchtitan shards a tied model"),
     (FSDP, "", TINY.replace("V: 385", "V: 256"), r"model.V: 256: a torchtitan run reads text through a byte-level"),
     (FSDP, "", "preset: 19M-cpu", r"model.architecture: 'gpt-neox': torchtitan's llama3 model"),
     (FSDP, "", "preset: llama3-8B", r"model.dtype: 'bf16': torchtitan trains fp32 parameters"),
@@ -237,6 +236,7 @@ REFUSED = [
         TINY.replace("L: 2", "L: 4"),
         r"activation_checkpointing: true: torchtitan itself fails this job: InterleavedZeroBubble runs each backward",
     ),
+    (PP, "", TINY + ", tied_embeddings: true", r"model.tied_embeddings: true: torchtitan refuses weight tying under"),
     (FSDP, "left_off: [compile, compile]", TINY, r"torchtitan.left_off: .* has duplicate items"),
     (FSDP, "flavor: tiny", TINY, r"torchtitan.flavor: unknown field 'flavor'"),
 ]
@@ -587,6 +587,28 @@ def run_and_reconcile(s: Scenario, workdir: Path) -> None:
 )
 def test_fsdp2_on_2_ranks_reconciles(tt: Any, par: str, block: str, tmp_path: Path) -> None:
     run_and_reconcile(scenario(f"scheme: fsdp, dp: 2, micro_batch: 2, {par}", block, steps=3), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("par", "block"),
+    [
+        ("scheme: fsdp, dp: 2, activation_checkpointing: true", "log_freq: 1"),
+        (
+            "scheme: fsdp, dp: 2, activation_checkpointing: false",
+            "config: llama3_debugmodel_ce_loss, loss: cross_entropy, log_freq: 2, fsdp_reshard_after_forward: never",
+        ),
+        ("scheme: tp, dp: 1, tp: 2, sequence_parallel: true, activation_checkpointing: true", "log_freq: 1"),
+    ],
+    ids=["fsdp-chunked", "fsdp-ce-never", "tp-sp"],
+)
+def test_a_tied_llama3_reconciles(tt: Any, par: str, block: str, tmp_path: Path) -> None:
+    """Llama 3.2's tying (the 1B and 3B flavors): torchtitan shards the shared weight with norm and the head
+    as one [tok_embeddings, norm, lm_head] group (fsdp.py:180-192); under the chunked loss the weight's
+    gradient is reduce-scattered twice (at the loss, then with the embedding's), a named term of Eq. 3."""
+    s = scenario(f"{par}, micro_batch: 1", block, TINY_TP + ", tied_embeddings: true")
+    names = {r.name for r in predict(s).residuals}
+    assert ("tied weight reduce-scattered twice" in names) == ("cross_entropy" not in block and "fsdp" in par)
+    run_and_reconcile(s, tmp_path)
 
 
 @pytest.mark.parametrize(

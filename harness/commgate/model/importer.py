@@ -438,8 +438,6 @@ def torchtitan(
     What the job does that a CPU run cannot is named in ``torchtitan.left_off`` and in the scenario's first
     lines; what the model cannot hold turns the model check off (baseline-only), saying why."""
     f = job.source
-    if job.model.get("tied_embeddings"):
-        raise UsageError(f"{f}: a tied llama3 (1B, 3B) is sharded as one group by torchtitan: not modelled yet")
     dp = dp if dp is not None else job.dp
     if dp < 1:
         raise UsageError(f"{f}: data_parallel_shard_degree = {job.dp} (the rest of the ranks): give --dp")
@@ -456,7 +454,8 @@ def torchtitan(
             "pipeline with tensor parallelism is modelled with FSDP2 over dp >= 2 (--dp), or --tp 1"
         )
     out = Imported(doc={}, notes=list(job.notes))
-    model = {"architecture": "llama", **{k: v for k, v in job.model.items() if k != "tied_embeddings"}}
+    tied = {"tied_embeddings": True} if job.model.get("tied_embeddings") else {}  # one [emb, norm, head] group
+    model = {"architecture": "llama", **{k: v for k, v in job.model.items() if k != "tied_embeddings"}, **tied}
     model |= {"s": job.seq_len, "dtype": "fp32"}
     par: dict[str, Any] = {"dp": dp, "tp": tp}
     if cpu:

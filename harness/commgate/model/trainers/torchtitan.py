@@ -281,7 +281,8 @@ def param_tensors(ctx: Context, stage: Stage | None = None) -> int:
     """Parameter tensors with a gradient (of one pipeline ``stage``): 7 a block, the embedding, the final
     norm and the head."""
     st = stage or Stage(0, True, ctx.scenario.model.L, True)
-    return len(block_params(ctx)) * st.layers + st.embedding + 2 * st.head
+    tied = ctx.scenario.model.tied_embeddings  # one weight for the embedding and the head
+    return len(block_params(ctx)) * st.layers + st.embedding + 2 * st.head - tied
 
 
 # -------------------------------------------------------------------------------------- pipeline split
@@ -330,8 +331,14 @@ class Groups:
     norm_padded: int
     """``norm``'s share of the head group (reduce-scattered alone under the chunked loss)."""
 
+    tied: bool = False
+    """``enable_weight_tying``: ``head`` is the one ``[tok_embeddings, norm, lm_head]`` group (``fsdp.py:
+    180-192``), resharded after the forward only under "always" as the head group is; no embedding group."""
+
     def all(self, L: int) -> tuple[tuple[Group, int], ...]:
         """(group, how many of it) in the model."""
+        if self.tied:
+            return (self.block, L), (self.head, 1)
         return (self.embedding, 1), (self.block, L), (self.head, 1)
 
 
@@ -346,17 +353,19 @@ def groups(ctx: Context, job: Job) -> Groups:
         Param("norm", ctx.scenario.model.h, 1),
     )
     block = block_params(ctx)
+    tied = ctx.scenario.model.tied_embeddings  # lm_head's weight is tok_embeddings' (one tensor, counted once)
     return Groups(
         embedding=Group("tok_embeddings", emb.padded(d), emb.numel, 1, int(blocks)),
         block=Group("block", sum(p.padded(d) for p in block), sum(p.numel for p in block), 1, int(blocks)),
         head=Group(
-            "[norm, lm_head]",
+            "[tok_embeddings, norm, lm_head]" if tied else "[norm, lm_head]",
             norm.padded(d) + head.padded(d),
             norm.numel + head.numel,
             1 + chunked,  # the chunked loss's unshard() gathers again (steady state)
             int(chunked or policy == "always"),
         ),
         norm_padded=norm.padded(d),
+        tied=tied,
     )
 
 
@@ -432,17 +441,21 @@ class TorchtitanFSDP:
             return _scatters(ctx, base, elements, calls, Phase.BACKWARD, why)
 
         fwd, bwd = Phase.FORWARD, Phase.BACKWARD
+        head, first = g.head.name, "the embedding's" if g.tied else "norm's"
         rows = [
-            gather(g.embedding, 1, fwd, "tok_embeddings"),
+            *([] if g.tied else [gather(g.embedding, 1, fwd, "tok_embeddings")]),
             gather(g.block, L, fwd, "each block"),
-            gather(g.head, 1, fwd, "[norm, lm_head] for norm's forward"),
+            gather(g.head, 1, fwd, f"{head} for {first} forward"),
         ]
         if job.loss == "chunked":
-            again = "[norm, lm_head] again: ChunkedLossWrapper's unshard() after norm's post-forward resharded it"
+            again = f"{head} again: ChunkedLossWrapper's unshard() after the group's post-forward resharded it"
             rows.append(gather(g.head, 1, fwd, again, from_step=0 if job.fsdp_reshard_after_forward == "always" else 1))
-            rows += scatter(g.head.padded - g.norm_padded, 1, "lm_head alone, at the loss's last chunk")
-            rows.append(gather(g.head, 1, bwd, "[norm, lm_head] again for norm's backward (the loss resharded it)"))
-            rows += scatter(g.norm_padded, 1, "norm alone")
+            rows += scatter(g.head.padded - g.norm_padded, 1, "lm_head's weight alone, at the loss's last chunk")
+            rows.append(gather(g.head, 1, bwd, f"{head} again for the backward (the loss resharded it)"))
+            if g.tied:  # the embedding's backward adds to the tied weight's gradient: reduced with norm's
+                rows += scatter(g.head.padded, 1, "the tied weight's embedding gradient and norm's")
+            else:
+                rows += scatter(g.norm_padded, 1, "norm alone")
         else:
             if g.head.backward:
                 rows.append(gather(g.head, 1, bwd, "[norm, lm_head] (resharded: policy always)"))
@@ -450,6 +463,8 @@ class TorchtitanFSDP:
         if g.block.backward:
             rows.append(gather(g.block, L, bwd, "each block (resharded after forward)"))
         rows += scatter(g.block.padded, L, "each block")
+        if g.tied:
+            return rows
         if g.embedding.backward:
             rows.append(gather(g.embedding, 1, bwd, "tok_embeddings (resharded after forward)"))
         rows += scatter(g.embedding.padded, 1, "tok_embeddings")
@@ -500,15 +515,27 @@ class TorchtitanFSDP:
                 f"reduce-scattered in {REDUCE_DTYPE}; Eq. 3 counts {model.dtype}",
             )
         )
+        twice = g.head.padded - g.norm_padded if g.tied and job.loss == "chunked" else 0
+        if twice:
+            out.append(
+                Residual(
+                    term=EQ3,
+                    name="tied weight reduce-scattered twice",
+                    bytes=share * twice * r_isz,
+                    detail="the chunked loss reduce-scatters lm_head's gradient at its last chunk, then the "
+                    "embedding's backward adds to the same (tied) weight, reduced again with norm's",
+                )
+            )
         r = par.dp_replicate
         if r > 1:
             out.append(
                 Residual(
                     term=EQ3,
                     name="HSDP replica all-reduce",
-                    bytes=2 * Fraction(r - 1, r) * sum(grp.padded // d * n for grp, n in every) * r_isz,
+                    bytes=2 * Fraction(r - 1, r) * (sum(grp.padded // d * n for grp, n in every) + twice // d) * r_isz,
                     detail=f"each rank's reduce-scattered gradient shard is all-reduced (fp32) over the {r} replicas "
-                    f"(data_parallel_replicate_degree); Eq. 3 counts d={d}, the sharding group",
+                    f"(data_parallel_replicate_degree){TIED_TWICE if twice else ''}; Eq. 3 counts "
+                    f"d={d}, the sharding group",
                 )
             )
         return out
@@ -607,6 +634,9 @@ def _stage(ctx: Context, job: Job, g: Groups, st: Stage) -> list[ExpectedCollect
     return rows
 
 
+TIED_TWICE = ", the tied weight's twice"
+
+
 def _first_stage(ctx: Context, g: Groups, job: Job) -> tuple[tuple[Group, int], ...]:
     """Rank 0's groups under a pipeline (stage 0: the embedding and its blocks; the head is on the last
     stage), with their all-gathers per step in the schedule (``pipelined_gathers``)."""
@@ -649,14 +679,14 @@ def _gather_terms(g: Groups, L: int, job: Job, per_element: Fraction) -> list[Re
     terms = (
         (
             g.head.forward > 1,
-            "chunked loss re-gathers [norm, lm_head]",
+            f"chunked loss re-gathers {g.head.name}",
             (g.head.forward - 1) * g.head.padded,
             "ChunkedLossWrapper unshards the head group around its chunk loop and reshards it after "
-            "(components/loss.py:728-772): norm's post-forward frees it, the loss gathers it again",
+            "(components/loss.py:728-772): the group's post-forward frees it, the loss gathers it again",
         ),
         (
             not g.head.backward,
-            "[norm, lm_head] kept gathered for the backward",
+            f"{g.head.name} kept gathered for the backward",
             -g.head.padded,
             "torchtitan does not reshard the head group after the forward unless the policy is always "
             "(distributed/fsdp.py:202-207): its backward gathers nothing",
@@ -664,8 +694,9 @@ def _gather_terms(g: Groups, L: int, job: Job, per_element: Fraction) -> list[Re
         (
             not g.block.backward,
             "fsdp_reshard_after_forward never",
-            -(L * g.block.padded + g.embedding.padded),
-            "the blocks and the embedding stay gathered after the forward: their backward gathers nothing",
+            -(L * g.block.padded + (0 if g.tied else g.embedding.padded)),
+            "the blocks" + ("" if g.tied else " and the embedding") + " stay gathered after the forward: their "
+            "backward gathers nothing",
         ),
     )
     return [Residual(term=EQ3, name=n, bytes=e * per_element, detail=d) for on, n, e, d in terms if on]
@@ -1104,18 +1135,19 @@ on text through one (``commgate.run.trainers.torchtitan.make_assets``)."""
 
 
 def torchtitans_model(c: Check) -> None:
-    """torchtitan's llama3 package: a Llama-style decoder, untied, no biases, fp32 parameters."""
+    """torchtitan's llama3 package: a Llama-style decoder, tied or not (tied: not under its pipeline), no
+    biases, fp32 parameters."""
     m = c.model
     if m.module is not None:
         c.bad(["model", "module"], f"{m.module!r}: torchtitan builds its own llama3 model; give its dimensions")
         return
     if not m.llama:
         c.bad(["model", "architecture"], f"{m.architecture!r}: torchtitan's llama3 model: set architecture: llama")
-    if m.tied_embeddings:
+    if m.tied_embeddings and c.par.pp > 1:
         c.bad(
             ["model", "tied_embeddings"],
-            "true: torchtitan shards a tied model as one [tok_embeddings, norm, lm_head] group (fsdp.py:180-192): "
-            "not modelled yet",
+            "true: torchtitan refuses weight tying under its pipeline (models/common/decoder.py:139, "
+            "NotImplementedError): untie, or no pipeline",
         )
     if m.qkv_bias:
         c.bad(["model", "qkv_bias"], "true: torchtitan's llama3 layers have no biases")

@@ -468,7 +468,15 @@ def model_dims(config: Any) -> dict[str, Any]:
 
 
 def scenario_dims(m: ModelSpec) -> dict[str, Any]:
-    return {"L": m.L, "h": m.h, "a": m.a, "kv_heads": m.kv, "ffn_hidden": m.ffn, "V": m.V, "tied_embeddings": False}
+    return {
+        "L": m.L,
+        "h": m.h,
+        "a": m.a,
+        "kv_heads": m.kv,
+        "ffn_hidden": m.ffn,
+        "V": m.V,
+        "tied_embeddings": m.tied_embeddings,
+    }
 
 
 def converted(config: Any) -> list[str]:
@@ -508,6 +516,7 @@ def with_scenario_model(config: Any, scenario: Scenario, job: Job) -> None:
             fuse_qkv=True, n_layers=m.L, dim=m.h, n_heads=m.a, n_kv_heads=m.kv, hidden_dim=m.ffn, rope=rope,
             attn_backend="flex",
         ),
+        enable_weight_tying=m.tied_embeddings,
     )  # fmt: skip
     config.model_spec.flavor = f"commgate L={m.L} h={m.h} a={m.a} kv={m.kv} ffn={m.ffn} V={m.V}"
     loss = getattr(config.loss, "loss_fn", config.loss)
@@ -616,7 +625,10 @@ def expected_shapes(m: ModelSpec) -> dict[str, tuple[int, ...]]:
             p + "attention_norm.weight": (m.h,),
             p + "ffn_norm.weight": (m.h,),
         }
-    return shapes | {"norm.weight": (m.h,), "lm_head.weight": (m.V, m.h)}
+    shapes["norm.weight"] = (m.h,)
+    if not m.tied_embeddings:  # tied: lm_head's weight is tok_embeddings' (named once)
+        shapes["lm_head.weight"] = (m.V, m.h)
+    return shapes
 
 
 def check_built(trainer: Any, scenario: Scenario, job: Job) -> None:
