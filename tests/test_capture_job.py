@@ -365,3 +365,73 @@ def test_bad_flight_recorder_dumps_are_one_line_naming_the_file(
         assert says in done.stdout
         return
     assert_one_line(done, d / file, says)
+
+
+def test_gloos_reduce_scatter_in_a_dump_is_the_captured_one(work: Path) -> None:
+    """gloo runs, and its Flight Recorder records, reduce_scatter as an all_reduce of the input: each such
+    dumped call is still matched to the captured reduce_scatter, and the dumps say what they record."""
+    out = work / "reduce-scatter"
+    assert capture(out, "--reduce-scatter", dumps=work / "fr-rs").returncode == 0
+    done = commgate("check", out, "--flight-recorder", work / "fr-rs", "--baseline-dir", work / "rs-baselines")
+    assert "every one of the dumps' 22 calls is a captured call" in done.stdout, done.stdout + done.stderr
+    assert "reduce_scatter: gloo runs, and records, its reduce_scatter as an all_reduce of the input" in done.stdout
+    captured = json.loads((out / "rank0.json").read_text())["calls"]
+    assert sum(c["op"] == "reduce_scatter" for c in captured) == 3
+
+
+def test_a_hung_jobs_dumps_name_the_call_one_rank_never_issued(work: Path) -> None:
+    """A real hang: rank 0 blocks in an all_reduce rank 1 never issues, and dumps its Flight Recorder while
+    stuck (a thread, once the call is recorded); the job fails through the capture, and the dumps alone name
+    the first call the ranks part on, as the stall watchdog names it."""
+    out, dumps = work / "hung", work / "fr-hung"
+    job = capture(out, "--hang-at-end", dumps=dumps)
+    assert job.returncode != 0 and "Flight Recorder dumped" in job.stdout, job.stdout + job.stderr
+    assert sorted(p.name for p in dumps.iterdir()) == ["fr_0", "fr_0.json", "fr_1", "fr_1.json"]
+    done = commgate("check", "--flight-recorder", dumps)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "rank 1 never issued all_reduce #" in done.stdout and "(8192 B, group [0, 1])" in done.stdout
+    assert "rank 0: " in done.stdout and "scheduled" in done.stdout  # its entries' states, the stuck one too
+
+
+FR_VERSIONS = Path(__file__).parent / "data" / "flight_recorder"
+
+
+@pytest.mark.parametrize(
+    ("torch_version", "dump_version", "says", "status"),
+    [
+        ("2.4.1", "2.1", "before dump version 2.9 (torch 2.8) the Flight Recorder records NCCL's calls only", 1),
+        ("2.6.0", "2.4", "before dump version 2.9 (torch 2.8) the Flight Recorder records NCCL's calls only", 1),
+        ("2.8.0", "2.9", "the ranks agree on every call the dumps hold (30 calls)", 0),
+        ("2.12.1", "2.10", "the ranks agree on every call the dumps hold (30 calls)", 0),
+    ],
+)
+def test_dumps_of_older_torch_versions_are_read_or_say_why_they_hold_nothing(
+    torch_version: str, dump_version: str, says: str, status: int
+) -> None:
+    """Regression fixtures: real dumps of a 2-rank gloo job under torch 2.4 to 2.12 (provenance in the
+    folder's README); torch 2.13's are made fresh by the tests above. Both forms torch writes, where it has
+    them; before torch 2.8 a gloo job's dump is empty, and that is said, not passed as agreement."""
+    folder = FR_VERSIONS / f"torch-{torch_version}"
+    forms = [d for d in (folder / "pickle", folder / "json") if d.is_dir()]
+    assert forms
+    for form in forms:
+        done = commgate("check", "--flight-recorder", form)
+        assert done.returncode == status, done.stdout + done.stderr
+        assert f"version {dump_version}:" in done.stdout and says in done.stdout
+
+
+def test_the_fixtures_script_records_the_same_calls_under_this_torch(tmp_path: Path) -> None:
+    """The script that made the fixtures (``make_dump.py``), run fresh under the installed torch: its dumps
+    hold the very calls torch 2.8's and 2.12's hold, op for op."""
+    from commgate.run.flightrec import read
+
+    done = bounded([sys.executable, str(FR_VERSIONS / "make_dump.py"), str(tmp_path / "now")], cwd=tmp_path, env=None)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    def calls(d: Path) -> list[tuple[object, ...]]:
+        return [(c.rank, str(c.op), c.group, c.dtype, c.bytes) for c in read(d).calls]
+
+    fresh = calls(tmp_path / "now" / "pickle")
+    assert len(fresh) == 30
+    for old in ("2.8.0", "2.12.1"):
+        assert calls(FR_VERSIONS / f"torch-{old}" / "pickle") == fresh, old

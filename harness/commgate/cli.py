@@ -324,6 +324,9 @@ def _flight_recorder_alone(a: argparse.Namespace) -> int:
         )
     dumps = read(a.flight_recorder)
     _print_dumps(dumps)
+    if not dumps.calls:  # nothing to judge is not "the ranks agree"
+        print("no call to judge: the dumps hold none (what the dumps cannot tell says why)")
+        return 1
     keys = ("step", "op", "group", "peer", "bytes")
     calls = {r: [{k: getattr(c, k) for k in keys} for c in dumps.calls if c.rank == r] for r in dumps.ranks}
     if parted := divergence(calls):

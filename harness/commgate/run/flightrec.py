@@ -31,8 +31,12 @@ from commgate.core.errors import DocumentError, Problem
 from commgate.model.collectives import Op
 from commgate.run.capture import Capture, CapturedCall
 
-VERSIONS = tuple(f"2.{n}" for n in range(2, 11))
-"""The dump versions read (``version`` of the dump; torch 2.13 writes 2.10, the one tested here)."""
+VERSIONS = tuple(f"2.{n}" for n in range(0, 11))
+"""The dump versions read (``version`` of the dump): torch 2.4 writes 2.1, 2.6 2.4, 2.8 2.9, 2.10 to 2.13
+2.10 (``tests/data/flight_recorder``: real dumps of 2.4, 2.6, 2.8 and 2.12; 2.13 made fresh by the tests)."""
+GLOO_FROM = "2.9"
+"""The first dump version whose Flight Recorder records gloo's calls (torch 2.8: ``FlightRecorder.hpp`` left
+``USE_C10D_NCCL``); before it only NCCL's, so a gloo job's dump holds nothing."""
 NEEDED = ("profiling_name", "process_group", "input_sizes", "output_sizes", "input_dtypes", "output_dtypes", "state")
 
 OPS = {
@@ -84,6 +88,9 @@ class Dumps:
     """What the dumps cannot tell, and how each gap was filled (or not)."""
     states: dict[int, dict[str, int]]
     """Per rank, how many entries were in each state (scheduled, started, completed)."""
+    gloo: bool = False
+    """The job ran gloo (its entries' ``profiling_name`` say ``gloo:``): gloo records its reduce_scatter as the
+    all_reduce it runs (``ProcessGroupGloo``), which ``align`` knows."""
 
 
 def dump_files(path: Path) -> dict[int, Path]:
@@ -121,8 +128,9 @@ def _load(file: Path) -> dict[str, Any]:
     except Exception as exc:  # a truncated pickle raises whatever it stopped in (EOFError, UnpicklingError, ...)
         form = "JSON" if file.suffix == ".json" else "pickle"
         raise _bad(file, f"not a complete Flight Recorder dump ({form}: {exc}); truncated?") from None
-    if not isinstance(doc, dict) or "entries" not in doc or "version" not in doc:
+    if not isinstance(doc, dict) or "version" not in doc or not isinstance(doc.get("entries", []), list):
         raise _bad(file, "not a Flight Recorder dump (no version and entries)")
+    doc.setdefault("entries", [])  # the JSON form leaves out an empty buffer's entries
     if str(doc["version"]) not in VERSIONS:
         raise _bad(
             file, f"dump version {doc['version']!r} is not one commgate reads ({', '.join(VERSIONS)})", "$.version"
@@ -156,16 +164,28 @@ def read(path: Path) -> Dumps:
                 timed += call.duration_ns is not None
     if timed < len(calls):
         notes.append(f"durations: {len(calls) - timed} of {len(calls)} calls untimed (the job did not time its calls)")
-    if any(str(e["profiling_name"]).startswith("gloo:") for d in docs.values() for e in d["entries"]):
-        notes.append("point-to-point: gloo records no send/recv in the Flight Recorder (torch 2.13); none are here")
+    version = versions.pop()
+    gloo = any(str(e["profiling_name"]).startswith("gloo:") for d in docs.values() for e in d["entries"])
+    if gloo:
+        notes.append("point-to-point: gloo records no send/recv in the Flight Recorder; none are here")
+        notes.append("reduce_scatter: gloo runs, and records, its reduce_scatter as an all_reduce of the input")
+    if not calls:
+        older = [int(x) for x in version.split(".")] < [int(x) for x in GLOO_FROM.split(".")]
+        notes.append(
+            f"calls: the dumps hold none; before dump version {GLOO_FROM} (torch 2.8) the Flight Recorder records "
+            "NCCL's calls only, never gloo's"
+            if older
+            else "calls: the dumps hold none (was TORCH_FR_BUFFER_SIZE set in the job?)"
+        )
     states = {r: _count(str(e["state"]) for e in d["entries"]) for r, d in docs.items()}
     return Dumps(
         source=path,
         calls=tuple(calls),
         ranks=tuple(docs),
-        version=versions.pop(),
+        version=version,
         notes=tuple(dict.fromkeys(notes)),
         states=states,
+        gloo=gloo,
     )
 
 
@@ -282,6 +302,8 @@ def align(dumps: Dumps, capture: Capture) -> tuple[Capture, list[str]]:
             problems.append(f"rank {r}: the dump holds {len(mine)} calls, the capture {len(theirs)}")
             continue
         for d, c in zip(mine, tail, strict=True):
+            if dumps.gloo and d.op == Op.ALL_REDUCE and c.op == Op.REDUCE_SCATTER:
+                d = replace(d, op=c.op)  # gloo's reduce_scatter, recorded as the all_reduce it runs
             if _key(d) != _key(c):
                 problems.append(f"rank {r}, dump entry {d.seq}: {_describe(d)} in the dump, {_describe(c)} captured")
                 break

@@ -6,11 +6,18 @@
 * ``--mark-steps``: each step marked with ``commgate.capture.step()``, as a job whose steps the optimizer
   does not mark would;
 * ``--dump-fr``: the Flight Recorder (``TORCH_FR_BUFFER_SIZE``) dumped at the end, as a job asked for its
-  dump does, to ``$TORCH_FR_DUMP_TEMP_FILE<rank>`` (pickle) and ``<rank>.json``.
+  dump does, to ``$TORCH_FR_DUMP_TEMP_FILE<rank>`` (pickle) and ``<rank>.json``;
+* ``--reduce-scatter``: a reduce_scatter_tensor of the gradients' first layer after each step, as a sharded
+  optimizer would (gloo runs, and its Flight Recorder records, it as an all_reduce);
+* ``--hang-at-end``: rank 0 issues one more all_reduce than rank 1, and the job hangs in it: rank 0 dumps
+  its Flight Recorder from a thread once the stuck call is recorded (as the watchdog dumps a stuck NCCL job;
+  gloo has none), rank 1 dumps and waits for rank 0's dump, then the job is ended (exit status 3).
 """
 
 import argparse
 import os
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -37,6 +44,8 @@ def main() -> None:
     p.add_argument("--fail-at", type=int, default=None)
     p.add_argument("--dump-fr", action="store_true", help="dump the Flight Recorder at the end, as on request")
     p.add_argument("--mark-steps", action="store_true", help="mark each step with commgate.capture.step()")
+    p.add_argument("--reduce-scatter", action="store_true", help="a reduce_scatter_tensor after each step")
+    p.add_argument("--hang-at-end", action="store_true", help="rank 0 issues an all_reduce rank 1 never does")
     a = p.parse_args()
     dist.init_process_group(a.backend)
     rank = dist.get_rank()
@@ -56,17 +65,59 @@ def main() -> None:
         loss.backward()
         if a.extra_all_reduce:
             dist.all_reduce(loss.detach().clone())
+        if a.reduce_scatter:
+            grad = model.module.net[0].weight.grad.flatten()[:64].contiguous()
+            dist.reduce_scatter_tensor(torch.empty(64 // dist.get_world_size()), grad)
         opt.step()
         opt.zero_grad()
-    if a.dump_fr:  # TORCH_FR_BUFFER_SIZE on; the files are named as the watchdog names them: <prefix><rank>
-        from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json
-
-        prefix = os.environ["TORCH_FR_DUMP_TEMP_FILE"]
-        for suffix, dump in (("", _dump_fr_trace()), (".json", _dump_fr_trace_json())):
-            with open(f"{prefix}{rank}{suffix}", "wb") as f:
-                f.write(dump)
+    if a.hang_at_end:
+        hang(rank)
+    if a.dump_fr:
+        dump_fr(rank)
     print(f"rank {rank} of {os.environ['WORLD_SIZE']}: {a.steps} steps, loss {loss.item():.4f}", flush=True)
     dist.destroy_process_group()
+
+
+def dump_fr(rank: int) -> None:
+    """TORCH_FR_BUFFER_SIZE on; the files named as the watchdog names them: <prefix><rank> and .json."""
+    from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json
+
+    prefix = os.environ["TORCH_FR_DUMP_TEMP_FILE"]
+    for suffix, dump in (("", _dump_fr_trace()), (".json", _dump_fr_trace_json())):
+        with open(f"{prefix}{rank}{suffix}.part", "wb") as f:
+            f.write(dump)
+        os.replace(f"{prefix}{rank}{suffix}.part", f"{prefix}{rank}{suffix}")  # whole, or not there
+
+
+def hang(rank: int) -> None:
+    """Rank 0 blocks in an all_reduce rank 1 never issues; a thread of rank 0 dumps once that call is in the
+    Flight Recorder (waiting on the record, not on a clock) and ends the job; rank 1 dumps, then waits for
+    rank 0's dump before it leaves (its leaving would fail rank 0's call before the dump)."""
+    import pickle
+
+    from torch._C._distributed_c10d import _dump_fr_trace
+
+    def entries() -> int:
+        return len(pickle.loads(_dump_fr_trace()).get("entries", []))
+
+    if rank == 1:
+        dump_fr(rank)
+        theirs = os.environ["TORCH_FR_DUMP_TEMP_FILE"] + "0"
+        deadline = time.monotonic() + 300
+        while not os.path.exists(theirs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os._exit(3)
+    before = entries()
+
+    def watch() -> None:
+        while entries() == before:
+            time.sleep(0.01)
+        dump_fr(rank)
+        print("rank 0: stuck in an all_reduce rank 1 never issued; Flight Recorder dumped", flush=True)
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+    dist.all_reduce(torch.ones(2048))  # never completes
 
 
 if __name__ == "__main__":
