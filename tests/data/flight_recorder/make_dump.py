@@ -22,7 +22,6 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from datetime import timedelta
 
 BUFFER = "2000"
