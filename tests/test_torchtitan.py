@@ -237,6 +237,12 @@ REFUSED = [
         r"activation_checkpointing: true: torchtitan itself fails this job: InterleavedZeroBubble runs each backward",
     ),
     (PP, "", TINY + ", tied_embeddings: true", r"model.tied_embeddings: true: torchtitan refuses weight tying under"),
+    (
+        "scheme: fsdp, dp: 2, tp: 2, sequence_parallel: true",
+        "",
+        TINY_TP + ", tied_embeddings: true",
+        r"model.tied_embeddings: true: with FSDP2 over dp and TP, the tied group's all-gather carries",
+    ),
     (FSDP, "left_off: [compile, compile]", TINY, r"torchtitan.left_off: .* has duplicate items"),
     (FSDP, "flavor: tiny", TINY, r"torchtitan.flavor: unknown field 'flavor'"),
 ]

@@ -1143,6 +1143,12 @@ def torchtitans_model(c: Check) -> None:
         return
     if not m.llama:
         c.bad(["model", "architecture"], f"{m.architecture!r}: torchtitan's llama3 model: set architecture: llama")
+    if m.tied_embeddings and c.par.tp > 1 and c.par.dp > 1:
+        c.bad(
+            ["model", "tied_embeddings"],
+            "true: with FSDP2 over dp and TP, the tied group's all-gather carries the weight's TP shard twice and "
+            "its reduce-scatter once (measured, not modelled yet): tp = 1, dp = 1, or untied",
+        )
     if m.tied_embeddings and c.par.pp > 1:
         c.bad(
             ["model", "tied_embeddings"],
