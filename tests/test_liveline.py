@@ -85,5 +85,5 @@ def test_under_pytest_a_long_scenario_says_what_its_run_is_doing(pytester: pytes
     result = pytester.runpytest_subprocess("ddp.yaml", *flags, timeout=600)
     result.assert_outcomes(passed=1)
     lines = [line for line in result.stdout.lines if line.startswith("    ddp.yaml::ddp-tiny: ")]
-    assert any("step " in line for line in lines), result.stdout.str()
-    assert any("merging the ranks' captures" in line for line in lines), result.stdout.str()
+    # which phases a poll sees depends on the machine's speed; the last one, after the ranks, always comes
+    assert len(lines) >= 2 and lines[-1].endswith("merging the ranks' captures"), result.stdout.str()
