@@ -86,4 +86,4 @@ def test_under_pytest_a_long_scenario_says_what_its_run_is_doing(pytester: pytes
     result.assert_outcomes(passed=1)
     lines = [line for line in result.stdout.lines if line.startswith("    ddp.yaml::ddp-tiny: ")]
     # which phases a poll sees depends on the machine's speed; the last one, after the ranks, always comes
-    assert len(lines) >= 2 and lines[-1].endswith("merging the ranks' captures"), result.stdout.str()
+    assert lines and lines[-1].endswith("merging the ranks' captures"), result.stdout.str()
