@@ -280,7 +280,7 @@ def vocab_param(ctx: Context, name: str) -> Param:
 def param_tensors(ctx: Context, stage: Stage | None = None) -> int:
     """Parameter tensors with a gradient (of one pipeline ``stage``): 7 a block, the embedding, the final
     norm and the head."""
-    st = stage or Stage(0, True, ctx.scenario.model.L, True)
+    st = stage or stages(1, ctx.scenario.model.L)[0]
     tied = ctx.scenario.model.tied_embeddings  # one weight for the embedding and the head
     return len(block_params(ctx)) * st.layers + st.embedding + 2 * st.head - tied
 
@@ -717,9 +717,7 @@ class TorchtitanTP:
         par, m = ctx.scenario.parallelism, ctx.scenario.model
         if par.tp == 1 or not par.sequence_parallel:  # without SP: measured only (baseline-only, a rule says)
             return []
-        if par.pp == 1:
-            return _tp_stage(ctx, Stage(0, True, m.L, True), pipelined=False)
-        return [row for st in stages(par.pp, m.L) for row in _tp_stage(ctx, st, pipelined=True)]
+        return [row for st in stages(par.pp, m.L) for row in _tp_stage(ctx, st)]
 
     def _units(self, ctx: Context) -> int:
         """Rank 0's all-gathers and reduce-scatters of one activation in one micro-batch under Eq. 5 (counted
@@ -783,21 +781,22 @@ class TorchtitanTP:
         return out
 
 
-def _tp_stage(ctx: Context, st: Stage, *, pipelined: bool) -> list[ExpectedCollective]:
-    """Tensor parallelism with sequence parallelism on one pipeline stage's model part (the whole model
-    without a pipeline), per micro-batch: the embedding's reduce-scatter on the first stage, each block's
-    two all-gathers and two reduce-scatters and their mirrors, the recomputed ones, the final norm's
+def _tp_stage(ctx: Context, st: Stage) -> list[ExpectedCollective]:
+    """Tensor parallelism with sequence parallelism on one pipeline stage's model part (the whole model,
+    ``stages(1, L)``, without a pipeline), per micro-batch: the embedding's reduce-scatter on the first
+    stage, each block's two all-gathers and two reduce-scatters and their mirrors, the recomputed ones, the final norm's
     gather and the loss-parallel all-reduces on the last stage; the norms' replicated weights all-reduce
     their gradients: without a pipeline in the backward, in the activations' dtype; under one with FSDP2's
     reduce of their group, in fp32, at the schedule's ``perform_reduce_grad`` (the forward phase), the final
     norm's also with each of the chunked loss's reduce-scatters that carry its gradient (``head_replay``)."""
     par, m, job = ctx.scenario.parallelism, ctx.scenario.model, Job.of(ctx.scenario)
+    pipelined = par.pp > 1
     L, ac, mb = st.layers, job.ac(par.activation_checkpointing), par.micro_batches if pipelined else 1
     where = f", stage {st.index}" if pipelined else ""
     base = ExpectedCollective(
         op=Op.ALL_GATHER,
         axis="tp",
-        groups=ctx.layout.tp_groups(st.index) if pipelined else ctx.layout.tp_groups(),
+        groups=ctx.layout.tp_groups(st.index),
         dtype=job.param_dtype,
         elements=ctx.bsh,
         calls=0,
