@@ -116,6 +116,8 @@ def test_what_it_cannot_import_is_one_line(
         ('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nlocal_batch_size = 6\n[parallelism]\n'
          'pipeline_parallel_degree = 2\npipeline_parallel_microbatch_size = 4\n',
          "local_batch_size = 6 is not a multiple of pipeline_parallel_microbatch_size = 4"),
+        ('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\npipeline_parallel_degree = 2\n'
+         'pipeline_parallel_microbatch_size = 0\n', "pipeline_parallel_microbatch_size = 0: give 1 or more"),
         ('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ncontext_parallel_degree = 2\n',
          "context_parallel_degree = 2 with dp = 2, tp = 1, pp = 1: torchtitan's context parallelism is modelled alone"),
         ("[model\n", "not a torchtitan TOML"),

@@ -518,6 +518,8 @@ def _titan_pipeline(job: TitanJob, dp: int, tp: int, pp: int, ac: bool) -> dict[
             f"{f}: pipeline_parallel_schedule = {job.schedule!r}: torchtitan's {', '.join(TITAN_SCHEDULES)} are "
             "modelled; write the scenario with one of them, or gate it baseline-only"
         )
+    if job.microbatch_size < 1:
+        raise UsageError(f"{f}: pipeline_parallel_microbatch_size = {job.microbatch_size}: give 1 or more")
     m, rest = divmod(job.local_batch_size, job.microbatch_size)
     if rest or not m:
         raise UsageError(
