@@ -87,6 +87,7 @@ def test_the_debug_model_toml_notes_what_0_3_0_runs_differently(
     [
         (["llama3_8b.toml"], "data_parallel_shard_degree = -1 (the rest of the ranks): give --dp"),
         (["nope"], "--torchtitan nope: expected a .toml file or MODULE:CONFIG"),
+        (["debug_model.toml", "--dp", "2", "--pp", "0"], "pp = 0 (--pp or the config's degree): give 1 or more"),
         (["llama3_8b.toml", "--dp", "2", "--neox", "x.yml"], "--torchtitan imports a torchtitan job alone"),
         (["llama3_8b.toml", "--dp", "8", "--pp", "4"], "micro_batches: 1: torch's Schedule1F1B needs at least pp=4"),
         (

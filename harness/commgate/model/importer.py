@@ -443,6 +443,9 @@ def torchtitan(
         raise UsageError(f"{f}: data_parallel_shard_degree = {job.dp} (the rest of the ranks): give --dp")
     tp = tp if tp is not None else job.tp
     pp = pp if pp is not None else job.pp
+    for flag, value in (("tp", tp), ("pp", pp)):
+        if value < 1:
+            raise UsageError(f"{f}: {flag} = {value} (--{flag} or the config's degree): give 1 or more")
     if job.cp > 1 and (dp, tp, pp) != (1, 1, 1):
         raise UsageError(
             f"{f}: context_parallel_degree = {job.cp} with dp = {dp}, tp = {tp}, pp = {pp}: torchtitan's context "
