@@ -18,6 +18,7 @@ import inspect
 import re
 import warnings
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -156,7 +157,12 @@ def test_left_off_is_named_in_every_prediction_and_run() -> None:
 
 FSDP, TP = "scheme: fsdp, dp: 2", "scheme: tp, dp: 1, tp: 2, sequence_parallel: true"
 REFUSED = [
-    (FSDP + ", cp: 2", "", TINY, r"parallelism.cp: 2: torchtitan's context parallelism is modelled alone"),
+    (
+        "scheme: cp, cp: 2, tp: 2, sequence_parallel: true",
+        "",
+        TINY_TP.replace("s: 256", "s: 512"),
+        r"parallelism.cp: 2: torchtitan's context parallelism is modelled with FSDP2 over dp x cp \(tp = pp = 1\)",
+    ),
     ("scheme: cp, cp: 4", "", TINY, r"model.s: 256: flex attention under context parallelism needs s divisible"),
     (
         "scheme: fsdp, dp: 2, dp_replicate: 2, tp: 2, sequence_parallel: true",
@@ -164,7 +170,6 @@ REFUSED = [
         TINY_TP,
         r"parallelism.dp_replicate: 2: HSDP with tensor parallelism is not modelled yet",
     ),
-    (FSDP + ", micro_batches: 2", "", TINY, r"parallelism.micro_batches: 2: gradient accumulation"),
     (FSDP + ", fsdp: {param_dtype: bf16}", "", TINY, r"parallelism.fsdp: torchtitan's FSDP2 options"),
     (TP.replace("dp: 1", "dp: 2"), "", TINY_TP, r"parallelism.dp: 2: torchtitan shards .* scheme 'fsdp'"),
     ("scheme: ddp, dp: 2", "", TINY, r"'ddp': trainer 'torchtitan' runs schemes fsdp, tp"),
@@ -205,10 +210,10 @@ REFUSED = [
     (
         PP.replace("pp: 2", "pp: 2, dp: 2")
         .replace("scheme: pp", "scheme: fsdp")
-        .replace("1f1b", "interleaved-1f1b, virtual_stages: 2"),
-        "",
+        .replace("1f1b", "zero-bubble, virtual_stages: 2"),
+        "activation_checkpoint: full",
         TINY.replace("L: 2", "L: 4"),
-        r"interleaved-1f1b: FSDP2 in torchtitan's pipeline stages is modelled under gpipe and 1f1b",
+        r"zero-bubble: FSDP2 in torchtitan's pipeline stages is modelled under gpipe, 1f1b and interleaved-1f1b",
     ),
     (
         PP,
@@ -441,6 +446,35 @@ def test_p7_torchtitan_steps_its_pipeline_with_micro_batches_torch_2_13_does_not
         assert "has_backward = self._has_backward" in body
 
 
+def test_p8_torchtitans_cpu_offload_pins_host_memory_which_a_cpu_torch_refuses(tt: Any) -> None:
+    """distributed/fsdp.py:173-174 builds CPUOffloadPolicy() (pin_memory=True by default), _fsdp_param.py pins
+    each shard, and a torch without an accelerator refuses to pin: P8 builds torchtitan's policy with
+    FSDP2's own pin_memory=False."""
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    assert 'fsdp_config["offload_policy"] = CPUOffloadPolicy()' in source("torchtitan.distributed.fsdp")
+    assert CPUOffloadPolicy().pin_memory and not CPUOffloadPolicy(pin_memory=False).pin_memory
+    assert "local_tensor.cpu().pin_memory()" in source("torch.distributed.fsdp._fully_shard._fsdp_param")
+    if not torch.accelerator.is_available():
+        with pytest.raises(RuntimeError, match="accelerator"):
+            torch.empty(1).pin_memory()
+
+
+def test_interleaved_1f1b_order_is_torchs_own(tt: Any) -> None:
+    """The order FSDP2 is replayed over under interleaving comes from torch's ScheduleInterleaved1F1B, which
+    computes it from four numbers alone: each stage runs each micro-batch's forward before its backward, in
+    micro-batch order, and the first stage of rank 0 all its warm-up forwards first."""
+    from commgate.model.schemes.fsdp import interleaved_order
+
+    for p, v, m in ((2, 2, 4), (2, 2, 3), (4, 2, 8), (2, 3, 6)):
+        for stage in range(p * v):
+            order = interleaved_order(p, v, m, stage)
+            assert sorted(order) == ["B"] * m + ["F"] * m, (p, v, m, stage, order)
+            assert all(order[: i + 1].count("F") >= order[: i + 1].count("B") for i in range(2 * m))
+    assert interleaved_order(2, 2, 4, 3) == "FBFBFBFB"  # the last stage: a backward right after each forward
+
+
 def test_the_model_splits_the_stages_as_torchtitan_does(tt: Any) -> None:
     """``stages`` against torchtitan's own ``_generate_llm_fqn_per_model_part`` (its default weights), for
     every split it accepts up to 8 stages and 40 blocks."""
@@ -588,8 +622,9 @@ def run_and_reconcile(s: Scenario, workdir: Path) -> None:
         ),
         ("activation_checkpointing: false", "log_freq: 1, fsdp_reshard_after_forward: always"),
         ("activation_checkpointing: false", "config: llama3_debugmodel_ce_loss, loss: cross_entropy, log_freq: 1"),
+        ("activation_checkpointing: true", "log_freq: 1, cpu_offload: true"),
     ],
-    ids=["selective", "full-never-log2", "always", "cross-entropy"],
+    ids=["selective", "full-never-log2", "always", "cross-entropy", "cpu-offload"],
 )
 def test_fsdp2_on_2_ranks_reconciles(tt: Any, par: str, block: str, tmp_path: Path) -> None:
     run_and_reconcile(scenario(f"scheme: fsdp, dp: 2, micro_batch: 2, {par}", block, steps=3), tmp_path)
@@ -666,14 +701,16 @@ def test_pipeline_on_torchtitans_own_step_reconciles(
         ("gpipe", 3, "log_freq: 1, fsdp_reshard_after_forward: always", 2, 3),
         ("1f1b", 2, "config: llama3_debugmodel_ce_loss, loss: cross_entropy, log_freq: 2", 2, 4),
         ("1f1b", 5, "log_freq: 1", 4, 3),
+        ("interleaved-1f1b, virtual_stages: 2", 6, "log_freq: 1, fsdp_reshard_after_forward: always", 2, 3),
     ],
-    ids=["1f1b", "gpipe-always-L3", "1f1b-ce", "pp4-m5-head-alone"],
+    ids=["1f1b", "gpipe-always-L3", "1f1b-ce", "pp4-m5-head-alone", "interleaved-m6-always-L3"],
 )
 def test_pipeline_with_fsdp2_in_each_stage_reconciles(
     tt: Any, schedule: str, m: int, block: str, pp: int, layers: int, tmp_path: Path
 ) -> None:
     """pp x dp on 4 ranks (8 with pp = 4): each stage's FSDP2 groups over its own data-parallel ranks,
-    gathered as the schedule's order leaves them, the last stage's head group per micro-batch by the
+    gathered as the schedule's order leaves them (interleaved: each of a rank's two stages over its own
+    order in torch's schedule, checked on the ranks), the last stage's head group per micro-batch by the
     chunked loss; torchtitan's uneven splits (L = 3 on 2 stages; on 4, a last stage of [norm, lm_head]
     alone)."""
     par = (
@@ -721,6 +758,29 @@ def test_context_parallelism_on_torchtitans_flex_attention_reconciles(
     run_and_reconcile(
         scenario(f"scheme: cp, micro_batch: 2, {par}", block, TINY.replace("s: 256", f"s: {s}")), tmp_path
     )
+
+
+@pytest.mark.parametrize(
+    ("par", "block", "model"),
+    [
+        ("scheme: tp, tp: 2, sequence_parallel: true, micro_batches: 3", "log_freq: 1", TINY_TP),
+        ("scheme: cp, cp: 2, micro_batches: 2", "log_freq: 1, fsdp_reshard_after_forward: always", TINY),
+    ],
+    ids=["tp-m3", "cp-m2-always"],
+)
+def test_gradient_accumulation_reconciles(tt: Any, par: str, block: str, model: str, tmp_path: Path) -> None:
+    """global_batch_size = m x local x dp: torchtitan's train_step runs m forward-backward passes a step, each
+    syncing (TP's sends and the norms' all-reduces, CP's K/V, FSDP2's gathers and reduce-scatters m times; the
+    token count, gradient norm and metrics once), from the run's first step."""
+    s = scenario(f"{par}, micro_batch: 1, activation_checkpointing: true", block, model)
+    run_and_reconcile(replace(s, warmup_steps=0), tmp_path)
+
+
+def test_context_parallelism_with_fsdp2_over_dp_and_cp_reconciles(tt: Any, tmp_path: Path) -> None:
+    """dp 2 x cp 2: FSDP2 over the 4 ranks, K/V over each cp pair, the token count over dp alone (torchtitan's
+    batch mesh: one group per context-parallel index)."""
+    par = "scheme: cp, cp: 2, dp: 2, micro_batch: 1, activation_checkpointing: true"
+    run_and_reconcile(scenario(par, "log_freq: 1", TINY), tmp_path)
 
 
 def test_fsdp2_and_tp_on_4_ranks_reconciles(tt: Any, tmp_path: Path) -> None:

@@ -149,7 +149,8 @@ def hf(rng: random.Random, index: int) -> Draw:
 def torchtitan(rng: random.Random, index: int) -> Draw:
     """A torchtitan job: its llama3 debug config on a drawn llama3, FSDP2 (HSDP), TP with sequence
     parallelism, FSDP2 x TP, its pipeline under each schedule (FSDP2 in its stages) or its context
-    parallelism, with its checkpointing, precision, resharding, loss and logging knobs."""
+    parallelism (with FSDP2 over dp x cp), with its checkpointing, precision, resharding, loss and logging
+    knobs, and gradient accumulation outside its pipeline."""
     a = rng.choice([2, 4])
     tp = rng.choice([1, 2])
     dp = rng.choice([d for d in (1, 2, 4) if d * tp <= MAX_WORLD and d * tp > 1])
@@ -172,6 +173,8 @@ def torchtitan(rng: random.Random, index: int) -> Draw:
         block["mixed_precision_param"] = rng.choice(["bfloat16", "float32"])
     if dp > 1 and rng.random() < 0.3:
         block["fsdp_reshard_after_forward"] = rng.choice(["default", "always", "never"])
+    if rng.random() < 0.15:  # FSDP2's CPU offload (training.enable_cpu_offload)
+        block["cpu_offload"] = True
     if rng.random() < 0.3:  # the config function that trains with plain cross-entropy
         block |= {"config": "llama3_debugmodel_ce_loss", "loss": "cross_entropy"}
     elif rng.random() < 0.3:
@@ -184,7 +187,7 @@ def torchtitan(rng: random.Random, index: int) -> Draw:
         pp = rng.choice([p for p in (2, 2, 4) if p <= MAX_WORLD])
         schedule = rng.choice(["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"])
         v = 2 if schedule in ("interleaved-1f1b", "zero-bubble") else 1
-        dp = rng.choice([1, 2]) if v == 1 and 2 * pp <= MAX_WORLD else 1
+        dp = rng.choice([1, 2]) if schedule != "zero-bubble" and 2 * pp <= MAX_WORLD else 1
         model["L"] = rng.randint(max(1, pp * v - 2), 2 * pp * v)  # torchtitan splits L + 2 units, unevenly too
         pipeline: dict[str, Any] = {"engine": "torch", "schedule": schedule} | ({"virtual_stages": v} if v > 1 else {})
         par = {"scheme": "fsdp" if dp > 1 else "pp", "dp": dp, "pp": pp, "micro_batch": par["micro_batch"]}
@@ -198,12 +201,16 @@ def torchtitan(rng: random.Random, index: int) -> Draw:
         model["s"] = 128 * cp  # flex CP splits the sequence into whole 128-token blocks
         model["kv_heads"] = rng.choice([k for k in (1, 2, a) if a % k == 0])
         par = {"scheme": "cp", "cp": cp, "micro_batch": par["micro_batch"], "activation_checkpointing": ac}
+        if 2 * cp <= MAX_WORLD and rng.random() < 0.5:  # FSDP2 over dp x cp, the batch over dp
+            par["dp"] = 2
         block.pop("fsdp_reshard_after_forward", None)
     elif par["scheme"] == "fsdp" and tp == 1 and 2 * dp <= MAX_WORLD and rng.random() < 0.4:
         par["dp_replicate"] = 2  # HSDP: replicas of the sharded model
     if par.get("pp", 1) == 1 and not (par.get("tp", 1) > 1 and par.get("dp", 1) > 1) and rng.random() < 0.25:
         # Llama 3.2's tying (torchtitan refuses it under PP; with FSDP2 x TP it is not modelled yet)
         model["tied_embeddings"] = True
+    if par.get("pp", 1) == 1 and rng.random() < 0.3:  # gradient accumulation: global_batch_size > local x dp
+        par["micro_batches"] = rng.choice([2, 3])
     doc = {
         "schema_version": 1,
         "name": f"gen-torchtitan-{index}",

@@ -315,6 +315,8 @@ class TitanJob:
     model: dict[str, Any]
     """L, h, a, kv_heads, ffn_hidden, V, tied_embeddings."""
     local_batch_size: int
+    global_batch_size: int = -1
+    """-1: ``local_batch_size`` x the data-parallel degree, one gradient-accumulation step (``trainer.py:415``)."""
     seq_len: int
     dp: int = -1
     tp: int = 1
@@ -333,6 +335,8 @@ class TitanJob:
     log_freq: int = 10
     mixed_precision_param: str = "bfloat16"
     reshard: str = "default"
+    cpu_offload: bool = False
+    """``training.enable_cpu_offload``."""
     compile: bool = False
     async_tp: bool = False
     float8: bool = False
@@ -374,7 +378,14 @@ def torchtitan_toml(path: Path) -> TitanJob:
     converters = get("model", "converters", [])
     float8 = "float8" in converters
     used = {("model", k) for k in ("name", "flavor", "converters")} | {("parallelism", k) for k in _TOML_PARALLELISM}
-    used |= {("training", "local_batch_size"), ("training", "seq_len"), ("metrics", "log_freq"), ("compile", "enable")}
+    used |= {
+        ("training", "local_batch_size"),
+        ("training", "global_batch_size"),
+        ("training", "enable_cpu_offload"),
+        ("training", "seq_len"),
+        ("metrics", "log_freq"),
+        ("compile", "enable"),
+    }
     used |= {("activation_checkpoint", "mode"), ("activation_checkpoint", "selective_ac_option")}
     used |= {("quantize.linear.float8", "enable_fsdp_float8_all_gather")}
     float8_block = doc.get("quantize", {}).get("linear", {}).get("float8", {})
@@ -385,6 +396,7 @@ def torchtitan_toml(path: Path) -> TitanJob:
         config=LLAMA3_CONFIGS[base],
         model=flavor_model(base),
         local_batch_size=_whole(get("training", "local_batch_size", 8), f"{f}: training.local_batch_size"),
+        global_batch_size=_whole(get("training", "global_batch_size", -1), f"{f}: training.global_batch_size"),
         seq_len=_whole(get("training", "seq_len", 2048), f"{f}: training.seq_len"),
         dp=_whole(par["data_parallel_shard_degree"], f"{f}: parallelism.data_parallel_shard_degree"),
         tp=_whole(par["tensor_parallel_degree"], f"{f}: parallelism.tensor_parallel_degree"),
@@ -398,6 +410,7 @@ def torchtitan_toml(path: Path) -> TitanJob:
         ac=str(ac),
         log_freq=_whole(get("metrics", "log_freq", 10), f"{f}: metrics.log_freq"),
         reshard=str(par["fsdp_reshard_after_forward"]),
+        cpu_offload=bool(get("training", "enable_cpu_offload", False)),
         compile=bool(get("compile", "enable", False)),
         async_tp=bool(par["enable_async_tensor_parallel"]),
         float8=float8,
@@ -446,16 +459,17 @@ def torchtitan(
     for flag, value in (("tp", tp), ("pp", pp)):
         if value < 1:
             raise UsageError(f"{f}: {flag} = {value} (--{flag} or the config's degree): give 1 or more")
-    if job.cp > 1 and (dp, tp, pp) != (1, 1, 1):
+    if job.cp > 1 and (tp, pp) != (1, 1):
         raise UsageError(
-            f"{f}: context_parallel_degree = {job.cp} with dp = {dp}, tp = {tp}, pp = {pp}: torchtitan's context "
-            "parallelism is modelled alone (give --dp 1; tp and pp 1)"
+            f"{f}: context_parallel_degree = {job.cp} with tp = {tp}, pp = {pp}: torchtitan's context parallelism "
+            "is modelled with FSDP2 (dp) alone (give --tp 1 --pp 1)"
         )
     if pp > 1 and tp > 1 and dp == 1:
         raise UsageError(
             f"{f}: pipeline_parallel_degree = {pp} with tensor_parallel_degree = {tp} and dp = 1: torchtitan's "
             "pipeline with tensor parallelism is modelled with FSDP2 over dp >= 2 (--dp), or --tp 1"
         )
+    steps = _accumulation(job, dp, pp)
     out = Imported(doc={}, notes=list(job.notes))
     tied = {"tied_embeddings": True} if job.model.get("tied_embeddings") else {}  # one [emb, norm, head] group
     model = {"architecture": "llama", **{k: v for k, v in job.model.items() if k != "tied_embeddings"}, **tied}
@@ -472,7 +486,10 @@ def torchtitan(
         parallelism = {
             "scheme": "cp",
             "cp": job.cp,
+            **({"dp": dp} if dp > 1 else {}),
+            **({"dp_replicate": job.replicate} if job.replicate > 1 else {}),  # the rules say what HSDP composes with
             "micro_batch": job.local_batch_size,
+            **({"micro_batches": steps} if steps > 1 else {}),
             "activation_checkpointing": ac,
         }
     elif pp > 1:
@@ -483,7 +500,10 @@ def torchtitan(
             parallelism["dp_replicate"] = job.replicate
         if tp > 1:
             parallelism["sequence_parallel"] = job.sequence_parallel
-        parallelism |= {"micro_batch": job.local_batch_size, "activation_checkpointing": ac}
+        parallelism["micro_batch"] = job.local_batch_size
+        if steps > 1:  # torchtitan's gradient accumulation: the scenario's micro-batches without a pipeline
+            parallelism["micro_batches"] = steps
+        parallelism["activation_checkpointing"] = ac
     block = _torchtitan_block(job, out)
     out.doc = {
         "schema_version": 1,
@@ -499,6 +519,28 @@ def torchtitan(
         out.doc["expectations"] = {"model": {"check": False}}
         out.comments.append(f"expectations.model.check false (baseline-only): {unchecked}")
     return out
+
+
+def _accumulation(job: TitanJob, dp: int, pp: int) -> int:
+    """torchtitan's gradient-accumulation steps: ``global_batch_size / (local_batch_size x dp_replicate x
+    dp_shard)`` (``trainer.py:415-433``; -1: one step)."""
+    f, g = job.source, job.global_batch_size
+    if g == -1:
+        return 1
+    per_step = job.local_batch_size * dp * job.replicate
+    steps, rest = divmod(g, per_step)
+    if g < 1 or rest or not steps:
+        raise UsageError(
+            f"{f}: global_batch_size = {g} is not a positive multiple of local_batch_size x data-parallel degree = "
+            f"{job.local_batch_size} x {dp * job.replicate} (torchtitan refuses it too): give a multiple, or -1"
+        )
+    if steps > 1 and pp > 1:
+        raise UsageError(
+            f"{f}: global_batch_size = {g} gives {steps} gradient-accumulation steps of the pipeline schedule "
+            f"(local_batch_size x dp = {per_step}): not modelled under torchtitan's pipeline yet; give "
+            f"global_batch_size = {per_step} (or -1)"
+        )
+    return steps
 
 
 TITAN_SCHEDULES = {
@@ -530,10 +572,10 @@ def _titan_pipeline(job: TitanJob, dp: int, tp: int, pp: int, ac: bool) -> dict[
             f" = {job.microbatch_size} (torchtitan refuses it too)"
         )
     schedule = TITAN_SCHEDULES[job.schedule]
-    if schedule in ("interleaved-1f1b", "zero-bubble") and dp > 1:
+    if schedule == "zero-bubble" and dp > 1:
         raise UsageError(
-            f"{f}: pipeline_parallel_schedule = {job.schedule!r} with dp = {dp}: FSDP2 in torchtitan's interleaved "
-            "stages is not modelled yet (in one stage per rank it is): --dp 1, or the schedule 1F1B or GPipe"
+            f"{f}: pipeline_parallel_schedule = {job.schedule!r} with dp = {dp}: FSDP2 under zero-bubble's split "
+            "backward is not modelled yet (under GPipe, 1F1B and Interleaved1F1B it is): --dp 1, or another schedule"
         )
     pipeline: dict[str, Any] = {"engine": "torch", "schedule": schedule}
     if schedule in (
@@ -566,6 +608,7 @@ def _torchtitan_block(job: TitanJob, out: Imported) -> dict[str, Any]:
     for key, value, was in (
         ("mixed_precision_param", job.mixed_precision_param, default.mixed_precision_param),
         ("fsdp_reshard_after_forward", job.reshard, default.fsdp_reshard_after_forward),
+        ("cpu_offload", job.cpu_offload, default.cpu_offload),
         ("loss", job.loss, default.loss),
         ("loss_chunks", job.loss_chunks, default.loss_chunks),
         ("log_freq", job.log_freq, default.log_freq),

@@ -117,6 +117,11 @@ class Layout:
         """The ranks that split one sequence (the same data-parallel replica and tensor-parallel rank)."""
         return self._chunks(self.cp, None)
 
+    def batch_groups(self) -> tuple[Group, ...]:
+        """The ranks of one context-parallel index across the data-parallel ranks: those that read different
+        batches (torchtitan's ``batch`` mesh; the data-parallel groups when cp = 1)."""
+        return tuple(g[j :: self.cp] for g in self.dp_groups() for j in range(self.cp))
+
     def dp_chunks(self, size: int) -> tuple[Group, ...]:
         """Consecutive chunks of ``size`` ranks of every data-parallel group (FSDP2's post-forward groups
         with an int ``reshard_after_forward``: ``mesh.view(-1, size)``)."""

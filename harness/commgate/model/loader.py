@@ -512,6 +512,7 @@ def _build(doc: dict[str, Any], *, file: str, where: _Located, label: str) -> tu
         schemes=SCHEMES,
         bad=bad,
         splits_stages=trainer.splits_stages,
+        trainer=trainer.name,
     )
     for rule in (*rules.RULES, *RULES, *trainers.rules(trainer)):
         rule(check)

@@ -28,8 +28,10 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from fractions import Fraction
+from types import SimpleNamespace
 
 from commgate.model.collectives import Op
 from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
@@ -87,15 +89,33 @@ _ROOT = {False: "root (embeddings, final norm, head)", True: "stage root"}
 
 
 def pipeline_order(ctx: Context, stage: int) -> str:
-    """The forwards (F) and backwards (B) of one step on pipeline ``stage``, as torch 2.13's single-stage
-    schedules run them (``schedules.py``): GPipe all m forwards, then the m backwards; 1F1B min(m, p - stage)
-    forwards, then a backward and a forward in turn while forwards remain, then the rest of the backwards."""
+    """The forwards (F) and backwards (B) of one step on pipeline ``stage``, as torch 2.13's schedules run
+    them (``schedules.py``): GPipe all m forwards, then the m backwards; 1F1B min(m, p - stage) forwards,
+    then a backward and a forward in turn while forwards remain, then the rest of the backwards; interleaved
+    1F1B (v stages a rank, stage s on rank s mod p) the stage's own actions in its rank's order, as torch's
+    ``ScheduleInterleaved1F1B`` computes it (``interleaved_order``)."""
     par = ctx.scenario.parallelism
     m = par.micro_batches
+    if par.pipeline.virtual_stages > 1:
+        return interleaved_order(par.pp, par.pipeline.virtual_stages, m, stage)
     if par.pipeline.schedule == "gpipe":
         return "F" * m + "B" * m
     warmup = min(m, par.pp - stage)
     return "F" * warmup + "BF" * (m - warmup) + "B" * warmup
+
+
+@functools.cache
+def interleaved_order(p: int, v: int, m: int, stage: int) -> str:
+    """Stage ``stage``'s forwards and backwards in interleaved 1F1B over p ranks of v stages each and m
+    micro-batches: torch's own ``ScheduleInterleaved1F1B._calculate_single_rank_operations`` (it reads only
+    these four numbers; ``__init__`` needs the built stages), its rank's actions filtered to the stage."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    rounds = max(1, m // p)
+    me = SimpleNamespace(n_local_stages=v, pp_group_size=p, _n_microbatches=m, microbatches_per_round=m // rounds)
+    ops = ScheduleInterleaved1F1B._calculate_single_rank_operations(me, stage % p)  # type: ignore[arg-type]
+    letter = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B"}
+    return "".join(letter[a.computation_type] for a in ops if a is not None and a.stage_index == stage)
 
 
 def pipelined_gathers(ctx: Context, stage: int, reshards: bool) -> tuple[int, int]:
@@ -329,7 +349,8 @@ def hsdp_and_resharding(c: Check) -> None:
 
 
 def in_pipeline_stages(c: Check) -> None:
-    """FSDP2 inside torch.distributed.pipelining's stages (3-D with tp): GPipe or 1F1B, one stage per rank."""
+    """FSDP2 inside torch.distributed.pipelining's stages (3-D with tp): GPipe or 1F1B, one stage per rank
+    (commgate's own workloads; a trainer's rules say which of its schedules it models)."""
     par, pl = c.par, c.par.pipeline
     if not (c.scheme.optional_pipeline and par.pp > 1):
         return
@@ -337,7 +358,7 @@ def in_pipeline_stages(c: Check) -> None:
         c.bad(
             [P, "pipeline", "engine"], "deepspeed: FSDP2 runs in torch.distributed.pipelining's stages: engine: torch"
         )
-    elif pl.schedule not in ("gpipe", "1f1b"):
+    elif pl.schedule not in ("gpipe", "1f1b") and c.trainer == "commgate":  # torchtitan's rules say its own
         c.bad(
             [P, "pipeline", "schedule"],
             f"{pl.schedule}: FSDP2 in pipeline stages is modelled under gpipe and 1f1b (one stage per rank) yet",

@@ -124,6 +124,8 @@ class Check:
     bad: Bad
     splits_stages: bool = False
     """The scenario's trainer splits the pipeline's stages itself (``Trainer.splits_stages``)."""
+    trainer: str = "commgate"
+    """The scenario's trainer (``trainer:``): a rule about commgate's own workloads skips the others."""
 
     @property
     def declared(self) -> Mapping[str, Any]:

@@ -31,9 +31,13 @@ torch 2.13 and measured on CPU gloo ranks (paths under ``torchtitan/``):
   mixed-precision dtype, FSDP2's policy applying even on a one-rank data-parallel mesh.
 
 * HSDP (``data_parallel_replicate_degree``): each reduce-scattered shard all-reduced across the replicas.
-* Its pipeline (tp = 1, ``TorchtitanPP``; its own split of the stages, ``stages``), FSDP2 in each stage
-  replayed over the schedule's order (``_pipelined_fsdp``), and its flex context parallelism (alone,
-  ``TorchtitanCP``).
+* Its pipeline (``TorchtitanPP``; its own split of the stages, ``stages``), FSDP2 in each stage replayed
+  over the schedule's order on that stage (``_pipelined_fsdp``; interleaved 1F1B: torch's own order of
+  each of a rank's stages), TP inside (its 3-D), and its flex context parallelism (``TorchtitanCP``; FSDP2
+  over dp x cp, the token count over dp alone).
+* Gradient accumulation without a pipeline (``training.global_batch_size`` = m x local x dp):
+  ``train_step`` runs m forward-backward passes a step, each syncing (``accumulated``), the token count,
+  gradient norm and metrics once. FSDP2's CPU offload (``training.enable_cpu_offload``) sends the same.
 
 Paper: Eq. 3 for the FSDP2 part, Eq. 5 for tensor parallelism, Eq. 4 for the pipeline, commgate's CP
 derivation for context parallelism, every difference a named term.
@@ -90,6 +94,9 @@ class Job:
     """The mode when ``parallelism.activation_checkpointing`` is on."""
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    cpu_offload: bool = False
+    """``training.enable_cpu_offload``: FSDP2's ``CPUOffloadPolicy`` (shards on the host, copied to the device
+    around each collective: the same calls, bytes and groups)."""
     loss: Literal["chunked", "cross_entropy"] = "chunked"
     loss_chunks: int = 8
     log_freq: int = 10
@@ -160,6 +167,11 @@ OPTIONS: dict[str, Any] = {
         },
         "mixed_precision_param": {"enum": ["bfloat16", "float32"], "default": "bfloat16"},
         "fsdp_reshard_after_forward": {"enum": ["default", "always", "never"], "default": "default"},
+        "cpu_offload": {
+            "type": "boolean",
+            "default": False,
+            "description": "training.enable_cpu_offload: FSDP2's shards kept on the host (the same collectives).",
+        },
         "loss": {
             "enum": ["chunked", "cross_entropy"],
             "default": "chunked",
@@ -413,6 +425,37 @@ def _scatters(
     return [rs, replicas]
 
 
+def accumulation(term: str, one: Fraction, m: int) -> Residual:
+    """The gradient-accumulation steps beyond the first, ``one`` being a step's bytes of one micro-batch."""
+    return Residual(
+        term=term,
+        name="gradient accumulation",
+        bytes=one * (m - 1),
+        detail=f"{term} counts one micro-batch; torchtitan's train_step runs m={m} forward-backward passes a step "
+        "(training.global_batch_size / (local_batch_size x data-parallel degree), trainer.py:885-930), each "
+        "syncing its gradients",
+    )
+
+
+def accumulated(rows: list[ExpectedCollective], m: int) -> list[ExpectedCollective]:
+    """One micro-batch's ``rows`` as a step of ``m`` gradient-accumulation steps sends them (without a
+    pipeline: torchtitan's train_step syncs every micro-batch); a row sent once a run stays once, and one
+    that the run's first micro-batch does not send (``from_step`` 1: the chunked loss's second gather of
+    the head group) is sent by the first step's other m - 1."""
+    if m == 1:
+        return rows
+    out = []
+    for r in rows:
+        if r.once:
+            out.append(r)
+        elif r.from_step == 1:
+            out += [r, replace(r, calls=r.calls * (m - 1), from_step=0)]
+        else:
+            assert r.from_step == 0, r
+            out.append(replace(r, calls=r.calls * m))
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class TorchtitanFSDP:
     """torchtitan's FSDP2 over the data-parallel ranks (``apply_fsdp_to_decoder``): what is gathered and
@@ -463,12 +506,11 @@ class TorchtitanFSDP:
         if g.block.backward:
             rows.append(gather(g.block, L, bwd, "each block (resharded after forward)"))
         rows += scatter(g.block.padded, L, "each block")
-        if g.tied:
-            return rows
-        if g.embedding.backward:
-            rows.append(gather(g.embedding, 1, bwd, "tok_embeddings (resharded after forward)"))
-        rows += scatter(g.embedding.padded, 1, "tok_embeddings")
-        return rows
+        if not g.tied:
+            if g.embedding.backward:
+                rows.append(gather(g.embedding, 1, bwd, "tok_embeddings (resharded after forward)"))
+            rows += scatter(g.embedding.padded, 1, "tok_embeddings")
+        return accumulated(rows, ctx.scenario.parallelism.micro_batches)
 
     def paper_terms(self, ctx: Context) -> list[PaperTerm]:
         return [eq3_term(ctx)] if ctx.scenario.parallelism.data_ranks > 1 else []
@@ -538,6 +580,10 @@ class TorchtitanFSDP:
                     f"d={d}, the sharding group",
                 )
             )
+        if par.pp == 1 and par.micro_batches > 1:  # every row above is one micro-batch's (accumulated())
+            out.append(
+                accumulation(EQ3, eq3_term(ctx).bytes + sum((x.bytes for x in out), Fraction(0)), par.micro_batches)
+            )
         return out
 
 
@@ -582,17 +628,17 @@ def _pipelined_fsdp(ctx: Context) -> list[ExpectedCollective]:
     a step and its gradient reduce-scattered once, by the schedule's ``perform_reduce_grad`` after the last
     backward, outside autograd (recorded in the forward phase). The last stage's ``[norm, lm_head]`` follows
     the chunked loss (``head_replay``)."""
-    job = Job.of(ctx.scenario)
+    job, par = Job.of(ctx.scenario), ctx.scenario.parallelism
     g = groups(ctx, job)
-    rows = [row for st in stages(ctx.scenario.parallelism.pp, ctx.scenario.model.L) for row in _stage(ctx, job, g, st)]
-    return [r for r in rows if r.calls]
+    split = stages(par.pp * par.pipeline.virtual_stages, ctx.scenario.model.L)
+    return [row for st in split for row in _stage(ctx, job, g, st) if row.calls]
 
 
 def _stage(ctx: Context, job: Job, g: Groups, st: Stage) -> list[ExpectedCollective]:
     """One pipeline stage's FSDP2 calls (``_pipelined_fsdp``)."""
     always = job.fsdp_reshard_after_forward == "always"
     where = f", stage {st.index} ({pipeline_order(ctx, st.index)})"
-    base = _fsdp_base(job, ctx.layout.dp_groups(st.index))
+    base = _fsdp_base(job, ctx.layout.dp_groups(st.index % ctx.scenario.parallelism.pp))  # stage s on rank s mod p
     fwd, bwd = pipelined_gathers(ctx, st.index, always)
 
     def gathers(group: Group, n: int, what: str) -> list[ExpectedCollective]:
@@ -637,18 +683,28 @@ def _stage(ctx: Context, job: Job, g: Groups, st: Stage) -> list[ExpectedCollect
 TIED_TWICE = ", the tied weight's twice"
 
 
+def rank0_stages(ctx: Context) -> tuple[Stage, ...]:
+    """The stages rank 0 holds: stage 0, and under interleaving stages p, 2p, ... (torchtitan's loop style)."""
+    par = ctx.scenario.parallelism
+    return stages(par.pp * par.pipeline.virtual_stages, ctx.scenario.model.L)[:: par.pp]
+
+
 def _first_stage(ctx: Context, g: Groups, job: Job) -> tuple[tuple[Group, int], ...]:
-    """Rank 0's groups under a pipeline (stage 0: the embedding and its blocks; the head is on the last
-    stage), with their all-gathers per step in the schedule (``pipelined_gathers``)."""
-    st = stages(ctx.scenario.parallelism.pp, ctx.scenario.model.L)[0]
-    fwd, bwd = pipelined_gathers(ctx, 0, job.fsdp_reshard_after_forward == "always")
-    mine = ((g.embedding, 1), (g.block, st.layers))
-    return tuple((replace(grp, forward=fwd, backward=bwd), n) for grp, n in mine if n)
+    """Rank 0's groups under a pipeline (stage 0: the embedding and its blocks, and under interleaving the
+    blocks of its other stages; the head is on the last stage, never rank 0's), with their all-gathers per
+    step in the schedule (``pipelined_gathers``)."""
+    out: list[tuple[Group, int]] = []
+    for st in rank0_stages(ctx):
+        fwd, bwd = pipelined_gathers(ctx, st.index, job.fsdp_reshard_after_forward == "always")
+        mine = ((g.embedding, int(st.embedding)), (g.block, st.layers))
+        out += [(replace(grp, forward=fwd, backward=bwd), n) for grp, n in mine if n]
+    return tuple(out)
 
 
 def _stage_gather_terms(ctx: Context, every: tuple[tuple[Group, int], ...], per_element: Fraction) -> list[Residual]:
     """Rank 0's all-gathers under a pipeline beyond Eq. 3's one forward and one backward per parameter."""
-    order, policy = pipeline_order(ctx, 0), Job.of(ctx.scenario).fsdp_reshard_after_forward
+    policy = Job.of(ctx.scenario).fsdp_reshard_after_forward
+    order = ", ".join(f"{st.index}: {pipeline_order(ctx, st.index)}" for st in rank0_stages(ctx))
     fwd = sum((grp.forward - 1) * grp.padded * n for grp, n in every)
     bwd = sum((grp.backward - 1) * grp.padded * n for grp, n in every)
     why = {
@@ -656,7 +712,7 @@ def _stage_gather_terms(ctx: Context, every: tuple[tuple[Group, int], ...], per_
         "never": "fsdp_reshard_after_forward never",
         "always": "fsdp_reshard_after_forward always",
     }[policy]
-    sched = f"in the {ctx.scenario.parallelism.pipeline.schedule} schedule on stage 0 ({order})"
+    sched = f"in the {ctx.scenario.parallelism.pipeline.schedule} schedule on rank 0's stages ({order})"
     terms = (
         (
             fwd,
@@ -742,7 +798,7 @@ class TorchtitanTP:
             return []
         job = Job.of(ctx.scenario)
         unit = Fraction(ctx.bsh * (par.tp - 1), par.tp) * m.itemsize
-        L0, mb = stages(par.pp, m.L)[0].layers, par.micro_batches if par.pp > 1 else 1
+        L0, mb = stages(par.pp, m.L)[0].layers, par.micro_batches  # a pipeline's, or gradient accumulation's
         units = self._units(ctx)
         ac = job.ac(par.activation_checkpointing)
         why = {
@@ -765,7 +821,7 @@ class TorchtitanTP:
                 )
             )
         if mb > 1:
-            out.append(micro_batches(EQ5, units * unit, mb))
+            out.append((micro_batches if par.pp > 1 else accumulation)(EQ5, units * unit, mb))
         p_isz = WIRE_ITEMSIZE[job.param_dtype]
         if p_isz != m.itemsize:
             out.append(
@@ -791,7 +847,7 @@ def _tp_stage(ctx: Context, st: Stage) -> list[ExpectedCollective]:
     norm's also with each of the chunked loss's reduce-scatters that carry its gradient (``head_replay``)."""
     par, m, job = ctx.scenario.parallelism, ctx.scenario.model, Job.of(ctx.scenario)
     pipelined = par.pp > 1
-    L, ac, mb = st.layers, job.ac(par.activation_checkpointing), par.micro_batches if pipelined else 1
+    L, ac, mb = st.layers, job.ac(par.activation_checkpointing), par.micro_batches  # a pipeline's, or accumulation's
     where = f", stage {st.index}" if pipelined else ""
     base = ExpectedCollective(
         op=Op.ALL_GATHER,
@@ -830,7 +886,7 @@ def _tp_stage(ctx: Context, st: Stage) -> list[ExpectedCollective]:
         op=Op.ALL_REDUCE,
         dtype=REDUCE_DTYPE if pipelined else base.dtype,  # FSDP2 reduces it (fp32) or autograd (bf16)
         elements=m.h,
-        calls=2 * L,
+        calls=2 * L * (1 if pipelined else mb),  # a pipeline reduces once a step, autograd once a backward
         phase=Phase.FORWARD if pipelined else bwd,
         source="SP norm-weight gradient all-reduce (Replicate weight, Partial gradient), each block's two" + where,
         paper_term=None,
@@ -852,7 +908,9 @@ def _tp_stage(ctx: Context, st: Stage) -> list[ExpectedCollective]:
                 overlaps=False,
             ),
         ]
-        final = replace(norm, calls=1, source="SP norm-weight gradient all-reduce, the final norm's" + where)
+        final = replace(
+            norm, calls=1 if pipelined else mb, source="SP norm-weight gradient all-reduce, the final norm's" + where
+        )
         if pipelined and job.loss == "chunked":  # with each loss reduce-scatter that carries its gradient
             carried = head_replay(pipeline_order(ctx, st.index)).head_and_norm
             rows.append(replace(final, calls=carried, phase=bwd, source=final.source + ", at the loss"))
@@ -918,8 +976,8 @@ class TorchtitanStep:
         axes: list[tuple[Axis, tuple[Ranks, ...]]] = []
         if lay.replicate > 1:  # the batch and loss meshes span the replicas too (dp_replicate x dp_shard)
             base = replace(base, axis="world", groups=lay.world())
-        if par.dp > 1:  # the batch mesh: dp alone (with cp = 1, the dp x cp groups are dp's)
-            rows.append(base)
+        if par.dp > 1:  # the batch mesh: dp alone, each of its groups one context-parallel index
+            rows.append(replace(base, groups=lay.batch_groups()) if par.cp > 1 else base)
         if par.data_ranks > 1:
             axes.append(("dp", lay.dp_groups()))
         if par.tp > 1:
@@ -937,10 +995,13 @@ class TorchtitanStep:
             if par.pp == 1:
                 rows.append(clip)
                 continue
-            for st in stages(par.pp, s.model.L):  # each stage's own tensors, over its own groups
-                mine = lay.dp_groups(st.index) if axis == "dp" else lay.tp_groups(st.index)
-                rows.append(replace(clip, groups=mine, elements=param_tensors(ctx, st),
-                                    source=f"{clip.source}, stage {st.index}'s tensors"))  # fmt: skip
+            split = stages(par.pp * par.pipeline.virtual_stages, s.model.L)
+            for r in range(par.pp):  # each pipeline rank's own tensors (all its stages'), over its own groups
+                mine = lay.dp_groups(r) if axis == "dp" else lay.tp_groups(r)
+                held = split[r :: par.pp]
+                which = "+".join(str(st.index) for st in held)
+                rows.append(replace(clip, groups=mine, elements=sum(param_tensors(ctx, st) for st in held),
+                                    source=f"{clip.source}, stage {which}'s tensors"))  # fmt: skip
         if par.data_ranks > 1:
             rows += _metrics(base, job, s.warmup_steps + s.steps)
         return rows
@@ -1063,7 +1124,7 @@ class TorchtitanCP(ContextParallel):
             rows.append(
                 replace(gather, phase=Phase.BACKWARD, source="flex CP: K and V all-gathered again by the recomputation")
             )
-        return rows
+        return accumulated(rows, par.micro_batches)
 
     def residuals(self, ctx: Context) -> list[Residual]:
         par, model = ctx.scenario.parallelism, ctx.scenario.model
@@ -1092,6 +1153,9 @@ class TorchtitanCP(ContextParallel):
                     detail=f"K, V and their gradients move in {act}; the derivation counts {model.dtype}",
                 )
             )
+        if par.micro_batches > 1:
+            one = self.paper_terms(ctx)[0].bytes + sum((x.bytes for x in out), Fraction(0))
+            out.append(accumulation(CP_TERM, one, par.micro_batches))
         return out
 
 
@@ -1173,22 +1237,21 @@ def torchtitans_model(c: Check) -> None:
 def torchtitans_axes(c: Check) -> None:
     """What torchtitan runs on torch 2.13 CPU and the model holds: FSDP2 (HSDP) over dp (scheme with FSDP),
     TP with dp = 1 (the tensor scheme), its pipeline with FSDP2 in single-stage schedules, context
-    parallelism alone, no gradient accumulation outside a pipeline."""
+    parallelism with FSDP2; ``micro_batches``: the pipeline's, or without one gradient accumulation's steps."""
     par = c.par
-    refused: tuple[tuple[str, int, str], ...] = ()
     if par.pp == 1:
-        refused += (("micro_batches", par.micro_batches, "gradient accumulation under torchtitan is not modelled yet"),)
+        pass
     elif par.tp > 1 and par.dp == 1:
         c.bad(
             [P, "tp"],
             f"{par.tp}: torchtitan's pipeline with tensor parallelism is modelled with FSDP2 over dp >= 2 "
             "(scheme fsdp, torchtitan's 3-D); with dp = 1 not yet",
         )
-    elif par.dp > 1 and par.pipeline.virtual_stages > 1:
+    elif par.dp > 1 and par.pipeline.schedule == "zero-bubble":
         c.bad(
             [P, "pipeline", "schedule"],
-            f"{par.pipeline.schedule}: FSDP2 in torchtitan's pipeline stages is modelled under gpipe and 1f1b "
-            "(one stage per rank) yet: gpipe or 1f1b, or dp = 1",
+            f"{par.pipeline.schedule}: FSDP2 in torchtitan's pipeline stages is modelled under gpipe, 1f1b and "
+            "interleaved-1f1b yet (zero-bubble's split backward is not): one of them, or dp = 1",
         )
     elif par.pp * par.pipeline.virtual_stages > c.model.L + 2:
         c.bad(
@@ -1203,11 +1266,11 @@ def torchtitans_axes(c: Check) -> None:
             "0: torchtitan's pipeline infers its stages' shapes in the first step (pickled "
             "metadata the model does not predict): give it a warm-up step",
         )
-    if par.cp > 1 and (par.dp > 1 or par.tp > 1 or par.pp > 1 or par.micro_batches > 1):
+    if par.cp > 1 and (par.tp > 1 or par.pp > 1):
         c.bad(
             [P, "cp"],
-            f"{par.cp}: torchtitan's context parallelism is modelled alone (dp = tp = pp = 1, one "
-            "micro-batch): its composition with the others is not yet",
+            f"{par.cp}: torchtitan's context parallelism is modelled with FSDP2 over dp x cp (tp = pp = 1): "
+            "with tensor or pipeline parallelism not yet",
         )
     if par.cp > 1 and c.model.s % (FLEX_BLOCK * par.cp):
         c.bad(
@@ -1215,9 +1278,6 @@ def torchtitans_axes(c: Check) -> None:
             f"{c.model.s}: flex attention under context parallelism needs s divisible by cp={par.cp} x its block "
             f"size {FLEX_BLOCK} (torch's flex CP raises NotImplementedError otherwise)",
         )
-    for key, value, why in refused:
-        if value != 1:
-            c.bad([P, key], f"{value}: {why}")
     if "fsdp" in c.declared:
         c.bad(
             [P, "fsdp"],
@@ -1296,9 +1356,10 @@ GIVEN: dict[str, str] = {
     "training.disable_cuda_graphs": "the adapter (under a pipeline: torchtitan refuses PP otherwise, trainer.py:179)",
     "parallelism.enable_sequence_parallel": "parallelism.sequence_parallel",
     "parallelism.fsdp_reshard_after_forward": "torchtitan.fsdp_reshard_after_forward",
+    "training.enable_cpu_offload": "torchtitan.cpu_offload",
     "parallelism.spmd_backend": "the adapter (partial_dtensor: spmd_types fails in torch 2.13's fully_shard)",
     "training.local_batch_size": "parallelism.micro_batch (x micro_batches under a pipeline)",
-    "training.global_batch_size": "parallelism.micro_batch x dp (x micro_batches under a pipeline; no accumulation)",
+    "training.global_batch_size": "parallelism.micro_batch x micro_batches x dp x dp_replicate",
     "training.seq_len": "model.s",
     "training.dtype": "model.dtype",
     "training.mixed_precision_param": "torchtitan.mixed_precision_param",
@@ -1318,7 +1379,6 @@ BLOCKED: dict[str, str] = {
     "parallelism.enable_fsdp_symm_mem": "symmetric memory is CUDA-only",
     "compile.enable": "compile does not run on torch 2.13 CPU (InductorError compiling a block with flex attention)",
     "compile.enable_async_tensor_parallel": "async TP needs compile and CUDA symmetric memory",
-    "training.enable_cpu_offload": "FSDP2's CPU offload under torchtitan is not modelled yet",
     "parallelism.pipeline_parallel_layers_per_stage": "the model holds torchtitan's default split of the blocks",
     "parallelism.pipeline_parallel_first_stage_less_layers": "the model holds torchtitan's default split (1)",
     "parallelism.pipeline_parallel_last_stage_less_layers": "the model holds torchtitan's default split (1)",

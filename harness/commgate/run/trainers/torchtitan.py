@@ -43,6 +43,9 @@ a test of each that fails when upstream changes so that it is no longer needed o
 * P7 the pipeline's ``step`` (``trainer.py:856``: ``pp_schedule.step(arg_mbs=...)``, a torch newer than
   2.13): ``microbatch_step`` gives the schedule a ``step`` that takes torchtitan's micro-batches and does
   what torch 2.13's own ``step`` does after splitting a batch.
+* P8 FSDP2's CPU offload (``training.enable_cpu_offload``: ``distributed/fsdp.py:173-174`` builds
+  ``CPUOffloadPolicy()``, which pins host memory, ``torch/.../_fsdp_param.py:1044-1045``; pinning needs an
+  accelerator): on CPU torchtitan's policy is built with FSDP2's own ``pin_memory=False``.
 * And not a patch: ``--parallelism.spmd_backend partial_dtensor``, since the default ``spmd_types`` fails in
   torch 2.13's ``fully_shard`` (``distributed/fsdp.py:195`` -> ``torch/.../_fsdp_param.py:346``).
 """
@@ -51,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import json
@@ -65,8 +69,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from commgate.core.errors import CommgateError
+from commgate.model.expectation import Context
 from commgate.model.importer import TitanJob
 from commgate.model.scenario import ModelSpec, Scenario
+from commgate.model.schemes.fsdp import pipeline_order
 from commgate.model.trainers.torchtitan import LEFT_OFF_WHY, Job, stages
 from commgate.run import interpose
 from commgate.run.capture import RUN_DIR
@@ -210,6 +216,21 @@ def sum_reduction() -> None:
     APPLIED.append("P4 FSDP2 reduce-scatters with SUM")
 
 
+def unpinned_offload() -> None:
+    """P8: torchtitan's CPU offload (``training.enable_cpu_offload``) builds FSDP2's ``CPUOffloadPolicy()``
+    (``distributed/fsdp.py:173-174``), whose default ``pin_memory=True`` pins each shard
+    (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py:1044-1045``), which a torch without an accelerator
+    refuses ("Cannot access accelerator device"); on CPU the policy is made with FSDP2's own ``pin_memory=False``
+    (pinning host memory only speeds copies to an accelerator: no collective changes)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torchtitan.distributed import fsdp
+
+    if fsdp.CPUOffloadPolicy is not CPUOffloadPolicy:
+        return
+    fsdp.CPUOffloadPolicy = functools.partial(CPUOffloadPolicy, pin_memory=False)  # type: ignore[misc]
+    APPLIED.append("P8 FSDP2 CPU offload unpinned")
+
+
 def eager_block_mask() -> None:
     """P6: the block mask is made eagerly instead of compiled by inductor at the first step."""
     import torchtitan.models.common.attention as attention
@@ -250,6 +271,7 @@ def prepare(device: str) -> None:
         eager_flex_on_cpu()
         sum_reduction()
         eager_block_mask()
+        unpinned_offload()
     optimizer_phase()
 
 
@@ -323,12 +345,13 @@ def overrides(scenario: Scenario, job: Job, *, tokenizer: Path, data: Path, dump
         "--parallelism.context_parallel_degree", str(par.cp),
         *pipeline,
         "--training.local_batch_size", str(par.micro_batch * micro_batches),
-        "--training.global_batch_size", str(par.micro_batch * micro_batches * par.dp * par.dp_replicate),
+        "--training.global_batch_size", str(par.micro_batch * par.micro_batches * par.dp * par.dp_replicate),
         "--training.seq_len", str(m.s),
         "--training.dtype", "float32",
         "--training.mixed_precision_param", job.mixed_precision_param,
         "--metrics.log_freq", str(job.log_freq),
         *seed,
+        *(["--training.enable_cpu_offload"] if job.cpu_offload else []),
         *job.args,
         f"activation-checkpoint:{job.ac(par.activation_checkpointing)}",
     ]  # fmt: skip
@@ -561,9 +584,14 @@ def check_config(config: Any, scenario: Scenario, job: Job) -> None:
             job.fsdp_reshard_after_forward,
             "torchtitan.fsdp_reshard_after_forward",
         ),
+        "training.enable_cpu_offload": (job.cpu_offload, "torchtitan.cpu_offload"),
         "training.local_batch_size": (
             par.micro_batch * (par.micro_batches if par.pp > 1 else 1),
             "parallelism.micro_batch x micro_batches",
+        ),
+        "training.global_batch_size": (
+            par.micro_batch * par.micro_batches * par.dp * par.dp_replicate,
+            "parallelism.micro_batch x micro_batches x dp x dp_replicate",
         ),
         "training.seq_len": (m.s, "model.s"),
         **(
@@ -659,16 +687,28 @@ def check_built(trainer: Any, scenario: Scenario, job: Job) -> None:
         raise CommgateError(f"{where} with parameters that differ from the scenario's model: {diff} ...")
     if par.pp > 1:
         check_split(parts, scenario, dims.get_mesh("pp").get_local_rank(), where)
+        check_order(trainer.pp_schedule, scenario, dims.get_mesh("pp").get_local_rank(), where)
     model = parts[0]
-    if trainer.gradient_accumulation_steps != 1:
+    accumulation = 1 if par.pp > 1 else par.micro_batches
+    if trainer.gradient_accumulation_steps != accumulation:
         raise CommgateError(
-            f"{where} with {trainer.gradient_accumulation_steps} gradient-accumulation steps; 1 is modelled"
+            f"{where} with {trainer.gradient_accumulation_steps} gradient-accumulation steps; the scenario "
+            f"describes {accumulation} (parallelism.micro_batches{' under a pipeline: 1' if par.pp > 1 else ''})"
         )
     state = model._get_fsdp_state() if hasattr(model, "_get_fsdp_state") else None
     policy = getattr(state, "_mp_policy", None)
     want_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[job.mixed_precision_param]
     if policy is None or policy.param_dtype != want_dtype or policy.reduce_dtype != torch.float32:
         raise CommgateError(f"{where} with FSDP2 mixed precision {policy}, the scenario describes {want_dtype} gathers")
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    held = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+    offloaded = any(isinstance(getattr(g, "offload_policy", None), CPUOffloadPolicy) for g in held)
+    if offloaded != job.cpu_offload:
+        raise CommgateError(
+            f"{where} with FSDP2 CPU offload {'on' if offloaded else 'off'}, the scenario describes "
+            f"{'on' if job.cpu_offload else 'off'} (torchtitan.cpu_offload)"
+        )
 
 
 def check_split(parts: list[Any], scenario: Scenario, pp_rank: int, where: str) -> None:
@@ -690,6 +730,28 @@ def check_split(parts: list[Any], scenario: Scenario, pp_rank: int, where: str) 
                 f"{where} with stage {st.index} holding (embedding, blocks, head) = {held}, the model's split "
                 f"of torchtitan's default is {(st.embedding, st.layers, st.head)}: its pipeline_parallel_* split "
                 "options are not modelled"
+            )
+
+
+def check_order(schedule: Any, scenario: Scenario, pp_rank: int, where: str) -> None:
+    """Stop where the schedule torchtitan built runs this rank's stages' forwards and backwards in another
+    order than the model replays (``commgate.model.schemes.fsdp.pipeline_order``: FSDP2's gathers follow it).
+    The schedule holds its order (``pipeline_order``: each rank's actions; the gradient reduction, after a
+    stage's last backward, left out). Without FSDP2 (one data-parallel rank) the order changes nothing modelled."""
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    order = getattr(schedule, "pipeline_order", None)
+    if order is None or scenario.parallelism.data_ranks == 1:
+        return
+    letter = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B", _ComputationType.REDUCE_GRAD: ""}
+    ctx = Context(scenario=scenario)
+    for k in range(scenario.parallelism.pipeline.virtual_stages):
+        stage = pp_rank + k * scenario.parallelism.pp
+        ran = "".join(letter.get(a.computation_type, "?") for a in order[pp_rank] if a and a.stage_index == stage)
+        if ran != (want := pipeline_order(ctx, stage)):
+            raise CommgateError(
+                f"{where} with stage {stage} running {ran} (F forward, B backward), the model replays {want}: "
+                f"torch's {type(schedule).__name__} changed its order"
             )
 
 
@@ -765,6 +827,7 @@ def read_config(module: str, config: str) -> TitanJob:
         module=module,
         model=dims,
         local_batch_size=training.local_batch_size,
+        global_batch_size=training.global_batch_size,
         seq_len=training.seq_len,
         dp=par.data_parallel_shard_degree,
         tp=par.tensor_parallel_degree,
@@ -780,6 +843,7 @@ def read_config(module: str, config: str) -> TitanJob:
         log_freq=cfg.metrics.log_freq,
         mixed_precision_param=training.mixed_precision_param,
         reshard=par.fsdp_reshard_after_forward,
+        cpu_offload=training.enable_cpu_offload,
         compile=cfg.compile.enable,
         async_tp=cfg.compile.enable_async_tensor_parallel,
         float8=float8 or bool(converted(model)),
