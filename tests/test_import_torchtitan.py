@@ -171,6 +171,28 @@ needs_torchtitan = pytest.mark.skipif(
 
 
 @needs_torchtitan
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ("llama3_debugmodel_dist_gemm", "converts linear layers (RowParallelLinear.Config): not modelled"),
+        ("llama3_debugmodel_float8_emulate_lora", "converts linear layers (FrozenLinear.Config"),
+        ("sft_debugmodel", "reads its data with ChatDataLoader.Config; the run makes a text dataset"),
+    ],
+)
+def test_a_config_function_the_run_cannot_hold_is_one_line_and_nothing_written(
+    config: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torchtitan's own config functions whose job is not the llama3 pretraining the run makes: async TP's
+    fused GEMMs, LoRA, SFT's chat data (before, the first two were imported as float8 and the third failed
+    on the ranks with FileNotFoundError)."""
+    out = tmp_path / "x.yaml"
+    assert main(["import", "--torchtitan", f"llama3:{config}", "--dp", "2", "--cpu", "-o", str(out)]) == 2
+    *_, err = capsys.readouterr().err.strip().splitlines()
+    assert err.startswith(f"commgate: error: --torchtitan llama3:{config}: ") and message in err, err
+    assert not out.exists()
+
+
+@needs_torchtitan
 @pytest.mark.parametrize(("toml", "config"), [("llama3_8b.toml", "llama3_8b"), ("llama3_70b.toml", "llama3_70b")])
 def test_a_config_function_and_its_toml_describe_the_same_job(toml: str, config: str, tmp_path: Path) -> None:
     """torchtitan's own ConfigManager reads llama3_8b / llama3_70b as the v0.2.2 TOMLs state them."""

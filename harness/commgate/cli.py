@@ -691,7 +691,10 @@ def _torchtitan_import(a: argparse.Namespace) -> Imported:
         from commgate.run.trainers.torchtitan import read_config
 
         module, _, config = source.partition(":")
-        job = read_config(module, config)
+        try:
+            job = read_config(module, config)
+        except CommgateError as exc:  # a config torchtitan cannot build, or one the model does not hold
+            raise UsageError(f"--torchtitan {source}: {exc}") from None
     else:
         raise UsageError(f"--torchtitan {source}: expected a .toml file or MODULE:CONFIG (llama3:llama3_8b)")
     return torchtitan(job, dp=a.dp, tp=a.tp, pp=a.pp, cpu=a.cpu, name=a.name)

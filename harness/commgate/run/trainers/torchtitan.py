@@ -563,10 +563,25 @@ def leave_off(config: Any, job: Job) -> None:
         config.compile.enable = False
 
 
+def text_loader(config: Any, where: str) -> None:
+    """Stop where the config reads its data with another loader than ``HuggingFaceTextDataLoader`` (the run
+    makes a local text dataset for it, ``make_assets``; ``sft_debugmodel``'s ``ChatDataLoader`` reads chat
+    samples the run does not make)."""
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+
+    if not isinstance(config.dataloader, HuggingFaceTextDataLoader.Config):
+        kind = type(config.dataloader).__qualname__
+        raise CommgateError(
+            f"torchtitan config {where} reads its data with {kind}; the run makes a text dataset for "
+            "HuggingFaceTextDataLoader only: a config of the llama3 pretraining family"
+        )
+
+
 def check_config(config: Any, scenario: Scenario, job: Job) -> None:
     """Stop in one line where the parsed job is not the scenario's (a config function, or torchtitan.args,
     that sets what the scenario gives)."""
     par, m = scenario.parallelism, scenario.model
+    text_loader(config, f"{job.module}:{job.config}")
     chunked = _chunked(config)
     got = {
         "activation_checkpoint": ac_mode(config) or type(config.activation_checkpoint).__qualname__,
@@ -814,6 +829,9 @@ def read_config(module: str, config: str) -> TitanJob:
     model = cfg.model_spec.model
     if not hasattr(model, "layers") or not hasattr(model, "vocab_size"):
         raise CommgateError(f"torchtitan config {where} builds {type(model).__qualname__}; commgate models llama3 only")
+    if swapped := converted(model):  # float8's converter was built disabled; MX, NVFP4, async TP's fused GEMMs
+        raise CommgateError(f"torchtitan config {where} converts linear layers ({', '.join(swapped)}): not modelled")
+    text_loader(cfg, where)
     dims = model_dims(model)
     par, training = cfg.parallelism, cfg.training
     chunked = isinstance(cfg.loss, ChunkedLossWrapper.Config)
@@ -846,6 +864,6 @@ def read_config(module: str, config: str) -> TitanJob:
         cpu_offload=training.enable_cpu_offload,
         compile=cfg.compile.enable,
         async_tp=cfg.compile.enable_async_tensor_parallel,
-        float8=float8 or bool(converted(model)),
+        float8=float8,
         notes=(f"{where}: read by torchtitan's own ConfigManager",),
     )
