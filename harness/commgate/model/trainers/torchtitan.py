@@ -773,13 +773,13 @@ class TorchtitanTP:
         par, m = ctx.scenario.parallelism, ctx.scenario.model
         if par.tp == 1 or not par.sequence_parallel:  # without SP: measured only (baseline-only, a rule says)
             return []
-        return [row for st in stages(par.pp, m.L) for row in _tp_stage(ctx, st)]
+        return [row for st in stages(par.pp * par.pipeline.virtual_stages, m.L) for row in _tp_stage(ctx, st)]
 
     def _units(self, ctx: Context) -> int:
         """Rank 0's all-gathers and reduce-scatters of one activation in one micro-batch under Eq. 5 (counted
         in ``paper_term``): its stage's blocks (all of them without a pipeline) and the embedding's."""
         par = ctx.scenario.parallelism
-        L0 = stages(par.pp, ctx.scenario.model.L)[0].layers
+        L0 = sum(st.layers for st in rank0_stages(ctx))
         ac = Job.of(ctx.scenario).ac(par.activation_checkpointing)
         return 8 * L0 + 2 + {"none": 0, "selective": 2 * L0, "full": 4 * L0}[ac]
 
@@ -798,7 +798,7 @@ class TorchtitanTP:
             return []
         job = Job.of(ctx.scenario)
         unit = Fraction(ctx.bsh * (par.tp - 1), par.tp) * m.itemsize
-        L0, mb = stages(par.pp, m.L)[0].layers, par.micro_batches  # a pipeline's, or gradient accumulation's
+        L0, mb = sum(st.layers for st in rank0_stages(ctx)), par.micro_batches  # a pipeline's, or accumulation's
         units = self._units(ctx)
         ac = job.ac(par.activation_checkpointing)
         why = {
@@ -816,7 +816,7 @@ class TorchtitanTP:
                     term=EQ5,
                     name="torchtitan's stage split",
                     bytes=12 * (L0 - Fraction(m.L, par.pp)) * unit,
-                    detail=f"stage 0 holds {L0} of the {m.L} blocks (torchtitan weighs the embedding and the head "
+                    detail=f"rank 0 holds {L0} of the {m.L} blocks (torchtitan weighs the embedding and the head "
                     f"as a block each, pipeline_parallel.py:366-476); Eq. 5 counts L/p",
                 )
             )
@@ -852,7 +852,7 @@ def _tp_stage(ctx: Context, st: Stage) -> list[ExpectedCollective]:
     base = ExpectedCollective(
         op=Op.ALL_GATHER,
         axis="tp",
-        groups=ctx.layout.tp_groups(st.index),
+        groups=ctx.layout.tp_groups(st.index % par.pp),  # stage s on pipeline rank s mod p
         dtype=job.param_dtype,
         elements=ctx.bsh,
         calls=0,
@@ -1246,6 +1246,13 @@ def torchtitans_axes(c: Check) -> None:
             [P, "tp"],
             f"{par.tp}: torchtitan's pipeline with tensor parallelism is modelled with FSDP2 over dp >= 2 "
             "(scheme fsdp, torchtitan's 3-D); with dp = 1 not yet",
+        )
+    elif par.tp > 1 and par.pipeline.virtual_stages > 1:
+        c.bad(
+            [P, "pipeline", "schedule"],
+            f"{par.pipeline.schedule}: torchtitan's 3-D under an interleaved schedule aborts on torch 2.13's CPU "
+            "gloo (SIGABRT in a stage's forward, its peers' sends failing with writev Bad address; seen here), "
+            "so it is not run: gpipe or 1f1b with tensor parallelism, or tp = 1",
         )
     elif par.dp > 1 and par.pipeline.schedule == "zero-bubble":
         c.bad(
