@@ -70,6 +70,10 @@ def test_the_bubble_follows_the_schedule() -> None:
         (scenario("schedule: wavefront"), "parallelism.pipeline.schedule"),
         (scenario("schedule: 1f1b").replace("batches: 4", "batches: 1"), "Schedule1F1B needs at least pp=2"),
         (scenario("schedule: gpipe", ", zero: {stage: 1}"), "ZeRO options do not apply to torch"),
+        (
+            scenario("schedule: gpipe").replace("scheme: pp", "scheme: 3d, tp: 2"),
+            r"modelled under schemes 'fsdp' or 'pp', not '3d' \(scheme '3d' with engine torch is torchtitan's",
+        ),
     ],
 )
 def test_what_torch_pipelining_refuses_is_one_line(text: str, message: str) -> None:

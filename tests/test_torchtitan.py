@@ -196,12 +196,6 @@ REFUSED = [
     (FSDP, "args: [activation-checkpoint:full]", TINY, r"activation-checkpoint is given by parallelism.activation_che"),
     (FSDP, "args: ['--parallelism.pipeline_parallel_degree=2']", TINY, r"given by parallelism.pp"),
     (
-        PP.replace("pp: 2", "pp: 2, tp: 2, sequence_parallel: true").replace("scheme: pp", "scheme: tp"),
-        "",
-        TINY_TP,
-        r"parallelism.tp: 2: torchtitan's pipeline with tensor parallelism is modelled with FSDP2 over dp >= 2",
-    ),
-    (
         PP.replace("pp: 2", "pp: 2, dp: 2").replace("scheme: pp", "scheme: fsdp").replace("1f1b", "interleaved-1f1b"),
         "",
         TINY.replace("L: 2", "L: 4"),
@@ -726,6 +720,17 @@ def test_pipeline_with_fsdp2_in_each_stage_reconciles(
         f"pipeline: {{engine: torch, schedule: {schedule}}}"
     )
     run_and_reconcile(scenario(par, block, TINY.replace("L: 2", f"L: {layers}")), tmp_path)
+
+
+def test_pipeline_with_tp_and_one_data_rank_reconciles(tmp_path: Path, tt: Any) -> None:
+    """pp x tp with dp = 1 (scheme 3d): each stage's blocks' TP collectives per micro-batch, the boundaries
+    carrying each TP rank's sequence shard, FSDP2 silent on its one-rank mesh (its mixed precision applies)."""
+    par = (
+        "scheme: 3d, dp: 1, tp: 2, sequence_parallel: true, pp: 2, micro_batch: 1, micro_batches: 3, "
+        "activation_checkpointing: true, pipeline: {engine: torch, schedule: gpipe}"
+    )
+    block = "log_freq: 2, activation_checkpoint: full, config: llama3_debugmodel_ce_loss, loss: cross_entropy"
+    run_and_reconcile(scenario(par, block, TINY_TP.replace("L: 2", "L: 3")), tmp_path)
 
 
 @pytest.mark.parametrize(

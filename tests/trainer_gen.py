@@ -190,7 +190,11 @@ def torchtitan(rng: random.Random, index: int) -> Draw:
         dp = rng.choice([1, 2]) if schedule != "zero-bubble" and 2 * pp <= MAX_WORLD else 1
         model["L"] = rng.randint(max(1, pp * v - 2), 2 * pp * v)  # torchtitan splits L + 2 units, unevenly too
         pipeline: dict[str, Any] = {"engine": "torch", "schedule": schedule} | ({"virtual_stages": v} if v > 1 else {})
-        par = {"scheme": "fsdp" if dp > 1 else "pp", "dp": dp, "pp": pp, "micro_batch": par["micro_batch"]}
+        inner = tp if tp > 1 and dp == 1 and v == 1 and pp * tp <= MAX_WORLD and rng.random() < 0.5 else 1
+        scheme = "fsdp" if dp > 1 else "3d" if inner > 1 else "pp"  # 3d: TP in the stages, one data rank
+        par = {"scheme": scheme, "dp": dp, "pp": pp, "micro_batch": par["micro_batch"]}
+        if inner > 1:
+            par |= {"tp": inner, "sequence_parallel": True}
         par |= {"micro_batches": rng.choice([pp, 2 * pp, pp + 1]), "activation_checkpointing": ac, "pipeline": pipeline}
         if dp > 1 and rng.random() < 0.4:
             block["fsdp_reshard_after_forward"] = rng.choice(["default", "always", "never"])

@@ -464,11 +464,6 @@ def torchtitan(
             f"{f}: context_parallel_degree = {job.cp} with tp = {tp}, pp = {pp}: torchtitan's context parallelism "
             "is modelled with FSDP2 (dp) alone (give --tp 1 --pp 1)"
         )
-    if pp > 1 and tp > 1 and dp == 1:
-        raise UsageError(
-            f"{f}: pipeline_parallel_degree = {pp} with tensor_parallel_degree = {tp} and dp = 1: torchtitan's "
-            "pipeline with tensor parallelism is modelled with FSDP2 over dp >= 2 (--dp), or --tp 1"
-        )
     steps = _accumulation(job, dp, pp)
     out = Imported(doc={}, notes=list(job.notes))
     tied = {"tied_embeddings": True} if job.model.get("tied_embeddings") else {}  # one [emb, norm, head] group
@@ -585,7 +580,7 @@ def _titan_pipeline(job: TitanJob, dp: int, tp: int, pp: int, ac: bool) -> dict[
         pipeline["virtual_stages"] = 2
     axes = {"tp": tp, "sequence_parallel": job.sequence_parallel} if tp > 1 else {}
     return {
-        "scheme": "fsdp" if dp > 1 else "pp",
+        "scheme": "fsdp" if dp > 1 else "3d" if tp > 1 else "pp",
         "dp": dp,
         **axes,
         "pp": pp,

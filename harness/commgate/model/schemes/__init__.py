@@ -87,12 +87,13 @@ SCHEMES: dict[str, Scheme] = {
         ),
         Scheme(
             name="3d",
-            summary="pipeline x data x tensor: DeepSpeed's pipeline engine with DTensor inside each stage",
+            summary="pipeline x data x tensor: DeepSpeed's pipeline engine with DTensor inside each stage "
+            "(torchtitan: its pipeline with TP in the stages, dp = 1)",
             components=(_TP, _PP, _PDP),
             tensor=True,
             min_dp=1,
             pipeline=True,
-            pipeline_engines=("deepspeed", "megatron"),
+            pipeline_engines=("deepspeed", "megatron", "torch"),
         ),
         Scheme(
             name="moe",

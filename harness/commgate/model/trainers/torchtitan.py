@@ -1241,12 +1241,6 @@ def torchtitans_axes(c: Check) -> None:
     par = c.par
     if par.pp == 1:
         pass
-    elif par.tp > 1 and par.dp == 1:
-        c.bad(
-            [P, "tp"],
-            f"{par.tp}: torchtitan's pipeline with tensor parallelism is modelled with FSDP2 over dp >= 2 "
-            "(scheme fsdp, torchtitan's 3-D); with dp = 1 not yet",
-        )
     elif par.tp > 1 and par.pipeline.virtual_stages > 1:
         c.bad(
             [P, "pipeline", "schedule"],
@@ -1461,7 +1455,7 @@ TORCHTITAN = Trainer(
     name="torchtitan",
     summary="torchtitan 0.3.0's own Trainer: its llama3 model, parallelize_llama (FSDP2, TP with sequence "
     "parallelism) and train_step",
-    schemes=("fsdp", "tp", "pp", "cp"),
+    schemes=("fsdp", "tp", "pp", "cp", "3d"),
     extra="torchtitan",
     packages=("torchtitan", "tyro", "tokenizers"),
     options=OPTIONS,
