@@ -187,7 +187,7 @@ def torchtitan(rng: random.Random, index: int) -> Draw:
         pp = rng.choice([p for p in (2, 2, 4) if p <= MAX_WORLD])
         schedule = rng.choice(["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"])
         v = 2 if schedule in ("interleaved-1f1b", "zero-bubble") else 1
-        dp = rng.choice([1, 2]) if schedule != "zero-bubble" and 2 * pp <= MAX_WORLD else 1
+        dp = rng.choice([1, 2]) if 2 * pp <= MAX_WORLD else 1
         model["L"] = rng.randint(max(1, pp * v - 2), 2 * pp * v)  # torchtitan splits L + 2 units, unevenly too
         pipeline: dict[str, Any] = {"engine": "torch", "schedule": schedule} | ({"virtual_stages": v} if v > 1 else {})
         inner = tp if tp > 1 and dp == 1 and v == 1 and pp * tp <= MAX_WORLD and rng.random() < 0.5 else 1

@@ -567,11 +567,6 @@ def _titan_pipeline(job: TitanJob, dp: int, tp: int, pp: int, ac: bool) -> dict[
             f" = {job.microbatch_size} (torchtitan refuses it too)"
         )
     schedule = TITAN_SCHEDULES[job.schedule]
-    if schedule == "zero-bubble" and dp > 1:
-        raise UsageError(
-            f"{f}: pipeline_parallel_schedule = {job.schedule!r} with dp = {dp}: FSDP2 under zero-bubble's split "
-            "backward is not modelled yet (under GPipe, 1F1B and Interleaved1F1B it is): --dp 1, or another schedule"
-        )
     pipeline: dict[str, Any] = {"engine": "torch", "schedule": schedule}
     if schedule in (
         "interleaved-1f1b",

@@ -631,7 +631,7 @@ def _trainer_warnings(doc: dict[str, Any]) -> tuple[str, ...]:
     installed, that it predicts but does not run here."""
     name = doc.get("trainer", "commgate")
     trainer = TRAINERS[name]
-    own = trainer.warnings(doc.get(name, {})) if trainer.warnings else ()
+    own = trainer.warnings(doc) if trainer.warnings else ()
     why = trainer.unavailable()
     return own + ((f"{why} (predict works; a run is refused)",) if why else ())
 

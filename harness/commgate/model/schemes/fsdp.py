@@ -32,6 +32,7 @@ import functools
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from types import SimpleNamespace
+from typing import Any
 
 from commgate.model.collectives import Op
 from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
@@ -97,7 +98,7 @@ def pipeline_order(ctx: Context, stage: int) -> str:
     par = ctx.scenario.parallelism
     m = par.micro_batches
     if par.pipeline.virtual_stages > 1:
-        return interleaved_order(par.pp, par.pipeline.virtual_stages, m, stage)
+        return interleaved_order(par.pipeline.schedule, par.pp, par.pipeline.virtual_stages, m, stage)
     if par.pipeline.schedule == "gpipe":
         return "F" * m + "B" * m
     warmup = min(m, par.pp - stage)
@@ -105,17 +106,23 @@ def pipeline_order(ctx: Context, stage: int) -> str:
 
 
 @functools.cache
-def interleaved_order(p: int, v: int, m: int, stage: int) -> str:
-    """Stage ``stage``'s forwards and backwards in interleaved 1F1B over p ranks of v stages each and m
-    micro-batches: torch's own ``ScheduleInterleaved1F1B._calculate_single_rank_operations`` (it reads only
-    these four numbers; ``__init__`` needs the built stages), its rank's actions filtered to the stage."""
-    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+def interleaved_order(schedule: str, p: int, v: int, m: int, stage: int) -> str:
+    """Stage ``stage``'s actions in an interleaved schedule over p ranks of v stages each and m micro-batches:
+    forwards (F), full backwards (B), or zero-bubble's backward for the inputs (I) and for the weights (W),
+    as torch's own ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble``
+    ``_calculate_single_rank_operations`` computes them (it reads only these numbers; ``__init__`` needs the
+    built stages; the zero-bubble schedule's added bubbles only delay them), its rank's actions filtered to
+    the stage."""
+    from torch.distributed.pipelining import schedules
 
+    cls: dict[str, Any] = {
+        "interleaved-1f1b": schedules.ScheduleInterleaved1F1B,
+        "zero-bubble": schedules.ScheduleInterleavedZeroBubble,
+    }
     rounds = max(1, m // p)
     me = SimpleNamespace(n_local_stages=v, pp_group_size=p, _n_microbatches=m, microbatches_per_round=m // rounds)
-    ops = ScheduleInterleaved1F1B._calculate_single_rank_operations(me, stage % p)  # type: ignore[arg-type]
-    letter = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B"}
-    return "".join(letter[a.computation_type] for a in ops if a is not None and a.stage_index == stage)
+    ops = cls[schedule]._calculate_single_rank_operations(me, stage % p)
+    return "".join(str(a.computation_type.value) for a in ops if a is not None and a.stage_index == stage)
 
 
 def pipelined_gathers(ctx: Context, stage: int, reshards: bool) -> tuple[int, int]:
@@ -126,7 +133,7 @@ def pipelined_gathers(ctx: Context, stage: int, reshards: bool) -> tuple[int, in
     nothing, and neither does a following forward, after which a group that ``reshards`` (after the forward)
     is freed again. The reduce-scatter runs once, at the step's end (``perform_reduce_grad``)."""
     gathered, counts = False, {"F": 0, "B": 0}
-    for action in pipeline_order(ctx, stage):
+    for action in pipeline_order(ctx, stage).replace("I", "B").replace("W", ""):  # zero-bubble: I gathers as B
         counts[action] += not gathered
         gathered = not (action == "F" and reshards)
     return counts["F"], counts["B"]

@@ -26,6 +26,7 @@ Derive = Callable[[Mapping[str, Any], str], dict[str, Any]]
 Components = Callable[[Scenario, Scheme], tuple[Component, ...]]
 """(the scenario, its scheme) -> the components whose collectives model what the trainer sends."""
 Warnings = Callable[[Mapping[str, Any]], tuple[str, ...]]
+"""What a scenario of the trainer warns of, from its document as written (its trainer block, parallelism ...)."""
 """(the trainer's options block) -> what a run of it leaves out or changes, one line each."""
 Derived = Callable[[Scenario], tuple[str, ...]]
 """(the scenario) -> what the trainer decided for it, one line each (a resolved "auto" and what resolved it)."""

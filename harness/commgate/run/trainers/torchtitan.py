@@ -227,7 +227,7 @@ def unpinned_offload() -> None:
 
     if fsdp.CPUOffloadPolicy is not CPUOffloadPolicy:
         return
-    fsdp.CPUOffloadPolicy = functools.partial(CPUOffloadPolicy, pin_memory=False)  # type: ignore[misc]
+    fsdp.CPUOffloadPolicy = functools.partial(CPUOffloadPolicy, pin_memory=False)
     APPLIED.append("P8 FSDP2 CPU offload unpinned")
 
 
@@ -758,7 +758,9 @@ def check_order(schedule: Any, scenario: Scenario, pp_rank: int, where: str) -> 
     order = getattr(schedule, "pipeline_order", None)
     if order is None or scenario.parallelism.data_ranks == 1:
         return
-    letter = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B", _ComputationType.REDUCE_GRAD: ""}
+    letter = {t: str(t.value) for t in (_ComputationType.FORWARD, _ComputationType.FULL_BACKWARD)}
+    letter |= {t: str(t.value) for t in (_ComputationType.BACKWARD_INPUT, _ComputationType.BACKWARD_WEIGHT)}
+    letter[_ComputationType.REDUCE_GRAD] = ""
     ctx = Context(scenario=scenario)
     for k in range(scenario.parallelism.pipeline.virtual_stages):
         stage = pp_rank + k * scenario.parallelism.pp
