@@ -125,8 +125,8 @@ def test_what_it_cannot_import_is_one_line(
         ('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\npipeline_parallel_degree = 2\n'
          'pipeline_parallel_microbatch_size = 0\n', "pipeline_parallel_microbatch_size = 0: give 1 or more"),
         ('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ncontext_parallel_degree = 2\n'
-         "tensor_parallel_degree = 2\n",
-         "context_parallel_degree = 2 with tp = 2, pp = 1: torchtitan's context parallelism is modelled with FSDP2"),
+         "pipeline_parallel_degree = 2\n",
+         "context_parallel_degree = 2 with pp = 2: torchtitan's context parallelism is modelled with FSDP2 and TP"),
         ('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ncontext_parallel_degree = 2\n'
          "data_parallel_replicate_degree = 2\n", "$.parallelism.dp_replicate: 2: replicas of a sharded model are HSDP"),
         ('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nlocal_batch_size = 2\nglobal_batch_size = 6\n',

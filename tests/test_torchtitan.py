@@ -158,10 +158,10 @@ def test_left_off_is_named_in_every_prediction_and_run() -> None:
 FSDP, TP = "scheme: fsdp, dp: 2", "scheme: tp, dp: 1, tp: 2, sequence_parallel: true"
 REFUSED = [
     (
-        "scheme: cp, cp: 2, tp: 2, sequence_parallel: true",
+        "scheme: cp, cp: 2, pp: 2, micro_batches: 2, pipeline: {engine: torch, schedule: gpipe}",
         "",
-        TINY_TP.replace("s: 256", "s: 512"),
-        r"parallelism.cp: 2: torchtitan's context parallelism is modelled with FSDP2 over dp x cp \(tp = pp = 1\)",
+        TINY,
+        r"parallelism.cp: 2: torchtitan's context parallelism is modelled with FSDP2 over dp x cp and TP inside",
     ),
     ("scheme: cp, cp: 4", "", TINY, r"model.s: 256: flex attention under context parallelism needs s divisible"),
     (
@@ -818,6 +818,14 @@ def test_context_parallelism_with_fsdp2_over_dp_and_cp_reconciles(tt: Any, tmp_p
     batch mesh: one group per context-parallel index)."""
     par = "scheme: cp, cp: 2, dp: 2, micro_batch: 1, activation_checkpointing: true"
     run_and_reconcile(scenario(par, "log_freq: 1", TINY), tmp_path)
+
+
+def test_context_parallelism_with_tp_inside_reconciles(tt: Any, tmp_path: Path) -> None:
+    """cp 2 x tp 2: each TP rank gathers its own K/V heads over the cp ranks; TP moves the rank's s/c
+    sequence shard, the loss-parallel all-reduces too (Eq. 5's named term "context-parallel sequence
+    shard"); FSDP2 over the cp ranks of each TP rank."""
+    par = "scheme: cp, cp: 2, tp: 2, sequence_parallel: true, micro_batch: 1, activation_checkpointing: true"
+    run_and_reconcile(scenario(par, "log_freq: 1", TINY_TP), tmp_path)
 
 
 def test_fsdp2_and_tp_on_4_ranks_reconciles(tt: Any, tmp_path: Path) -> None:

@@ -200,12 +200,15 @@ def torchtitan(rng: random.Random, index: int) -> Draw:
             block["fsdp_reshard_after_forward"] = rng.choice(["default", "always", "never"])
         elif dp == 1:
             block.pop("fsdp_reshard_after_forward", None)
-    elif rng.random() < 0.25:  # its context parallelism (alone), flex attention's K/V all-gathers
+    elif rng.random() < 0.25:  # its context parallelism, flex attention's K/V all-gathers
         cp = rng.choice([2, 4])
+        inner = tp if cp * tp <= MAX_WORLD and rng.random() < 0.5 else 1  # TP inside, each rank its K/V heads
         model["s"] = 128 * cp  # flex CP splits the sequence into whole 128-token blocks
-        model["kv_heads"] = rng.choice([k for k in (1, 2, a) if a % k == 0])
+        model["kv_heads"] = rng.choice([k for k in (1, 2, a) if a % k == 0 and k % inner == 0] or [a])
         par = {"scheme": "cp", "cp": cp, "micro_batch": par["micro_batch"], "activation_checkpointing": ac}
-        if 2 * cp <= MAX_WORLD and rng.random() < 0.5:  # FSDP2 over dp x cp, the batch over dp
+        if inner > 1:
+            par |= {"tp": inner, "sequence_parallel": True}
+        if 2 * cp * inner <= MAX_WORLD and rng.random() < 0.5:  # FSDP2 over dp x cp, the batch over dp
             par["dp"] = 2
         block.pop("fsdp_reshard_after_forward", None)
     elif par["scheme"] == "fsdp" and tp == 1 and 2 * dp <= MAX_WORLD and rng.random() < 0.4:

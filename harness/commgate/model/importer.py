@@ -459,10 +459,10 @@ def torchtitan(
     for flag, value in (("tp", tp), ("pp", pp)):
         if value < 1:
             raise UsageError(f"{f}: {flag} = {value} (--{flag} or the config's degree): give 1 or more")
-    if job.cp > 1 and (tp, pp) != (1, 1):
+    if job.cp > 1 and pp != 1:
         raise UsageError(
-            f"{f}: context_parallel_degree = {job.cp} with tp = {tp}, pp = {pp}: torchtitan's context parallelism "
-            "is modelled with FSDP2 (dp) alone (give --tp 1 --pp 1)"
+            f"{f}: context_parallel_degree = {job.cp} with pp = {pp}: torchtitan's context parallelism is modelled "
+            "with FSDP2 and TP, not its pipeline (give --pp 1)"
         )
     steps = _accumulation(job, dp, pp)
     out = Imported(doc={}, notes=list(job.notes))
@@ -482,6 +482,7 @@ def torchtitan(
             "scheme": "cp",
             "cp": job.cp,
             **({"dp": dp} if dp > 1 else {}),
+            **({"tp": tp, "sequence_parallel": job.sequence_parallel} if tp > 1 else {}),
             **({"dp_replicate": job.replicate} if job.replicate > 1 else {}),  # the rules say what HSDP composes with
             "micro_batch": job.local_batch_size,
             **({"micro_batches": steps} if steps > 1 else {}),

@@ -192,7 +192,7 @@ def ring(c: Check) -> None:
         return
     if m.module is None and m.s % par.cp:  # (a user's module is refused under scheme cp with the others)
         c.bad([P, "cp"], f"{par.cp}: sequence length s={m.s} is not divisible by cp")
-    if par.sequence_parallel:
+    if par.sequence_parallel and c.trainer == "commgate":  # a trainer's own rules say what it models
         c.bad([P, "sequence_parallel"], "true: sequence parallelism with context parallelism is not modelled yet")
     if par.dp_replicate > 1 and rule.fsdp:
         c.bad([P, "dp_replicate"], f"{par.dp_replicate}: HSDP with context parallelism is not modelled yet")

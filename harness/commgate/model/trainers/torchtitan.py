@@ -34,7 +34,7 @@ torch 2.13 and measured on CPU gloo ranks (paths under ``torchtitan/``):
 * Its pipeline (``TorchtitanPP``; its own split of the stages, ``stages``), FSDP2 in each stage replayed
   over the schedule's order on that stage (``_pipelined_fsdp``; interleaved 1F1B: torch's own order of
   each of a rank's stages), TP inside (its 3-D), and its flex context parallelism (``TorchtitanCP``; FSDP2
-  over dp x cp, the token count over dp alone).
+  over dp x cp, the token count over dp alone; TP inside on the rank's s/c sequence shard).
 * Gradient accumulation without a pipeline (``training.global_batch_size`` = m x local x dp):
   ``train_step`` runs m forward-backward passes a step, each syncing (``accumulated``), the token count,
   gradient norm and metrics once. FSDP2's CPU offload (``training.enable_cpu_offload``) sends the same.
@@ -818,6 +818,17 @@ class TorchtitanTP:
             "full": "",
         }[ac]
         out = []
+        if par.cp > 1:  # the units below are of the rank's sequence shard (ctx.bsh)
+            c = par.cp
+            out.append(
+                Residual(
+                    term=EQ5,
+                    name="context-parallel sequence shard",
+                    bytes=self.paper_terms(ctx)[0].bytes * Fraction(1 - c, c),
+                    detail=f"under context parallelism each rank holds s/c = {m.s}/{c} of the sequence, whose "
+                    "activations its TP collectives move; Eq. 5 counts the whole s",
+                )
+            )
         if why:
             out.append(Residual(term=EQ5, name=f"recomputation ({ac})", bytes=(units - 2 - 12 * L0) * unit, detail=why))
         if Fraction(m.L, par.pp) != L0:
@@ -903,7 +914,7 @@ def _tp_stage(ctx: Context, st: Stage) -> list[ExpectedCollective]:
     )
     rows.append(norm)
     if st.head:
-        tokens = par.micro_batch * m.s // job.chunks
+        tokens = par.micro_batch * (m.s // par.cp) // job.chunks  # the rank's sequence shard under CP
         rows += [
             r(ag, 1, fwd, "SP all-gather of the final norm's output for the column-parallel head", None),
             r(rs, 1, bwd, "SP reduce-scatter of the final norm output's gradient", None),
@@ -1098,8 +1109,9 @@ class TorchtitanCP(ContextParallel):
     ``flex_cp_allgather``): each layer all-gathers its K and V shards (b x kv heads x s/c x head size each,
     in FSDP2's ``param_dtype``) over the cp ranks before attention; autograd's backward of each all-gather is
     a reduce-scatter of its gradient, in the same dtype; activation checkpointing re-runs the forward's
-    all-gathers in the backward. FSDP2 shards over the dp x cp ranks (``TorchtitanFSDP``), the metrics and
-    the gradient norm go over them too, the global token count over dp alone (none with dp = 1). Against
+    all-gathers in the backward; with TP inside, each TP rank its own K/V heads. FSDP2 shards over the
+    dp x cp ranks (``TorchtitanFSDP``), the metrics and the gradient norm go over them too, the global
+    token count over dp alone (none with dp = 1). Against
     commgate's derivation of V_cp (forward K/V, backward K/V, dK/dV: three passes), the backward K/V pass
     is the recomputation's, so without checkpointing it is a named term."""
 
@@ -1247,8 +1259,8 @@ def torchtitans_model(c: Check) -> None:
 
 def torchtitans_axes(c: Check) -> None:
     """What torchtitan runs on torch 2.13 CPU and the model holds: FSDP2 (HSDP) over dp (scheme with FSDP),
-    TP with dp = 1 (the tensor scheme), its pipeline with FSDP2 in single-stage schedules, context
-    parallelism with FSDP2; ``micro_batches``: the pipeline's, or without one gradient accumulation's steps."""
+    TP with dp = 1 (the tensor scheme), its pipeline with FSDP2 in its stages, context parallelism with
+    FSDP2 and TP; ``micro_batches``: the pipeline's, or without one gradient accumulation's steps."""
     par = c.par
     if par.pp == 1:
         pass
@@ -1272,11 +1284,11 @@ def torchtitans_axes(c: Check) -> None:
             "0: torchtitan's pipeline infers its stages' shapes in the first step (pickled "
             "metadata the model does not predict): give it a warm-up step",
         )
-    if par.cp > 1 and (par.tp > 1 or par.pp > 1):
+    if par.cp > 1 and par.pp > 1:
         c.bad(
             [P, "cp"],
-            f"{par.cp}: torchtitan's context parallelism is modelled with FSDP2 over dp x cp (tp = pp = 1): "
-            "with tensor or pipeline parallelism not yet",
+            f"{par.cp}: torchtitan's context parallelism is modelled with FSDP2 over dp x cp and TP inside "
+            "(pp = 1): with its pipeline not yet",
         )
     if par.cp > 1 and c.model.s % (FLEX_BLOCK * par.cp):
         c.bad(
