@@ -37,3 +37,42 @@ def test_every_rank_is_in_exactly_one_group_per_axis(dp: int, tp: int, pp: int) 
     for r in range(lay.world_size):
         pipe, data, model = lay.coords(r)
         assert lay.rank(pipe=pipe, data=data, model=model) == r
+
+
+@pytest.mark.parametrize(
+    ("pp", "rep", "dp", "cp", "tp"),
+    [(1, 2, 2, 1, 2), (2, 2, 2, 1, 1), (2, 2, 4, 2, 2), (1, 3, 2, 2, 1), (1, 1, 4, 2, 2)],
+)
+def test_hsdp_groups_are_torchtitans_mesh_dimensions(pp: int, rep: int, dp: int, cp: int, tp: int) -> None:
+    """torchtitan's mesh (pp, dp_replicate, dp_shard, cp, tp), rank = its row-major index: each group of the
+    layout is the ranks along that mesh's dimensions (dp here counts dp_shard x cp), every other index fixed."""
+    shape = {"pp": pp, "rep": rep, "shard": dp // cp, "cp": cp, "tp": tp}
+    names = list(shape)
+
+    def along(*dims: str) -> set[tuple[int, ...]]:
+        out = set()
+        fixed = [n for n in names if n not in dims]
+        for f in itertools.product(*(range(shape[n]) for n in fixed)):
+            where = dict(zip(fixed, f, strict=True))
+            group = []
+            for v in itertools.product(*(range(shape[n]) for n in dims)):
+                idx = where | dict(zip(dims, v, strict=True))
+                rank = 0
+                for n in names:
+                    rank = rank * shape[n] + idx[n]
+                group.append(rank)
+            out.add(tuple(group))
+        return out
+
+    lay = Layout(dp=dp, tp=tp, pp=pp, replicate=rep, cp=cp)
+    assert set(lay.dp_groups()) == along("shard", "cp")
+    assert set(lay.replicate_groups()) == along("rep")
+    assert set(lay.tp_groups()) == along("tp")
+    assert set(lay.pp_groups()) == along("pp")
+    assert set(lay.data_groups()) == along("rep", "shard", "cp")
+    assert set(lay.batch_groups()) == along("rep", "shard")
+    assert set(lay.cp_groups()) == along("cp")
+    for r in range(lay.world_size):
+        pipe, data, model = lay.coords(r)
+        assert any(r in g and g[data] == r for g in lay.dp_groups(pipe))
+        assert any(r in g and g[model] == r for g in lay.tp_groups(pipe))

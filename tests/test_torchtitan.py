@@ -165,10 +165,10 @@ REFUSED = [
     ),
     ("scheme: cp, cp: 4", "", TINY, r"model.s: 256: flex attention under context parallelism needs s divisible"),
     (
-        "scheme: fsdp, dp: 2, dp_replicate: 2, tp: 2, sequence_parallel: true",
+        "scheme: fsdp, dp: 2, dp_replicate: 2, cp: 2",
         "",
-        TINY_TP,
-        r"parallelism.dp_replicate: 2: HSDP with tensor parallelism is not modelled yet",
+        TINY,
+        r"parallelism.dp_replicate: 2: HSDP with context parallelism is not modelled yet",
     ),
     (FSDP + ", fsdp: {param_dtype: bf16}", "", TINY, r"parallelism.fsdp: torchtitan's FSDP2 options"),
     (TP.replace("dp: 1", "dp: 2"), "", TINY_TP, r"parallelism.dp: 2: torchtitan shards .* scheme 'fsdp'"),
@@ -826,6 +826,22 @@ def test_context_parallelism_with_tp_inside_reconciles(tt: Any, tmp_path: Path) 
     shard"); FSDP2 over the cp ranks of each TP rank."""
     par = "scheme: cp, cp: 2, tp: 2, sequence_parallel: true, micro_batch: 1, activation_checkpointing: true"
     run_and_reconcile(scenario(par, "log_freq: 1", TINY_TP), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("par", "model"),
+    [
+        ("tp: 2, sequence_parallel: true", TINY_TP),
+        ("pp: 2, micro_batches: 2, pipeline: {engine: torch, schedule: 1f1b}", TINY.replace("L: 2", "L: 3")),
+    ],
+    ids=["hsdp-tp", "hsdp-pp"],
+)
+def test_hsdp_with_tp_or_its_pipeline_on_8_ranks_reconciles(tt: Any, par: str, model: str, tmp_path: Path) -> None:
+    """2 replicas x FSDP2 over 2 x (tp 2, or 2 stages): torchtitan's mesh (pp, dp_replicate, dp_shard, tp);
+    each shard's reduce-scatter then all-reduced across the replicas of its TP rank or stage; the token
+    count and metrics over every data rank of its TP rank or stage, the gradient norm over its shards."""
+    s = f"scheme: fsdp, dp: 2, dp_replicate: 2, {par}, micro_batch: 1, activation_checkpointing: true"
+    run_and_reconcile(scenario(s, "log_freq: 1", model), tmp_path)
 
 
 def test_fsdp2_and_tp_on_4_ranks_reconciles(tt: Any, tmp_path: Path) -> None:

@@ -11,9 +11,10 @@ Context parallelism (torchtitan's mesh ``(dp, cp, tp)``): ``dp`` here counts eve
 reduction, the scenario's dp times cp (``Parallelism.data_ranks``); the context-parallel groups are
 consecutive chunks of ``cp`` ranks of each data-parallel group, like hpZ's.
 
-HSDP (``replicate`` > 1, torch's ``init_device_mesh(..., (replicate, dp))``, data parallelism alone):
-``rank = replica * dp + data``; the sharding (dp) groups are consecutive ranks, the replicate groups
-take one rank of each replica.
+HSDP (``replicate`` > 1, torchtitan's mesh ``(pp, dp_replicate, dp_shard, cp, tp)``): the replica is the
+axis between pipe and data, ``rank = pipe * (replicate * dp * tp) + (replica * dp + data) * tp + model``;
+the sharding (dp) groups lie inside one replica, the replicate groups take the same (data, model) rank of
+each replica. With replicate = 1 this is the order above.
 
 Naming: an *axis* is one of ``dp, tp, pp, ep, edp, hpz, rep, world``; a *group* is a tuple of global ranks.
 """
@@ -40,51 +41,70 @@ class Layout:
     cp: int = 1
     """Context-parallel ranks, consecutive within each data-parallel group (``dp`` counts them too)."""
 
-    def __post_init__(self) -> None:
-        if self.replicate > 1 and self.tp * self.pp > 1:
-            raise ValueError("HSDP replicas are laid out for data parallelism alone (tp = pp = 1)")
-
     @property
     def world_size(self) -> int:
         return self.replicate * self.dp * self.tp * self.pp
 
-    def rank(self, *, pipe: int, data: int, model: int) -> int:
-        return pipe * self.dp * self.tp + data * self.tp + model
+    @property
+    def block(self) -> int:
+        """Ranks of one pipeline stage (every replica's)."""
+        return self.replicate * self.dp * self.tp
+
+    def rank(self, *, pipe: int, data: int, model: int, replica: int = 0) -> int:
+        return pipe * self.block + (replica * self.dp + data) * self.tp + model
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(pipe, data, model) of a global rank (HSDP: its index in its replica's sharding group)."""
-        if self.replicate > 1:
-            return 0, rank % self.dp, 0
-        pipe, rest = divmod(rank, self.dp * self.tp)
+        """(pipe, data, model) of a global rank (HSDP: data is its index in its replica's sharding group)."""
+        pipe, rest = divmod(rank, self.block)
         data, model = divmod(rest, self.tp)
-        return pipe, data, model
+        return pipe, data % self.dp, model
+
+    def _stages(self, pipe: int | None) -> range | tuple[int]:
+        return range(self.pp) if pipe is None else (pipe,)
 
     @functools.cache  # noqa: B019 - Layout is a small frozen value; its groups are reused by every row
     def dp_groups(self, pipe: int | None = None) -> tuple[Group, ...]:
-        """Data-parallel groups, of one pipeline stage or of all."""
-        if self.replicate > 1:  # one sharding group per replica
-            return tuple(tuple(range(r * self.dp, (r + 1) * self.dp)) for r in range(self.replicate))
-        stages = range(self.pp) if pipe is None else (pipe,)
-        block = self.dp * self.tp
-        return tuple(tuple(range(p * block + m, (p + 1) * block, self.tp)) for p in stages for m in range(self.tp))
+        """Data-parallel (HSDP: sharding) groups, of one pipeline stage or of all: one per replica and
+        tensor-parallel rank."""
+        return tuple(
+            tuple(self.rank(pipe=p, data=d, model=m, replica=r) for d in range(self.dp))
+            for p in self._stages(pipe)
+            for r in range(self.replicate)
+            for m in range(self.tp)
+        )
 
     @functools.cache  # noqa: B019
-    def replicate_groups(self) -> tuple[Group, ...]:
-        """HSDP: the ranks holding the same shard, one in each replica."""
-        return tuple(tuple(range(d, self.world_size, self.dp)) for d in range(self.dp))
+    def replicate_groups(self, pipe: int | None = None) -> tuple[Group, ...]:
+        """HSDP: the ranks holding the same shard, one in each replica (of one pipeline stage or of all)."""
+        return tuple(
+            tuple(self.rank(pipe=p, data=d, model=m, replica=r) for r in range(self.replicate))
+            for p in self._stages(pipe)
+            for d in range(self.dp)
+            for m in range(self.tp)
+        )
+
+    @functools.cache  # noqa: B019
+    def data_groups(self) -> tuple[Group, ...]:
+        """Every data rank of every replica, one group per pipeline stage and tensor-parallel rank (the
+        data-parallel groups without replicas)."""
+        return tuple(
+            tuple(self.rank(pipe=p, data=d, model=m, replica=r) for r in range(self.replicate) for d in range(self.dp))
+            for p in range(self.pp)
+            for m in range(self.tp)
+        )
 
     @functools.cache  # noqa: B019
     def tp_groups(self, pipe: int | None = None) -> tuple[Group, ...]:
-        stages = range(self.pp) if pipe is None else (pipe,)
-        block = self.dp * self.tp
         return tuple(
-            tuple(range(p * block + d * self.tp, p * block + (d + 1) * self.tp)) for p in stages for d in range(self.dp)
+            tuple(self.rank(pipe=p, data=d, model=m, replica=r) for m in range(self.tp))
+            for p in self._stages(pipe)
+            for r in range(self.replicate)
+            for d in range(self.dp)
         )
 
     @functools.cache  # noqa: B019
     def pp_groups(self) -> tuple[Group, ...]:
-        block = self.dp * self.tp
-        return tuple(tuple(range(r, self.world_size, block)) for r in range(block))
+        return tuple(tuple(range(r, self.world_size, self.block)) for r in range(self.block))
 
     @functools.cache  # noqa: B019
     def mp_groups(self) -> tuple[Group, ...]:
@@ -98,7 +118,7 @@ class Layout:
     @functools.cache  # noqa: B019
     def stage_pairs(self, src: int, dst: int) -> tuple[Group, ...]:
         """(sender, receiver) pairs between pipeline stages ``src`` and ``dst``, one per pipeline."""
-        block = self.dp * self.tp
+        block = self.block
         return tuple(zip(range(src * block, (src + 1) * block), range(dst * block, (dst + 1) * block), strict=False))
 
     def _chunks(self, size: int, pipe: int | None) -> tuple[Group, ...]:
@@ -118,9 +138,9 @@ class Layout:
         return self._chunks(self.cp, None)
 
     def batch_groups(self) -> tuple[Group, ...]:
-        """The ranks of one context-parallel index across the data-parallel ranks: those that read different
-        batches (torchtitan's ``batch`` mesh; the data-parallel groups when cp = 1)."""
-        return tuple(g[j :: self.cp] for g in self.dp_groups() for j in range(self.cp))
+        """The ranks of one context-parallel index across the data ranks of every replica: those that read
+        different batches (torchtitan's ``batch`` mesh; ``data_groups`` when cp = 1)."""
+        return tuple(g[j :: self.cp] for g in self.data_groups() for j in range(self.cp))
 
     def dp_chunks(self, size: int) -> tuple[Group, ...]:
         """Consecutive chunks of ``size`` ranks of every data-parallel group (FSDP2's post-forward groups

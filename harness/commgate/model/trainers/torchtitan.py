@@ -399,9 +399,10 @@ def _fsdp_base(job: Job, groups: tuple[Ranks, ...]) -> ExpectedCollective:
 
 
 def _scatters(
-    ctx: Context, base: ExpectedCollective, elements: int, calls: int, phase: Phase, why: str
+    ctx: Context, base: ExpectedCollective, elements: int, calls: int, phase: Phase, why: str, pipe: int | None = None
 ) -> list[ExpectedCollective]:
-    """FSDP2's gradient reduce-scatter of ``elements`` (a group's padded gradients), summed, in fp32."""
+    """FSDP2's gradient reduce-scatter of ``elements`` (a group's padded gradients), summed, in fp32 (HSDP:
+    then all-reduced across the replicas, of pipeline rank ``pipe`` or of all)."""
     rs = replace(
         base,
         op=Op.REDUCE_SCATTER,
@@ -418,7 +419,7 @@ def _scatters(
         rs,
         op=Op.ALL_REDUCE,
         axis="rep",
-        groups=lay.replicate_groups(),
+        groups=lay.replicate_groups(pipe),
         elements=elements // lay.dp,
         source=f"HSDP: the reduce-scattered shard all-reduced across the replicas, {why}",
     )
@@ -648,7 +649,7 @@ def _stage(ctx: Context, job: Job, g: Groups, st: Stage) -> list[ExpectedCollect
 
     def scatter(elements: int, calls: int, what: str, phase: Phase = Phase.FORWARD) -> list[ExpectedCollective]:
         when = "" if phase == Phase.BACKWARD else " (perform_reduce_grad after the last backward)"
-        return _scatters(ctx, base, elements, calls, phase, f"{what}{where}{when}")
+        return _scatters(ctx, base, elements, calls, phase, f"{what}{where}{when}", st.index % ctx.layout.pp)
 
     rows = []
     if st.embedding:
@@ -996,8 +997,8 @@ class TorchtitanStep:
             )
         axes: list[tuple[Axis, tuple[Ranks, ...]]] = []
         if lay.replicate > 1:  # the batch and loss meshes span the replicas too (dp_replicate x dp_shard)
-            base = replace(base, axis="world", groups=lay.world())
-        if par.dp > 1:  # the batch mesh: dp alone, each of its groups one context-parallel index
+            base = replace(base, groups=lay.data_groups())
+        if par.dp * par.dp_replicate > 1:  # the batch mesh: dp alone, each of its groups one cp index
             rows.append(replace(base, groups=lay.batch_groups()) if par.cp > 1 else base)
         if par.data_ranks > 1:
             axes.append(("dp", lay.dp_groups()))
