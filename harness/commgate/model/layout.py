@@ -65,9 +65,10 @@ class Layout:
     @functools.cache  # noqa: B019 - Layout is a small frozen value; its groups are reused by every row
     def dp_groups(self, pipe: int | None = None) -> tuple[Group, ...]:
         """Data-parallel (HSDP: sharding) groups, of one pipeline stage or of all: one per replica and
-        tensor-parallel rank."""
+        tensor-parallel rank (ranks ``tp`` apart inside a replica's ``dp * tp``)."""
+        span = self.dp * self.tp
         return tuple(
-            tuple(self.rank(pipe=p, data=d, model=m, replica=r) for d in range(self.dp))
+            tuple(range(p * self.block + r * span + m, p * self.block + (r + 1) * span, self.tp))
             for p in self._stages(pipe)
             for r in range(self.replicate)
             for m in range(self.tp)
@@ -75,12 +76,13 @@ class Layout:
 
     @functools.cache  # noqa: B019
     def replicate_groups(self, pipe: int | None = None) -> tuple[Group, ...]:
-        """HSDP: the ranks holding the same shard, one in each replica (of one pipeline stage or of all)."""
+        """HSDP: the ranks holding the same shard, one in each replica (``dp * tp`` apart), of one pipeline
+        stage or of all."""
+        span = self.dp * self.tp
         return tuple(
-            tuple(self.rank(pipe=p, data=d, model=m, replica=r) for r in range(self.replicate))
+            tuple(range(p * self.block + k, (p + 1) * self.block, span))
             for p in self._stages(pipe)
-            for d in range(self.dp)
-            for m in range(self.tp)
+            for k in range(span)
         )
 
     @functools.cache  # noqa: B019
@@ -88,18 +90,18 @@ class Layout:
         """Every data rank of every replica, one group per pipeline stage and tensor-parallel rank (the
         data-parallel groups without replicas)."""
         return tuple(
-            tuple(self.rank(pipe=p, data=d, model=m, replica=r) for r in range(self.replicate) for d in range(self.dp))
+            tuple(range(p * self.block + m, (p + 1) * self.block, self.tp))
             for p in range(self.pp)
             for m in range(self.tp)
         )
 
     @functools.cache  # noqa: B019
     def tp_groups(self, pipe: int | None = None) -> tuple[Group, ...]:
+        """Consecutive ``tp`` ranks: one group per stage, replica and data rank."""
         return tuple(
-            tuple(self.rank(pipe=p, data=d, model=m, replica=r) for m in range(self.tp))
+            tuple(range(p * self.block + k * self.tp, p * self.block + (k + 1) * self.tp))
             for p in self._stages(pipe)
-            for r in range(self.replicate)
-            for d in range(self.dp)
+            for k in range(self.replicate * self.dp)
         )
 
     @functools.cache  # noqa: B019
