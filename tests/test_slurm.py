@@ -79,11 +79,17 @@ def test_the_nightly_job_runs_across_two_slurm_nodes_and_its_report_matches_the_
 JOBS = ROOT / "tests" / "data" / "jobs"
 
 
-def captured_job(tmp: Path, baselines: Path, *plant: str) -> tuple[subprocess.CompletedProcess[str], str]:
+def captured_job(
+    tmp: Path, baselines: Path, *plant: str, launcher: str = "srun"
+) -> tuple[subprocess.CompletedProcess[str], str]:
     """The nightly job's JOB variant: the plain DDP script (tests/data/jobs/ddp_train.py), one rank per node
-    under srun and commgate's capture, judged against its scenario (ddp-mlp.yaml); its run and its log."""
+    under srun (or under a torchrun agent per node, itself under srun) and commgate's capture, judged against
+    its scenario (ddp-mlp.yaml); its run and its log."""
+    script = f"tests/data/jobs/ddp_train.py --steps 3 {' '.join(plant)}"
     env = {
-        "JOB": f"{sys.executable} tests/data/jobs/ddp_train.py --steps 3 {' '.join(plant)}",
+        "JOB": script if launcher == "torchrun" else f"{sys.executable} {script}",
+        "JOB_LAUNCHER": launcher,
+        "PYTHON": sys.executable,
         "SCENARIO": "tests/data/jobs/ddp-mlp.yaml",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(JOBS), os.environ.get("PYTHONPATH")])),  # its model
     }
@@ -114,6 +120,22 @@ def test_the_nightly_job_captures_the_user_s_own_job_across_two_nodes(tmp_path: 
     planted, log = captured_job(tmp_path / "planted", baselines, "--extra-all-reduce")
     assert planted.returncode != 0 and "commgate-nightly: FAILED" in planted.stderr, log[-3000:]
     assert "all_reduce fp32 4 B forward group [0, 1]: obtained 4, expected 0" in log
+
+
+def test_the_nightly_job_captures_a_torchrun_job_under_srun_across_two_nodes(tmp_path: Path) -> None:
+    """JOB_LAUNCHER=torchrun: one torchrun agent per node under srun (c10d rendezvous on node0), its ranks
+    captured through the environment they inherit; the first night writes the baseline, the next passes at
+    0 unexplained bytes with the launcher named as it was."""
+    baselines = tmp_path / "baselines"
+    first, log = captured_job(tmp_path / "first", baselines, launcher="torchrun")
+    assert first.returncode != 0 and "no baseline yet: wrote" in log, first.stderr[-3000:] + log[-3000:]
+    second, log = captured_job(tmp_path / "second", baselines, launcher="torchrun")
+    assert second.returncode == 0, second.stderr[-3000:] + log[-3000:]
+    assert "torchrun (under srun), 2 ranks on node0,node1" in log
+    (report,) = (tmp_path / "second" / "reports").glob("*/report.json")
+    (s,) = json.loads(report.read_text())["scenarios"]
+    assert s["status"] == "passed" and all(c["unexplained_bytes"] == 0 for c in s["collectives"])
+    assert s["capture"]["stack"]["launcher"] == "torchrun (under srun)"
 
 
 def test_a_failing_scenario_fails_the_slurm_job(tmp_path: Path) -> None:
