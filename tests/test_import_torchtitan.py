@@ -133,9 +133,6 @@ def test_what_it_cannot_import_is_one_line(
          "global_batch_size = 6 is not a positive multiple of local_batch_size x data-parallel degree = 2 x 2"),
         ('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nlocal_batch_size = 2\nglobal_batch_size = 0\n',
          "global_batch_size = 0 is not a positive multiple"),
-        ('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nlocal_batch_size = 2\nglobal_batch_size = 8\n'
-         "[parallelism]\npipeline_parallel_degree = 2\n",
-         "global_batch_size = 8 gives 2 gradient-accumulation steps of the pipeline schedule"),
         ("[model\n", "not a torchtitan TOML"),
     ],
 )  # fmt: skip
@@ -250,6 +247,22 @@ def test_a_global_batch_size_is_gradient_accumulation(tmp_path: Path) -> None:
     accumulated = {c.term.equation: c for c in p.comparison()}
     assert set(accumulated) == {"Eq. 3", "Eq. 5"} and all(c.unexplained_bytes == 0 for c in accumulated.values())
     assert all(any(r.name == "gradient accumulation" for r in c.residuals) for c in accumulated.values())
+
+
+def test_a_pipelined_global_batch_size_is_the_schedules_steps(tmp_path: Path) -> None:
+    """Under a pipeline the accumulation steps are whole schedule steps (torchtitan.gradient_accumulation_steps),
+    the micro-batches the schedule's; each equation names the steps beyond the first."""
+    toml = edited(tmp_path, "llama3_8b.toml", "local_batch_size = 1", "local_batch_size = 4\nglobal_batch_size = 24")
+    doc, _ = imported(tmp_path, toml, "--dp", "2", "--pp", "2")  # 24 / (4 x 2): 3 schedule steps of 4
+    assert isinstance(doc["parallelism"], dict) and doc["parallelism"]["micro_batches"] == 4
+    assert isinstance(doc["torchtitan"], dict) and doc["torchtitan"]["gradient_accumulation_steps"] == 3
+    (s,) = load_file(tmp_path / "imported.yaml")
+    p = predict(s)
+    assert all(c.unexplained_bytes == 0 for c in p.comparison())
+    assert {c.term.equation for c in p.comparison() if any(r.name == "gradient accumulation" for r in c.residuals)} == {
+        "Eq. 3",
+        "Eq. 4",
+    }
 
 
 def test_cpu_offload_is_kept(tmp_path: Path) -> None:

@@ -177,6 +177,13 @@ REFUSED = [
     (TP, "left_off: [float8]", TINY_TP, r"torchtitan.left_off: float8 with tensor"),
     (
         FSDP,
+        "gradient_accumulation_steps: 2",
+        TINY,
+        r"torchtitan.gradient_accumulation_steps: 2: without a pipeline torchtitan's accumulation steps are "
+        r"parallelism.micro_batches",
+    ),
+    (
+        FSDP,
         "activation_checkpoint: full",
         TINY,
         r"activation_checkpoint: full: parallelism.activation_checkpointing is",
@@ -720,6 +727,7 @@ def test_pipeline_on_torchtitans_own_step_reconciles(
             2,
             2,
         ),
+        ("1f1b", 2, "log_freq: 1, gradient_accumulation_steps: 2", 2, 2),
     ],
     ids=[
         "1f1b",
@@ -729,6 +737,7 @@ def test_pipeline_on_torchtitans_own_step_reconciles(
         "interleaved-m6-always-L3",
         "zero-bubble-norm-grad-lost",
         "zero-bubble-ce",
+        "1f1b-accumulated",
     ],
 )
 def test_pipeline_with_fsdp2_in_each_stage_reconciles(

@@ -196,6 +196,8 @@ def torchtitan(rng: random.Random, index: int) -> Draw:
         if inner > 1:
             par |= {"tp": inner, "sequence_parallel": True}
         par |= {"micro_batches": rng.choice([pp, 2 * pp, pp + 1]), "activation_checkpointing": ac, "pipeline": pipeline}
+        if rng.random() < 0.25:  # global_batch_size beyond local x dp: whole schedule steps accumulated
+            block["gradient_accumulation_steps"] = 2
         if dp > 1 and rng.random() < 0.4:
             block["fsdp_reshard_after_forward"] = rng.choice(["default", "always", "never"])
         elif dp == 1:

@@ -464,7 +464,7 @@ def torchtitan(
             f"{f}: context_parallel_degree = {job.cp} with pp = {pp}: torchtitan's context parallelism is modelled "
             "with FSDP2 and TP, not its pipeline (give --pp 1)"
         )
-    steps = _accumulation(job, dp, pp)
+    steps = _accumulation(job, dp)
     out = Imported(doc={}, notes=list(job.notes))
     tied = {"tied_embeddings": True} if job.model.get("tied_embeddings") else {}  # one [emb, norm, head] group
     model = {"architecture": "llama", **{k: v for k, v in job.model.items() if k != "tied_embeddings"}, **tied}
@@ -501,6 +501,8 @@ def torchtitan(
             parallelism["micro_batches"] = steps
         parallelism["activation_checkpointing"] = ac
     block = _torchtitan_block(job, out)
+    if pp > 1 and steps > 1:  # the schedule's steps per optimizer step (micro_batches are the schedule's)
+        block["gradient_accumulation_steps"] = steps
     out.doc = {
         "schema_version": 1,
         "name": name or scenario_name(Path(job.source)) if Path(job.source).suffix == ".toml" else name or job.config,
@@ -517,7 +519,7 @@ def torchtitan(
     return out
 
 
-def _accumulation(job: TitanJob, dp: int, pp: int) -> int:
+def _accumulation(job: TitanJob, dp: int) -> int:
     """torchtitan's gradient-accumulation steps: ``global_batch_size / (local_batch_size x dp_replicate x
     dp_shard)`` (``trainer.py:415-433``; -1: one step)."""
     f, g = job.source, job.global_batch_size
@@ -529,12 +531,6 @@ def _accumulation(job: TitanJob, dp: int, pp: int) -> int:
         raise UsageError(
             f"{f}: global_batch_size = {g} is not a positive multiple of local_batch_size x data-parallel degree = "
             f"{job.local_batch_size} x {dp * job.replicate} (torchtitan refuses it too): give a multiple, or -1"
-        )
-    if steps > 1 and pp > 1:
-        raise UsageError(
-            f"{f}: global_batch_size = {g} gives {steps} gradient-accumulation steps of the pipeline schedule "
-            f"(local_batch_size x dp = {per_step}): not modelled under torchtitan's pipeline yet; give "
-            f"global_batch_size = {per_step} (or -1)"
         )
     return steps
 

@@ -97,6 +97,9 @@ class Job:
     cpu_offload: bool = False
     """``training.enable_cpu_offload``: FSDP2's ``CPUOffloadPolicy`` (shards on the host, copied to the device
     around each collective: the same calls, bytes and groups)."""
+    gradient_accumulation_steps: int = 1
+    """Under a pipeline: schedule steps per optimizer step (``global_batch_size / (local_batch_size x dp)``;
+    without a pipeline ``parallelism.micro_batches`` are the accumulation steps)."""
     loss: Literal["chunked", "cross_entropy"] = "chunked"
     loss_chunks: int = 8
     log_freq: int = 10
@@ -167,6 +170,14 @@ OPTIONS: dict[str, Any] = {
         },
         "mixed_precision_param": {"enum": ["bfloat16", "float32"], "default": "bfloat16"},
         "fsdp_reshard_after_forward": {"enum": ["default", "always", "never"], "default": "default"},
+        "gradient_accumulation_steps": {
+            "type": "integer",
+            "minimum": 1,
+            "maximum": 4096,
+            "default": 1,
+            "description": "Under its pipeline: schedule steps per optimizer step (global_batch_size / "
+            "(local_batch_size x dp)); without one, parallelism.micro_batches are the accumulation steps.",
+        },
         "cpu_offload": {
             "type": "boolean",
             "default": False,
@@ -426,15 +437,21 @@ def _scatters(
     return [rs, replicas]
 
 
+def steps(ctx: Context) -> int:
+    """Forward-backward passes (without a pipeline) or schedule steps (under one) per optimizer step."""
+    par = ctx.scenario.parallelism
+    return Job.of(ctx.scenario).gradient_accumulation_steps if par.pp > 1 else par.micro_batches
+
+
 def accumulation(term: str, one: Fraction, m: int) -> Residual:
     """The gradient-accumulation steps beyond the first, ``one`` being a step's bytes of one micro-batch."""
     return Residual(
         term=term,
         name="gradient accumulation",
         bytes=one * (m - 1),
-        detail=f"{term} counts one micro-batch; torchtitan's train_step runs m={m} forward-backward passes a step "
-        "(training.global_batch_size / (local_batch_size x data-parallel degree), trainer.py:885-930), each "
-        "syncing its gradients",
+        detail=f"{term} counts one pass; torchtitan's train_step runs m={m} forward-backward passes (under a "
+        "pipeline: schedule steps) a step (training.global_batch_size / (local_batch_size x data-parallel "
+        "degree), trainer.py:885-930), each syncing its gradients",
     )
 
 
@@ -581,10 +598,8 @@ class TorchtitanFSDP:
                     f"d={d}, the sharding group",
                 )
             )
-        if par.pp == 1 and par.micro_batches > 1:  # every row above is one micro-batch's (accumulated())
-            out.append(
-                accumulation(EQ3, eq3_term(ctx).bytes + sum((x.bytes for x in out), Fraction(0)), par.micro_batches)
-            )
+        if (n := steps(ctx)) > 1:  # every row above is one pass's, or one schedule step's (accumulated())
+            out.append(accumulation(EQ3, eq3_term(ctx).bytes + sum((x.bytes for x in out), Fraction(0)), n))
         return out
 
 
@@ -632,7 +647,7 @@ def _pipelined_fsdp(ctx: Context) -> list[ExpectedCollective]:
     job, par = Job.of(ctx.scenario), ctx.scenario.parallelism
     g = groups(ctx, job)
     split = stages(par.pp * par.pipeline.virtual_stages, ctx.scenario.model.L)
-    return [row for st in split for row in _stage(ctx, job, g, st) if row.calls]
+    return accumulated([row for st in split for row in _stage(ctx, job, g, st) if row.calls], steps(ctx))
 
 
 def _stage(ctx: Context, job: Job, g: Groups, st: Stage) -> list[ExpectedCollective]:
@@ -784,7 +799,9 @@ class TorchtitanTP:
         par, m = ctx.scenario.parallelism, ctx.scenario.model
         if par.tp == 1 or not par.sequence_parallel:  # without SP: measured only (baseline-only, a rule says)
             return []
-        return [row for st in stages(par.pp * par.pipeline.virtual_stages, m.L) for row in _tp_stage(ctx, st)]
+        split = stages(par.pp * par.pipeline.virtual_stages, m.L)
+        rows = [row for st in split for row in _tp_stage(ctx, st)]
+        return accumulated(rows, steps(ctx)) if par.pp > 1 else rows  # (without one, per micro-batch already)
 
     def _units(self, ctx: Context) -> int:
         """Rank 0's all-gathers and reduce-scatters of one activation in one micro-batch under Eq. 5 (counted
@@ -856,6 +873,8 @@ class TorchtitanTP:
                     f"counts {m.dtype}",
                 )
             )
+        if par.pp > 1 and (n := steps(ctx)) > 1:  # the pipeline's schedule steps of one optimizer step
+            out.append(accumulation(EQ5, self.paper_terms(ctx)[0].bytes + sum((x.bytes for x in out), Fraction(0)), n))
         return out
 
 
@@ -1058,19 +1077,26 @@ class TorchtitanPP(PipelineParallel):
 
     def residuals(self, ctx: Context) -> list[Residual]:
         out = PipelineParallel.residuals(self, ctx)
-        t = ctx.scenario.parallelism.tp
-        if t == 1:
+        if ctx.scenario.parallelism.pp == 1:
             return out
-        sent = self._eq4(ctx) * ctx.scenario.model.itemsize + sum((r.bytes for r in out), Fraction(0))
-        out.append(
-            Residual(
-                term=PP_TERM,
-                name="sequence-parallel shards",
-                bytes=-sent * Fraction(t - 1, t),
-                detail=f"under sequence parallelism each of the t={t} tensor-parallel ranks sends its s/t shard of "
-                "the activation and its gradient to its peer of the next stage; Eq. 4 counts the whole b*s*h",
+        t = ctx.scenario.parallelism.tp
+        if t > 1:
+            sent = self._eq4(ctx) * ctx.scenario.model.itemsize + sum((r.bytes for r in out), Fraction(0))
+            out.append(
+                Residual(
+                    term=PP_TERM,
+                    name="sequence-parallel shards",
+                    bytes=-sent * Fraction(t - 1, t),
+                    detail=f"under sequence parallelism each of the t={t} tensor-parallel ranks sends its s/t shard "
+                    "of the activation and its gradient to its peer of the next stage; Eq. 4 counts the whole b*s*h",
+                )
             )
-        )
+        if (n := steps(ctx)) > 1:
+            out.append(
+                accumulation(
+                    PP_TERM, self._eq4(ctx) * ctx.scenario.model.itemsize + sum((r.bytes for r in out), Fraction(0)), n
+                )
+            )
         return out
 
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
@@ -1089,6 +1115,7 @@ class TorchtitanPP(PipelineParallel):
             )
             for r in _torch_pipelining(ctx)
         ]
+        rows = accumulated(rows, steps(ctx))  # each schedule step of the optimizer step sends them
         rows.append(
             ExpectedCollective(
                 op=Op.ALL_REDUCE,
@@ -1262,9 +1289,14 @@ def torchtitans_axes(c: Check) -> None:
     """What torchtitan runs on torch 2.13 CPU and the model holds: FSDP2 (HSDP) over dp (scheme with FSDP),
     TP with dp = 1 (the tensor scheme), its pipeline with FSDP2 in its stages, context parallelism with
     FSDP2 and TP; ``micro_batches``: the pipeline's, or without one gradient accumulation's steps."""
-    par = c.par
+    par, acc = c.par, _block(c).get("gradient_accumulation_steps", 1)
     if par.pp == 1:
-        pass
+        if acc != 1:
+            c.bad(
+                [TT, "gradient_accumulation_steps"],
+                f"{acc}: without a pipeline torchtitan's accumulation steps are parallelism.micro_batches; give "
+                "them there",
+            )
     elif par.tp > 1 and par.pipeline.virtual_stages > 1:
         c.bad(
             [P, "pipeline", "schedule"],
@@ -1378,7 +1410,8 @@ GIVEN: dict[str, str] = {
     "training.enable_cpu_offload": "torchtitan.cpu_offload",
     "parallelism.spmd_backend": "the adapter (partial_dtensor: spmd_types fails in torch 2.13's fully_shard)",
     "training.local_batch_size": "parallelism.micro_batch (x micro_batches under a pipeline)",
-    "training.global_batch_size": "parallelism.micro_batch x micro_batches x dp x dp_replicate",
+    "training.global_batch_size": "parallelism.micro_batch x micro_batches x dp x dp_replicate "
+    "(x torchtitan.gradient_accumulation_steps under a pipeline)",
     "training.seq_len": "model.s",
     "training.dtype": "model.dtype",
     "training.mixed_precision_param": "torchtitan.mixed_precision_param",

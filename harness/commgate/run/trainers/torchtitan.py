@@ -345,7 +345,7 @@ def overrides(scenario: Scenario, job: Job, *, tokenizer: Path, data: Path, dump
         "--parallelism.context_parallel_degree", str(par.cp),
         *pipeline,
         "--training.local_batch_size", str(par.micro_batch * micro_batches),
-        "--training.global_batch_size", str(par.micro_batch * par.micro_batches * par.dp * par.dp_replicate),
+        "--training.global_batch_size", str(global_batch(scenario, job)),
         "--training.seq_len", str(m.s),
         "--training.dtype", "float32",
         "--training.mixed_precision_param", job.mixed_precision_param,
@@ -577,6 +577,14 @@ def text_loader(config: Any, where: str) -> None:
         )
 
 
+def global_batch(scenario: Scenario, job: Job) -> int:
+    """``training.global_batch_size``: the data ranks' local batches (the pipeline's micro-batches, or one),
+    times the accumulation steps (without a pipeline ``micro_batches``, under one the job's own)."""
+    par = scenario.parallelism
+    per_step = par.micro_batch * par.micro_batches * par.dp * par.dp_replicate
+    return per_step * (job.gradient_accumulation_steps if par.pp > 1 else 1)
+
+
 def check_config(config: Any, scenario: Scenario, job: Job) -> None:
     """Stop in one line where the parsed job is not the scenario's (a config function, or torchtitan.args,
     that sets what the scenario gives)."""
@@ -605,8 +613,8 @@ def check_config(config: Any, scenario: Scenario, job: Job) -> None:
             "parallelism.micro_batch x micro_batches",
         ),
         "training.global_batch_size": (
-            par.micro_batch * par.micro_batches * par.dp * par.dp_replicate,
-            "parallelism.micro_batch x micro_batches x dp x dp_replicate",
+            global_batch(scenario, job),
+            "parallelism.micro_batch x micro_batches x dp x dp_replicate (x torchtitan.gradient_accumulation_steps)",
         ),
         "training.seq_len": (m.s, "model.s"),
         **(
@@ -704,11 +712,12 @@ def check_built(trainer: Any, scenario: Scenario, job: Job) -> None:
         check_split(parts, scenario, dims.get_mesh("pp").get_local_rank(), where)
         check_order(trainer.pp_schedule, scenario, dims.get_mesh("pp").get_local_rank(), where)
     model = parts[0]
-    accumulation = 1 if par.pp > 1 else par.micro_batches
+    accumulation = job.gradient_accumulation_steps if par.pp > 1 else par.micro_batches
     if trainer.gradient_accumulation_steps != accumulation:
+        field = "torchtitan.gradient_accumulation_steps" if par.pp > 1 else "parallelism.micro_batches"
         raise CommgateError(
             f"{where} with {trainer.gradient_accumulation_steps} gradient-accumulation steps; the scenario "
-            f"describes {accumulation} (parallelism.micro_batches{' under a pipeline: 1' if par.pp > 1 else ''})"
+            f"describes {accumulation} ({field})"
         )
     state = model._get_fsdp_state() if hasattr(model, "_get_fsdp_state") else None
     policy = getattr(state, "_mp_policy", None)
