@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -393,6 +394,90 @@ def test_ddp_as_trainer_runs_it_reconciles(args: dict[str, Any], tmp_path: Path)
     reconciled(run(scenario(TINY, None, args), tmp_path))
 
 
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"num_hidden_layers": "2"}, "Field 'num_hidden_layers' expected int, got str"),
+        ({"tie_word_embeddings": "yes"}, "Field 'tie_word_embeddings' expected bool, got str"),
+        ({"num_attention_heads": 5}, "is not a multiple of the number of attention heads"),
+        ({"model_type": None}, "no model_type: give a causal language model's config.json"),
+        ({"model_type": "my_model"}, "Unrecognized model identifier: my_model"),
+    ],
+    ids=["str-int", "str-bool", "heads", "no-model-type", "custom-type"],
+)
+def test_a_config_json_transformers_refuses_is_one_short_line_naming_it(
+    edit: dict[str, Any], message: str, tmp_path: Path
+) -> None:
+    """transformers' own validation of a config.json (strict fields, its architecture check, unknown model
+    types) is one line naming the file, at most a few hundred characters (it was a 47-line traceback, or
+    an 11.7 KB line under ``hf.training_args``; found by an adversarial pass)."""
+    cfg = {k: v for k, v in (json.loads(TINY.read_text()) | edit).items() if v is not None}
+    config = tmp_path / "bad.config.json"
+    config.write_text(json.dumps(cfg))
+    with pytest.raises(ScenarioError) as info:
+        load_text(scenario(config, None, {"per_device_train_batch_size": 1}))
+    text = str(info.value)
+    assert "\n" not in text and message in text and "bad.config.json" in text and len(text) < 700, text
+
+
+def test_a_layer_class_the_model_does_not_have_is_refused_at_load() -> None:
+    """``fsdp_config.transformer_layer_cls_to_wrap`` of another family: refused at load naming the model's own
+    decoder layers (predict and the run used to crash in accelerate's wrapping with a traceback)."""
+    args = {"per_device_train_batch_size": 1, "fsdp": True}
+    args |= {"fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["MistralDecoderLayer"]}}
+    with pytest.raises(ScenarioError, match=r"'MistralDecoderLayer': LlamaForCausalLM has no such layer; its decoder"):
+        load_text(scenario(TINY, None, args))
+
+
+def test_a_sequence_beyond_learned_positions_is_refused_at_load(tmp_path: Path) -> None:
+    """GPT-2's learned positions (``n_positions``): a longer ``model.s`` failed on the ranks with "index out
+    of range" and a traceback; it is refused at load naming both."""
+    config = tmp_path / "gpt2.config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "n_positions": 16, "n_embd": 32, "n_layer": 1, "n_head": 2}))
+    with pytest.raises(
+        ScenarioError, match=r"model.s: 32 is longer than the model's learned positions \(n_positions 16"
+    ):
+        load_text(scenario(config, None, {"per_device_train_batch_size": 1}))
+
+
+def test_a_gpu_only_deepspeed_optimizer_is_skipped_on_cpu_saying_why(tmp_path: Path) -> None:
+    """Lamb passed validation and then failed on the ranks with FusedLamb's "not implemented on CPU backend"
+    and a traceback; a CPU run is now skipped naming it (a GPU machine runs it)."""
+    from commgate.run.workloads import skip_reason
+
+    ds = json.loads((SUITE / "hf" / "ds_zero2.json").read_text())
+    ds["optimizer"] = {"type": "Lamb", "params": {"lr": "auto", "weight_decay": "auto"}}
+    (tmp_path / "lamb.json").write_text(json.dumps(ds))
+    (s,) = load_text(scenario(TINY, tmp_path / "lamb.json", {"per_device_train_batch_size": 1}))
+    assert "FusedLamb has no CPU kernel" in (skip_reason(s, gpus=False) or "")
+    assert skip_reason(replace(s, backend="nccl"), gpus=True) is None
+
+
+def test_a_trainer_jobs_deepspeed_optimizer_is_not_warned_of_as_commgates_own() -> None:
+    """The client-optimizer warning describes commgate's own workloads; Trainer builds the config's optimizer."""
+    (s,) = load_text(scenario(TINY, SUITE / "hf" / "ds_zero2.json", {"per_device_train_batch_size": 1}))
+    assert not [w for w in s.warnings if "commgate's own workloads step torch's AdamW" in w], s.warnings
+
+
+def test_ddp_of_a_model_shipped_in_bf16_reconciles(tmp_path: Path) -> None:
+    """A config.json with ``torch_dtype: bfloat16`` (as TinyLlama, Llama 3.x, Qwen2 and Mistral ship): its
+    parameters come bf16 out of ``from_config``, RoPE's ``inv_freq`` stays fp32, and DDP broadcasts it apart
+    (the model is read as the trainer builds it, not cast; found by an adversarial pass)."""
+    cfg = json.loads(TINY.read_text()) | {"torch_dtype": "bfloat16"}
+    config = tmp_path / "bf16.config.json"
+    config.write_text(json.dumps(cfg))
+    s = load_text(scenario(config, None, {"per_device_train_batch_size": 1, "logging_steps": 1}))[0]
+    assert s.model.dtype == "bf16"
+    assert {b.dtype for b in hf_buffers(s)} == {"fp32"}  # inv_freq: fp32 in a bf16 model
+    reconciled(run(scenario(config, None, {"per_device_train_batch_size": 1, "logging_steps": 1}), tmp_path))
+
+
+def hf_buffers(s: Any) -> tuple[Any, ...]:
+    from commgate.model.usermodule import describe
+
+    return describe(s).buffers
+
+
 @pytest.mark.parametrize("ds", [SUITE / "hf" / "ds_zero2.json", None], ids=["zero2", "ddp"])
 def test_bf16_reconciles(ds: Path | None, tmp_path: Path) -> None:
     """``bf16: true``: DeepSpeed's bf16 parameters under ZeRO-2 (with its overflow check); under DDP, autocast
@@ -436,6 +521,32 @@ def test_the_prediction_needs_no_run_and_names_trainers_own_calls() -> None:
 
 
 # ------------------------------------------------------------------------------------------- import
+
+
+def test_import_writes_the_trainer_arguments_a_deepspeed_json_pins(tmp_path: Path) -> None:
+    """A DeepSpeed JSON's explicit batch, accumulation, lr, betas and clipping are the TrainingArguments
+    Trainer requires to match (it refuses a mismatch): import writes them; ``bf16: auto`` with a model shipped
+    in bf16 is Trainer's ``--bf16``, said in a note. Before, both were refused (the repository's own TinyLlama
+    with its ZeRO-2 JSON could not be imported)."""
+    from commgate.cli import main
+
+    ds = json.loads((DATA / "ds_config_zero2.json").read_text())
+    ds |= {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "gradient_clipping": 0.5}
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    out = tmp_path / "job.yaml"
+    argv = ["import", "--trainer", "hf", "--hf", str(DATA / "tinyllama-1.1b.json"), "--deepspeed"]
+    assert main([*argv, str(tmp_path / "ds.json"), "--dp", "2", "-o", str(out)]) == 0
+    args = yaml.safe_load(out.read_text())["hf"]["training_args"]
+    assert {k: args[k] for k in ("per_device_train_batch_size", "gradient_accumulation_steps", "bf16")} == {
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 4,
+        "bf16": True,
+    }
+    assert (args["learning_rate"], args["adam_beta2"], args["max_grad_norm"]) == (1e-4, 0.95, 0.5)
+    assert any("written as Trainer's --bf16" in n for n in yaml.safe_load(out.read_text())["notes"])
+    (s,) = load_file(out)
+    assert s.model.dtype == "bf16" and s.parallelism.micro_batches == 4
 
 
 def test_commgate_import_writes_the_job_and_what_trainer_resolves(tmp_path: Path) -> None:

@@ -652,8 +652,9 @@ def cmd_import(a: argparse.Namespace) -> int:
             raise UsageError(
                 "--trainer hf takes --hf (a config.json), --deepspeed and --dp; not --neox, --tp, --pp, --cpu"
             )
-        dp = a.dp if a.dp is not None else 1
-        got = hf_trainer(hf=a.hf, deepspeed=a.deepspeed, dp=dp, out=a.out, name=a.name)
+        if a.dp is None:
+            raise UsageError("--trainer hf: give --dp N, the number of ranks the job runs on (2 or more)")
+        got = hf_trainer(hf=a.hf, deepspeed=a.deepspeed, dp=a.dp, out=a.out, name=a.name)
     else:
         dp = a.dp if a.dp is not None else 1
         got = build(neox=a.neox, deepspeed=a.deepspeed, hf=a.hf, dp=dp, tp=a.tp, pp=a.pp, cpu=a.cpu, name=a.name)

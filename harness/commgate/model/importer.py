@@ -638,13 +638,16 @@ def hf_trainer(*, hf: Path, deepspeed: Path | None, dp: int, out: Path, name: st
     from commgate.model.trainers import hf as trainer
 
     cfg = _read(hf, "Hugging Face config.json")
-    if deepspeed is not None:
-        _read(deepspeed, "DeepSpeed JSON config")
+    ds = _read(deepspeed, "DeepSpeed JSON config") if deepspeed is not None else {}
+    notes: list[str] = []
+    args = _trainer_arguments(ds, cfg, notes, deepspeed)
     out.parent.mkdir(parents=True, exist_ok=True)  # the paths are relative to it
     base = out.parent.resolve()
     block: dict[str, Any] = {"config": os.path.relpath(hf.resolve(), base)}
     if deepspeed is not None:
         block["deepspeed"] = os.path.relpath(deepspeed.resolve(), base)
+    if args:
+        block["training_args"] = args
     s = int(cfg.get("max_position_embeddings", 2048))
     doc: dict[str, Any] = {
         "schema_version": 1,
@@ -656,7 +659,7 @@ def hf_trainer(*, hf: Path, deepspeed: Path | None, dp: int, out: Path, name: st
         "model": {"s": s},
         "parallelism": {"dp": dp},
     }
-    notes = [f"{hf}: s = max_position_embeddings = {s}; set model.s to the sequence length you train with"]
+    notes.insert(0, f"{hf}: s = max_position_embeddings = {s}; set model.s to the sequence length you train with")
     try:
         derived = trainer.derive(doc, str(out))
         (scenario,) = load_document(derived, file=str(out))
@@ -665,6 +668,54 @@ def hf_trainer(*, hf: Path, deepspeed: Path | None, dp: int, out: Path, name: st
     comments = ["resolved by trainer hf (transformers' and accelerate's own code), checked when loaded:"]
     comments += [f"  {line}" for line in trainer.derived(scenario)]
     return Imported(doc=derived, notes=notes, comments=comments)
+
+
+TRAINER_FROM_DEEPSPEED = (
+    (("train_micro_batch_size_per_gpu",), "per_device_train_batch_size"),
+    (("gradient_accumulation_steps",), "gradient_accumulation_steps"),
+    (("optimizer", "params", "lr"), "learning_rate"),
+    (("optimizer", "params", "eps"), "adam_epsilon"),
+    (("optimizer", "params", "weight_decay"), "weight_decay"),
+    (("gradient_clipping",), "max_grad_norm"),
+)
+"""A DeepSpeed JSON's explicit values that Trainer requires its ``TrainingArguments`` to match
+(``integrations/deepspeed.py``'s ``fill_match``): the import writes them as the arguments."""
+
+
+def _trainer_arguments(
+    ds: dict[str, Any], cfg: dict[str, Any], notes: list[str], source: Path | None
+) -> dict[str, Any]:
+    """The ``TrainingArguments`` a job with DeepSpeed JSON ``ds`` must have passed: its explicit values where
+    Trainer checks they match, and ``bf16``/``fp16`` where the JSON enables one, or leaves it "auto" for a
+    model shipped in that dtype (Trainer's ``--bf16``; said in a note)."""
+    args: dict[str, Any] = {}
+    for keys, arg in TRAINER_FROM_DEEPSPEED:
+        value: Any = ds
+        for k in keys:
+            value = value.get(k) if isinstance(value, dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            args[arg] = value
+    betas = (
+        ((ds.get("optimizer") or {}).get("params") or {}).get("betas")
+        if isinstance(ds.get("optimizer"), dict)
+        else None
+    )
+    if isinstance(betas, list) and len(betas) == 2 and all(isinstance(b, (int, float)) for b in betas):
+        args["adam_beta1"], args["adam_beta2"] = betas
+    shipped = cfg.get("torch_dtype") or cfg.get("dtype")
+    for kind, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
+        enabled = (ds.get(kind) or {}).get("enabled") if isinstance(ds.get(kind), dict) else None
+        if enabled is True or (enabled == "auto" and shipped == dtype):
+            args[kind] = True
+            if enabled == "auto":
+                notes.append(
+                    f'{source}: {kind}.enabled "auto" with a model shipped in {dtype}: written as Trainer\'s --{kind} '
+                    f"(hf.training_args.{kind}: true); set it false if your job does not pass it"
+                )
+    if args:
+        notes.append(f"{source}: its explicit values written as the TrainingArguments Trainer requires them to "
+                     f"match: {', '.join(f'{k}={v}' for k, v in args.items())}")  # fmt: skip
+    return args
 
 
 def _autos(d: dict[str, Any], prefix: str = "") -> list[str]:

@@ -578,7 +578,7 @@ def _scenario(
             *dsconfig.unknown_keys(ds),
             *_trainer_warnings(doc),
             *_filled(ds, model, par, doc.get("trainer", "commgate")),
-            *_client_optimizer(ds),
+            *(_client_optimizer(ds) if doc.get("trainer", "commgate") == "commgate" else ()),  # commgate's own
         ),
         notes=tuple(doc.get("notes", ())),
     )

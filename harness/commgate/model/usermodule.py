@@ -27,7 +27,8 @@ engines see it:
   it on meta tensors too.
 
 * its buffers (``named_buffers``: dtype and size after the cast to the scenario's dtype, which casts the
-  floating-point ones), which DDP broadcasts at construction and before every forward;
+  floating-point ones; a trainer's model as the trainer builds it, uncast), which DDP broadcasts at
+  construction and before every forward;
 * which parameters are frozen (``requires_grad`` off): DDP and ZeRO leave them out of the gradient
   reduction and the optimizer, but broadcast (and ZeRO-3 partitions and gathers) them as any other.
 """
@@ -135,8 +136,12 @@ def _describe(scenario: Scenario) -> Described:
         model, inputs = build(scenario, torch.device("meta"))
     spec = scenario.model.module
     assert spec is not None
-    # as the workload holds it (commgate.run.workloads.gpt.build): floating-point tensors in the scenario's dtype
-    model = model.to(dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[scenario.model.dtype])
+    # as the workload holds it (commgate.run.workloads.gpt.build): floating-point tensors in the scenario's dtype;
+    # a trainer's model as the trainer builds it (Hugging Face's from_config keeps RoPE's inv_freq fp32 in a
+    # bf16 model; the ranks check its parameters' dtype is the scenario's)
+    if scenario.model.builder is None:
+        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        model = model.to(dtype=dtypes[scenario.model.dtype])
     params, buffers, modules = _inventory(model, spec)
     with contextlib.redirect_stdout(io.StringIO()):
         ready, events = _trace(model, inputs, spec)

@@ -32,6 +32,7 @@ import copy
 import functools
 import json
 import math
+import sys
 import tempfile
 import types
 from collections.abc import Iterator, Mapping
@@ -391,6 +392,7 @@ def resolution(scenario: Scenario) -> Resolution:
 
 
 def _resolution(block: Mapping[str, Any], file: str | None, world: int, steps: int) -> Resolution:
+    cfg = _hf_config(path(file, block["config"]))  # the config itself first: its own problem names its file
     config = _read_json(path(file, block["config"]), "Hugging Face config.json", "hf.config")
     ds = (
         _read_json(path(file, block["deepspeed"]), "DeepSpeed JSON config", "hf.deepspeed")
@@ -399,7 +401,7 @@ def _resolution(block: Mapping[str, Any], file: str | None, world: int, steps: i
     )
     where = f"hf.deepspeed {block['deepspeed']}" if ds is not None else "hf.training_args"
     try:
-        return _resolved(
+        res = _resolved(
             None if ds is None else json.dumps(ds, sort_keys=True),
             json.dumps(config, sort_keys=True),
             world,
@@ -407,6 +409,24 @@ def _resolution(block: Mapping[str, Any], file: str | None, world: int, steps: i
         )
     except CommgateError as exc:
         raise CommgateError(f"{where}: {exc}") from None
+    _layers_to_wrap(res.args, cfg)
+    return res
+
+
+def _layers_to_wrap(args: Mapping[str, Any], cfg: Any) -> None:
+    """``fsdp_config.transformer_layer_cls_to_wrap`` names classes of the model's own modeling module (else
+    accelerate stops Trainer's FSDP2 wrapping: "Could not find the transformer layer class")."""
+    names = (args.get("fsdp_config") or {}).get("transformer_layer_cls_to_wrap")
+    if not args.get("fsdp") or not names:
+        return
+    cls = _model_class(cfg)
+    module = sys.modules[cls.__module__]
+    if missing := [n for n in ([names] if isinstance(names, str) else names) if not hasattr(module, n)]:
+        layers = ", ".join(getattr(cls, "_no_split_modules", None) or ()) or "?"
+        raise CommgateError(
+            f"hf.training_args.fsdp_config.transformer_layer_cls_to_wrap {missing[0]!r}: {cls.__name__} has no "
+            f"such layer; its decoder layers are {layers}"
+        )
 
 
 def finite(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -441,6 +461,7 @@ def derive(doc: Mapping[str, Any], file: str) -> dict[str, Any]:
         return dict(doc)  # the schema names them
     resolved = _resolution(block, file, dp, sum(counts))
     _refuse_unmodelled(block, resolved)
+    _positions(doc["model"]["s"], _hf_config(path(file, block["config"])))
     filled = {
         "hf": {"training_args": _jsonable(resolved.args)},
         "parallelism": _parallelism(resolved),
@@ -457,6 +478,17 @@ def derive(doc: Mapping[str, Any], file: str) -> dict[str, Any]:
 
 def _jsonable(args: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v if isinstance(v, (bool, int, float, str, type(None), dict)) else str(v) for k, v in args.items()}
+
+
+def _positions(s: int, cfg: Any) -> None:
+    """A model with learned absolute positions (GPT-2's ``n_positions``) embeds at most that many tokens: a
+    longer ``model.s`` fails in the first forward ("index out of range")."""
+    limit = getattr(cfg, "n_positions", None)
+    if isinstance(limit, int) and s > limit:
+        raise CommgateError(
+            f"model.s: {s} is longer than the model's learned positions (n_positions {limit} in hf.config): "
+            f"give s <= {limit}"
+        )
 
 
 def _refuse_written(doc: Mapping[str, Any]) -> None:
@@ -602,10 +634,18 @@ def _hf_config(p: Path) -> Any:
     from transformers import AutoConfig
 
     raw = _read_json(p, "Hugging Face config.json", "hf.config")
+    if not isinstance(raw.get("model_type"), str):
+        raise CommgateError(
+            f"hf.config {p}: no model_type: give a causal language model's config.json (model_type llama, "
+            "mistral, qwen2, gpt_neox ...)"
+        )
     try:
         return AutoConfig.for_model(**raw)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CommgateError(f"hf.config {p}: transformers cannot read it: {_one_line(exc)}") from None
+    except Exception as exc:  # transformers' own validation (strict dataclass fields, unknown model types)
+        why = _one_line(exc)
+        raise CommgateError(
+            f"hf.config {p}: transformers cannot read it: {why[:300]}{' ...' if len(why) > 300 else ''}"
+        ) from None
 
 
 def _model_class(cfg: Any) -> type:
@@ -827,7 +867,14 @@ def units(scenario: Scenario) -> tuple[Unit, ...]:
     )
     with torch.device("meta"):
         net = build(scenario)
-    policy = fsdp2_prepare_auto_wrap_policy(plugin, net)
+    try:
+        policy = fsdp2_prepare_auto_wrap_policy(plugin, net)
+    except ValueError as exc:  # accelerate: "Could not find the transformer layer class X in the model."
+        layers = ", ".join(getattr(net, "_no_split_modules", None) or ()) or "?"
+        raise CommgateError(
+            f"hf.training_args.fsdp_config.transformer_layer_cls_to_wrap {names!r}: {_one_line(exc)} "
+            f"({type(net).__name__} wraps {layers})"
+        ) from None
     held: set[int] = set()
     out: list[Unit] = []
 

@@ -160,6 +160,10 @@ def skip_reason(scenario: Scenario, *, gpus: bool) -> str | None:
         return "needs GPUs (marker gpu or backend nccl); this machine has none"
     if scenario.workload is not None:
         return None
+    section = scenario.deepspeed_config.get("optimizer")
+    kind = str(section.get("type", "")) if isinstance(section, dict) else ""
+    if kind.lower() in GPU_ONLY_OPTIMIZERS and (not gpus or scenario.backend == "gloo"):
+        return f"deepspeed optimizer {kind!r}: {GPU_ONLY_OPTIMIZERS[kind.lower()]} (`commgate predict` models it)"
     if scenario.model.tied_embeddings and par.pp > 1 and par.pipeline.engine == "torch":
         why = "torch.distributed.pipelining ties no weights across stages; DeepSpeed's engine does (engine: deepspeed)"
         return f"{why} (`commgate predict` models it)"
@@ -171,6 +175,15 @@ def skip_reason(scenario: Scenario, *, gpus: bool) -> str | None:
     if (par.zero.qwz or par.zero.qgz) and cpu:  # (ZeRO++ options: scheme zero++ alone allows them)
         return "ZeRO++ qwZ/qgZ run on GPUs only: DeepSpeed's quantizer has no CPU kernel (hpZ alone runs on CPU)"
     return None
+
+
+GPU_ONLY_OPTIMIZERS = {
+    "lamb": 'DeepSpeed\'s FusedLamb has no CPU kernel ("This op had not been implemented on CPU backend")',
+    "onebitadam": "DeepSpeed's 1-bit Adam compresses with CUDA kernels",
+    "onebitlamb": "DeepSpeed's 1-bit LAMB compresses with CUDA kernels",
+    "zerooneadam": "DeepSpeed's 0/1 Adam compresses with CUDA kernels",
+}
+"""DeepSpeed optimizers (``optimizer.type``, lower case) that run on GPUs only: a CPU run is skipped saying so."""
 
 
 def _missing_schedule(schedule: str) -> str | None:
