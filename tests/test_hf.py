@@ -547,6 +547,9 @@ def test_import_writes_the_trainer_arguments_a_deepspeed_json_pins(tmp_path: Pat
     assert any("written as Trainer's --bf16" in n for n in yaml.safe_load(out.read_text())["notes"])
     (s,) = load_file(out)
     assert s.model.dtype == "bf16" and s.parallelism.micro_batches == 4
+    # the sequence length to edit is said once, in the file's head, not by every run after it was edited
+    assert "max_position_embeddings: set it to the sequence length" in out.read_text().split("\nschema_version")[0]
+    assert not [w for w in (*s.warnings, *s.notes) if "max_position_embeddings" in w]
 
 
 def test_commgate_import_writes_the_job_and_what_trainer_resolves(tmp_path: Path) -> None:

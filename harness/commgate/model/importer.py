@@ -659,13 +659,15 @@ def hf_trainer(*, hf: Path, deepspeed: Path | None, dp: int, out: Path, name: st
         "model": {"s": s},
         "parallelism": {"dp": dp},
     }
-    notes.insert(0, f"{hf}: s = max_position_embeddings = {s}; set model.s to the sequence length you train with")
     try:
         derived = trainer.derive(doc, str(out))
         (scenario,) = load_document(derived, file=str(out))
     except CommgateError as exc:
         raise UsageError(str(exc).replace("\n", "; ")) from None
-    comments = ["resolved by trainer hf (transformers' and accelerate's own code), checked when loaded:"]
+    comments = [  # an edit to make, not a note of the job: in the file's head, not repeated by every run
+        f"model.s = {s}, {hf.name}'s max_position_embeddings: set it to the sequence length you train with",
+        "resolved by trainer hf (transformers' and accelerate's own code), checked when loaded:",
+    ]
     comments += [f"  {line}" for line in trainer.derived(scenario)]
     return Imported(doc=derived, notes=notes, comments=comments)
 
