@@ -453,6 +453,15 @@ def test_a_gpu_only_deepspeed_optimizer_is_skipped_on_cpu_saying_why(tmp_path: P
     assert skip_reason(replace(s, backend="nccl"), gpus=True) is None
 
 
+def test_ddp_autocast_over_a_16_bit_model_is_refused_naming_the_trainer_fields(tmp_path: Path) -> None:
+    """``bf16: true`` without DeepSpeed on a model shipped in fp16: refused naming hf.training_args.bf16 and
+    the config (it named model.autocast and model.dtype, fields a trainer hf scenario does not hold)."""
+    config = tmp_path / "fp16.config.json"
+    config.write_text(json.dumps(json.loads(TINY.read_text()) | {"torch_dtype": "float16"}))
+    with pytest.raises(ScenarioError, match=r"hf.training_args.bf16: true with hf.config .*fp16 parameters"):
+        load_text(scenario(config, None, {"per_device_train_batch_size": 1, "bf16": True}))
+
+
 def test_a_trainer_jobs_deepspeed_optimizer_is_not_warned_of_as_commgates_own() -> None:
     """The client-optimizer warning describes commgate's own workloads; Trainer builds the config's optimizer."""
     (s,) = load_text(scenario(TINY, SUITE / "hf" / "ds_zero2.json", {"per_device_train_batch_size": 1}))

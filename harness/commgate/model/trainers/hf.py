@@ -622,6 +622,12 @@ def _model(config_path: Path, r: Resolution) -> dict[str, Any]:
             f"hf.config {config_path}: dtype {dtype}: DeepSpeed without bf16 or fp16 and a {dtype} model is not "
             "modelled; set training_args.bf16 (or fp16), or the config's dtype to float32"
         )
+    elif half and dtype != "fp32":
+        raise CommgateError(
+            f"hf.training_args.{half}: true with hf.config {config_path}'s {dtype} parameters: DDP's autocast over "
+            f"16-bit parameters is not modelled (Trainer's --{half} autocasts fp32 parameters); leave {half} out to "
+            "train the model as it is shipped, or set the config's torch_dtype to float32"
+        )
     elif half:
         out["autocast"] = half
     return out
