@@ -8,7 +8,8 @@ accounting, as the scenario would run):
 
 * parameters in their dtype; ZeRO-3 and FSDP2 keep 1/dp of them (plus what they gather: counted as one
   layer), FSDP2 after building the model whole (on the meta device when emulated);
-* gradients in the parameters' dtype; ZeRO-2/3 and FSDP2 keep 1/dp;
+* gradients in the parameters' dtype; ZeRO-2/3 and FSDP2 keep 1/dp; torch DDP twice (its buckets hold a
+  copy: an HF Trainer job of Llama 3.2 1B on two ranks was killed by the OOM killer when this was left out);
 * optimizer: AdamW's two moments, in fp32 on fp32 master weights under DeepSpeed (a copy for 16-bit
   parameters), in the parameters' dtype under torch; ZeRO-1/2/3 and FSDP2 keep 1/dp;
 * activations of one micro-batch: 34·b·s·h bytes per layer at 16 bits (Korthikanti et al., "Reducing
@@ -66,6 +67,8 @@ def per_rank(scenario: Scenario, runtime: int) -> Estimate:
     if fsdp and not (scenario.emulate and par.tp == 1):  # built whole before fully_shard keeps a shard
         params = max(params, n * isz)
     grads = n * isz // (d if stage >= 2 else 1)
+    if not SCHEMES[par.scheme].deepspeed and not fsdp and par.dp * par.dp_replicate * par.cp > 1:
+        grads *= 2  # torch DDP's reducer copies the gradients into its flat buckets (gradient_as_bucket_view off)
     # DeepSpeed: fp32 moments on fp32 master weights (a copy for 16-bit parameters); torch's AdamW keeps
     # its moments in the parameters' dtype
     per_param = 8 + (4 if isz < 4 else 0) if SCHEMES[par.scheme].deepspeed else 2 * isz
@@ -140,5 +143,14 @@ def refusal(scenario: Scenario, runtime: int) -> str | None:
     return (
         f"{scenario.id}: needs about {need / GIB:.1f} GiB for {started} local rank(s){emulated}, "
         f"{one.total / GIB:.2f} GiB each ({one.text()} GiB); this machine has {have / GIB:.1f} GiB available: "
-        "use a reduced-scale model (a -cpu preset, commgate import --cpu), or run it on a cluster under torchrun"
+        f"{REDUCE.get(scenario.trainer, REDUCE['commgate'])}, or run it on a cluster under torchrun"
     )
+
+
+REDUCE = {
+    "commgate": "use a reduced-scale model (a -cpu preset, commgate import --cpu)",
+    "torchtitan": "use a reduced-scale model (commgate import --torchtitan CONFIG --cpu)",
+    "hf": "give hf.config a smaller config.json (fewer layers, a smaller hidden size and vocabulary)",
+    "megatron": "use a reduced-scale model (fewer layers, a smaller hidden size)",
+}
+"""How a user makes a scenario of each trainer fit this machine."""
