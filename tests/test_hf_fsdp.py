@@ -92,6 +92,22 @@ def test_what_fsdp_cannot_say_is_one_line_naming_it(config: dict[str, Any], mess
     assert len(info.value.problems) == 1 and "\n" not in str(info.value.problems[0]), info.value.problems
 
 
+def test_accelerates_fsdp2_template_at_its_off_values_is_taken() -> None:
+    """accelerate's FSDP2 template writes keys whose off values send nothing different (offload and RAM-
+    efficient loading off, the state dict type read only when saving): taken, not refused one at a time
+    (found by an adversarial pass); on, they are still refused (above)."""
+    template = {
+        "fsdp_version": 2,
+        "fsdp_offload_params": False,
+        "fsdp_cpu_ram_efficient_loading": False,
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_reshard_after_forward": True,
+    }
+    (s,) = load_text(scenario(TINY, None, FSDP | {"fsdp_config": template}))
+    assert s.parallelism.scheme == "fsdp"
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -292,6 +292,17 @@ FSDP_MODELLED = (
     "activation_checkpointing",
 )
 """The ``fsdp_config`` keys (``fsdp_`` prefix stripped) trainer hf follows; ``_refuse_fsdp`` refuses others."""
+FSDP_INERT: dict[str, tuple[Any, ...]] = {
+    "offload_params": (False, "false"),
+    "cpu_ram_efficient_loading": (False, "false"),
+    "state_dict_type": ("FULL_STATE_DICT", "SHARDED_STATE_DICT"),  # read when saving, which the job does not
+    "sync_module_states": (False, "false"),
+    "use_orig_params": (True, False, "true", "false"),  # FSDP1's; FSDP2 keeps the original parameters
+    "forward_prefetch": (False, "false"),
+    "backward_prefetch": ("BACKWARD_PRE", "NO_PREFETCH"),
+}
+"""``fsdp_config`` keys (accelerate's FSDP2 template writes them) at values that change nothing a run of the
+job sends: taken, as the keys the model follows are."""
 FSDP_ITEMS = ("full_shard", "shard_grad_op", "auto_wrap")
 """The legacy ``fsdp`` string's items FSDP2 takes that the model follows (reshard after forward or not)."""
 
@@ -331,6 +342,8 @@ def _refuse_fsdp(args: Mapping[str, Any]) -> None:
                 f"{where}.fsdp_config.{key} {value!r}: trainer hf models accelerate's TRANSFORMER_BASED_WRAP "
                 "(each decoder layer its own group) only"
             )
+        if name in FSDP_INERT and value in FSDP_INERT[name]:
+            continue
         if name not in FSDP_MODELLED:
             raise CommgateError(
                 f"{where}.fsdp_config.{key} {value!r}: not modelled under trainer hf (it follows "
