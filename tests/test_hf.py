@@ -561,6 +561,24 @@ def test_import_writes_the_trainer_arguments_a_deepspeed_json_pins(tmp_path: Pat
     assert not [w for w in (*s.warnings, *s.notes) if "max_position_embeddings" in w]
 
 
+def test_an_import_the_rules_refuse_says_nothing_was_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A DeepSpeed key the model does not follow: the import writes nothing and says so, naming the key (it
+    named the unwritten scenario file as if it held the problem)."""
+    from commgate.cli import main
+
+    ds = json.loads((DATA / "ds_config_zero2.json").read_text())
+    ds["zero_optimization"]["round_robin_gradients"] = True
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    out = tmp_path / "job.yaml"
+    argv = ["import", "--trainer", "hf", "--hf", str(TINY), "--deepspeed", str(tmp_path / "ds.json"), "--dp", "2"]
+    assert main([*argv, "-o", str(out)]) == 2
+    *_, err = capsys.readouterr().err.strip().splitlines()
+    assert f"{out} not written: the imported scenario is refused: $.deepspeed.zero_optimization.round_robin" in err
+    assert not out.exists()
+
+
 def test_commgate_import_writes_the_job_and_what_trainer_resolves(tmp_path: Path) -> None:
     """``commgate import --hf config.json --deepspeed ds.json --trainer hf``: the inputs named as they are (paths
     relative to the written file), a comment per resolved key, and the resolved fields themselves, which the

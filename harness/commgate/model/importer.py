@@ -662,8 +662,9 @@ def hf_trainer(*, hf: Path, deepspeed: Path | None, dp: int, out: Path, name: st
     try:
         derived = trainer.derive(doc, str(out))
         (scenario,) = load_document(derived, file=str(out))
-    except CommgateError as exc:
-        raise UsageError(str(exc).replace("\n", "; ")) from None
+    except CommgateError as exc:  # nothing is written: the message names the inputs' fields, not the file
+        why = str(exc).replace("\n", "; ").removeprefix(f"{out}:").strip()
+        raise UsageError(f"{out} not written: the imported scenario is refused: {why}") from None
     comments = [  # an edit to make, not a note of the job: in the file's head, not repeated by every run
         f"model.s = {s}, {hf.name}'s max_position_embeddings: set it to the sequence length you train with",
         "resolved by trainer hf (transformers' and accelerate's own code), checked when loaded:",
