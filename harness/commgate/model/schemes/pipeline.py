@@ -396,13 +396,13 @@ def torch_engine(c: Check) -> None:
     """What torch.distributed.pipelining's stages run: the schemes whose record names the engine, data
     parallelism by FSDP2 alone, no DeepSpeed options, no activation checkpointing yet."""
     par, rule = c.par, c.scheme
-    own = c.trainer == "commgate" and rule.tensor and not rule.optional_pipeline  # '3d': torchtitan's alone
+    own = c.trainer == "commgate" and rule.tensor and not rule.optional_pipeline  # torchtitan's pp x tp alone
     if "torch" not in rule.pipeline_engines or own:
         able = c.names(lambda r: "torch" in r.pipeline_engines and not (r.tensor and not r.optional_pipeline))
         c.bad(
             [P, "pipeline", "engine"],
             f"torch: torch.distributed.pipelining is modelled under schemes {able}, not {rule.name!r}"
-            + (" (scheme '3d' with engine torch is torchtitan's: trainer: torchtitan)" if own else ""),
+            + (f" (scheme {rule.name!r} with engine torch is torchtitan's: trainer: torchtitan)" if own else ""),
         )
     if "zero" in c.declared:
         c.bad([P, "zero"], "DeepSpeed's ZeRO options do not apply to torch.distributed.pipelining (engine: torch)")
