@@ -297,9 +297,7 @@ FSDP_INERT: dict[str, tuple[Any, ...]] = {
     "cpu_ram_efficient_loading": (False, "false"),
     "state_dict_type": ("FULL_STATE_DICT", "SHARDED_STATE_DICT"),  # read when saving, which the job does not
     "sync_module_states": (False, "false"),
-    "use_orig_params": (True, False, "true", "false"),  # FSDP1's; FSDP2 keeps the original parameters
     "forward_prefetch": (False, "false"),
-    "backward_prefetch": ("BACKWARD_PRE", "NO_PREFETCH"),
 }
 """``fsdp_config`` keys (accelerate's FSDP2 template writes them) at values that change nothing a run of the
 job sends: taken, as the keys the model follows are."""
