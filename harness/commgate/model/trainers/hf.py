@@ -403,8 +403,8 @@ def resolution(scenario: Scenario) -> Resolution:
 
 
 def _resolution(block: Mapping[str, Any], file: str | None, world: int, steps: int) -> Resolution:
-    cfg = _hf_config(path(file, block["config"]))  # the config itself first: its own problem names its file
     config = _read_json(path(file, block["config"]), "Hugging Face config.json", "hf.config")
+    cfg = _config_of(config, path(file, block["config"]))  # the config itself first: its problem names its file
     ds = (
         _read_json(path(file, block["deepspeed"]), "DeepSpeed JSON config", "hf.deepspeed")
         if "deepspeed" in block
@@ -648,12 +648,24 @@ def _model(config_path: Path, r: Resolution) -> dict[str, Any]:
 
 
 def _hf_config(p: Path) -> Any:
+    """The config.json at ``p`` as transformers reads it (a copy: ``from_config`` may set attributes on it)."""
+    return copy.deepcopy(_config_of(_read_json(p, "Hugging Face config.json", "hf.config"), p))
+
+
+def _config_of(raw: dict[str, Any], p: Path) -> Any:
+    """``raw`` (the config.json at ``p``) read by transformers; a problem is one line naming the file. Parsed
+    once per content (derive, each prediction and each build read the same file)."""
+    return _parsed(json.dumps(raw, sort_keys=True), str(p))
+
+
+@functools.cache
+def _parsed(text: str, where: str) -> Any:
     from transformers import AutoConfig
 
-    raw = _read_json(p, "Hugging Face config.json", "hf.config")
+    raw = json.loads(text)
     if not isinstance(raw.get("model_type"), str):
         raise CommgateError(
-            f"hf.config {p}: no model_type: give a causal language model's config.json (model_type llama, "
+            f"hf.config {where}: no model_type: give a causal language model's config.json (model_type llama, "
             "mistral, qwen2, gpt_neox ...)"
         )
     try:
@@ -661,7 +673,7 @@ def _hf_config(p: Path) -> Any:
     except Exception as exc:  # transformers' own validation (strict dataclass fields, unknown model types)
         why = _one_line(exc)
         raise CommgateError(
-            f"hf.config {p}: transformers cannot read it: {why[:300]}{' ...' if len(why) > 300 else ''}"
+            f"hf.config {where}: transformers cannot read it: {why[:300]}{' ...' if len(why) > 300 else ''}"
         ) from None
 
 
