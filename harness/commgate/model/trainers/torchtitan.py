@@ -455,6 +455,11 @@ def accumulation(term: str, one: Fraction, m: int) -> Residual:
     )
 
 
+def accumulation_after(term: str, paper: Fraction, out: list[Residual], m: int) -> Residual:
+    """``accumulation`` of a whole pass: the paper's bytes and the named terms before it, ``m`` times."""
+    return accumulation(term, paper + sum((x.bytes for x in out), Fraction(0)), m)
+
+
 def accumulated(rows: list[ExpectedCollective], m: int) -> list[ExpectedCollective]:
     """One micro-batch's ``rows`` as a step of ``m`` gradient-accumulation steps sends them (without a
     pipeline: torchtitan's train_step syncs every micro-batch); a row sent once a run stays once, and one
@@ -599,7 +604,7 @@ class TorchtitanFSDP:
                 )
             )
         if (n := steps(ctx)) > 1:  # every row above is one pass's, or one schedule step's (accumulated())
-            out.append(accumulation(EQ3, eq3_term(ctx).bytes + sum((x.bytes for x in out), Fraction(0)), n))
+            out.append(accumulation_after(EQ3, eq3_term(ctx).bytes, out, n))
         return out
 
 
@@ -874,7 +879,7 @@ class TorchtitanTP:
                 )
             )
         if par.pp > 1 and (n := steps(ctx)) > 1:  # the pipeline's schedule steps of one optimizer step
-            out.append(accumulation(EQ5, self.paper_terms(ctx)[0].bytes + sum((x.bytes for x in out), Fraction(0)), n))
+            out.append(accumulation_after(EQ5, self.paper_terms(ctx)[0].bytes, out, n))
         return out
 
 
@@ -1092,11 +1097,7 @@ class TorchtitanPP(PipelineParallel):
                 )
             )
         if (n := steps(ctx)) > 1:
-            out.append(
-                accumulation(
-                    PP_TERM, self._eq4(ctx) * ctx.scenario.model.itemsize + sum((r.bytes for r in out), Fraction(0)), n
-                )
-            )
+            out.append(accumulation_after(PP_TERM, self._eq4(ctx) * ctx.scenario.model.itemsize, out, n))
         return out
 
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
@@ -1205,8 +1206,7 @@ class TorchtitanCP(ContextParallel):
                 )
             )
         if par.micro_batches > 1:
-            one = self.paper_terms(ctx)[0].bytes + sum((x.bytes for x in out), Fraction(0))
-            out.append(accumulation(CP_TERM, one, par.micro_batches))
+            out.append(accumulation_after(CP_TERM, self.paper_terms(ctx)[0].bytes, out, par.micro_batches))
         return out
 
 
