@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The failing-scenario page, checked in a real headless browser: a planted fault fails the DDP scenario,
+# The report pages, checked in a real headless browser: a planted fault fails the DDP scenario,
 # and the page Chromium renders must show the findings, the obtained/expected/difference table and the
-# scenario's figures (tests/test_html_browser.py, which the plain test command skips without Chromium).
+# scenario's figures; and at 2 and 16 ranks no label of any figure lies over another or over a bar
+# (tests/test_html_browser.py, which the plain test command skips without Chromium).
 #
 #   ci/check-html.sh            # needs Chromium: apt-get install chromium (CHROMIUM=/path names another)
 #

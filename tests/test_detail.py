@@ -48,12 +48,42 @@ def test_a_timeline_of_a_hundred_thousand_calls_stays_small() -> None:
     assert len(rects(svg)) == 4
 
 
-def test_the_gates_cold_starts_are_circled_with_their_ratio() -> None:
-    calls = [call(0, "recv", 0, 400, step=0), call(0, "recv", 450, 2), call(1, "send", 0, 1, step=0)]
-    spike = {"rank": 0, "op": "recv", "bytes": 1024, "first_ms": 400.0, "steady_ms": 2.0}
-    svg = detail.timeline(scenario(calls), [spike])
-    assert svg.count("<circle") == 1 and "cold recv: 400 ms (200x)" in svg
-    assert "<circle" not in detail.timeline(scenario(calls), [])
+def test_the_gates_cold_starts_are_circled_and_named_in_the_margin_beside_the_bars() -> None:
+    """At 16 ranks the labels sat on the bars of the next calls, red on red, and overlapped (issue 29 item 9):
+    each is now a line in the margin right of the drawing, on its rank's row, all of them (8 here)."""
+    world = 16
+    calls = [call(r, "recv", 0, 400, step=0) for r in range(world)] + [call(r, "recv", 450, 2) for r in range(world)]
+    spikes = [{"rank": r, "op": "recv", "bytes": 1024, "first_ms": 400.0 + r, "steady_ms": 2.0} for r in range(8)]
+    svg = detail.timeline(scenario(calls, world=world), spikes)
+    assert svg.count("<circle") == 8
+    labels = re.findall(r'<text x="([\d.]+)" y="([\d.]+)" fill="red">([^<]*)<title>', svg)
+    assert [t for _, _, t in labels] == [f"cold recv: {400 + r} ms ({(400 + r) / 2:.0f}x)" for r in range(8)]
+    right = max(x + w for x, w in rects(svg))
+    assert all(float(x) > right for x, _, _ in labels)  # in the margin, past every bar
+    assert len({y for _, y, _ in labels}) == 8  # one row each
+    width = float(re.search(r'<svg [^>]*width="(\d+)"', svg).group(1))
+    assert width > max(float(x) for x, _, _ in labels) + 150  # and the margin holds them
+    assert "<circle" not in detail.timeline(scenario(calls, world=world), [])
+
+
+def test_a_slow_first_step_does_not_squeeze_the_steady_ones() -> None:
+    """A 950 ms warm-up step and 20 ms steady steps: on one linear axis the steady steps' calls took 5 % of the
+    width (seen at 2 ranks, issue 29 item 9). Each step is a panel of its own, its length written under it."""
+    cap_calls = [call(0, "broadcast", 940, 5, step=0)] + [
+        call(0, "all_reduce", 935 + 20 * k, 10, step=k) for k in (1, 2)
+    ]
+    windows = [{"rank": 0, "step": 0, "start_ns": 0, "end_ns": int(950e6)}]
+    windows += [
+        {"rank": 0, "step": k, "start_ns": int((950 + 20 * (k - 1)) * 1e6), "end_ns": int((950 + 20 * k) * 1e6)}
+        for k in (1, 2)
+    ]
+    s = scenario(cap_calls, world=1)
+    s["capture"]["step_windows"] = windows
+    svg = detail.timeline(s, [])
+    bars = sorted(rects(svg))[-2:]  # the two all-reduces: half of their steps' panels each
+    assert all(w > 100 for _, w in bars), bars
+    for text in ("step 0 (warm-up)", "950 ms", "step 1", "20 ms", "step 2"):
+        assert f">{text}</text>" in svg
 
 
 def test_a_histogram_counts_the_measured_steps_calls_per_size_bucket() -> None:

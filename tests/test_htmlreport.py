@@ -213,3 +213,30 @@ def test_commgate_calibrate_fits_u_host_times_and_the_lag_from_a_report(
     curve = after[changed[0]]
     assert 0 < curve.utilization <= 10 and set(curve.lag) <= {"ddp", "pp"} and all(v >= 0 for v in curve.lag.values())
     assert "fitted to 3 scenarios" in (curve.calibrated or "")
+
+
+def test_the_paper_bar_is_drawn_over_the_ranks_measured_not_per_rank(out: Path) -> None:
+    """The paper's equations give one rank's (Eq. 2) or one pipeline's (Eq. 4) bytes; the figure's axis is
+    "all ranks". Drawn per rank, the paper bar looked dp times off (issue 29 item 9): it is now scaled to
+    the ranks measured, so that DDP's paper, model and measured bars agree to within its named terms."""
+    from commgate.report.plots import paper_all_ranks
+
+    doc = json.loads((out / "report.json").read_text())
+    ddp = next(s for s in doc["scenarios"] if s["name"] == "d")
+    per_rank = sum(c["paper_bytes"] for c in ddp["prediction"]["paper_comparison"])
+    measured = sum(o["measured_bytes"] for o in ddp["collectives"])
+    assert paper_all_ranks(ddp) == 2 * per_rank
+    assert abs(paper_all_ranks(ddp) / measured - 1) < 0.02 < abs(per_rank / measured - 1)
+    pipe = next(s for s in doc["scenarios"] if s["name"].startswith("p["))
+    (eq4,) = (c for c in pipe["prediction"]["paper_comparison"] if c["equation"] == "Eq. 4")
+    assert eq4["paper_ranks"] == 2  # one pipeline of two stages: the world is one pipeline
+    assert paper_all_ranks(pipe) == sum(
+        c["paper_bytes"] * 2 / c["paper_ranks"] for c in pipe["prediction"]["paper_comparison"]
+    )
+    emulated = json.loads(json.dumps(ddp))
+    emulated["world_size"], emulated["capture"]["ranks"] = 64, [0]  # rank 0 alone ran: its view
+    assert paper_all_ranks(emulated) == per_rank
+    old = json.loads(json.dumps(pipe))  # a report written before paper_ranks: Eq. 4 covers one pipeline
+    for c in old["prediction"]["paper_comparison"]:
+        del c["paper_ranks"]
+    assert paper_all_ranks(old) == paper_all_ranks(pipe)

@@ -1,7 +1,8 @@
 """Each scenario's own figures, drawn straight into the page as HTML and inline SVG (no matplotlib), so
 that every scenario gets them at a few milliseconds each: its traffic matrices, predicted next to
-measured with their difference [APNet]; its per-rank call timeline with the cold-start spikes the gate
-flags circled [Anthony et al. Section V]; and its message-size histogram [Anthony et al. Fig. 9].
+measured with their difference [APNet]; its per-rank call timeline (a panel per step) with the
+cold-start spikes the gate flags circled [Anthony et al. Section V]; and its message-size histogram
+[Anthony et al. Fig. 9].
 
 Sizes stay bounded whatever the run: a timeline merges the calls of one op that fall within the same
 pixel, and a matrix of more than ``MAX_CELLS`` ranks a side is drawn in blocks of ranks."""
@@ -137,32 +138,61 @@ def matrices(s: dict[str, Any]) -> str:
     )
 
 
-def _ticks(hi: float) -> list[float]:
-    """About five round tick values in [0, hi]."""
-    if hi <= 0:
-        return [0.0]
-    raw = hi / 5
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
-    return [i * step for i in range(int(hi / step) + 1)]
+def _panels(cap: dict[str, Any], calls: list[dict[str, Any]]) -> tuple[dict[tuple[int, int], int], dict[int, int]]:
+    """Where each rank's step begins on its own clock, and each step's length on its slowest rank: from the
+    step windows, stretched over any call of the step that began before or ended after its window (a rank
+    without windows: its calls alone)."""
+    start: dict[tuple[int, int], int] = {}
+    end: dict[tuple[int, int], int] = {}
+    for w in cap.get("step_windows", []):
+        start[w["rank"], w["step"]] = w["start_ns"]
+        end[w["rank"], w["step"]] = w["end_ns"]
+    for c in calls:
+        key = (c["rank"], c["step"])
+        start[key] = min(start.get(key, c["start_ns"]), c["start_ns"])
+        end[key] = max(end.get(key, 0), c["start_ns"] + c["duration_ns"])
+    length: dict[int, int] = defaultdict(int)
+    for key, a in start.items():
+        length[key[1]] = max(length[key[1]], end[key] - a, 1)
+    return start, dict(sorted(length.items()))
+
+
+def _ms(ns: float) -> str:
+    ms = ns / 1e6
+    return f"{ms:.1f} ms" if ms < 10 else f"{ms:,.0f} ms"
 
 
 def timeline(s: dict[str, Any], spikes: Sequence[dict[str, Any]]) -> str:
-    """Every rank's calls over its own clock (ms since its first call), one colour per op, calls of one op
-    within half a pixel merged; step starts as dashed ticks; ``spikes`` (the gate's cold starts) circled
-    at the end of their first call, with their ratio."""
+    """Every rank's calls, one panel per step and one colour per op: within a panel, time since the step
+    began on the rank's own clock, on a scale common to all ranks (the step's length on its slowest rank,
+    written under it), so that a 900 ms first step does not squeeze the steady ones into a few pixels;
+    calls of one op within half a pixel merged; warm-up steps shaded; ``spikes`` (the gate's cold starts)
+    circled at the end of their first call and named in the margin, one line per rank."""
     cap = s["capture"]
     n = cap["world_size"]
     calls = [c for c in cap["calls"] if c["duration_ns"] is not None and c["step"] >= 0]
-    end_ns = max((c["start_ns"] + c["duration_ns"] for c in calls), default=0)
-    end_ns = max([end_ns, *(w["end_ns"] for w in cap.get("step_windows", []))])
-    left, row, top = 56, 16, 6
-    scale = WIDTH / end_ns if end_ns else 0.0
+    start, length = _panels(cap, calls)
+    steps = list(length)
+    left, row, top, gap, margin = 56, 16, 6, 6, 230
+    pw = (WIDTH - gap * (len(steps) - 1)) / max(len(steps), 1)
+    base = {k: i * (pw + gap) for i, k in enumerate(steps)}
+
+    def x(rank: int, step: int, t_ns: float) -> float:
+        frac = (t_ns - start.get((rank, step), t_ns)) / length[step]
+        return base[step] + min(max(frac, 0.0), 1.0) * pw
+
     spans: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
     for c in calls:
-        x0 = c["start_ns"] * scale
-        spans[(c["rank"], c["op"])].append((x0, x0 + max(c["duration_ns"] * scale, 0.6)))
-    parts = []
+        r, k, t = c["rank"], c["step"], c["start_ns"]
+        x0 = x(r, k, t)
+        spans[(r, c["op"])].append((x0, max(x(r, k, t + c["duration_ns"]), x0 + 0.6)))
+    warm = cap.get("warmup_steps", 0)
+    bottom = top + n * row
+    parts = [
+        f'<rect x="{left + base[k]:.1f}" y="{top}" width="{pw:.1f}" height="{n * row}" fill="#f3f3f3"/>'
+        for k in steps
+        if k < warm
+    ]
     for (rank, op), xs in sorted(spans.items()):
         xs.sort()
         merged = [list(xs[0])]
@@ -174,37 +204,48 @@ def timeline(s: dict[str, Any], spikes: Sequence[dict[str, Any]]) -> str:
         y = top + rank * row + 2
         rects = "".join(f'<rect x="{left + a:.1f}" y="{y}" width="{b - a:.1f}" height="{row - 4}"/>' for a, b in merged)
         parts.append(f'<g fill="{OP_COLORS.get(op, OTHER)}">{rects}</g>')
-    ticks = "".join(
-        f'<line x1="{left + w["start_ns"] * scale:.1f}" x2="{left + w["start_ns"] * scale:.1f}" '
-        f'y1="{top + w["rank"] * row}" y2="{top + (w["rank"] + 1) * row}"/>'
-        for w in cap.get("step_windows", [])
-    )
-    parts.append(f'<g stroke="#333" stroke-dasharray="2,2" stroke-width="0.8">{ticks}</g>')
     firsts: dict[tuple[int, str, int], dict[str, Any]] = {}
     for c in calls:
         if c["step"] == 0:
             firsts.setdefault((c["rank"], c["op"], c["bytes"]), c)
-    for k in spikes[:6]:
+    named: dict[int, list[str]] = defaultdict(list)
+    for k in spikes:
         first = firsts.get((k["rank"], k["op"], k["bytes"]))
         if first is None:
             continue
-        x, y = left + (first["start_ns"] + first["duration_ns"]) * scale, top + k["rank"] * row + row / 2
+        cx, cy = left + x(k["rank"], 0, first["start_ns"] + first["duration_ns"]), top + k["rank"] * row + row / 2
         ratio = k["first_ms"] / k["steady_ms"] if k["steady_ms"] > 0 else math.inf
         label = f"cold {k['op']}: {k['first_ms']:.0f} ms ({ratio:.0f}x)"
         parts.append(
-            f'<circle cx="{x:.1f}" cy="{y:.1f}" r="7" fill="none" stroke="red" stroke-width="1.6">'
+            f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="6" fill="none" stroke="red" stroke-width="1.6">'
             f"<title>{html.escape(label)}</title></circle>"
-            f'<text x="{x + 9:.1f}" y="{y + 3:.1f}" fill="red">{html.escape(label)}</text>'
         )
-    height = top + n * row + 22
+        named[k["rank"]].append(label)
+    for rank, labels in named.items():  # in the margin, where no bar is drawn
+        text = labels[0] + (f" (+{len(labels) - 1} more)" if len(labels) > 1 else "")
+        parts.append(
+            f'<text x="{left + WIDTH + 8}" y="{top + rank * row + row - 4}" fill="red">{html.escape(text)}'
+            f"<title>{html.escape('; '.join(labels))}</title></text>"
+        )
+    height = bottom + 40
     axis = [f'<text x="{left - 4}" y="{top + r * row + row - 4}" text-anchor="end">rank {r}</text>' for r in range(n)]
-    axis.append(f'<line x1="{left}" x2="{left + WIDTH}" y1="{top + n * row}" y2="{top + n * row}" stroke="#999"/>')
-    for t in _ticks(end_ns / 1e6):
-        x = left + t * 1e6 * scale
-        axis.append(f'<text x="{x:.1f}" y="{top + n * row + 13}" text-anchor="middle">{t:g}</text>')
-    axis.append(f'<text x="{left + WIDTH}" y="{height - 1}" text-anchor="end">ms since the rank\'s first call</text>')
+    every = max(1, math.ceil(80 / pw))  # a label under every panel it fits under
+    for i, k in enumerate(steps):
+        x0 = left + base[k]
+        axis.append(f'<line x1="{x0:.1f}" x2="{x0 + pw:.1f}" y1="{bottom}" y2="{bottom}" stroke="#999"/>')
+        if i % every == 0:
+            name = f"step {k}" + (" (warm-up)" if k < warm else "")
+            axis.append(
+                f'<text x="{x0 + pw / 2:.1f}" y="{bottom + 12}" text-anchor="middle">{name}</text>'
+                f'<text x="{x0 + pw / 2:.1f}" y="{bottom + 23}" text-anchor="middle">{_ms(length[k])}</text>'
+            )
+    axis.append(
+        f'<text x="{left + WIDTH}" y="{height - 1}" text-anchor="end">each step on its own scale: time since it '
+        "began on the rank's clock, up to its length on the slowest rank</text>"
+    )
+    width = left + WIDTH + (margin if named else 10)
     return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + WIDTH + 70}" height="{height}" role="img" '
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
         f'aria-label="timeline of {html.escape(s["name"])}">{"".join(axis)}{"".join(parts)}</svg>'
     )
 

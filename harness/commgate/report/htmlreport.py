@@ -219,8 +219,10 @@ ORDER = ("passed", "failed", "error", "skipped", "unjudged")
 FIGURES = (
     ("volume", "Volume per collective", "Measured bytes per step summed over ranks, and each collective's share "
      "(Anthony et al., Figs. 7-8)."),
-    ("predicted", "Predicted vs measured", "Left: the paper's idealised equations, commgate's per-collective model "
-     "and the capture. Right: the share of rank 0's step with a call in flight, the APNet model against the run."),
+    ("predicted", "Predicted vs measured", "Left: the paper's idealised equations (each "
+     "rank or pipeline as the equation's, times the ranks measured), commgate's per-collective model and the "
+     "capture, all over the ranks measured. Right: the share of rank 0's step with a call in flight, the APNet "
+     "model against the run."),
     ("time", "Iteration-time model", "APNet: T_iter = T_comp + T_TP + T_PP + T_DP + T_bubble for rank 0, from "
      "the bandwidth curve C and the measured GEMM rate; lower bar: the measured step and the time a call was in "
      "flight."),
@@ -264,8 +266,9 @@ def _details(doc: dict[str, Any]) -> str:
         return ""
     parts = [
         "<h2>Scenarios in detail</h2>",
-        '<p class="note">Per scenario: the traffic matrix predicted and measured [APNet], every rank\'s calls over '
-        "its own clock with the cold-start spikes the gate flags circled (Anthony et al., Section V), and the "
+        '<p class="note">Per scenario: the traffic matrix predicted and measured [APNet], every rank\'s calls, one '
+        "panel per step (time since the step began on the rank's own clock), with the cold-start spikes the gate "
+        "flags circled and named on the right (Anthony et al., Section V), and the "
         "measured steps' message sizes (Anthony et al., Fig. 9).</p>",
     ]
     for s in done:

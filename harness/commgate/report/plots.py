@@ -98,8 +98,8 @@ def plot_predicted_measured(scenarios: list[dict[str, Any]], path: Path) -> str:
     h = 0.27
     measured = [sum(o["measured_bytes"] for o in s["collectives"]) for s in scenarios]
     model = [sum(modelled(o) for o in s["collectives"]) for s in scenarios]
-    paper = [sum(c["paper_bytes"] for c in s["prediction"]["paper_comparison"]) for s in scenarios]
-    a1.barh([v - h for v in y], paper, h, label="paper Eqs. 2-5 (idealised)", color="#bbbbbb")
+    paper = [paper_all_ranks(s) for s in scenarios]
+    a1.barh([v - h for v in y], paper, h, label="paper Eqs. 2-5 (idealised, every rank alike)", color="#bbbbbb")
     a1.barh(y, model, h, label="commgate model", color="#4c72b0")
     a1.barh([v + h for v in y], measured, h, label="measured", color="#dd8452")
     a1.set_xscale("log")
@@ -122,6 +122,20 @@ def plot_predicted_measured(scenarios: list[dict[str, Any]], path: Path) -> str:
     _legend_above(a2, ncol=2)
     fig.tight_layout()
     return _save(fig, path)
+
+
+def paper_all_ranks(s: dict[str, Any]) -> float:
+    """The paper's bytes per step over the ranks whose bytes the run measured (every rank, or those an
+    emulated run started), as the paper sees them: each equation gives one rank's volume (Eqs. 2, 3, 5) or
+    one pipeline's (Eq. 4), and every rank or pipeline sends alike. A report written before
+    ``paper_ranks`` was recorded: a term not per rank covers one pipeline."""
+    measured = len(s["capture"]["ranks"]) if (s.get("capture") or {}).get("ranks") is not None else s["world_size"]
+    pp = s["prediction"]["parallelism"].get("pp", 1)
+    total = 0.0
+    for c in s["prediction"]["paper_comparison"]:
+        ranks = c.get("paper_ranks") or (1 if c["equation"] != "Eq. 4" else pp)
+        total += float(c["paper_bytes"]) * measured / ranks
+    return total
 
 
 def _frac(s: dict[str, Any], side: str) -> float | None:

@@ -48,6 +48,7 @@ def prediction_document(p: Prediction, *, matrix: bool = False, detail: bool = T
             {
                 "equation": c.term.equation,
                 "paper_bytes": number(c.term.bytes),
+                "paper_ranks": len(c.term.ranks),
                 "model_bytes": number(c.model_bytes),
                 "residuals": [{"name": r.name, "bytes": number(r.bytes), "detail": r.detail} for r in c.residuals],
                 "unexplained_bytes": number(c.unexplained_bytes),
