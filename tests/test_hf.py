@@ -481,6 +481,43 @@ def test_ddp_of_a_model_shipped_in_bf16_reconciles(tmp_path: Path) -> None:
     reconciled(run(scenario(config, None, {"per_device_train_batch_size": 1, "logging_steps": 1}), tmp_path))
 
 
+MINI_NEOX = DATA / "mini-pythia.config.json"
+
+
+def test_ddp_autocast_readies_each_linears_weight_gradient_before_its_bias_as_a_rank_does(tmp_path: Path) -> None:
+    """Trainer's ``bf16`` under DDP is CPU autocast over fp32 parameters, which casts each linear layer's
+    weight before its bias, so the weight's gradient is ready first; the meta-device trace (where autocast
+    does nothing) had each bias first, and DDP's rebuilt buckets then each carried one bias too many or too
+    few (measured on Pythia-70m: 4,096 B between two buckets; found by the Hugging Face campaign). The
+    trace now runs on fake CPU tensors under the same autocast: its order is the one a real CPU model
+    gives, it differs from the meta order in the buckets of 1 MB, and the run reconciles."""
+    import torch
+    from commgate.model import usermodule
+    from commgate.model.expectation import Context
+    from commgate.model.schemes.ddp import rebuilt_buckets
+
+    args = {"per_device_train_batch_size": 1, "logging_steps": 1, "bf16": True, "ddp_find_unused_parameters": False}
+    text = scenario(MINI_NEOX, None, args | {"ddp_bucket_cap_mb": 1})
+    (s,) = load_text(text)
+    traced = usermodule.describe(s).ready
+    model, inputs = usermodule.build(s, torch.device("cpu"))
+    real: list[str] = []
+    for n, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda t, _n=n: real.append(_n))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(*inputs(0))
+    loss.backward()
+    assert traced == tuple(real)
+    assert traced.index("gpt_neox.layers.1.mlp.dense_4h_to_h.weight") < traced.index(
+        "gpt_neox.layers.1.mlp.dense_4h_to_h.bias"
+    )
+    meta, _ = usermodule._trace(*usermodule.build(s, torch.device("meta")), "meta")
+    by_name = {p.name: p for p in Context(scenario=s).params}
+    buckets = [rebuilt_buckets(tuple(by_name[n] for n in order), 4, 1) for order in (meta, traced)]
+    assert buckets[0] != buckets[1] and sum(buckets[0]) == sum(buckets[1])  # the model would miss without it
+    reconciled(run(text, tmp_path))
+
+
 def hf_buffers(s: Any) -> tuple[Any, ...]:
     from commgate.model.usermodule import describe
 

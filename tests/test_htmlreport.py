@@ -3,6 +3,7 @@ sequence-length sweep), and the time model's fields in report.json."""
 
 from __future__ import annotations
 
+import html
 import json
 import subprocess
 import sys
@@ -240,3 +241,25 @@ def test_the_paper_bar_is_drawn_over_the_ranks_measured_not_per_rank(out: Path) 
     for c in old["prediction"]["paper_comparison"]:
         del c["paper_ranks"]
     assert paper_all_ranks(old) == paper_all_ranks(pipe)
+
+
+def test_a_trainer_jobs_page_says_what_the_trainer_decided(out: Path, tmp_path: Path) -> None:
+    """The console and report.json show what Hugging Face's Trainer resolved ("auto" values, its DDP and
+    logging choices); the page showed none of it (found by the Hugging Face campaign). Here a run's report
+    carries the prediction document of ``scenarios/hf-zero2.yaml``'s job, as a run of it writes it."""
+    from commgate.model.loader import load_file
+    from commgate.model.predict import predict
+    from commgate.model.trainers import derived
+    from commgate.report.render import prediction_document
+
+    (job,) = load_file(ROOT / "scenarios" / "hf-zero2.yaml")
+    doc = json.loads((out / "report.json").read_text())
+    s = next(s for s in doc["scenarios"] if s["name"] == "d")
+    s["prediction"]["trainer"] = prediction_document(predict(job))["trainer"]
+    (tmp_path / "report.json").write_text(json.dumps(doc))
+    assert main(["html", str(tmp_path / "report.json")]) == 0
+    page = (tmp_path / "index.html").read_text()
+    lines = derived(job)
+    assert any('"auto" -> ' in line for line in lines)
+    assert '<p class="note">hf: what the trainer decided</p>' in page
+    assert all(f"<li>{html.escape(line)}</li>" in page for line in lines)

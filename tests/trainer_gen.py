@@ -38,12 +38,18 @@ class Draw:
     """file name -> JSON content."""
 
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "gpt_neox": "GPTNeoXForCausalLM",
+}
 
 
 def _hf_config(rng: random.Random) -> dict[str, Any]:
-    """A Llama-, Mistral- or Qwen2-family ``config.json`` small enough for CPU ranks."""
-    family = rng.choice(["llama", "mistral", "qwen2"])
+    """A Llama-, Mistral-, Qwen2- (biases on Q, K, V) or GPT-NeoX-family (biases on every linear layer)
+    ``config.json`` small enough for CPU ranks."""
+    family = rng.choice(list(ARCHITECTURES))
     heads = rng.choice([2, 4])
     cfg: dict[str, Any] = {
         "model_type": family,
@@ -60,6 +66,10 @@ def _hf_config(rng: random.Random) -> dict[str, Any]:
     }
     if family == "mistral":
         cfg["sliding_window"] = rng.choice([None, 4096])
+    if family == "gpt_neox":
+        del cfg["num_key_value_heads"], cfg["rms_norm_eps"]
+        cfg |= {"layer_norm_eps": 1e-5, "rotary_pct": rng.choice([0.5, 1.0])}
+        cfg["use_parallel_residual"] = rng.random() < 0.5
     return cfg
 
 
@@ -128,8 +138,9 @@ def hf(rng: random.Random, index: int) -> Draw:
     elif stage is None:
         if rng.random() < 0.4:
             args["ddp_find_unused_parameters"] = rng.choice([True, False])
-        if rng.random() < 0.4:
+        if rng.random() < 0.4:  # buckets of 1 MB over a model of several: the rebuilt buckets' boundaries
             args["ddp_bucket_cap_mb"] = 1
+            cfg |= {"hidden_size": 256, "intermediate_size": 1024, "vocab_size": 2048}
     else:
         files["ds.json"] = _deepspeed(rng, stage, bf16)
         block["deepspeed"] = "ds.json"

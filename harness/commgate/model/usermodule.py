@@ -17,7 +17,10 @@ engines see it:
 
 * the parameters in registration order (``named_parameters``): shapes, and the module owning each;
 * the order in which their gradients become ready (autograd's, through
-  ``register_post_accumulate_grad_hook``): DDP's rebuilt buckets and ZeRO's reduction order;
+  ``register_post_accumulate_grad_hook``): DDP's rebuilt buckets and ZeRO's reduction order. Under
+  ``model.autocast`` (DDP) that trace runs on fake CPU tensors instead (torch's ``FakeTensorMode``: no
+  memory either), since autocast does nothing on the meta device, and on a rank it casts each linear
+  layer's weight before its bias, which makes the weight's gradient ready first;
 * for ZeRO-3, the hook sequence DeepSpeed's coordinator sees: each module's pre-forward and post-forward
   hook, and its pre-backward and post-backward events placed as DeepSpeed places them (an identity
   autograd function on the module's outputs, fired when their gradient arrives, and one on its inputs,
@@ -144,7 +147,7 @@ def _describe(scenario: Scenario) -> Described:
         model = model.to(dtype=dtypes[scenario.model.dtype])
     params, buffers, modules = _inventory(model, spec)
     with contextlib.redirect_stdout(io.StringIO()):
-        ready, events = _trace(model, inputs, spec)
+        ready, events = _trace(model, inputs, spec, scenario.model.autocast)
     by_name = {p.name: p for p in params}
     first, later = _hooks(events, modules, by_name, {p.name: i for i, p in enumerate(params)})
     return Described(params=params, buffers=buffers, ready=ready, first=first, later=later)
@@ -176,13 +179,22 @@ Event = tuple[Any, ...]
 """(kind, module, backward, recompute) for fetch/release/leftover; ("read", module, parameter)."""
 
 
-def _trace(model: Any, inputs: Callable[[int], tuple[Any, ...]], spec: str) -> tuple[tuple[str, ...], list[Event]]:
+def _trace(
+    model: Any, inputs: Callable[[int], tuple[Any, ...]], spec: str, autocast: str | None = None
+) -> tuple[tuple[str, ...], list[Event]]:
     """One forward and backward on the meta device with every module hooked as DeepSpeed's ZeRO-3 hooks
     them: the order the gradients became ready in, and the events: (kind, module, backward, recompute) for
     fetch/release/leftover, ("read", module, parameter) for a parameter read in the forward by a module
-    that does not own it."""
+    that does not own it. Under ``autocast`` (a dtype name), on fake CPU tensors under CPU autocast."""
     import torch
 
+    if autocast is not None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            _to_fake_cpu(model)
+            with torch.autocast("cpu", dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[autocast]):
+                return _trace(model, inputs, spec)
     names = {id(p): n for n, p in model.named_parameters()}
     ready: list[str] = []
     handles = [
@@ -278,12 +290,32 @@ class _Hooked:
         return Reads(parameters)
 
 
+def _to_fake_cpu(model: Any) -> None:
+    """Under a ``FakeTensorMode``: every parameter and buffer of ``model`` replaced by a fake CPU tensor of
+    its shape and dtype (tied parameters stay one), so that CPU autocast applies to the forward as on a
+    rank, without memory."""
+    import torch
+
+    made: dict[int, Any] = {}
+    for mod in model.modules():
+        for table in (mod._parameters, mod._buffers):
+            for name, t in table.items():
+                if t is None:
+                    continue
+                if id(t) not in made:
+                    fake = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                    is_param = isinstance(t, torch.nn.Parameter)
+                    made[id(t)] = torch.nn.Parameter(fake, requires_grad=t.requires_grad) if is_param else fake
+                table[name] = made[id(t)]
+
+
 def _forward_backward(model: Any, inputs: Callable[[int], tuple[Any, ...]], spec: str) -> None:
     """The user's forward and backward on the meta device; what they raise is one line naming the module."""
     import torch
 
     try:
-        loss = model(*(t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs(0)))
+        device = next(model.parameters()).device  # meta, or fake CPU under autocast
+        loss = model(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs(0)))
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise CommgateError(f"model.module {spec!r}: model(*inputs) must return the loss")
         loss.backward()  # type: ignore[no-untyped-call]

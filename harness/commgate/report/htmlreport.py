@@ -260,7 +260,8 @@ def _img(src: str, alt: str) -> str:
 
 
 def _details(doc: dict[str, Any]) -> str:
-    """Every scenario that ran, failing ones first and open: its traffic matrices, timeline and message sizes."""
+    """Every scenario that ran, failing ones first and open: what its trainer decided (a trainer other than
+    commgate's), its traffic matrices, timeline and message sizes."""
     done = sorted(ran(doc), key=lambda s: s["status"] == "passed")
     if not done:
         return ""
@@ -274,6 +275,9 @@ def _details(doc: dict[str, Any]) -> str:
     for s in done:
         opened = " open" if s["status"] != "passed" else ""
         body = []
+        if trainer := (s.get("prediction") or {}).get("trainer"):  # what it resolved: "auto" values and all
+            lines = "".join(f"<li>{html.escape(line)}</li>" for line in trainer["derived"])
+            body.append(f'<p class="note">{html.escape(trainer["name"])}: what the trainer decided</p><ul>{lines}</ul>')
         if s.get("capture"):
             ops = sorted({c["op"] for c in s["capture"]["calls"] if c["step"] >= 0})  # what the figures draw
             body += [detail.legend(ops), detail.timeline(s, s.get("cold_starts", [])), detail.histogram(s)]
