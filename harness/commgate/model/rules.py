@@ -91,7 +91,14 @@ def option_blocks(c: Check) -> None:
     zpp = par.zero.hpz > 1 or par.zero.qwz or par.zero.qgz
     if rule.zero_plus_plus and not zpp:
         c.bad([P, "zero"], f"scheme {s!r} needs at least one of hpz > 1, qwz: true, qgz: true")
-    if not rule.zero_plus_plus and zpp:
+    if not rule.zero_plus_plus and zpp and c.trainer != "commgate":  # its DeepSpeed JSON asked: no scheme to name
+        c.bad(
+            [c.trainer],
+            f"ZeRO++ (zero_optimization's zero_hpz_partition_size > 1, zero_quantized_weights or "
+            f"zero_quantized_gradients) is not modelled for trainer {c.trainer!r}: leave them out of its DeepSpeed "
+            "config (commgate's own workloads run ZeRO++: scheme zero++)",
+        )
+    elif not rule.zero_plus_plus and zpp:
         zero_pp = c.names(lambda r: r.zero_plus_plus)
         c.bad([P, "zero"], f"ZeRO++ options (hpz, qwz, qgz) need scheme {zero_pp}, not {s!r}")
 

@@ -102,22 +102,33 @@ def resolve(spec: str, what: str = "model.module") -> Callable[..., Any]:
     return fn
 
 
+def who(scenario: Scenario) -> str:
+    """How a message names the model: the scenario's ``model.module``, or the trainer's own configuration
+    that built it (a Hugging Face job's ``hf.config``), which is what its user wrote."""
+    spec = scenario.model.module
+    if scenario.model.builder is None:
+        return f"model.module {spec!r}"
+    source = scenario.trainer_config.get("config")
+    return f"{scenario.trainer}.config {source} ({spec})" if source else f"trainer {scenario.trainer}'s model {spec}"
+
+
 def build(scenario: Scenario, device: Any) -> tuple[Any, Callable[[int], tuple[Any, ...]]]:
     """The user's model and micro-batch function, on ``device`` (a ``torch.device``)."""
     import torch
 
     assert scenario.model.module is not None
     spec = scenario.model.module
+    name = who(scenario)
     with torch.device(device):
         try:
             out = (scenario.model.builder or resolve(spec))(scenario)
         except CommgateError:
             raise
         except Exception as exc:
-            raise CommgateError(f"model.module {spec!r}: build(scenario) raised {type(exc).__name__}: {exc}") from None
+            raise CommgateError(f"{name}: build(scenario) raised {type(exc).__name__}: {exc}") from None
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.nn.Module) and callable(out[1])):
         raise CommgateError(
-            f"model.module {scenario.model.module!r}: build(scenario) must return (torch.nn.Module, "
+            f"{name}: build(scenario) must return (torch.nn.Module, "
             f"function from a seed to the inputs), got {type(out).__name__}"
         )
     return out
@@ -137,8 +148,8 @@ def _describe(scenario: Scenario) -> Described:
 
     with contextlib.redirect_stdout(io.StringIO()):
         model, inputs = build(scenario, torch.device("meta"))
-    spec = scenario.model.module
-    assert spec is not None
+    assert scenario.model.module is not None
+    spec = who(scenario)  # (what the messages name)
     # as the workload holds it (commgate.run.workloads.gpt.build): floating-point tensors in the scenario's dtype;
     # a trainer's model as the trainer builds it (Hugging Face's from_config keeps RoPE's inv_freq fp32 in a
     # bf16 model; the ranks check its parameters' dtype is the scenario's)
@@ -163,10 +174,10 @@ def _inventory(model: Any, spec: str) -> tuple[tuple[ParamTensor, ...], tuple[Bu
         for n, p in model.named_parameters()
     )
     if all(p.frozen for p in params):
-        raise CommgateError(f"model.module {spec!r}: every parameter is frozen (requires_grad off): nothing to train")
+        raise CommgateError(f"{spec}: every parameter is frozen (requires_grad off): nothing to train")
     buffers = tuple(Buffer(n, dtype_name(b.dtype), b.numel()) for n, b in model.named_buffers())
     if odd := [b for b in buffers if b.dtype not in WIRE_ITEMSIZE]:
-        raise CommgateError(f"model.module {spec!r}: buffer {odd[0].name} of dtype {odd[0].dtype} is not modelled")
+        raise CommgateError(f"{spec}: buffer {odd[0].name} of dtype {odd[0].dtype} is not modelled")
     by_name = {p.name: p for p in params}
     modules: dict[str, Module] = {}
     for mname, mod in model.named_modules():
@@ -317,15 +328,14 @@ def _forward_backward(model: Any, inputs: Callable[[int], tuple[Any, ...]], spec
         device = next(model.parameters()).device  # meta, or fake CPU under autocast
         loss = model(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs(0)))
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise CommgateError(f"model.module {spec!r}: model(*inputs) must return the loss")
+            raise CommgateError(f"{spec}: model(*inputs) must return the loss")
         loss.backward()  # type: ignore[no-untyped-call]
     except CommgateError:
         raise
     except Exception as exc:  # the user's forward or backward, run on the meta device
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise CommgateError(
-            f"model.module {spec!r}: its forward and backward on the meta device (no weights) raised "
-            f"{type(exc).__name__}: {message}"
+            f"{spec}: its forward and backward on the meta device (no weights) raised {type(exc).__name__}: {message}"
         ) from None
 
 
