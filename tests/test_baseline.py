@@ -426,3 +426,25 @@ def test_latency_is_not_judged_where_a_host_has_more_ranks_than_cores() -> None:
         else:
             assert not latency
             assert v.latency_note.startswith("latency not judged: 4 ranks on 2 cores, so the collectives' times")
+
+
+@pytest.mark.parametrize(
+    ("update_flag", "refresh"),
+    [
+        ("--commgate-update-baselines", "--commgate-update-baselines --commgate-refresh-latency"),
+        ("--update-baselines", "--update-baselines --refresh-latency"),
+    ],
+    ids=["pytest", "commgate-run"],
+)
+def test_the_note_on_too_few_stored_runs_names_the_flags_of_the_entry_point(update_flag: str, refresh: str) -> None:
+    """``commgate run --gate`` said "--commgate-refresh-latency adds one", which that command rejects, and
+    under pytest the flag alone is refused without --commgate-update-baselines (found by a newcomer's
+    walkthrough): the note names both flags, as the entry point that ran spells them."""
+    from commgate.judge.gate import against_latency
+
+    stored, hw, s = _three_stored_runs_and_a_failing_rule()
+    one = replace(stored, latency={hw: stored.latency[hw][:1]})
+    now = replace(stored, latency={hw: (summarize(_capture(4.0)),)})
+    finding, note = against_latency(s.expectations, now, one, None, update_flag)
+    assert finding is None
+    assert note == f"latency not judged: 1 run(s) to compare with, 3 needed (stored runs; {refresh} adds one)"

@@ -137,7 +137,8 @@ def test_bad_command_lines_exit_2_with_one_line(args: list[str], message: str) -
 
 def test_predict_without_scenarios_here_explains(tmp_path: Path) -> None:
     proc = commgate("predict", cwd=tmp_path)
-    assert proc.returncode == 2 and "no ./scenarios directory here" in proc.stderr
+    assert proc.returncode == 2 and "no scenarios here: ./scenarios not found" in proc.stderr
+    assert "(or --model/--scheme)" in proc.stderr
 
 
 def test_validate_and_presets() -> None:

@@ -123,6 +123,8 @@ def test_the_readmes_own_repository_commands_run_as_written(tmp_path: Path) -> N
         if argv[:2] == ["commgate", "init"]:
             names = sorted(p.name for p in (repo / "comm").glob("*.yaml"))
             assert names == ["mygpt-ddp.yaml", "mygpt-zero2.yaml", "mygpt-zero3.yaml"], names
+            # the sequence length, which the module's build reads, is written, not silently 1
+            assert "  s: 64\n" in (repo / "comm" / "mygpt-ddp.yaml").read_text()
         if command.endswith("pytest comm/"):
             assert "3 passed" in proc.stdout, proc.stdout[-2000:]
     assert sorted(p.name for p in (repo / "baselines" / "gloo").iterdir()) == [
@@ -132,3 +134,39 @@ def test_the_readmes_own_repository_commands_run_as_written(tmp_path: Path) -> N
     again = subprocess.run(shlex.split(commands[1]), cwd=repo, capture_output=True, text=True, env=env)
     assert again.returncode == 2 and "exists; commgate init never overwrites" in again.stderr
     assert len(again.stderr.strip().splitlines()) == 1 and "Traceback" not in again.stderr
+
+
+def test_init_names_the_option_that_is_wrong(tmp_path: Path) -> None:
+    """``--dir /abs/path`` was refused as "--dp 2 / --dir ...: give --dp >= 1 and a folder name", blaming a
+    valid --dp (found by a newcomer's walkthrough): each option is refused on its own, saying what to give."""
+    bindir = Path(sys.executable).parent
+    init = [str(bindir / "commgate"), "init", "--module", "mynet:build"]
+    bad_dir = subprocess.run([*init, "--dir", str(tmp_path / "x")], cwd=tmp_path, capture_output=True, text=True)
+    assert bad_dir.returncode == 2 and "--dp" not in bad_dir.stderr
+    assert f"--dir '{tmp_path / 'x'}': give a folder name inside the repository" in bad_dir.stderr
+    bad_dp = subprocess.run([*init, "--dp", "0"], cwd=tmp_path, capture_output=True, text=True)
+    assert bad_dp.returncode == 2 and "--dp 0: give 1 or more data-parallel ranks" in bad_dp.stderr
+    assert "--dir" not in bad_dp.stderr and list(tmp_path.iterdir()) == []  # nothing written either time
+
+
+def test_commands_without_paths_read_the_folder_the_pytest_configuration_names(tmp_path: Path) -> None:
+    """In a repository ``commgate init`` set up (``commgate_scenario_dirs = comm``), ``commgate validate`` and
+    ``run`` with no paths said "scenarios: $: cannot read" (found by a newcomer's walkthrough): they read the
+    folder pytest reads, from pytest.ini or pyproject.toml, and with none there say what to give."""
+    bindir = Path(sys.executable).parent
+    (tmp_path / "comm").mkdir()
+    (tmp_path / "comm" / "a.yaml").write_text(SCENARIO.replace("mynet:build", "commgate.examples.mixer:build"))
+    (tmp_path / "pytest.ini").write_text("[pytest]\ncommgate_scenario_dirs = comm\n")
+    ok = subprocess.run([str(bindir / "commgate"), "validate"], cwd=tmp_path, capture_output=True, text=True)
+    assert ok.returncode == 0 and "ok  my-ddp  (comm/a.yaml; ddp, world 2)" in ok.stdout, ok.stderr
+    (tmp_path / "pytest.ini").unlink()
+    (tmp_path / "pyproject.toml").write_text('[tool.pytest.ini_options]\ncommgate_scenario_dirs = ["comm"]\n')
+    ok = subprocess.run([str(bindir / "commgate"), "validate"], cwd=tmp_path, capture_output=True, text=True)
+    assert ok.returncode == 0 and "my-ddp" in ok.stdout, ok.stderr
+    (tmp_path / "pyproject.toml").unlink()
+    for command in ("validate", "run"):
+        none = subprocess.run([str(bindir / "commgate"), command], cwd=tmp_path, capture_output=True, text=True)
+        assert none.returncode == 2 and none.stderr.strip() == (
+            "commgate: error: no scenarios here: ./scenarios not found; give scenario files or folders, or start a "
+            "folder with commgate init"
+        )

@@ -522,6 +522,25 @@ def test_a_stale_extension_build_lock_is_named(tmp_path: Path, monkeypatch: pyte
     assert build_locks() == [lock]
 
 
+def test_a_build_lock_whose_build_is_running_says_wait_not_delete(tmp_path: Path) -> None:
+    """The first run's forkserver said "delete it if no build is running" of the lock of the build at work
+    (found by a newcomer's walkthrough, 30 s into the first command): a lock with a process working in its
+    directory (as ninja and the compiler do) is a build to wait for; one without is a lock to delete."""
+    from commgate.run.launcher import _lock_words
+
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    assert _lock_words([lock]).endswith("no process is building there: delete it")
+    building = subprocess.Popen(["sleep", "60"], cwd=lock.parent)  # a compiler at work in the build directory
+    try:
+        words = _lock_words([lock])
+    finally:
+        building.kill()
+        building.wait()
+    assert f"(pid {building.pid})" in words and words.endswith("waiting") and "delete" not in words
+
+
 def test_the_forkserver_builds_in_a_directory_of_its_environments_own(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two checkouts' environments do not share (and so do not rebuild alternately) DeepSpeed's op; a
     TORCH_EXTENSIONS_DIR the user set is theirs."""

@@ -30,6 +30,26 @@ if TYPE_CHECKING:
 DEFAULT_SUITE = "scenarios"
 
 
+def default_paths(given: list[str], *, instead: str = "") -> list[str]:
+    """The scenario paths a command reads: ``given``, else the folders the repository's pytest configuration
+    names (``commgate_scenario_dirs``, as ``commgate init`` writes it and the pytest gate reads it), else
+    ./scenarios; none there is one line saying what to give."""
+    if given:
+        return given
+    from commgate.model.starter import pytest_config, scenario_dirs
+
+    config = pytest_config(Path.cwd())
+    named = scenario_dirs(config) if config is not None else []
+    dirs = named or [DEFAULT_SUITE]
+    if not any(Path(d).is_dir() for d in dirs):
+        where = f"the folders {config} names ({', '.join(named)})" if named else f"./{DEFAULT_SUITE}"
+        raise UsageError(
+            f"no scenarios here: {where} not found; give scenario files or folders{instead}, or start a folder "
+            "with commgate init"
+        )
+    return dirs
+
+
 def _add_predict(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "predict",
@@ -37,7 +57,12 @@ def _add_predict(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         description="Print the per-collective expectation and the paper's equations for scenario files, "
         "directories of them, or a scenario given by flags.",
     )
-    p.add_argument("paths", nargs="*", help=f"scenario files or directories (default: ./{DEFAULT_SUITE})")
+    p.add_argument(
+        "paths",
+        nargs="*",
+        help="scenario files or directories (default: the pytest configuration's commgate_scenario_dirs, else "
+        f"./{DEFAULT_SUITE})",
+    )
     g = p.add_argument_group("a scenario from flags (instead of files)")
     g.add_argument("--model", metavar="PRESET", help="model preset, e.g. 13B or 19M-cpu (see `commgate presets`)")
     g.add_argument("--scheme", choices=list(SCHEMES), help="; ".join(f"{n}: {s.summary}" for n, s in SCHEMES.items()))
@@ -121,10 +146,7 @@ def cmd_predict(a: argparse.Namespace) -> int:
     elif a.scheme:
         raise UsageError("--scheme needs --model PRESET (or give scenario files instead)")
     else:
-        paths = a.paths or [DEFAULT_SUITE]
-        if not a.paths and not Path(DEFAULT_SUITE).is_dir():
-            raise UsageError(f"no ./{DEFAULT_SUITE} directory here; give scenario files or --model/--scheme")
-        scenarios = load_paths(paths)
+        scenarios = load_paths(default_paths(a.paths, instead=" (or --model/--scheme)"))
     preds = [predict(s) for s in scenarios]
     if a.report_dir:
         doc = predictions_document(preds, matrix=a.matrix, detail=a.detail)
@@ -164,7 +186,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         refresh_latency=a.refresh_latency,
         deadline=a.deadline,
     )
-    scenarios = load_paths(a.paths or [DEFAULT_SUITE])
+    scenarios = load_paths(default_paths(a.paths))
     if a.select:
         scenarios = [s for s in scenarios if any(k in s.id for k in a.select)]
         if not scenarios:
@@ -386,7 +408,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 def cmd_validate(a: argparse.Namespace) -> int:
     from commgate.model.loader import load_paths
 
-    scenarios = load_paths(a.paths or [DEFAULT_SUITE])
+    scenarios = load_paths(default_paths(a.paths))
     for s in scenarios:
         print(f"ok  {s.id}  ({s.file}; {s.parallelism.scheme}, world {s.world_size})")
         for w in s.remarks:
@@ -418,7 +440,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run each scenario on world_size local processes, capture every collective and point-to-point "
         "call, and reconcile the capture with the per-collective model. Exit status 1 if any scenario failed.",
     )
-    r.add_argument("paths", nargs="*", help=f"scenario files or directories (default: ./{DEFAULT_SUITE})")
+    r.add_argument(
+        "paths",
+        nargs="*",
+        help="scenario files or directories (default: the pytest configuration's commgate_scenario_dirs, else "
+        f"./{DEFAULT_SUITE})",
+    )
     r.add_argument(
         "--report-dir",
         type=Path,
@@ -501,7 +528,12 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("report", type=Path, help="a report.json from `commgate run` with a bandwidth curve")
     k.add_argument("--baseline-dir", type=Path, default=Path("baselines"), help="where bandwidth-{backend}.json is")
     v = sub.add_parser("validate", help="check scenario files; one line per problem")
-    v.add_argument("paths", nargs="*", help=f"scenario files or directories (default: ./{DEFAULT_SUITE})")
+    v.add_argument(
+        "paths",
+        nargs="*",
+        help="scenario files or directories (default: the pytest configuration's commgate_scenario_dirs, else "
+        f"./{DEFAULT_SUITE})",
+    )
     sub.add_parser("presets", help="list the model presets")
     i = sub.add_parser(
         "import",
@@ -553,16 +585,32 @@ def _add_init(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     n.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES), help="comma-separated (default: %(default)s)")
     n.add_argument("--dp", type=int, default=2, help="data-parallel CPU ranks (default 2)")
     n.add_argument("--dir", default="comm", help="the scenario folder (default comm)")
+    n.add_argument(
+        "--s",
+        type=int,
+        metavar="TOKENS",
+        help="the sequence length (model.s; your build(scenario) reads scenario.model.s): default 64 for "
+        "--module, the preset's or the reduced config's otherwise",
+    )
 
 
 def cmd_init(a: argparse.Namespace) -> int:
     from commgate.core.fsutil import atomic_write_text
     from commgate.model.starter import start
 
-    if a.dp < 1 or "/" in a.dir or a.dir in ("", ".", ".."):
-        raise UsageError(f"--dp {a.dp} / --dir {a.dir!r}: give --dp >= 1 and a folder name (comm)")
+    if a.dp < 1:
+        raise UsageError(f"--dp {a.dp}: give 1 or more data-parallel ranks (default 2)")
+    if a.s is not None and a.s < 1:
+        raise UsageError(f"--s {a.s}: give a sequence length of 1 or more tokens")
+    if "/" in a.dir or a.dir in ("", ".", ".."):
+        raise UsageError(
+            f"--dir {a.dir!r}: give a folder name inside the repository you run init from (default comm), not a "
+            "path; run init from the repository's root"
+        )
     schemes = tuple(s.strip() for s in a.schemes.split(",") if s.strip())
-    got = start(repo=Path.cwd(), folder=a.dir, module=a.module, preset=a.preset, hf=a.hf, schemes=schemes, dp=a.dp)
+    got = start(
+        repo=Path.cwd(), folder=a.dir, module=a.module, preset=a.preset, hf=a.hf, schemes=schemes, dp=a.dp, s=a.s
+    )
     for path, text in got.files.items():
         atomic_write_text(path, text)
         print(f"wrote {path.relative_to(Path.cwd())}")

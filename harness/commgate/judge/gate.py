@@ -39,6 +39,12 @@ from commgate.run.capture import Capture
 UPDATE_FLAG = "--commgate-update-baselines"
 
 
+def refresh_flags(update_flag: str) -> str:
+    """The flags that add a run to the latency history at the entry point whose update flag is
+    ``update_flag`` (pytest's ``--commgate-…`` or ``commgate run --gate``'s)."""
+    return f"{update_flag} {update_flag.replace('update-baselines', 'refresh-latency')}"
+
+
 @dataclass(kw_only=True)
 class Verdict:
     findings: list[Finding] = field(default_factory=list)
@@ -178,7 +184,7 @@ def against_latency(
         runs.append(summarize(capture))
         a = shifts(runs, history, rule)
     note = (
-        f"{a.note} (stored runs; --commgate-refresh-latency adds one)" if a.note else _judged(a, len(history), reruns)
+        f"{a.note} (stored runs; {refresh_flags(update_flag)} adds one)" if a.note else _judged(a, len(history), reruns)
     )
     moved = a.changed()
     if not moved:
@@ -189,7 +195,7 @@ def against_latency(
             fail=rule.action == "fail" and a.slower and not unconfirmed,
             title=f"latency shifted against {len(history)} stored run(s) on {hw}{unconfirmed}",
             notes=tuple(m.text() for m in moved),
-            hint=f"if this machine is now the reference, store this run with {update_flag} --commgate-refresh-latency",
+            hint=f"if this machine is now the reference, store this run with {refresh_flags(update_flag)}",
         ),
         note,
     )
@@ -315,6 +321,7 @@ def settle_baseline(
     *,
     update: bool,
     refresh_latency: bool = False,
+    update_flag: str = UPDATE_FLAG,
 ) -> tuple[list[Finding], str | None]:
     """The baseline policy. A missing baseline is written and the test fails (nothing passes silently);
     with ``update`` a baseline whose communication changed is rewritten (this machine's latency history
@@ -335,7 +342,7 @@ def settle_baseline(
         return findings, None
     communication = [f for f in changed if f.kind == "baseline"]
     if stored is not None and not communication and not refresh_latency:
-        kept = "; latency history kept (--commgate-refresh-latency adds this run)" if changed else ""
+        kept = f"; latency history kept ({refresh_flags(update_flag)} adds this run)" if changed else ""
         return findings, f"{path} left as it is: communication unchanged{kept}"
     store.save(_accepted(now, stored, refresh=not communication))
     if stored is None:
@@ -409,7 +416,9 @@ def judge(
     now = Baseline.from_run(capture, rec, provenance(capture, capture.world_size))
     stored = store.load(capture.backend, capture.scenario)
     verdict = evaluate(e, paper, capture, rec, now, stored, update_flag, rerun)
-    findings, written = settle_baseline(verdict, now, stored, store, update=update, refresh_latency=refresh_latency)
+    findings, written = settle_baseline(
+        verdict, now, stored, store, update=update, refresh_latency=refresh_latency, update_flag=update_flag
+    )
     return Judgement(
         findings=tuple(findings),
         baseline=store.path(capture.backend, capture.scenario),

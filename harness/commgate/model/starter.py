@@ -57,20 +57,48 @@ def pytest_config(repo: Path) -> Path | None:
     return None
 
 
-def _model(module: str | None, preset: str | None, hf: Path | None, dp: int) -> tuple[dict[str, Any], str]:
+MODULE_S = 64
+"""The sequence length written for your module (``model.s``, which your ``build(scenario)`` reads as
+``scenario.model.s``; a scenario without one says 1): ``commgate init --s`` writes another."""
+
+
+def scenario_dirs(config: Path) -> list[str]:
+    """The ``commgate_scenario_dirs`` a pytest configuration file sets (pytest's linelist: whitespace
+    separated), as paths from the current directory; [] where it sets none or cannot be read."""
+    try:
+        if config.name == "pyproject.toml":
+            import tomllib
+
+            options = tomllib.loads(config.read_text()).get("tool", {}).get("pytest", {}).get("ini_options", {})
+            value = options.get("commgate_scenario_dirs", [])
+        else:
+            parser = configparser.ConfigParser()
+            parser.read(config)
+            section = {"setup.cfg": "tool:pytest"}.get(config.name, "pytest")
+            value = parser.get(section, "commgate_scenario_dirs", fallback="")
+    except (OSError, UnicodeDecodeError, ValueError, configparser.Error):
+        return []
+    names = value.split() if isinstance(value, str) else [str(v) for v in value]
+    here = config.parent.resolve() == Path.cwd().resolve()
+    return names if here else [str(config.parent / n) for n in names]
+
+
+def _model(
+    module: str | None, preset: str | None, hf: Path | None, dp: int, s: int | None = None
+) -> tuple[dict[str, Any], str]:
     """The scenarios' model block and the name they start with."""
     given = [x for x in (module, preset, hf) if x]
     if len(given) != 1:
         raise UsageError("commgate init needs one of --module PKG.MOD:BUILD, --preset NAME, --hf CONFIG.json")
     if module:
-        return {"module": module}, module.split(":")[0].split(".")[-1]
+        return {"module": module, "s": s or MODULE_S}, module.split(":")[0].split(".")[-1]
     if preset:
-        return {"preset": preset}, preset
+        return {"preset": preset} | ({"s": s} if s else {}), preset
     from commgate.model.importer import build
 
     assert hf is not None
     imported = build(hf=hf, dp=max(dp, 2), cpu=True)  # the reduced-scale variant a CI runner can run
-    return imported.doc["model"], Path(hf).stem
+    return imported.doc["model"] | ({"s": s} if s else {}), Path(hf).stem
 
 
 def start(
@@ -82,6 +110,7 @@ def start(
     hf: Path | None = None,
     schemes: tuple[str, ...] = DEFAULT_SCHEMES,
     dp: int = 2,
+    s: int | None = None,
 ) -> Start:
     """The files of a new scenario folder in ``repo``; raises ``UsageError`` (one line) on what it cannot
     write: an unknown scheme, a scenario that does not validate, a file that exists."""
@@ -93,7 +122,7 @@ def start(
 
     if unknown := [s for s in schemes if s not in SCHEMES]:
         raise UsageError(f"--schemes {','.join(unknown)}: unknown; commgate knows {', '.join(SCHEMES)}")
-    model, base = _model(module, preset, hf, dp)
+    model, base = _model(module, preset, hf, dp, s)
     files: dict[Path, str] = {}
     notes: list[str] = []
     for scheme in schemes:

@@ -8,7 +8,8 @@ the user set ``TORCH_EXTENSIONS_DIR``, commgate's forkserver builds into a direc
 own (``~/.cache/commgate/torch_extensions/<environment>``): once per environment.
 
 A build that is killed leaves its ``lock`` file behind, and every later build waits for it forever:
-``build_locks`` finds them, for the messages that name them.
+``build_locks`` finds them, for the messages that name them, and ``builder`` tells a lock whose build is
+still running (a process working in its directory: ninja, the compiler) from one left behind.
 """
 
 from __future__ import annotations
@@ -39,3 +40,17 @@ def build_locks() -> list[Path]:
     """Lock files in the build directories in use (``TORCH_EXTENSIONS_DIR``, else torch's default)."""
     root = Path(os.environ.get(ENV) or Path.home() / ".cache" / "torch_extensions")
     return sorted(root.glob("*/*/lock")) + sorted(root.glob("*/lock"))
+
+
+def builder(lock: Path) -> int | None:
+    """The pid of a process building in ``lock``'s directory (its working directory, or the directory in its
+    command line: torch runs ninja there, and ninja the compiler), None when none is (Linux's ``/proc``;
+    elsewhere None)."""
+    where = str(lock.parent)
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if os.readlink(entry / "cwd") == where or where.encode() in (entry / "cmdline").read_bytes():
+                return int(entry.name)
+        except OSError:  # gone, or not ours to read
+            continue
+    return None

@@ -40,7 +40,7 @@ from commgate.run import budget
 from commgate.run.capture import Capture, merge, timeline
 from commgate.run.diagnose import POLL_S, Exits, Watchdog, failure, hang_report, phase, stall_report
 from commgate.run.emulate import started_ranks
-from commgate.run.extensions import build_locks, use_environment_dir
+from commgate.run.extensions import build_locks, builder, use_environment_dir
 from commgate.run.inject import Faults
 from commgate.run.links import Network
 from commgate.run.rank import child
@@ -171,8 +171,9 @@ def _forkserver_ready(ctx: ForkServerContext, progress: Callable[[str], None] | 
             _START_FAILED.append(_start_report(f"did not start within {bound:g} s"))
             raise RunError(_START_FAILED[0])
         if not told and waited > min(LOCK_NOTE_S, bound / 2) and (locks := build_locks()):
-            told = True
-            print(f"commgate: the ranks' forkserver has waited {waited:.0f} s; {_lock_words(locks)}", file=sys.stderr)
+            told = True  # a build still running is the first run's, not a lock to delete (said once, either way)
+            words = _lock_words(locks)
+            print(f"commgate: the ranks' forkserver has waited {waited:.0f} s; {words}", file=sys.stderr)
         waiter.join(POLL_S)
     if errors:
         _START_FAILED.append(_start_report(f"exited while starting ({type(errors[0]).__name__})"))
@@ -188,9 +189,15 @@ def _start_report(what: str) -> str:
 
 
 def _lock_words(locks: list[Path]) -> str:
+    """What the first build lock means: a build at work (wait), or one a killed build left (delete it)."""
+    if (pid := builder(locks[0])) is not None:
+        return (
+            f"torch is building DeepSpeed's CPU comm op in {locks[0].parent} (pid {pid}), once per environment: "
+            "a few minutes on 2 busy cores; waiting"
+        )
     return (
         f"{locks[0]} is a build lock of torch's C++ extensions, which a killed build leaves behind and every later "
-        "build waits for: delete it if no build is running"
+        "build waits for, and no process is building there: delete it"
     )
 
 
