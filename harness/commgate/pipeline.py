@@ -44,6 +44,8 @@ class Options:
     """The flag a failure names as the way to accept a change."""
     backend: Backend | None = None
     """Run on this backend instead of the one the scenario declares."""
+    faulty: bool = False
+    """Faults are planted (``--commgate-fault``): a difference from the baseline is theirs, nothing to accept."""
 
 
 def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> ScenarioResult | None:
@@ -89,6 +91,11 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
             rerun=lambda: _rerun(runner, scenario),
         )
         findings, baseline, written, latency_note = j.findings, j.baseline, j.written, j.latency_note
+        if options.faulty:  # the planted fault's difference: no obtained file to copy, no change to accept
+            store.discard_obtained(capture.backend, capture.scenario)
+            fault = options.update_flag.replace("update-baselines", "fault")
+            hint = f"a planted fault ({fault}) made this difference: nothing to accept, the baseline stands"
+            findings = tuple(replace(f, hint=hint) if f.kind == "baseline" and f.fail else f for f in findings)
     else:
         findings = model_findings(e, rec)
     # an emulated run's calls complete without a peer: no communication time to model

@@ -13,12 +13,13 @@ to the controller's (``part``, ``merge``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from commgate.core.errors import CommgateError, UsageError
 from commgate.core.fsutil import check_writable_dir
+from commgate.judge.finding import Finding
 from commgate.judge.store import BaselineStore
 from commgate.model.scenario import Backend, Scenario
 from commgate.pipeline import Options, run_scenario
@@ -104,6 +105,7 @@ def options(
         refresh_latency=refresh_latency,
         update_flag=flag("update-baselines"),
         backend=backend,
+        faulty=faulty,
     )
 
 
@@ -198,9 +200,23 @@ class Session:
         """Run ``scenario`` and record its result (None: a torchrun rank that does not report)."""
         self.check_writable()
         result = run_scenario(scenario, self.runner, self.options)
+        if result is not None and self.faults and result.status == "passed":
+            result = replace(result, findings=(*result.findings, self._unfelt()))
         if result is not None:
             self.record(result)
         return result
+
+    def _unfelt(self) -> Finding:
+        """A planted fault under which a scenario still passed: said, never silent (a fault that changes what
+        a scheme sends on some configurations only, e.g. ZeRO-1 for ZeRO-2 where both send alike)."""
+        assert self.faults is not None
+        return Finding(
+            kind="fault",
+            fail=False,
+            title=f"planted fault {self.faults.describe()}: the run passed, so it changed nothing the gate checks in "
+            "this scenario",
+            hint=f"a fault meant to fail this scenario needs another {self.flag('fault')}",
+        )
 
     def record(self, result: ScenarioResult) -> None:
         sid = result.prediction.scenario.id

@@ -25,6 +25,10 @@ def test_planted_faults_fail_naming_them(
     result = pytester.runpytest("--commgate-fault", fault)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines([f"g: (planted fault: {fault})", "*[[]model[]]*", expected, "*[[]baseline[]]*"])
+    # the fault's difference is nothing to accept: no flag or file offered that would store a faulty run
+    result.stdout.fnmatch_lines(["*a planted fault (--commgate-fault) made this difference: nothing to accept*"])
+    assert "accept it with" not in result.stdout.str() and "obtained.json" not in result.stdout.str()
+    assert not list((pytester.path / "baselines" / "gloo").glob("*.obtained.json"))
 
 
 SPLIT = "all_reduce fp32 1,061,888 B (backward, group [0, 1]) became 2 calls of 528,384 B and 533,504 B: a bucket split"
@@ -146,3 +150,22 @@ def test_a_slow_fault_names_an_op_and_a_factor() -> None:
     for bad in ("slow", "slow=allreduce", "slow=all_reduce:0.5", "slow=all_reduce:nan", "slow=all_reduce:x"):
         with pytest.raises(UsageError, match="--commgate-fault"):
             parse([bad])
+
+
+def test_a_planted_fault_under_which_the_scenario_still_passes_says_so(
+    pytester: pytest.Pytester, scenario_file: Callable[..., Path]
+) -> None:
+    """``zero-stage=1`` planted on a ZeRO-2 scenario passed with not a word of the fault (found by a
+    newcomer's walkthrough: on these ranks ZeRO-1 and ZeRO-2 send alike). A fault that changes nothing the
+    gate checks is a warning naming it, on the console and in report.json."""
+    import json
+
+    scenario_file("z", scheme="zero2")
+    pytester.runpytest("--commgate-update-baselines").assert_outcomes(passed=1)
+    result = pytester.runpytest("--commgate-fault", "zero-stage=1", "--commgate-report-dir", "out")
+    result.assert_outcomes(passed=1)
+    said = "planted fault zero-stage=1: the run passed, so it changed nothing the gate checks in this scenario"
+    result.stdout.fnmatch_lines([f"*{said}*"])
+    (doc,) = json.loads((pytester.path / "out" / "report.json").read_text())["scenarios"]
+    (fault,) = [f for f in doc["findings"] if f["kind"] == "fault"]
+    assert fault["title"] == said and fault["fail"] is False

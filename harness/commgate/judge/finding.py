@@ -21,7 +21,7 @@ from commgate.judge.causes import Cause
 MAX_LINES = 12
 """Lines of a finding's causes, and of its numbers, the console shows (report.json has them all)."""
 
-Kind = Literal["model", "paper", "baseline", "cold-start", "latency", "config", "time"]
+Kind = Literal["model", "paper", "baseline", "cold-start", "latency", "config", "time", "fault"]
 
 Value = Fraction | int | float
 """An exact count (int, Fraction) or a measured share (float)."""

@@ -378,7 +378,7 @@ def _obtained(findings: list[Finding], now: Baseline, stored: Baseline, store: B
         store.discard_obtained(now.backend, now.scenario)
         return findings
     obtained = store.save_obtained(_accepted(now, stored, refresh=False))
-    accept = f"; or copy {obtained} over {store.path(now.backend, now.scenario).name}"
+    accept = f"; or copy {obtained} over {store.path(now.backend, now.scenario)}"
     return [replace(f, hint=f.hint + accept) if f.kind == "baseline" and f.fail else f for f in findings]
 
 
