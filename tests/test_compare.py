@@ -169,3 +169,17 @@ def test_nothing_compared_is_not_the_same(tmp_path: Path, capsys: pytest.Capture
     assert main(["compare", str(ran), str(after)]) == 1
     out = capsys.readouterr().out.splitlines()
     assert out == ["ddp-19m-dp4: ran before, error after", "1 of 1 scenario(s) changed"]
+
+
+def test_scenarios_on_one_side_only_are_counted_apart(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """"3 of 3 scenario(s) changed" where two were only in the before run read as three changes of
+    communication (a newcomer's walkthrough): the count says how many are on one side only."""
+    a = baseline_dir(tmp_path, "a", "ddp.json")
+    b = baseline_dir(tmp_path, "b", "ddp.json")
+    shutil.copy(a / "gloo" / "ddp.json", a / "gloo" / "other.json")
+    doc = json.loads((a / "gloo" / "other.json").read_text())
+    doc["scenario"] = "other"
+    (a / "gloo" / "other.json").write_text(json.dumps(doc))
+    assert main(["compare", str(a), str(b)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert "other: only in before" in out and out[-1] == "1 of 2 scenario(s) changed (1 only in before)"

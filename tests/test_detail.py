@@ -108,3 +108,33 @@ def test_a_difference_names_its_largest_cell() -> None:
     meas = [{"src": 0, "dst": 1, "bytes_per_step": 116}, {"src": 1, "dst": 0, "bytes_per_step": 4}]
     html = detail.matrices(scenario([], traffic={"predicted": pred, "measured": meas}))
     assert "difference: largest 16 B" in html and 'title="1 &#8594; 0: 4 B"' in html
+
+
+def test_cells_nearly_equal_are_coloured_alike_and_the_scale_spans_three_decades() -> None:
+    """Two cells of 714.50 KiB and 714.59 KiB were the darkest and the brightest colour of the scale (found by
+    a newcomer's walkthrough): the scale now reaches at least 1024x below its largest cell."""
+    cells = [{"src": 0, "dst": 1, "bytes_per_step": 731_648}, {"src": 1, "dst": 0, "bytes_per_step": 731_740}]
+    html = detail.matrices(scenario([], traffic={"predicted": cells, "measured": cells}))
+    predicted = html.split("<table")[1]  # (the difference table is white where they agree)
+    shades = set(re.findall(r'background:(#[0-9a-f]{6})" title="(?:0 &#8594; 1|1 &#8594; 0)', predicted))
+    assert len(shades) == 1, shades  # (to the 8-bit colour)
+    assert "colour: log scale from 714.50 KiB" not in html and "(dark) to 714.59 KiB (yellow)" in html
+
+
+def test_byte_figures_draw_bars_from_zero_or_points_on_a_log_axis() -> None:
+    """A log axis under bars drew 1.4 MiB against 2.8 MiB as 5 % against 100 % (a newcomer's walkthrough): a
+    narrow span is bars from zero on a linear axis; a wide one, points on a log axis with ticks at both ends."""
+    from commgate.report import plots
+
+    plt = plots.pyplot()
+    narrow, wide = [1.4 * 2**20, 2.8 * 2**20], [64 * 2**10, 16 * 2**20]
+    fig, (a, b) = plt.subplots(1, 2)
+    plots._byte_series(a, [(narrow, 0.0, "measured", "#000000", "o")], [0, 1], 0.8)
+    plots._byte_series(b, [(wide, 0.0, "measured", "#000000", "o")], [0, 1], 0.8)
+    assert a.get_xscale() == "linear" and a.get_xlim()[0] == 0 and len(a.patches) == 2
+    widths = sorted(p.get_width() for p in a.patches)
+    assert widths[1] / widths[0] == 2.0  # lengths in proportion
+    assert b.get_xscale() == "log" and not b.patches and len(b.collections) == 1
+    lo, hi = b.get_xlim()
+    assert lo < wide[0] and hi > wide[1]  # padded: both points inside, not on the edge
+    plt.close(fig)

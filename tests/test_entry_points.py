@@ -24,6 +24,11 @@ def test_ci_run_calls_the_readme_test_command() -> None:
     assert readme_commands()[1] in ci.splitlines()
 
 
+def test_contributing_gives_the_readme_test_command() -> None:
+    """CONTRIBUTING.md had drifted to another extra (``.[dev]``) and another duration (a newcomer's walkthrough)."""
+    assert readme_commands()[1] in (ROOT / "CONTRIBUTING.md").read_text().splitlines()
+
+
 def test_pyproject_declares_a_torch_range_not_a_pin() -> None:
     text = (ROOT / "pyproject.toml").read_text()
     assert re.search(r'"torch>=[\d.]+,<\d+"', text)

@@ -263,3 +263,19 @@ def test_a_trainer_jobs_page_says_what_the_trainer_decided(out: Path, tmp_path: 
     assert any('"auto" -> ' in line for line in lines)
     assert '<p class="note">hf: what the trainer decided</p>' in page
     assert all(f"<li>{html.escape(line)}</li>" in page for line in lines)
+
+
+def test_a_baseline_only_run_is_not_headed_every_byte_explained(out: Path, tmp_path: Path) -> None:
+    """A baseline-only scenario (``expectations: {model: {check: false}}``) ran unjudged under a green
+    "every byte explained" and an "unexplained 0 B" column (a newcomer's walkthrough): the model was shown,
+    not asserted. report.json says which scenarios had their model checked."""
+    doc = json.loads((out / "report.json").read_text())
+    assert all(s["model_checked"] is True for s in doc["scenarios"])
+    assert "every byte explained" in (out / "index.html").read_text()
+    for s in doc["scenarios"]:
+        s["model_checked"] = False
+    validate(doc)
+    (tmp_path / "report.json").write_text(json.dumps(doc))
+    assert main(["html", str(tmp_path / "report.json")]) == 0
+    page = (tmp_path / "index.html").read_text()
+    assert "every byte explained" not in page and " (not checked)</td><td>-</td>" in page

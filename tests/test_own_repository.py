@@ -125,6 +125,7 @@ def test_the_readmes_own_repository_commands_run_as_written(tmp_path: Path) -> N
             assert names == ["mygpt-ddp.yaml", "mygpt-zero2.yaml", "mygpt-zero3.yaml"], names
             # the sequence length, which the module's build reads, is written, not silently 1
             assert "  s: 64\n" in (repo / "comm" / "mygpt-ddp.yaml").read_text()
+            assert (repo / ".gitignore").read_text() == "out/\n"  # where ci.sh writes its reports
         if command.endswith("pytest comm/"):
             assert "3 passed" in proc.stdout, proc.stdout[-2000:]
     assert sorted(p.name for p in (repo / "baselines" / "gloo").iterdir()) == [
@@ -170,3 +171,16 @@ def test_commands_without_paths_read_the_folder_the_pytest_configuration_names(t
             "commgate: error: no scenarios here: ./scenarios not found; give scenario files or folders, or start a "
             "folder with commgate init"
         )
+
+
+def test_init_says_to_ignore_out_where_the_repository_ignores_files_already(tmp_path: Path) -> None:
+    """ci.sh writes its reports to out/commgate, which showed as untracked (a newcomer's walkthrough): init
+    writes a .gitignore naming out/ where there is none, and says what to add to one that lacks it."""
+    from commgate.model.starter import start
+
+    (tmp_path / ".gitignore").write_text("*.pyc\n")
+    got = start(repo=tmp_path, preset="19M-cpu", schemes=("ddp",))
+    assert tmp_path / ".gitignore" not in got.files
+    assert f"{tmp_path / '.gitignore'}: add `out/` (ci.sh writes its reports to out/commgate" in " ".join(got.notes)
+    (tmp_path / ".gitignore").write_text("*.pyc\nout/\n")
+    assert not [n for n in start(repo=tmp_path, preset="19M-cpu", schemes=("ddp",)).notes if "out/" in n]

@@ -174,6 +174,9 @@ def verdict(changes: list[ScenarioChange]) -> tuple[str, int]:
     n, blind = sum(c.changed for c in changes), sum(c.blind for c in changes)
     compared = sum(c.statuses is None and not c.only for c in changes)
     line = f"{n} of {len(changes)} scenario(s) changed"
+    sides = [f"{k} only in {side}" for side in ("before", "after") if (k := sum(c.only == side for c in changes))]
+    if sides:  # (a scenario added or removed changes the suite: counted, and said apart)
+        line += f" ({', '.join(sides)})"
     if blind:
         line += f"; {blind} not compared (run on neither side)"
     if n:

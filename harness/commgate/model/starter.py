@@ -1,9 +1,9 @@
 """``commgate init``: the starting point of a repository of your own. It writes a scenario folder (default
 ``comm/``) with one scenario per scheme for your model (your ``nn.Module`` by its build function, a preset,
 or a Hugging Face ``config.json`` at reduced scale), the pytest configuration that names the folder when the
-repository has none (it never edits a file of yours: it says what to add), and ``ci.sh``, the one line CI
-runs. Every scenario it writes validates and predicts before anything is written; a file that exists is
-never overwritten.
+repository has none (it never edits a file of yours: it says what to add), ``.gitignore`` naming ``out/``
+where the repository has none (else the line to add), and ``ci.sh``, the one line CI runs. Every scenario
+it writes validates and predicts before anything is written; a file that exists is never overwritten.
 """
 
 from __future__ import annotations
@@ -151,6 +151,11 @@ def start(
         files[repo / "pytest.ini"] = f"[pytest]\n{line}\n"
     else:
         notes.append(f"{config}: add `{line}` to its pytest section (commgate init does not edit your files)")
+    ignore = repo / ".gitignore"  # ci.sh and every run write reports under out/
+    if not ignore.exists():
+        files[ignore] = "out/\n"
+    elif not {"out", "out/", "/out", "/out/"} & set(ignore.read_text(errors="replace").split()):
+        notes.append(f"{ignore}: add `out/` (ci.sh writes its reports to out/commgate; init does not edit it)")
     if existing := [str(p) for p in files if p.exists()]:
         raise UsageError(f"{', '.join(existing)}: exists; commgate init never overwrites (remove it, or --dir)")
     return Start(files=files, notes=notes)

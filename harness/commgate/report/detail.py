@@ -33,6 +33,8 @@ OP_COLORS = {
 OTHER = "#999999"
 MAX_CELLS = 32
 """A traffic matrix is drawn with at most this many rows and columns (blocks of ranks beyond)."""
+SPAN = 1024.0
+"""A traffic matrix's colour scale spans at least this factor below its largest cell (a log scale)."""
 WIDTH = 960
 """The timeline's drawing width in pixels (calls closer than half a pixel are merged)."""
 _VIRIDIS = ("#440154", "#472d7b", "#3b528b", "#2c728e", "#21918c", "#28ae80", "#5ec962", "#addc30", "#fde725")
@@ -113,7 +115,9 @@ def matrices(s: dict[str, Any]) -> str:
     tm = s["traffic_matrix"]
     pred, meas = _grid(tm["predicted"], n, size), _grid(tm["measured"], n, size)
     positive = [v for g in (pred, meas) for row in g for v in row if v > 0]
-    lo, hi = (math.log(min(positive)), math.log(max(positive))) if positive else (0.0, 0.0)
+    hi = math.log(max(positive)) if positive else 0.0
+    # the dark end at least SPAN below the largest: cells 714.50 KiB and 714.59 KiB were drawn as opposite ends
+    lo = min(math.log(min(positive)), hi - math.log(SPAN)) if positive else 0.0
 
     def shade(v: float) -> str:
         if v <= 0:
@@ -126,7 +130,7 @@ def matrices(s: dict[str, Any]) -> str:
     ranks = "ranks" if size == n else f"blocks of {math.ceil(n / size)} ranks"
     scale = "no traffic"
     if positive:
-        scale = f"{human_bytes(min(positive))} (dark) to {human_bytes(max(positive))} (yellow)"
+        scale = f"{human_bytes(math.exp(lo))} (dark) to {human_bytes(max(positive))} (yellow)"
     agree = "0 everywhere" if not worst else f"largest {human_bytes(worst)} (red: more measured, blue: less)"
     return (
         '<div class="matrices">'
@@ -287,6 +291,6 @@ def histogram(s: dict[str, Any]) -> str:
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{base + 20}" role="img" '
         f'aria-label="message sizes of {html.escape(s["name"])}">{"".join(parts)}</svg>'
-        '<p class="note">Calls per message-size bucket (log2, all ranks) in the measured steps; the left '
-        "figure is the tallest bar's calls.</p>"
+        '<p class="note">Calls per message-size bucket (log2, all ranks) in the measured steps; the scale at '
+        "the left runs from 0 to the tallest bar's number of calls (hover a bar for its op, calls and sizes).</p>"
     )

@@ -185,7 +185,9 @@ def _table(doc: dict[str, Any]) -> str:
             meas = sum(o["measured_bytes"] for o in s["collectives"])
             pred = sum(modelled(o) for o in s["collectives"])
             unexp = sum(o["unexplained_bytes"] for o in s["collectives"])
-            cells += [human_bytes(meas), human_bytes(pred), f"{unexp:g} B"]
+            checked = s.get("model_checked", True)  # baseline-only: the model is shown, not asserted
+            cells += [human_bytes(meas), human_bytes(pred) + ("" if checked else " (not checked)")]
+            cells.append(f"{unexp:g} B" if checked else "-")
         else:
             cells += ["", "", ""]
         tm = s.get("time_model") or {}
@@ -213,7 +215,7 @@ img{max-width:100%;border:1px solid #eee;margin:6px 0 18px} details{margin:4px 0
 summary{cursor:pointer;font-weight:600}
 .counts span{display:inline-block;margin-right:14px;font-weight:600} .passed{color:#1a7f37} .bad{color:#c62828}
 p.note{color:#555;font-size:13px;max-width:900px}
-pre{background:#f7f7f7;padding:8px;font-size:12px;overflow-x:auto} h3.bad{color:#c62828}
+pre{background:#f7f7f7;padding:8px;font-size:12px;white-space:pre-wrap;overflow-wrap:anywhere} h3.bad{color:#c62828}
 """
 ORDER = ("passed", "failed", "error", "skipped", "unjudged")
 FIGURES = (
@@ -250,7 +252,11 @@ def _counts(doc: dict[str, Any]) -> str:
     broken = counts.get("failed", 0) + counts.get("error", 0)
     if broken:
         spans.append(f'<span class="bad">{broken} scenario(s) did not pass: see Findings</span>')
-    elif done and all(o.get("unexplained_bytes", 0) == 0 for s in done for o in s["collectives"]):
+    elif (
+        done
+        and all(s.get("model_checked", True) for s in done)  # a baseline-only run explained nothing
+        and all(o.get("unexplained_bytes", 0) == 0 for s in done for o in s["collectives"])
+    ):
         spans.append('<span class="passed">every byte explained</span>')
     return '<div class="counts">' + "".join(spans) + "</div>"
 

@@ -8,6 +8,7 @@ al.]. Each is drawn from the report document alone (``commgate.report.htmlreport
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -53,6 +54,45 @@ def _bytes_axis(ax: Any, axis: str = "x") -> None:
     a.set_minor_formatter(NullFormatter())
 
 
+WIDE = 20.0
+"""Byte values spanning more than this factor are drawn on a log axis, as points (a bar's length on a log
+axis starts at an arbitrary edge and misleads: 1.4 MiB against 2.8 MiB drew as 5 % against 100 %); others
+as bars from zero on a linear axis."""
+
+
+def _wide(values: list[float]) -> bool:
+    positive = [v for v in values if v > 0]
+    return len(positive) > 1 and max(positive) / min(positive) > WIDE
+
+
+def _byte_series(ax: Any, series: list[tuple[list[float], float, str, str, str]], y: list[int], h: float) -> None:
+    """Draw byte values per row: each series (values, row offset, label, colour, marker) as bars from zero
+    on a linear axis, or, where they span more than ``WIDE``, as points on a log axis padded to powers of
+    two (ticks at both ends, even for one row)."""
+    from matplotlib.ticker import FuncFormatter, MultipleLocator
+
+    every = [v for values, *_ in series for v in values]
+    if _wide(every):
+        for values, off, label, color, marker in series:
+            shown = [(v, r + off) for v, r in zip(values, y, strict=True) if v > 0]
+            ax.scatter([v for v, _ in shown], [r for _, r in shown], s=36, color=color, marker=marker, label=label,
+                       zorder=3)  # fmt: skip
+        positive = [v for v in every if v > 0]
+        ax.set_xscale("log")
+        ax.set_xlim(2 ** math.floor(math.log2(min(positive)) - 1), 2 ** math.ceil(math.log2(max(positive)) + 1))
+        _bytes_axis(ax)
+        ax.set_xlabel("bytes per step, all ranks (log)")
+        return
+    for values, off, label, color, _ in series:
+        ax.barh([r + off for r in y], values, h, label=label, color=color)
+    top = max(every, default=0.0) or 1.0
+    step = 2 ** math.ceil(math.log2(top / 5))  # at most six ticks, at round binary sizes
+    ax.set_xlim(0, math.ceil(top * 1.05 / step) * step)
+    ax.xaxis.set_major_locator(MultipleLocator(step))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: human_bytes(v).replace(".00", "") if v > 0 else "0"))
+    ax.set_xlabel("bytes per step, all ranks")
+
+
 def _legend_above(ax: Any, ncol: int, **kw: Any) -> None:
     """The legend in a row between the title and the plot, where it covers nothing."""
     ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=ncol, fontsize=8, frameon=False, **kw)
@@ -66,13 +106,10 @@ def plot_volume(scenarios: list[dict[str, Any]], path: Path) -> str:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 0.38 * len(names) + 1.6), sharey=True)
     y = range(len(names))
     totals = [sum(o["measured_bytes"] for o in s["collectives"]) for s in scenarios]
-    a1.barh(y, totals, color="#4c72b0")
-    a1.set_xscale("log")
+    _byte_series(a1, [(totals, 0.0, "measured", "#4c72b0", "o")], list(y), 0.8)
     a1.set_yticks(list(y), names)
     a1.invert_yaxis()
-    a1.set_xlabel("bytes per step, all ranks (log)")
     a1.set_title("Communication volume per step (measured)", pad=22)
-    _bytes_axis(a1)
     left = [0.0] * len(names)
     for op in ops:
         share = []
@@ -99,15 +136,19 @@ def plot_predicted_measured(scenarios: list[dict[str, Any]], path: Path) -> str:
     measured = [sum(o["measured_bytes"] for o in s["collectives"]) for s in scenarios]
     model = [sum(modelled(o) for o in s["collectives"]) for s in scenarios]
     paper = [paper_all_ranks(s) for s in scenarios]
-    a1.barh([v - h for v in y], paper, h, label="paper Eqs. 2-5 (idealised, every rank alike)", color="#bbbbbb")
-    a1.barh(y, model, h, label="commgate model", color="#4c72b0")
-    a1.barh([v + h for v in y], measured, h, label="measured", color="#dd8452")
-    a1.set_xscale("log")
+    _byte_series(
+        a1,
+        [
+            (paper, -h, "paper Eqs. 2-5 (idealised, every rank alike)", "#999999", "o"),
+            (model, 0.0, "commgate model", "#4c72b0", "s"),
+            (measured, h, "measured", "#dd8452", "D"),
+        ],
+        y,
+        h,
+    )
     a1.set_yticks(y, names)
     a1.invert_yaxis()
-    a1.set_xlabel("bytes per step, all ranks (log)")
     a1.set_title("Volume: paper vs model vs measured", pad=22)
-    _bytes_axis(a1)
     _legend_above(a1, ncol=3)
     pf = [_frac(s, "predicted") for s in scenarios]
     mf = [_frac(s, "measured") for s in scenarios]
@@ -153,7 +194,7 @@ def plot_time_model(scenarios: list[dict[str, Any]], path: Path) -> str | None:
     fig, ax = plt.subplots(figsize=(12, 0.42 * len(names) + 1.8))
     y = list(range(len(names)))
     parts = [("t_comp_s", "T_comp", "#8da0cb"), ("t_tp_s", "T_TP", "#66c2a5"), ("t_pp_s", "T_PP", "#e78ac3")]
-    parts += [("t_dp_s", "T_DP", "#fc8d62"), ("t_ep_s", "T_EP", "#a6d854"), ("t_bubble_s", "T_bubble", "#cccccc")]
+    parts += [("t_dp_s", "T_DP", "#e7c94b"), ("t_ep_s", "T_EP", "#a6d854"), ("t_bubble_s", "T_bubble", "#cccccc")]
     left = [0.0] * len(rows)
     for key, label, color in parts:
         vals = [1e3 * s["time_model"]["predicted"][key] for s in rows]

@@ -83,6 +83,7 @@ class ScenarioResult:
             "findings": [f.to_json() for f in self.findings],
             "wall_s": round(self.wall_s, 3),
             "latency_note": self.latency_note,
+            "model_checked": s.expectations.model_check and s.expectations.model_known,
             "prediction": prediction_document(self.prediction),
         }
         r = self.reconciliation
