@@ -66,19 +66,19 @@ def scenario_dirs(config: Path) -> list[str]:
     """The ``commgate_scenario_dirs`` a pytest configuration file sets (pytest's linelist: whitespace
     separated), as paths from the current directory; [] where it sets none or cannot be read."""
     try:
-        if config.name == "pyproject.toml":
-            import tomllib
-
-            options = tomllib.loads(config.read_text()).get("tool", {}).get("pytest", {}).get("ini_options", {})
-            value = options.get("commgate_scenario_dirs", [])
+        if config.name == "pyproject.toml":  # its [tool.pytest.ini_options] line (tomllib is 3.11's; we run on 3.10)
+            text = config.read_text()
+            body = text.split("[tool.pytest.ini_options]", 1)[1]
+            body = re.split(r"^\[", body, maxsplit=1, flags=re.M)[0]  # up to the next table
+            line = re.search(r"^commgate_scenario_dirs\s*=\s*(.+)$", body, re.M)
+            names = re.findall(r"[\"']([^\"']*)[\"']", line.group(1)) if line else []
         else:
             parser = configparser.ConfigParser()
             parser.read(config)
             section = {"setup.cfg": "tool:pytest"}.get(config.name, "pytest")
-            value = parser.get(section, "commgate_scenario_dirs", fallback="")
-    except (OSError, UnicodeDecodeError, ValueError, configparser.Error):
+            names = parser.get(section, "commgate_scenario_dirs", fallback="").split()
+    except (OSError, UnicodeDecodeError, IndexError, configparser.Error):
         return []
-    names = value.split() if isinstance(value, str) else [str(v) for v in value]
     here = config.parent.resolve() == Path.cwd().resolve()
     return names if here else [str(config.parent / n) for n in names]
 
@@ -136,8 +136,8 @@ def start(
             "steps": 2,
         }
         try:
-            for s in load_document(doc, file=str(path)):
-                predict(s)
+            for scenario in load_document(doc, file=str(path)):
+                predict(scenario)
         except CommgateError as exc:
             raise UsageError(str(exc).replace("\n", "; ")) from None
         files[path] = (
