@@ -407,25 +407,53 @@ def test_a_report_with_cold_starts_is_valid_and_compares(tmp_path: Path) -> None
     assert main(["compare", str(tmp_path / "report.json"), str(tmp_path / "report.json")]) == 0
 
 
-def test_latency_is_not_judged_where_a_host_has_more_ranks_than_cores() -> None:
-    """Oversubscribed, the calls' times are the scheduler's: a slowdown that fails the gate on a run with a
-    core per rank is not judged at all on a run with more ranks than cores, and the note says why."""
+def test_an_oversubscribed_run_is_judged_on_its_calls_floors() -> None:
+    """With more ranks than cores a call's time is mostly the time its ranks waited for a core, and such runs
+    were not judged at all. They are judged on each op's floor per step (its calls' fastest decile): a run
+    whose calls the scheduler slowed, all but the fastest, fails on time per step with a core per rank and
+    passes on floors; a run whose every call is 3x slower fails either way, naming the floor; stored runs
+    without floors (an older baseline) do not count, and the note says so."""
     from commgate.judge.gate import evaluate
     from commgate.judge.reconcile import reconcile
     from commgate.model.predict import predict
 
     stored, hw, s = _three_stored_runs_and_a_failing_rule()
-    for crowded in (None, "4 ranks on 2 cores"):
-        cap = replace(_capture(12.0), stack={"hardware": hw, "oversubscribed": crowded})
-        now = replace(stored, latency={hw: (summarize(cap),)})
-        e, paper = s.expectations, predict(s).comparison()
-        v = evaluate(e, paper, cap, reconcile(predict(s), cap), now, stored, rerun=lambda cap=cap: cap)
-        latency = [f for f in v.findings if f.kind == "latency"]
-        if crowded is None:
-            assert latency and latency[0].fail and "latency slower: all_reduce" in latency[0].lines[0]
-        else:
-            assert not latency
-            assert v.latency_note.startswith("latency not judged: 4 ranks on 2 cores, so the collectives' times")
+    e, paper = s.expectations, predict(s).comparison()
+
+    def judged(cap: Capture, crowded: str | None, base: bl.Baseline = stored) -> tuple[list[object], str]:
+        cap = replace(cap, stack={"hardware": hw, "oversubscribed": crowded})
+        now = replace(base, latency={hw: (summarize(cap),)})
+        v = evaluate(e, paper, cap, reconcile(predict(s), cap), now, base, rerun=lambda: cap)
+        return [f for f in v.findings if f.kind == "latency"], v.latency_note
+
+    noisy = _capture(12.0)  # every call 12 ms but one per rank, as fast as before: the scheduler's delays
+    fast = {c.seq for c in noisy.calls if c.step == 2}
+    noisy = replace(noisy, calls=tuple(replace(c, duration_ns=4_000_000) if c.seq in fast else c for c in noisy.calls))
+    latency, _ = judged(noisy, None)
+    assert latency and latency[0].fail  # type: ignore[attr-defined]
+    latency, note = judged(noisy, "4 ranks on 2 cores")
+    assert not latency and "(4 ranks on 2 cores: each op's calls' floor per step, their fastest decile" in note
+    latency, _ = judged(_capture(12.0), "4 ranks on 2 cores")
+    assert latency and latency[0].fail  # type: ignore[attr-defined]
+    assert "latency slower: all_reduce floor per step x2.9" in latency[0].lines[0]  # type: ignore[attr-defined]
+    unfloored = replace(stored, latency={hw: tuple(replace(r, floor={}) for r in stored.latency[hw])})
+    latency, note = judged(_capture(12.0), "4 ranks on 2 cores", unfloored)
+    assert not latency and note.startswith(
+        "latency not judged: 0 run(s) with call floors (stored by this version) to compare with, 3 needed"
+    )
+
+
+def test_a_runs_floor_survives_the_baseline_file() -> None:
+    """The floors are stored with the run (``floor_ns`` per key) and read back; a file without them loads."""
+    stored, hw, _ = _three_stored_runs_and_a_failing_rule()
+    doc = stored.to_json()
+    bl.validate(doc)
+    again = bl.Baseline.from_json(doc)
+    assert again.latency[hw] == stored.latency[hw] and again.latency[hw][0].floor
+    for run in doc["latency"][hw]:
+        for key in run["keys"]:
+            del key["floor_ns"]
+    assert bl.Baseline.from_json(doc).latency[hw][0].floor == {}
 
 
 @pytest.mark.parametrize(

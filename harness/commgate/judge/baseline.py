@@ -139,6 +139,7 @@ class Baseline:
                                 "phase": k[3],
                                 "step_ns": list(v),
                             }
+                            | ({"floor_ns": run.floor[k]} if k in run.floor else {})
                             for k, v in sorted(run.keys.items())
                         ],
                     }
@@ -167,6 +168,11 @@ class Baseline:
                         compute=tuple(run["compute_ns"]),
                         step=tuple(run["step_ns"]),
                         date=run["date"],
+                        floor={
+                            (k["op"], k["where"], k["bytes"], k["phase"]): k["floor_ns"]
+                            for k in run["keys"]
+                            if "floor_ns" in k
+                        },
                     )
                     for run in runs
                 )

@@ -30,8 +30,8 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Literal, TypeVar
 
 from commgate.model.collectives import Op
@@ -280,6 +280,11 @@ class RunLatency:
     """Step time per measured step (median rank)."""
     date: str = ""
     """When the run was stored (UTC, ISO 8601); empty when not stored."""
+    floor: dict[LatencyKey, int] = field(default_factory=dict)
+    """Per key, its calls' floor per step: the fastest decile's duration (``FLOOR_QUANTILE`` of the key's calls
+    over the measured steps and every rank) times the key's calls per step and rank. What a run with more
+    ranks than cores is judged on (``shifts(..., floor=True)``): a rank waiting for a core only ever adds to
+    a call's time, so the fastest calls of a key keep its cost, and a slower collective slows those too."""
 
     def op_time(self, op: str) -> float:
         """Median time per step in ``op`` (all its keys), over the measured steps that issue it (DDP
@@ -290,6 +295,10 @@ class RunLatency:
                 for i, t in enumerate(times):
                     per_step[i] += t
         return _median_issued(per_step.values())
+
+    def op_floor(self, op: str) -> float:
+        """``op``'s floor per step: its keys' floors summed (0 for a run stored without floors)."""
+        return float(sum(f for k, f in self.floor.items() if k[0] == op))
 
     def ops(self) -> set[str]:
         return {k[0] for k in self.keys}
@@ -330,7 +339,25 @@ def summarize(capture: Capture, *, date: str = "") -> RunLatency:
     def per_step(d: dict[int, list[int]]) -> tuple[int, ...]:
         return tuple(int(statistics.median(d[s])) for s in sorted(d))
 
-    return RunLatency(keys=keys, compute=per_step(compute), step=per_step(step), date=date)
+    durations: dict[LatencyKey, list[int]] = defaultdict(list)
+    for calls in by_rank_step.values():
+        for c in calls:
+            durations[latency_key(c)].append(c.duration_ns or 0)
+    per_rank_step = len(steps) * len(ranks)
+    floor = {
+        k: round(sorted(v)[int(FLOOR_QUANTILE * (len(v) - 1))] * len(v) / per_rank_step)
+        for k, v in sorted(durations.items())
+    }
+    return RunLatency(keys=keys, compute=per_step(compute), step=per_step(step), date=date, floor=floor)
+
+
+FLOOR_QUANTILE = 0.1
+"""The fastest decile of a key's calls is its floor (``RunLatency.floor``)."""
+FLOOR_FACTOR = 1.5
+"""On runs judged by their floors, the least ratio that counts (raised to the stored runs' own spread above
+their median). Measured on 2 cores, 4 ranks each (DDP, ZeRO-2, ZeRO-3, FSDP2; 6 unchanged runs and 3 with the
+op planted 2x slower, each): unchanged runs came within x0.63-x1.29 of their median, planted ones x1.96-x5.23;
+summed time per step, x0.74-x1.57 against x1.48-x4.57 (docs/gate.md)."""
 
 
 Verdict = Literal["slower", "faster", "~"]
@@ -354,12 +381,14 @@ class Shift:
     moved it x1.5-2.1); only as far as the scenario's other collectives moved the same way (``_drift``)."""
     keys: tuple[tuple[str, float], ...] = ()
     """The op's keys that moved most (key text, ratio), for the report."""
+    measure: str = "time per step"
+    """What was compared: ``time per step``, or ``floor per step`` (``RunLatency.floor``)."""
 
     def text(self) -> str:
         machine = f"; the run's compute x{self.machine:.2f}" if abs(self.machine - 1) >= 0.05 else ""
         detail = "; ".join(f"{k} x{r:.2f}" for k, r in self.keys)
         return (
-            f"latency {self.verdict}: {self.op} time per step x{self.ratio:.2f} in each of {self.runs_now} run(s) "
+            f"latency {self.verdict}: {self.op} {self.measure} x{self.ratio:.2f} in each of {self.runs_now} run(s) "
             f"vs {self.runs_base} reference run(s) (counts beyond x{self.threshold:.2f}{machine})"
             + (f": {detail}" if detail else "")
         )
@@ -424,7 +453,9 @@ def _machine(now: Sequence[RunLatency], base: Sequence[RunLatency]) -> float:
     return float(statistics.median(a) / statistics.median(b))
 
 
-def shifts(now: Sequence[RunLatency], base: Sequence[RunLatency], rule: LatencyRule) -> Assessment:
+def shifts(
+    now: Sequence[RunLatency], base: Sequence[RunLatency], rule: LatencyRule, *, floor: bool = False
+) -> Assessment:
     """Each op's time per step in the ``now`` runs against the ``base`` runs (the baseline's history,
     or the before side of ``commgate compare``).
 
@@ -436,9 +467,17 @@ def shifts(now: Sequence[RunLatency], base: Sequence[RunLatency], rule: LatencyR
     the scenario's other collectives slower (``_drift``) — excuses that much. *faster* mirrors it
     (reported, never a failure). Fewer than ``rule.min_runs`` base runs: not judged; an op under
     ``rule.min_share`` of the step in the base runs is not judged either (a 20 us broadcast is
-    scheduling noise on a shared machine)."""
+    scheduling noise on a shared machine).
+
+    ``floor``: each op's floor per step (``RunLatency.op_floor``) in place of its time per step, for runs with
+    more ranks than cores, where the time per step is mostly the time ranks waited for a core; the threshold
+    is the larger of ``FLOOR_FACTOR`` and the base runs' highest floor over their median. Base runs stored
+    without floors do not count."""
+    if floor:
+        base = [r for r in base if r.floor]
     if len(base) < rule.min_runs or not now:
-        return Assessment(note=f"latency not judged: {len(base)} run(s) to compare with, {rule.min_runs} needed")
+        what = " with call floors (stored by this version)" if floor else ""
+        return Assessment(note=f"latency not judged: {len(base)} run(s){what} to compare with, {rule.min_runs} needed")
     step = statistics.median(_median_issued(r.step) for r in base)
     ops = _common(r.ops() for r in (*base, *now))
     judged = {op for op in ops if _share(op, base, step) >= rule.min_share}
@@ -448,12 +487,16 @@ def shifts(now: Sequence[RunLatency], base: Sequence[RunLatency], rule: LatencyR
     machine = _machine(now, base)
     out = []
     for op in sorted(judged):
-        ref = statistics.median(r.op_time(op) for r in base)
+        value = RunLatency.op_floor if floor else RunLatency.op_time
+        ref = statistics.median(value(r, op) for r in base)
         if ref <= 0:
             continue
-        threshold = max(rule.factor, envelope(base, op))
-        times = [r.op_time(op) / ref for r in now]
-        drift = _drift(op, machine, all_now, all_base)
+        if floor:
+            threshold = max(FLOOR_FACTOR, max(value(r, op) for r in base) / ref)
+        else:
+            threshold = max(rule.factor, envelope(base, op))
+        times = [value(r, op) / ref for r in now]
+        drift = _drift(op, machine, all_now, all_base, value)
         verdict: Verdict = "~"
         if min(times) / max(drift, 1.0) >= threshold:
             verdict = "slower"
@@ -468,23 +511,30 @@ def shifts(now: Sequence[RunLatency], base: Sequence[RunLatency], rule: LatencyR
                 runs_now=len(now),
                 runs_base=len(base),
                 machine=machine,
-                keys=_moved_keys(op, now, base) if verdict != "~" else (),
+                keys=_moved_keys(op, now, base, floor=floor) if verdict != "~" else (),
+                measure="floor per step" if floor else "time per step",
             )
         )
     threshold = max((s.threshold for s in out), default=rule.factor)
     return Assessment(shifts=tuple(out), threshold=threshold, unjudged=len(ops - judged))
 
 
-def _drift(op: str, machine: float, now: Sequence[RunLatency], base: Sequence[RunLatency]) -> float:
+def _drift(
+    op: str,
+    machine: float,
+    now: Sequence[RunLatency],
+    base: Sequence[RunLatency],
+    value: Callable[[RunLatency, str], float] = RunLatency.op_time,
+) -> float:
     """How much slower (> 1) or faster the whole machine ran: the run's compute ratio, but only as far
     as the scenario's *other* collectives moved the same way (the nearer of the two to 1); the compute
     ratio alone where the op is the scenario's only collective. A machine-wide slowdown moves both; a
     slower collective alone moves only the compute (its calls overlap it), not the other collectives."""
     others = []
     for other in _common(r.ops() for r in (*now, *base)) - {op}:
-        ref = statistics.median(r.op_time(other) for r in base)
+        ref = statistics.median(value(r, other) for r in base)
         if ref > 0:
-            others.append(statistics.median(r.op_time(other) for r in now) / ref)
+            others.append(statistics.median(value(r, other) for r in now) / ref)
     if not others:  # nothing to corroborate it with: the compute ratio stands alone
         return machine
     common = float(statistics.median(others))
@@ -505,14 +555,18 @@ def _only(run: RunLatency, ops: set[str]) -> RunLatency:
 
 
 def _moved_keys(
-    op: str, now: Sequence[RunLatency], base: Sequence[RunLatency], top: int = 3
+    op: str, now: Sequence[RunLatency], base: Sequence[RunLatency], top: int = 3, *, floor: bool = False
 ) -> tuple[tuple[str, float], ...]:
-    """The ``top`` keys of ``op`` whose time per step moved most (key text, ratio of medians)."""
+    """The ``top`` keys of ``op`` whose time (or ``floor``) per step moved most (key text, ratio of medians)."""
+
+    def value(r: RunLatency, key: LatencyKey) -> float:
+        return float(r.floor.get(key, 0)) if floor else r.key_time(key)
+
     found = []
     for key in _common(set(r.keys) for r in (*now, *base)):
         if key[0] != op:
             continue
-        ref = statistics.median(r.key_time(key) for r in base)
+        ref = statistics.median(value(r, key) for r in base)
         if ref > 0:
-            found.append((key_text(key), float(statistics.median(r.key_time(key) for r in now) / ref)))
+            found.append((key_text(key), float(statistics.median(value(r, key) for r in now) / ref)))
     return tuple(sorted(found, key=lambda kr: abs(math.log(kr[1])) if kr[1] > 0 else 0.0, reverse=True)[:top])
