@@ -353,6 +353,10 @@ def summarize(capture: Capture, *, date: str = "") -> RunLatency:
 
 FLOOR_QUANTILE = 0.1
 """The fastest decile of a key's calls is its floor (``RunLatency.floor``)."""
+FLOOR_MIN_SHARE = 0.01
+"""On runs judged by their floors, an op whose floor per step is under this share of the step is not judged
+(found by 10 unchanged runs of the default suite: an 8 B broadcast held 5% of the step by its time, waiting
+for peers, and its floor of microseconds moved x0.14)."""
 FLOOR_FACTOR = 1.5
 """On runs judged by their floors, the least ratio that counts (raised to the stored runs' own spread above
 their median). Measured on 2 cores, 4 ranks each (DDP, ZeRO-2, ZeRO-3, FSDP2; 6 unchanged runs and 3 with the
@@ -481,6 +485,8 @@ def shifts(
     step = statistics.median(_median_issued(r.step) for r in base)
     ops = _common(r.ops() for r in (*base, *now))
     judged = {op for op in ops if _share(op, base, step) >= rule.min_share}
+    if floor:  # and whose floor is not itself noise: an 8 B broadcast's fastest calls are microseconds
+        judged = {op for op in judged if statistics.median(r.op_floor(op) for r in base) >= FLOOR_MIN_SHARE * step}
     all_now, all_base = now, base
     base = [_only(r, judged) for r in base]
     now = [_only(r, judged) for r in now]
