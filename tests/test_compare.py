@@ -172,7 +172,7 @@ def test_nothing_compared_is_not_the_same(tmp_path: Path, capsys: pytest.Capture
 
 
 def test_scenarios_on_one_side_only_are_counted_apart(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """"3 of 3 scenario(s) changed" where two were only in the before run read as three changes of
+    """ "3 of 3 scenario(s) changed" where two were only in the before run read as three changes of
     communication (a newcomer's walkthrough): the count says how many are on one side only."""
     a = baseline_dir(tmp_path, "a", "ddp.json")
     b = baseline_dir(tmp_path, "b", "ddp.json")
