@@ -14,7 +14,7 @@ from pathlib import Path
 
 from commgate.core.errors import CommgateError
 from commgate.judge.finding import Finding
-from commgate.judge.gate import UPDATE_FLAG, against_time, judge, model_findings
+from commgate.judge.gate import UPDATE_FLAG, against_time, judge, model_findings, sibling_flag
 from commgate.judge.reconcile import reconcile
 from commgate.judge.store import BaselineStore
 from commgate.model.expectation import Prediction
@@ -93,7 +93,7 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
         findings, baseline, written, latency_note = j.findings, j.baseline, j.written, j.latency_note
         if options.faulty:  # the planted fault's difference: no obtained file to copy, no change to accept
             store.discard_obtained(capture.backend, capture.scenario)
-            fault = options.update_flag.replace("update-baselines", "fault")
+            fault = sibling_flag(options.update_flag, "fault")
             hint = f"a planted fault ({fault}) made this difference: nothing to accept, the baseline stands"
             findings = tuple(replace(f, hint=hint) if f.kind == "baseline" and f.fail else f for f in findings)
     else:

@@ -200,11 +200,12 @@ class Session:
         """Run ``scenario`` and record its result (None: a torchrun rank that does not report)."""
         self.check_writable()
         result = run_scenario(scenario, self.runner, self.options)
-        felt = result is not None and any(f.kind in ("latency", "cold-start") for f in result.findings)
-        if result is not None and self.faults and result.status == "passed" and not felt:
+        if result is None:
+            return None
+        felt = any(f.kind in ("latency", "cold-start") for f in result.findings)
+        if self.faults and result.status == "passed" and not felt:
             result = replace(result, findings=(*result.findings, self._unfelt()))
-        if result is not None:
-            self.record(result)
+        self.record(result)
         return result
 
     def _unfelt(self) -> Finding:

@@ -318,9 +318,12 @@ def summarize(capture: Capture, *, date: str = "") -> RunLatency:
     steps = range(capture.warmup_steps, capture.warmup_steps + capture.steps)
     per: dict[LatencyKey, dict[tuple[int, int], int]] = defaultdict(lambda: defaultdict(int))
     by_rank_step: dict[tuple[int, int], list[CapturedCall]] = defaultdict(list)
+    durations: dict[LatencyKey, list[int]] = defaultdict(list)  # every call's, for the key's floor
     for c in capture.calls:
         if c.step in steps and c.duration_ns is not None:
-            per[latency_key(c)][(c.step, c.rank)] += c.duration_ns
+            key = latency_key(c)
+            per[key][(c.step, c.rank)] += c.duration_ns
+            durations[key].append(c.duration_ns)
             by_rank_step[(c.rank, c.step)].append(c)
     ranks = sorted({c.rank for c in capture.calls}) or [0]
 
@@ -339,10 +342,6 @@ def summarize(capture: Capture, *, date: str = "") -> RunLatency:
     def per_step(d: dict[int, list[int]]) -> tuple[int, ...]:
         return tuple(int(statistics.median(d[s])) for s in sorted(d))
 
-    durations: dict[LatencyKey, list[int]] = defaultdict(list)
-    for calls in by_rank_step.values():
-        for c in calls:
-            durations[latency_key(c)].append(c.duration_ns or 0)
     per_rank_step = len(steps) * len(ranks)
     floor = {
         k: round(sorted(v)[int(FLOOR_QUANTILE * (len(v) - 1))] * len(v) / per_rank_step)
@@ -484,16 +483,16 @@ def shifts(
         return Assessment(note=f"latency not judged: {len(base)} run(s){what} to compare with, {rule.min_runs} needed")
     step = statistics.median(_median_issued(r.step) for r in base)
     ops = _common(r.ops() for r in (*base, *now))
+    value = RunLatency.op_floor if floor else RunLatency.op_time
     judged = {op for op in ops if _share(op, base, step) >= rule.min_share}
     if floor:  # and whose floor is not itself noise: an 8 B broadcast's fastest calls are microseconds
-        judged = {op for op in judged if statistics.median(r.op_floor(op) for r in base) >= FLOOR_MIN_SHARE * step}
+        judged = {op for op in judged if statistics.median(value(r, op) for r in base) >= FLOOR_MIN_SHARE * step}
     all_now, all_base = now, base
     base = [_only(r, judged) for r in base]
     now = [_only(r, judged) for r in now]
     machine = _machine(now, base)
     out = []
     for op in sorted(judged):
-        value = RunLatency.op_floor if floor else RunLatency.op_time
         ref = statistics.median(value(r, op) for r in base)
         if ref <= 0:
             continue

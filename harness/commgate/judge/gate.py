@@ -39,10 +39,15 @@ from commgate.run.capture import Capture
 UPDATE_FLAG = "--commgate-update-baselines"
 
 
+def sibling_flag(update_flag: str, name: str) -> str:
+    """Option ``name`` as the entry point whose update flag is ``update_flag`` spells it (pytest's
+    ``--commgate-…`` or ``commgate run --gate``'s)."""
+    return update_flag.replace("update-baselines", name)
+
+
 def refresh_flags(update_flag: str) -> str:
-    """The flags that add a run to the latency history at the entry point whose update flag is
-    ``update_flag`` (pytest's ``--commgate-…`` or ``commgate run --gate``'s)."""
-    return f"{update_flag} {update_flag.replace('update-baselines', 'refresh-latency')}"
+    """The flags that add a run to the latency history at the entry point whose update flag is ``update_flag``."""
+    return f"{update_flag} {sibling_flag(update_flag, 'refresh-latency')}"
 
 
 @dataclass(kw_only=True)
