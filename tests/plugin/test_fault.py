@@ -169,3 +169,14 @@ def test_a_planted_fault_under_which_the_scenario_still_passes_says_so(
     (doc,) = json.loads((pytester.path / "out" / "report.json").read_text())["scenarios"]
     (fault,) = [f for f in doc["findings"] if f["kind"] == "fault"]
     assert fault["title"] == said and fault["fail"] is False
+
+
+def test_the_docs_list_every_fault() -> None:
+    """README's and docs/gate.md's option tables name every fault ``--commgate-fault`` accepts, as its
+    usage error spells them (they had lost ``slow=`` and ``env=``)."""
+    from commgate.run.inject import SPECS
+
+    root = Path(__file__).resolve().parents[2]
+    for doc in ("README.md", "docs/gate.md"):
+        row = next(line for line in (root / doc).read_text().splitlines() if line.startswith("| `--commgate-fault"))
+        assert [s for s in SPECS if f"`{s}`" not in row] == [], doc
