@@ -6,6 +6,7 @@ predict at full size, and (``--cpu``) run and reconcile; what a CPU run cannot d
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -18,6 +19,7 @@ from commgate.model.loader import load_file
 from commgate.model.predict import predict
 from commgate.model.scenario import Scenario
 from commgate.model.trainers import TRAINERS
+from commgate.run import budget
 
 if TYPE_CHECKING:
     from commgate.judge.reconcile import Reconciliation
@@ -88,7 +90,7 @@ def test_the_debug_model_toml_notes_what_0_3_0_runs_differently(
         "module": "llama3", "config": "llama3_debugmodel", "activation_checkpoint": "selective", "log_freq": 1
     }  # fmt: skip
     err = capsys.readouterr().err
-    assert "selective_ac_option '2' (every 2th layer) has no 0.3.0 counterpart" in err
+    assert "selective_ac_option '2' (one layer in 2) has no 0.3.0 counterpart" in err
     assert "its loss is ChunkedLossWrapper (0.2.2's was plain cross-entropy)" in err
 
 
@@ -300,7 +302,8 @@ def test_a_context_parallel_toml_is_cps_scenario(tmp_path: Path) -> None:
     toml = tmp_path / "cp.toml"
     toml.write_text(text)
     doc, _ = imported(tmp_path, str(toml), "--dp", "1", "--cpu")
-    assert doc["parallelism"] == {"scheme": "cp", "cp": 2, "micro_batch": 8, "activation_checkpointing": True}
+    assert doc["parallelism"] == {"scheme": "cp", "cp": 2, "micro_batch": 1, "activation_checkpointing": True}
+    assert "--cpu: local_batch_size 8 -> 1 (the accumulation steps kept)" in doc["notes"]  # type: ignore[operator]
     assert isinstance(doc["model"], dict) and doc["model"]["s"] == 256  # flex CP's 128-token blocks x cp
     assert any("flex attention's 128-token blocks" in n for n in doc["notes"])  # type: ignore[attr-defined]
     (s,) = load_file(tmp_path / "imported.yaml")
@@ -403,3 +406,24 @@ def test_the_cpu_variants_of_the_8b_and_70b_tomls_run_and_reconcile(
     assert s.parallelism.scheme == scheme and s.model.L in (32, 80)
     rec = reconcile(predict(s), launch_local(s, workdir=tmp_path, deadline_s=1800))
     assert not rec.mismatches and rec.keys and all(o.unexplained_bytes == 0 for o in rec.ops)
+
+
+def test_a_cpu_variant_that_computes_long_is_written_with_a_deadline_that_holds_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--cpu`` keeps every layer: llama3_70b.toml's 80 (b 8) took more than 240 s a step on 2 cores, its
+    scenario ran into the default 300 s deadline. The variant runs one sample a rank (the accumulation
+    steps kept), and where the compute estimate times ``CPU_MARGIN`` passes 300 s the file says so and
+    carries the deadline; a small model keeps the default."""
+    from commgate import cli
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)  # the estimate is this machine's: fix it
+    doc, text = imported(tmp_path, str(DATA / "llama3_70b.toml"), "--dp", "2", "--cpu")
+    assert isinstance(doc["parallelism"], dict) and doc["parallelism"]["micro_batch"] == 1
+    (s,) = load_file(tmp_path / "imported.yaml")
+    need = budget.compute_s(s)
+    assert need is not None and need * cli.CPU_MARGIN > 300
+    assert doc["deadline_s"] == s.deadline_s >= need * cli.CPU_MARGIN
+    assert f"# deadline_s {doc['deadline_s']}: --cpu keeps every layer" in text
+    doc, _ = imported(tmp_path, str(DATA / "debug_model.toml"), "--dp", "2", "--cpu")
+    assert "deadline_s" not in doc

@@ -10,6 +10,8 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -717,11 +719,37 @@ def cmd_import(a: argparse.Namespace) -> int:
         raise UsageError(f"{a.out} not written: the imported scenario is refused: {what}") from None
     for s in scenarios:
         predict(s)  # ... and predicts
+    if a.cpu and (need := _cpu_deadline(scenarios[0])):
+        deadline, estimate = need
+        line = (
+            f"deadline_s {deadline}: --cpu keeps every layer, and its steps' compute (at least {estimate:,.0f} s "
+            f"on this machine's {os.cpu_count()} cores) x{CPU_MARGIN} passes the default 300 s"
+        )
+        got.doc["deadline_s"] = deadline
+        print(f"note: {line}", file=sys.stderr)
+        got.comments.append(line)
     text = "# written by commgate import; what the configs set that it does not take as such: its notes\n"
     text += "".join(f"# {line}\n" for line in got.comments)
     atomic_write_text(a.out, text + yaml.safe_dump(got.doc, sort_keys=False))
     print(f"wrote {a.out}: {scenarios[0].id} ({scenarios[0].parallelism.scheme}, world {scenarios[0].world_size})")
     return 0
+
+
+CPU_MARGIN = 20
+"""``import --cpu``: the written deadline over the compute estimate (``budget.compute_s``, a lower bound at
+50 GFLOP/s a core). Measured on 2 cores: torchtitan's llama3_70b.toml imported with --cpu --dp 1 --tp 2 (80
+layers, b 8, full checkpointing, eager flex attention) took more than 240 s a step, 11x the estimate's 21 s."""
+
+
+def _cpu_deadline(s: Scenario) -> tuple[int, float] | None:
+    """The ``deadline_s`` an imported ``--cpu`` scenario needs (whole minutes), with its compute estimate,
+    where the default 300 s is short of ``CPU_MARGIN`` times the estimate; None where it is not."""
+    from commgate.run.budget import compute_s
+
+    need = compute_s(s)
+    if need is None or need * CPU_MARGIN <= s.deadline_s:
+        return None
+    return 60 * math.ceil(need * CPU_MARGIN / 60), need
 
 
 def _torchtitan_import(a: argparse.Namespace) -> Imported:

@@ -371,7 +371,7 @@ def torchtitan_toml(path: Path) -> TitanJob:
     option = str(get("activation_checkpoint", "selective_ac_option", "op"))
     if ac == "selective" and option != "op":
         notes.append(
-            f"{f}: activation_checkpoint.selective_ac_option {option!r} (every {option}th layer) has no 0.3.0 "
+            f"{f}: activation_checkpoint.selective_ac_option {option!r} (one layer in {option}) has no 0.3.0 "
             "counterpart: 0.3.0's per-op selective checkpointing is predicted"
         )
     par = {k: get("parallelism", k, d) for k, d in _TOML_PARALLELISM.items()}
@@ -470,8 +470,12 @@ def torchtitan(
     model = {"architecture": "llama", **{k: v for k, v in job.model.items() if k != "tied_embeddings"}, **tied}
     model |= {"s": job.seq_len, "dtype": "fp32"}
     par: dict[str, Any] = {"dp": dp, "tp": tp}
+    b = job.local_batch_size
     if cpu:
         _reduce(model, par, {}, out.notes)
+        if b > 1 and pp == 1:  # a pipeline's local batch is its micro-batches: the schedule, kept
+            out.notes.append(f"--cpu: local_batch_size {b} -> 1 (the accumulation steps kept)")
+            b = 1
         if job.cp > 1:  # flex CP splits the sequence into whole 128-token blocks
             out.notes.append(f"--cpu: s {model['s']} -> {128 * job.cp} (flex attention's 128-token blocks x cp)")
             model["s"] = 128 * job.cp
@@ -484,7 +488,7 @@ def torchtitan(
             **({"dp": dp} if dp > 1 else {}),
             **({"tp": tp, "sequence_parallel": job.sequence_parallel} if tp > 1 else {}),
             **({"dp_replicate": job.replicate} if job.replicate > 1 else {}),  # the rules say what HSDP composes with
-            "micro_batch": job.local_batch_size,
+            "micro_batch": b,
             **({"micro_batches": steps} if steps > 1 else {}),
             "activation_checkpointing": ac,
         }
@@ -496,7 +500,7 @@ def torchtitan(
             parallelism["dp_replicate"] = job.replicate
         if tp > 1:
             parallelism["sequence_parallel"] = job.sequence_parallel
-        parallelism["micro_batch"] = job.local_batch_size
+        parallelism["micro_batch"] = b
         if steps > 1:  # torchtitan's gradient accumulation: the scenario's micro-batches without a pipeline
             parallelism["micro_batches"] = steps
         parallelism["activation_checkpointing"] = ac
