@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from commgate.judge import baseline as bl
-from commgate.judge.drift import RunLatency, cold_starts, envelope, shifts, summarize
+from commgate.judge.drift import MEASURE, RunLatency, cold_starts, envelope, shifts, summarize
 from commgate.model.collectives import Op
 from commgate.model.scenario import ColdStartRule, LatencyRule, Scenario, Tolerance
 from commgate.run.capture import Capture, CapturedCall, StepWindow
@@ -96,16 +96,19 @@ def test_fractions_are_stored_exactly() -> None:
     assert bl.Baseline.from_json(json.loads(json.dumps(b.to_json()))) == b
 
 
-def _run(all_reduce: float, broadcast: float = 6.0, compute: float = 10.0, step: float = 100.0) -> RunLatency:
-    """One run: ms per step in two ops (three steps alike), the compute and step times per step."""
+def _run(
+    all_reduce: float, broadcast: float = 6.0, compute: float = 10.0, step: float = 100.0, floor: float | None = None
+) -> RunLatency:
+    """One run: ms per step in two ops (three steps alike), the compute and step times per step; each op one
+    call a step whose floor is its time (the all-reduce's ``floor`` where given)."""
     ms = 1_000_000
+    ar, bc = ("all_reduce", "group 0,1", 4096, "backward"), ("broadcast", "group 0,1", 8, "forward")
     return RunLatency(
-        keys={
-            ("all_reduce", "group 0,1", 4096, "backward"): (int(all_reduce * ms),) * 3,
-            ("broadcast", "group 0,1", 8, "forward"): (int(broadcast * ms),) * 3,
-        },
+        keys={ar: (int(all_reduce * ms),) * 3, bc: (int(broadcast * ms),) * 3},
         compute=(int(compute * ms),) * 3,
         step=(int(step * ms),) * 3,
+        floor={ar: int((all_reduce if floor is None else floor) * ms), bc: int(broadcast * ms)},
+        measure=MEASURE,
     )
 
 
@@ -173,8 +176,8 @@ def test_every_run_must_be_slower_and_only_a_whole_machine_drift_is_excused() ->
     assert _verdicts([now], only) == {"all_reduce": "~"}
     (shift,) = [s for s in shifts([_run(21.0)], BASE, LatencyRule()).shifts if s.verdict != "~"]
     assert shift.text() == (
-        "latency slower: all_reduce time per step x2.00 in each of 1 run(s) vs 3 reference run(s) (counts beyond "
-        "x1.25): all_reduce group 0,1 4096 B backward x2.00"
+        "latency slower: all_reduce time per step x2.00 and floor per step x2.00 in each of 1 run(s) vs 3 reference "
+        "run(s) (count beyond x1.25 and x1.50): all_reduce group 0,1 4096 B backward x2.00"
     )
 
 
@@ -205,6 +208,7 @@ def test_a_run_is_summarised_per_measured_step_with_its_compute_time() -> None:
     run = summarize(_capture(4.0, compute_ms=6.0))
     assert run.keys == {("all_reduce", "group 0,1", 4096, "backward"): (4_000_000,) * 3}
     assert run.compute == (6_000_000,) * 3 and run.op_time("all_reduce") == 4_000_000
+    assert run.op_floor("all_reduce") == 4_000_000 and run.measure == MEASURE
 
 
 def _call(rank: int, step: int, seq: int, ns: int) -> CapturedCall:
@@ -407,12 +411,12 @@ def test_a_report_with_cold_starts_is_valid_and_compares(tmp_path: Path) -> None
     assert main(["compare", str(tmp_path / "report.json"), str(tmp_path / "report.json")]) == 0
 
 
-def test_an_oversubscribed_run_is_judged_on_its_calls_floors() -> None:
-    """With more ranks than cores a call's time is mostly the time its ranks waited for a core, and such runs
-    were not judged at all. They are judged on each op's floor per step (its calls' fastest decile): a run
-    whose calls the scheduler slowed, all but the fastest, fails on time per step with a core per rank and
-    passes on floors; a run whose every call is 3x slower fails either way, naming the floor; stored runs
-    without floors (an older baseline) do not count, and the note says so."""
+def test_a_shift_needs_the_time_and_the_floor_to_move_and_an_older_history_does_not_count() -> None:
+    """An op is slower only where its time per step and its floor per step (its calls' fastest decile) both
+    moved beyond their thresholds: a run whose calls the scheduler slowed, all but the fastest, passes (on a
+    2-core machine, with its calls' time alone, 7 of 10 unchanged suite runs had a latency warning); a run
+    whose every call is 3x slower fails naming both. Stored runs whose times counted the waits for late
+    peers (an earlier version's) do not count, and the note says so."""
     from commgate.judge.gate import evaluate
     from commgate.judge.reconcile import reconcile
     from commgate.model.predict import predict
@@ -420,8 +424,8 @@ def test_an_oversubscribed_run_is_judged_on_its_calls_floors() -> None:
     stored, hw, s = _three_stored_runs_and_a_failing_rule()
     e, paper = s.expectations, predict(s).comparison()
 
-    def judged(cap: Capture, crowded: str | None, base: bl.Baseline = stored) -> tuple[list[object], str]:
-        cap = replace(cap, stack={"hardware": hw, "oversubscribed": crowded})
+    def judged(cap: Capture, base: bl.Baseline = stored) -> tuple[list[object], str]:
+        cap = replace(cap, stack={"hardware": hw})
         now = replace(base, latency={hw: (summarize(cap),)})
         v = evaluate(e, paper, cap, reconcile(predict(s), cap), now, base, rerun=lambda: cap)
         return [f for f in v.findings if f.kind == "latency"], v.latency_note
@@ -429,31 +433,66 @@ def test_an_oversubscribed_run_is_judged_on_its_calls_floors() -> None:
     noisy = _capture(12.0)  # every call 12 ms but one per rank, as fast as before: the scheduler's delays
     fast = {c.seq for c in noisy.calls if c.step == 2}
     noisy = replace(noisy, calls=tuple(replace(c, duration_ns=4_000_000) if c.seq in fast else c for c in noisy.calls))
-    latency, _ = judged(noisy, None)
+    latency, note = judged(noisy)
+    assert not latency and note.startswith("latency judged against 3 stored run(s)")
+    latency, _ = judged(_capture(12.0))
     assert latency and latency[0].fail  # type: ignore[attr-defined]
-    latency, note = judged(noisy, "4 ranks on 2 cores")
-    assert not latency and "(4 ranks on 2 cores: each op's calls' floor per step, their fastest decile" in note
-    latency, _ = judged(_capture(12.0), "4 ranks on 2 cores")
-    assert latency and latency[0].fail  # type: ignore[attr-defined]
-    assert "latency slower: all_reduce floor per step x2.9" in latency[0].lines[0]  # type: ignore[attr-defined]
-    unfloored = replace(stored, latency={hw: tuple(replace(r, floor={}) for r in stored.latency[hw])})
-    latency, note = judged(_capture(12.0), "4 ranks on 2 cores", unfloored)
+    assert "latency slower: all_reduce time per step x2.9" in latency[0].lines[0]  # type: ignore[attr-defined]
+    assert "and floor per step x2.9" in latency[0].lines[0]  # type: ignore[attr-defined]
+    older = replace(stored, latency={hw: tuple(replace(r, measure="") for r in stored.latency[hw])})
+    latency, note = judged(_capture(12.0), older)
     assert not latency and note.startswith(
-        "latency not judged: 0 run(s) with call floors (stored by this version) to compare with, 3 needed"
+        "latency not judged: 0 run(s) measured by this version (3 stored by an earlier one counted waits for late "
+        "peers) to compare with, 3 needed"
     )
 
 
+def test_a_calls_time_counts_from_when_its_last_party_issued_it() -> None:
+    """With the ranks' clocks, a call's time is its own: an all-reduce rank 1 issued 500 ms after rank 0
+    costs rank 0 1 ms, not 501 (the wait was rank 1's compute); a broadcast's receivers wait for its root
+    alone, and the root, which sent at once, for nobody."""
+    from commgate.run.capture import RankClock
+
+    def call(rank: int, step: int, op: Op, start_ms: float, ms: float, root: int | None = None) -> CapturedCall:
+        c = replace(_call(rank, step, 2 * step + (op is Op.BROADCAST), int(ms * 1e6)), op=op, peer=None, root=root)
+        return replace(c, start_ns=int(start_ms * 1e6), phase="forward")
+
+    calls = []
+    for k in range(4):
+        t0 = 1000.0 * k
+        calls += [call(0, k, Op.ALL_REDUCE, t0, 501.0), call(1, k, Op.ALL_REDUCE, t0 + 500.0, 1.0)]
+        # rank 1, the root, issues its broadcast 200 ms after rank 0 and is done in 1 ms; rank 0 waits 202 ms
+        calls += [
+            call(0, k, Op.BROADCAST, t0 + 600.0, 202.0, root=1),
+            call(1, k, Op.BROADCAST, t0 + 800.0, 1.0, root=1),
+        ]
+    clocks = tuple(RankClock(rank=r, host="h", monotonic_ns=7, wall_ns=0) for r in (0, 1))
+    cap = Capture(
+        scenario="c", world_size=2, warmup_steps=1, steps=3, backend="gloo", calls=tuple(calls), clocks=clocks
+    )
+    run = summarize(cap)
+    assert run.op_time("all_reduce") == run.op_floor("all_reduce") == 1_000_000
+    assert (run.op_time("broadcast"), run.op_floor("broadcast")) == (1_500_000, 1_000_000)  # ranks' 2 ms and 1 ms
+    unaligned = summarize(replace(cap, clocks=()))  # without clocks: from each call's issue, as before
+    assert unaligned.op_time("all_reduce") == 251_000_000
+
+
 def test_a_runs_floor_survives_the_baseline_file() -> None:
-    """The floors are stored with the run (``floor_ns`` per key) and read back; a file without them loads."""
+    """The floors and how the run was measured are stored with the run (``floor_ns`` per key, ``measure``) and
+    read back; a file without them loads."""
     stored, hw, _ = _three_stored_runs_and_a_failing_rule()
     doc = stored.to_json()
     bl.validate(doc)
     again = bl.Baseline.from_json(doc)
     assert again.latency[hw] == stored.latency[hw] and again.latency[hw][0].floor
+    assert doc["latency"][hw][0]["measure"] == MEASURE == again.latency[hw][0].measure
     for run in doc["latency"][hw]:
+        del run["measure"]
         for key in run["keys"]:
             del key["floor_ns"]
+    bl.validate(doc)
     assert bl.Baseline.from_json(doc).latency[hw][0].floor == {}
+    assert bl.Baseline.from_json(doc).latency[hw][0].measure == ""
 
 
 @pytest.mark.parametrize(

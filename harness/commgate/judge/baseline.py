@@ -128,6 +128,7 @@ class Baseline:
                 hw: [
                     {
                         "date": run.date,
+                        **({"measure": run.measure} if run.measure else {}),
                         "compute_ns": list(run.compute),
                         "step_ns": list(run.step),
                         "keys": [
@@ -168,6 +169,7 @@ class Baseline:
                         compute=tuple(run["compute_ns"]),
                         step=tuple(run["step_ns"]),
                         date=run["date"],
+                        measure=run.get("measure", ""),
                         floor={
                             (k["op"], k["where"], k["bytes"], k["phase"]): k["floor_ns"]
                             for k in run["keys"]

@@ -15,14 +15,16 @@ includes waiting for its sender: exactly what the paper's cold-cache anomaly loo
   (the cold-cache recv of Anthony et al.) is, and a send and its recv flagged together are one finding.
   Without the clocks, the rank that arrived last is named instead: the member whose own instance of the
   call was the shortest (the others waited for it).
-* Shift: per op, its time per measured step (median rank) in this run against the stored runs'. The
+* Shift: per op, its time per measured step (median rank) and its floor per step (its calls' fastest
+  decile) in this run against the stored runs', every call counted from when its last party had issued it
+  (a wait for a late peer is that peer's compute or its wait for a core, not the op's cost). The
   *run* is the unit of replication: the calls of one run are not independent samples (on a busy or
   drifting machine they all move together; on the 2-core CI machine two unchanged runs differ by 2x and
   more in a third of their ops). So the baseline keeps a history of runs, a verdict needs
   ``min_runs`` of them, an op's threshold is the larger of ``factor`` and the widest spread the stored
   runs show among themselves in that op, a whole-machine drift (compute and the other collectives)
   excuses its share, and the gate reruns a scenario that looks shifted ``confirm`` times: *slower*
-  (*faster*) only when every run is beyond.
+  (*faster*) only when every run is beyond, in both measures.
 """
 
 from __future__ import annotations
@@ -119,9 +121,9 @@ class _Waits:
 def _waits(capture: Capture) -> _Waits | None:
     """How long after its issue each call's last party issued it, from the ranks' clock origins (None
     where the capture has none). A collective's parties are its group's instances of it (same step, op,
-    group and size, the same ordinal on every member; an instance some member lacks is left out); a
-    send's is the k-th recv on its peer from its rank (the k-th send from a to b meets the k-th recv on b
-    from a), when their sizes agree."""
+    group and size, the same ordinal on every member; an instance some member lacks is left out; a rooted
+    one's, its root alone: the root itself waits for nobody); a send's is the k-th recv on its peer from
+    its rank (the k-th send from a to b meets the k-th recv on b from a), when their sizes agree."""
     origins = capture.origins()
     if origins is None:
         return None
@@ -154,9 +156,12 @@ def _waits(capture: Capture) -> _Waits | None:
             continue
         starts = {r: origins[r] + c.start_ns for r, c in parties.items()}
         latest = max(starts, key=starts.__getitem__)
+        root = next(iter(parties.values())).root
         for r, c in parties.items():
-            wait[(r, c.seq)] = starts[latest] - starts[r]
-            last[(r, c.seq)] = latest
+            # a rooted call (broadcast, scatter, gather, reduce) waits for its root alone, the root for nobody
+            party = latest if root is None or root not in starts else r if r == root else root
+            wait[(r, c.seq)] = starts[party] - starts[r]
+            last[(r, c.seq)] = party
     return _Waits(wait=wait, last=last, recv_of=recv_of)
 
 
@@ -270,9 +275,11 @@ class RunLatency:
     """One run's latency, the unit the shift verdict compares (calls of one run are not independent
     samples: a busy machine slows them all, so runs, not calls, are what is replicated).
 
-    Per latency key, the time per measured step that the median rank spent in that key's calls (issue to
-    observed completion, summed over the step's calls); the compute time per measured step (the step
-    less the time with a call in flight, median rank), the machine's own speed."""
+    Per latency key, the time per measured step that the median rank spent in that key's calls, each call
+    counted from when its last party had issued it (``_waits``; from its issue where the capture holds no
+    clocks) to its observed completion, summed over the step's calls; and its floor per step. The compute
+    time per measured step (the step less the time with a call in flight, median rank), the machine's own
+    speed."""
 
     keys: dict[LatencyKey, tuple[int, ...]]
     compute: tuple[int, ...] = ()
@@ -281,10 +288,13 @@ class RunLatency:
     date: str = ""
     """When the run was stored (UTC, ISO 8601); empty when not stored."""
     floor: dict[LatencyKey, int] = field(default_factory=dict)
-    """Per key, its calls' floor per step: the fastest decile's duration (``FLOOR_QUANTILE`` of the key's calls
-    over the measured steps and every rank) times the key's calls per step and rank. What a run with more
-    ranks than cores is judged on (``shifts(..., floor=True)``): a rank waiting for a core only ever adds to
-    a call's time, so the fastest calls of a key keep its cost, and a slower collective slows those too."""
+    """Per key, its calls' floor per step: the fastest decile of their own times (``FLOOR_QUANTILE`` of the
+    key's calls over the measured steps and every rank) times the key's calls per step and rank. A wait for
+    a core only ever adds to a call's time, so the fastest calls of a key keep its cost, and a slower
+    collective slows those too."""
+    measure: str = ""
+    """How the times were measured (``MEASURE`` for runs summarized by this version); a run stored by an
+    earlier version, whose times included the waits for late peers, is not compared with these."""
 
     def op_time(self, op: str) -> float:
         """Median time per step in ``op`` (all its keys), over the measured steps that issue it (DDP
@@ -319,11 +329,16 @@ def summarize(capture: Capture, *, date: str = "") -> RunLatency:
     per: dict[LatencyKey, dict[tuple[int, int], int]] = defaultdict(lambda: defaultdict(int))
     by_rank_step: dict[tuple[int, int], list[CapturedCall]] = defaultdict(list)
     durations: dict[LatencyKey, list[int]] = defaultdict(list)  # every call's, for the key's floor
+    aligned = _waits(capture)
+    wait = aligned.wait if aligned is not None else {}
     for c in capture.calls:
         if c.step in steps and c.duration_ns is not None:
             key = latency_key(c)
-            per[key][(c.step, c.rank)] += c.duration_ns
-            durations[key].append(c.duration_ns)
+            # the call's own time: from when its last party had issued it (a wait for a late peer, that
+            # peer's compute or its wait for a core, is not the op's cost), to its completion
+            own = c.duration_ns - min(c.duration_ns, max(0, wait.get((c.rank, c.seq), 0)))
+            per[key][(c.step, c.rank)] += own
+            durations[key].append(own)
             by_rank_step[(c.rank, c.step)].append(c)
     ranks = sorted({c.rank for c in capture.calls}) or [0]
 
@@ -347,9 +362,13 @@ def summarize(capture: Capture, *, date: str = "") -> RunLatency:
         k: round(sorted(v)[int(FLOOR_QUANTILE * (len(v) - 1))] * len(v) / per_rank_step)
         for k, v in sorted(durations.items())
     }
-    return RunLatency(keys=keys, compute=per_step(compute), step=per_step(step), date=date, floor=floor)
+    return RunLatency(
+        keys=keys, compute=per_step(compute), step=per_step(step), date=date, floor=floor, measure=MEASURE
+    )
 
 
+MEASURE = "own"
+"""``RunLatency.measure`` of this version: each call's own time, counted from when its last party had issued it."""
 FLOOR_QUANTILE = 0.1
 """The fastest decile of a key's calls is its floor (``RunLatency.floor``)."""
 FLOOR_MIN_SHARE = 0.01
@@ -368,7 +387,8 @@ Verdict = Literal["slower", "faster", "~"]
 
 @dataclass(frozen=True, slots=True)
 class Shift:
-    """One op's latency, this run (or these runs) against the stored runs."""
+    """One op's latency, this run (or these runs) against the stored runs: its time per step and its floor
+    per step, each against its own threshold."""
 
     op: str
     verdict: Verdict
@@ -384,15 +404,18 @@ class Shift:
     moved it x1.5-2.1); only as far as the scenario's other collectives moved the same way (``_drift``)."""
     keys: tuple[tuple[str, float], ...] = ()
     """The op's keys that moved most (key text, ratio), for the report."""
-    measure: str = "time per step"
-    """What was compared: ``time per step``, or ``floor per step`` (``RunLatency.floor``)."""
+    floor_ratio: float = 1.0
+    """Median floor per step now / the stored runs' median (``RunLatency.op_floor``)."""
+    floor_threshold: float = FLOOR_FACTOR
+    """The floor's ratio that counts: ``FLOOR_FACTOR``, or the stored runs' highest floor over their median."""
 
     def text(self) -> str:
         machine = f"; the run's compute x{self.machine:.2f}" if abs(self.machine - 1) >= 0.05 else ""
         detail = "; ".join(f"{k} x{r:.2f}" for k, r in self.keys)
         return (
-            f"latency {self.verdict}: {self.op} {self.measure} x{self.ratio:.2f} in each of {self.runs_now} run(s) "
-            f"vs {self.runs_base} reference run(s) (counts beyond x{self.threshold:.2f}{machine})"
+            f"latency {self.verdict}: {self.op} time per step x{self.ratio:.2f} and floor per step "
+            f"x{self.floor_ratio:.2f} in each of {self.runs_now} run(s) vs {self.runs_base} reference run(s) "
+            f"(count beyond x{self.threshold:.2f} and x{self.floor_threshold:.2f}{machine})"
             + (f": {detail}" if detail else "")
         )
 
@@ -456,56 +479,59 @@ def _machine(now: Sequence[RunLatency], base: Sequence[RunLatency]) -> float:
     return float(statistics.median(a) / statistics.median(b))
 
 
-def shifts(
-    now: Sequence[RunLatency], base: Sequence[RunLatency], rule: LatencyRule, *, floor: bool = False
-) -> Assessment:
-    """Each op's time per step in the ``now`` runs against the ``base`` runs (the baseline's history,
-    or the before side of ``commgate compare``).
+def shifts(now: Sequence[RunLatency], base: Sequence[RunLatency], rule: LatencyRule) -> Assessment:
+    """Each op's time per step and floor per step in the ``now`` runs against the ``base`` runs (the
+    baseline's history, or the before side of ``commgate compare``); every call counted from when its last
+    party had issued it (``summarize``).
 
-    The run is the unit: an op is *slower* only when its time in **every** run now is beyond the
-    threshold times the base runs' median, the threshold being the larger of ``rule.factor`` and the
-    widest spread the base runs show among themselves in that op (``envelope``: what this machine does
-    with nothing changed; each op its own, so that a 20 us broadcast that the scheduler moves x10 on a busy
-    machine does not hide a stable all-reduce slowing x3); a drift of the whole machine — its compute *and*
-    the scenario's other collectives slower (``_drift``) — excuses that much. *faster* mirrors it
-    (reported, never a failure). Fewer than ``rule.min_runs`` base runs: not judged; an op under
-    ``rule.min_share`` of the step in the base runs is not judged either (a 20 us broadcast is
-    scheduling noise on a shared machine).
-
-    ``floor``: each op's floor per step (``RunLatency.op_floor``) in place of its time per step, for runs with
-    more ranks than cores, where the time per step is mostly the time ranks waited for a core; the threshold
-    is the larger of ``FLOOR_FACTOR`` and the base runs' highest floor over their median. Base runs stored
-    without floors do not count."""
-    if floor:
-        base = [r for r in base if r.floor]
+    The run is the unit: an op is *slower* only when, in **every** run now, both its time per step and its
+    floor per step are beyond their thresholds times the base runs' medians. The time's threshold is the
+    larger of ``rule.factor`` and the widest spread the base runs show among themselves in that op
+    (``envelope``: what this machine does with nothing changed; each op its own, so that a 20 us broadcast
+    that the scheduler moves x10 on a busy machine does not hide a stable all-reduce slowing x3); the
+    floor's, the larger of ``FLOOR_FACTOR`` and the base runs' highest floor over their median. The two
+    measures are disturbed by different things (the time by every call a core was late for, the floor only
+    by the fastest tenth), and a slower collective moves both. A drift of the whole machine, its compute
+    *and* the scenario's other collectives slower (``_drift``), excuses that much. *faster* mirrors it
+    (reported, never a failure). Fewer than ``rule.min_runs`` base runs measured as this version measures:
+    not judged; an op under ``rule.min_share`` of the step in the base runs is not judged either (a 20 us
+    broadcast is scheduling noise on a shared machine), nor one whose floor is under ``FLOOR_MIN_SHARE``."""
+    older = sum(r.measure != MEASURE for r in base)
+    base = [r for r in base if r.measure == MEASURE]
     if len(base) < rule.min_runs or not now:
-        what = " with call floors (stored by this version)" if floor else ""
+        what = f" measured by this version ({older} stored by an earlier one counted waits for late peers)"
+        what = what if older else ""
         return Assessment(note=f"latency not judged: {len(base)} run(s){what} to compare with, {rule.min_runs} needed")
     step = statistics.median(_median_issued(r.step) for r in base)
     ops = _common(r.ops() for r in (*base, *now))
-    value = RunLatency.op_floor if floor else RunLatency.op_time
-    judged = {op for op in ops if _share(op, base, step) >= rule.min_share}
-    if floor:  # and whose floor is not itself noise: an 8 B broadcast's fastest calls are microseconds
-        judged = {op for op in judged if statistics.median(value(r, op) for r in base) >= FLOOR_MIN_SHARE * step}
+    judged = {
+        op
+        for op in ops
+        if _share(op, base, step) >= rule.min_share
+        and statistics.median(r.op_floor(op) for r in base) >= FLOOR_MIN_SHARE * step
+    }
     all_now, all_base = now, base
     base = [_only(r, judged) for r in base]
     now = [_only(r, judged) for r in now]
     machine = _machine(now, base)
     out = []
     for op in sorted(judged):
-        ref = statistics.median(value(r, op) for r in base)
-        if ref <= 0:
+        ref = statistics.median(r.op_time(op) for r in base)
+        floor_ref = statistics.median(r.op_floor(op) for r in base)
+        if ref <= 0 or floor_ref <= 0:
             continue
-        if floor:
-            threshold = max(FLOOR_FACTOR, max(value(r, op) for r in base) / ref)
-        else:
-            threshold = max(rule.factor, envelope(base, op))
-        times = [value(r, op) / ref for r in now]
-        drift = _drift(op, machine, all_now, all_base, value)
+        threshold = max(rule.factor, envelope(base, op))
+        floor_threshold = max(FLOOR_FACTOR, max(r.op_floor(op) for r in base) / floor_ref)
+        times = [r.op_time(op) / ref for r in now]
+        floors = [r.op_floor(op) / floor_ref for r in now]
+        drift = _drift(op, machine, all_now, all_base, RunLatency.op_time)
+        floor_drift = _drift(op, machine, all_now, all_base, RunLatency.op_floor)
         verdict: Verdict = "~"
-        if min(times) / max(drift, 1.0) >= threshold:
+        if min(times) / max(drift, 1.0) >= threshold and min(floors) / max(floor_drift, 1.0) >= floor_threshold:
             verdict = "slower"
-        elif max(times) / min(drift, 1.0) <= 1 / threshold:
+        elif (
+            max(times) / min(drift, 1.0) <= 1 / threshold and max(floors) / min(floor_drift, 1.0) <= 1 / floor_threshold
+        ):
             verdict = "faster"
         out.append(
             Shift(
@@ -516,8 +542,9 @@ def shifts(
                 runs_now=len(now),
                 runs_base=len(base),
                 machine=machine,
-                keys=_moved_keys(op, now, base, floor=floor) if verdict != "~" else (),
-                measure="floor per step" if floor else "time per step",
+                keys=_moved_keys(op, now, base) if verdict != "~" else (),
+                floor_ratio=float(statistics.median(floors)),
+                floor_threshold=floor_threshold,
             )
         )
     threshold = max((s.threshold for s in out), default=rule.factor)
@@ -560,12 +587,12 @@ def _only(run: RunLatency, ops: set[str]) -> RunLatency:
 
 
 def _moved_keys(
-    op: str, now: Sequence[RunLatency], base: Sequence[RunLatency], top: int = 3, *, floor: bool = False
+    op: str, now: Sequence[RunLatency], base: Sequence[RunLatency], top: int = 3
 ) -> tuple[tuple[str, float], ...]:
-    """The ``top`` keys of ``op`` whose time (or ``floor``) per step moved most (key text, ratio of medians)."""
+    """The ``top`` keys of ``op`` whose time per step moved most (key text, ratio of medians)."""
 
     def value(r: RunLatency, key: LatencyKey) -> float:
-        return float(r.floor.get(key, 0)) if floor else r.key_time(key)
+        return r.key_time(key)
 
     found = []
     for key in _common(set(r.keys) for r in (*now, *base)):

@@ -173,20 +173,16 @@ def against_latency(
     stored: Baseline,
     rerun: Rerun | None = None,
     update_flag: str = UPDATE_FLAG,
-    *,
-    crowded: str | None = None,
 ) -> tuple[Finding | None, str]:
     """This run's latency against the stored runs on the same hardware (``commgate.judge.drift.shifts``).
     An op that looks slower (or faster) is confirmed by up to ``latency.confirm`` reruns (``rerun``): it
-    stays *slower* only if every run is. A run with more ranks than cores (``crowded``, e.g. "4 ranks on 2
-    cores") is judged on its calls' floors. Returns the finding (a speed-up is reported, never a failure)
+    stays *slower* only if every run is. Returns the finding (a speed-up is reported, never a failure)
     and a line saying how latency was judged."""
     rule = e.latency
     hw = now.provenance["hardware"]
     history = stored.latency.get(hw, ())
     runs: list[RunLatency] = list(now.latency.get(hw, ()))
-    floor = crowded is not None
-    a = shifts(runs, history, rule, floor=floor)
+    a = shifts(runs, history, rule)
     reruns, unconfirmed = 0, ""
     while (a.slower or a.faster) and reruns < rule.confirm and rerun is not None:
         capture = rerun()
@@ -195,12 +191,10 @@ def against_latency(
             break
         reruns += 1
         runs.append(summarize(capture))
-        a = shifts(runs, history, rule, floor=floor)
+        a = shifts(runs, history, rule)
     note = (
         f"{a.note} (stored runs; {refresh_flags(update_flag)} adds one)" if a.note else _judged(a, len(history), reruns)
     )
-    if floor and not a.note:
-        note += f" ({crowded}: each op's calls' floor per step, their fastest decile, not their time)"
     moved = a.changed()
     if not moved:
         return None, note
@@ -315,8 +309,7 @@ def evaluate(
                 "without a peer"
             )
         else:
-            crowded = capture.stack.get("oversubscribed")
-            latency, v.latency_note = against_latency(e, now, stored, rerun, update_flag, crowded=crowded)
+            latency, v.latency_note = against_latency(e, now, stored, rerun, update_flag)
             if latency is not None:
                 v.findings.append(latency)
     if not emulated and (slow := slow_start_text(slow_starts(capture, e.cold_start))):

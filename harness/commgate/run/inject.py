@@ -7,7 +7,8 @@
 * ``extra-collective``: one extra all-reduce (1 fp32, whole world) after every step.
 * ``slow=OP[:FACTOR]``: every call of OP (e.g. ``all_reduce``) takes FACTOR times as long (default 2): once
   issued, before it is posted, it waits FACTOR - 1 times what the rank's earlier calls of the same op,
-  group and size took without the wait (a key's first call is not slowed).
+  group and size took without the wait (a key's first call: what the op's earlier call nearest in size took;
+  the op's first call is not slowed).
 * ``ddp-bucket-mb=MB``: DDP runs with this ``bucket_cap_mb`` (the prediction keeps the scenario's).
 * ``zero-stage=N``: DeepSpeed runs ZeRO stage N (the prediction keeps the scenario's).
 * ``env=NAME=VALUE``: the ranks run with NAME=VALUE in their environment, as a user's launcher may set it

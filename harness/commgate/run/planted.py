@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -35,8 +36,10 @@ class DelayingRecorder(Recorder):
 
     * ``delay-first-recv``: the first recv of step 0 waits ``delay_first_recv_s``, once;
     * ``slow``: op -> factor; a call of that op waits factor - 1 times the median of what this rank's
-      earlier calls of the same op, group and size took without the wait (a key's first call is not
-      slowed);
+      earlier calls of the same op, group and size took without the wait; a key's first call, factor - 1
+      times what the op's earlier call nearest in size took (DDP rebuilds its buckets after the first
+      step: the first measured step's calls are each the first of their size, and left unslowed they were
+      the op's fastest tenth, so that its floor hardly moved under a planted 20x);
     * ``late-rank``: the first call of step 0 tells the late rank it was issued (``ARRIVED``), so that
       the late rank's wait (``before_step``) starts once its peers wait for it, however late a loaded
       machine started them.
@@ -49,6 +52,8 @@ class DelayingRecorder(Recorder):
         self.announce = bool(faults.late_rank_ms)
         self._unslowed: dict[_Key, list[int]] = {}
         """Each key's calls' durations without the wait."""
+        self._by_size: dict[str, dict[int, int]] = {}
+        """Each op's calls' last duration without the wait, by bytes."""
         self._waits: dict[int, tuple[_Key, int]] = {}
         """seq -> (key, the wait it was given), until the call completes."""
 
@@ -67,9 +72,17 @@ class DelayingRecorder(Recorder):
         return seq
 
     def _slow_down(self, seq: int, key: _Key, factor: float) -> None:
-        """Wait (factor - 1) x the median of this key's earlier unslowed times (nothing on its first call)."""
+        """Wait (factor - 1) x the median of this key's earlier unslowed times, or on its first call, of the
+        unslowed time of the op's earlier call nearest in size (nothing on the op's first call)."""
         earlier = sorted(self._unslowed.get(key, ()))
-        wait = int((factor - 1) * earlier[len(earlier) // 2]) if earlier else 0
+        sizes = self._by_size.get(key[0], {})
+        if earlier:
+            wait = int((factor - 1) * earlier[len(earlier) // 2])
+        elif sizes:
+            near = min(sizes, key=lambda b: abs(math.log((b + 1) / (key[2] + 1))))
+            wait = int((factor - 1) * sizes[near])
+        else:
+            wait = 0
         self._waits[seq] = (key, wait)
         if wait:
             time.sleep(wait / 1e9)
@@ -79,7 +92,9 @@ class DelayingRecorder(Recorder):
         if done is not None and seq in self._waits:
             key, wait = self._waits.pop(seq)
             rec, stamped = done
-            self._unslowed.setdefault(key, []).append(stamped - rec[_START] - wait)
+            unslowed = stamped - rec[_START] - wait
+            self._unslowed.setdefault(key, []).append(unslowed)
+            self._by_size.setdefault(key[0], {})[key[2]] = unslowed
         return done
 
 
