@@ -28,7 +28,16 @@ from pathlib import Path
 from commgate.core.units import human_bytes, shown, signed
 from commgate.judge.baseline import Baseline, compare, provenance
 from commgate.judge.causes import CallKey, Cause, recognise
-from commgate.judge.drift import Assessment, RunLatency, cold_starts, shifts, slow_start_text, slow_starts, summarize
+from commgate.judge.drift import (
+    MEASURE,
+    Assessment,
+    RunLatency,
+    cold_starts,
+    shifts,
+    slow_start_text,
+    slow_starts,
+    summarize,
+)
 from commgate.judge.finding import Difference, Finding
 from commgate.judge.reconcile import KeyCount, Reconciliation
 from commgate.judge.store import BaselineStore
@@ -181,6 +190,7 @@ def against_latency(
     rule = e.latency
     hw = now.provenance["hardware"]
     history = stored.latency.get(hw, ())
+    counted = sum(r.measure == MEASURE for r in history)  # an earlier version's runs are not compared
     runs: list[RunLatency] = list(now.latency.get(hw, ()))
     a = shifts(runs, history, rule)
     reruns, unconfirmed = 0, ""
@@ -192,9 +202,7 @@ def against_latency(
         reruns += 1
         runs.append(summarize(capture))
         a = shifts(runs, history, rule)
-    note = (
-        f"{a.note} (stored runs; {refresh_flags(update_flag)} adds one)" if a.note else _judged(a, len(history), reruns)
-    )
+    note = f"{a.note} (stored runs; {refresh_flags(update_flag)} adds one)" if a.note else _judged(a, counted, reruns)
     moved = a.changed()
     if not moved:
         return None, note
@@ -202,7 +210,7 @@ def against_latency(
         Finding(
             kind="latency",
             fail=rule.action == "fail" and a.slower and not unconfirmed,
-            title=f"latency shifted against {len(history)} stored run(s) on {hw}{unconfirmed}",
+            title=f"latency shifted against {counted} stored run(s) on {hw}{unconfirmed}",
             notes=tuple(m.text() for m in moved),
             hint=f"if this machine is now the reference, store this run with {refresh_flags(update_flag)}",
         ),
