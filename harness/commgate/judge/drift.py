@@ -156,10 +156,10 @@ def _waits(capture: Capture) -> _Waits | None:
             continue
         starts = {r: origins[r] + c.start_ns for r, c in parties.items()}
         latest = max(starts, key=starts.__getitem__)
+        # a rooted call (broadcast, scatter, gather, reduce) waits for its root alone, the root for nobody
         root = next(iter(parties.values())).root
+        party = root if root in starts else latest
         for r, c in parties.items():
-            # a rooted call (broadcast, scatter, gather, reduce) waits for its root alone, the root for nobody
-            party = latest if root is None or root not in starts else r if r == root else root
             wait[(r, c.seq)] = starts[party] - starts[r]
             last[(r, c.seq)] = party
     return _Waits(wait=wait, last=last, recv_of=recv_of)
@@ -590,15 +590,11 @@ def _moved_keys(
     op: str, now: Sequence[RunLatency], base: Sequence[RunLatency], top: int = 3
 ) -> tuple[tuple[str, float], ...]:
     """The ``top`` keys of ``op`` whose time per step moved most (key text, ratio of medians)."""
-
-    def value(r: RunLatency, key: LatencyKey) -> float:
-        return r.key_time(key)
-
     found = []
     for key in _common(set(r.keys) for r in (*now, *base)):
         if key[0] != op:
             continue
-        ref = statistics.median(value(r, key) for r in base)
+        ref = statistics.median(r.key_time(key) for r in base)
         if ref > 0:
-            found.append((key_text(key), float(statistics.median(value(r, key) for r in now) / ref)))
+            found.append((key_text(key), float(statistics.median(r.key_time(key) for r in now) / ref)))
     return tuple(sorted(found, key=lambda kr: abs(math.log(kr[1])) if kr[1] > 0 else 0.0, reverse=True)[:top])
