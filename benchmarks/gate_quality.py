@@ -1,17 +1,19 @@
 """The gate's quality, measured: planted faults caught, and false alarms over back-to-back A/A runs.
 
     .venv/bin/python benchmarks/gate_quality.py [--aa 20] [--faults-only | --aa-only | --slow-only] [--slow 2]
+    .venv/bin/python benchmarks/gate_quality.py --slow-only --ops all_reduce,all_gather [--report DIR]
 
 * Faults: each planted fault (``--commgate-fault``) on the default-suite scenario it targets must fail
   the gate, with the fault named and the expected kind of finding in the failure.
 * A/A: the unchanged default gate (``pytest scenarios``, committed baselines) run ``--aa`` times back to
   back; every run must pass. Latency shifts only warn by default, so they are counted apart.
 
-* Slowdowns: every call of one op made ``--slow`` times as long (``--commgate-fault slow=OP:F``) in a
-  scenario where that op weighs much; counted as flagged when the gate reports ``latency slower: OP``
-  (a warning by default) after its confirming reruns. What is not flagged is within the spread the
-  stored runs show on this machine (the threshold is printed); a run with more ranks than cores is not
-  judged at all (counted apart).
+* Slowdowns: every call of one op made ``--slow`` times as long (``--commgate-fault slow=OP:F``) in the
+  whole default suite, once per op of ``--ops``; counted in every scenario where that op holds at least
+  ``SHARE`` of the step in the committed baseline's stored runs (their median), and flagged when the gate
+  reports ``latency slower: OP`` (a warning by default) after its confirming reruns. Each miss is printed
+  with the scenario's latency note. ``--report DIR`` reads an earlier such run's report instead of running
+  (``DIR/report.json``, one op).
 
 Prints one line per run and the figures; exits 1 unless every fault is caught and no A/A run fails.
 """
@@ -33,18 +35,44 @@ FAULTS = [
     ("ddp-bucket-mb=0.5", "scenarios/ddp.yaml", "[baseline]"),
     ("zero-stage=3", "scenarios/zero1.yaml", "[model]"),
 ]
-SLOWDOWNS = [  # (pytest node ids, op): the op where it weighs most in schemes with 2 ranks, then with 4
-    ("scenarios/zero3-checkpointing-accumulation.yaml::zero3-19m-ac-m2", "all_gather"),
-    ("scenarios/zero2-bf16-accumulation.yaml::zero2-19m-bf16-m4", "all_reduce"),
-    ("scenarios/zero1.yaml::zero1-19m-dp2", "all_reduce"),
-    ("scenarios/weak.yaml::ddp-19m-weak[dp=2]", "all_reduce"),
-    ("scenarios/tp.yaml::tp-19m-t2[s=512]", "all_reduce"),
-    ("scenarios/pp.yaml::pp-19m-p2[s=512]", "recv"),
-    ("scenarios/zeropp.yaml", "all_gather"),
-    ("scenarios/zero3.yaml::zero3-19m-dp4", "all_gather"),
-    ("scenarios/moe.yaml", "all_to_all"),
-    ("scenarios/ddp.yaml", "all_reduce"),
-]
+SHARE = 0.05
+"""A planted slowdown must be flagged in every scenario where its op holds at least this share of the step."""
+
+
+def shares(op: str) -> dict[str, float]:
+    """Per scenario with a committed gloo baseline whose stored runs issue ``op``: its median share of the
+    step (time per step in ``op`` over the step time, each the stored runs' median)."""
+    import statistics
+
+    sys.path.insert(0, str(ROOT / "harness"))
+    from commgate.judge import baseline as bl
+    from commgate.judge.drift import _median_issued
+
+    out = {}
+    for f in sorted((ROOT / "baselines" / "gloo").glob("*.json")):
+        b = bl.load(f)
+        runs = [r for history in b.latency.values() for r in history if op in r.ops()]
+        if runs:
+            step = statistics.median(_median_issued(r.step) for r in runs)
+            out[b.scenario] = statistics.median(r.op_time(op) for r in runs) / step if step else 0.0
+    return out
+
+
+def slow_figures(report: dict[str, object], op: str) -> tuple[list[str], list[str]]:
+    """(flagged, missed): the scenarios of ``report`` where ``op`` holds at least ``SHARE`` of the step,
+    split by whether the gate reported it slower; each missed one with its latency note."""
+    weigh = shares(op)
+    flagged, missed = [], []
+    for sc in report["scenarios"]:  # type: ignore[attr-defined]
+        share = weigh.get(sc["name"], 0.0)
+        if share < SHARE:
+            continue
+        lines = [line for f in sc["findings"] if f["kind"] == "latency" for line in f["lines"]]
+        if any(line.startswith(f"latency slower: {op} ") for line in lines):
+            flagged.append(f"{sc['name']} ({share:.0%})")
+        else:
+            missed.append(f"{sc['name']} ({share:.0%}): {sc['status']}; {sc['latency_note']}")
+    return flagged, missed
 
 
 def pytest(*args: str) -> tuple[int, str, float]:
@@ -84,24 +112,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--aa-only", action="store_true")
     ap.add_argument("--slow-only", action="store_true")
     ap.add_argument("--slow", type=float, default=2.0, help="the planted slowdown factor (default 2)")
+    ap.add_argument("--ops", default="all_reduce,all_gather", help="the ops slowed, one suite run each")
+    ap.add_argument("--report", type=Path, help="with --slow-only and one op: judge this run's report instead")
     a = ap.parse_args(argv)
     if a.slow_only:
-        flagged = judged = 0
-        for target, op in SLOWDOWNS:
+        total_flagged = total = 0
+        for op in a.ops.split(","):
             with tempfile.TemporaryDirectory() as tmp:
-                fault = f"slow={op}:{a.slow:g}"
-                rc, out, wall = pytest(target, "--commgate-fault", fault, "--commgate-report-dir", tmp)
-                notes = [s["latency_note"] for s in json.loads((Path(tmp) / "report.json").read_text())["scenarios"]]
-            hit = f"latency slower: {op}" in out
-            crowded = any(n.startswith("latency not judged:") and " ranks on " in n for n in notes)
-            judged += not crowded
-            flagged += hit
-            verdict = "flagged" if hit else "not judged (oversubscribed)" if crowded else "not flagged"
-            print(f"slow={op}:{a.slow:g} on {target}: {verdict} ({wall:.0f} s)", flush=True)
-            for line in [*notes, *(x.strip() for x in out.splitlines() if f"latency slower: {op}" in x)]:
-                print(f"    {line[:220]}")
-        print(f"planted {a.slow:g}x slowdowns flagged: {flagged} of {judged} judged ({len(SLOWDOWNS)} planted)")
-        return 0
+                where, wall = a.report, 0.0
+                if where is None:
+                    where = Path(tmp)
+                    rc, out, wall = pytest(
+                        "scenarios", "--commgate-fault", f"slow={op}:{a.slow:g}", "--commgate-report-dir", tmp
+                    )
+                report = json.loads((where / "report.json").read_text())
+            flagged, missed = slow_figures(report, op)
+            total_flagged += len(flagged)
+            total += len(flagged) + len(missed)
+            print(
+                f"slow={op}:{a.slow:g}: flagged in {len(flagged)} of {len(flagged) + len(missed)} scenarios where "
+                f"{op} holds at least {SHARE:.0%} of the step ({wall:.0f} s)",
+                flush=True,
+            )
+            for line in flagged:
+                print(f"    flagged: {line}")
+            for line in missed:
+                print(f"    MISSED: {line[:300]}")
+        print(f"planted {a.slow:g}x slowdowns flagged: {total_flagged} of {total}")
+        return 0 if total_flagged == total else 1
     caught = 0
     if not a.aa_only:
         for fault, target, kind in FAULTS:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from commgate import __version__
 from commgate.core.errors import CommgateError, ScenarioError, UsageError
 from commgate.model.importer import HF_TYPES
+from commgate.model.scenario import LatencyRule
 from commgate.model.schemes import SCHEMES
 
 if TYPE_CHECKING:
@@ -504,9 +505,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--latency-factor",
         type=float,
-        default=1.25,
-        help="the least ratio of an op's time per step that counts; raised to the spread the before runs show "
-        "among themselves (default 1.25)",
+        default=LatencyRule().factor,
+        help="the least ratio of an op's floor per step (its fastest tenth of calls) that counts; raised to how "
+        f"far the before runs reach from their median (default {LatencyRule().factor:g})",
     )
     c.add_argument("--min-runs", type=int, default=3, help="runs each side needs before latency is judged (default 3)")
     _add_capture(sub)
@@ -670,7 +671,6 @@ def _add_capture(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 def cmd_compare(a: argparse.Namespace) -> int:
     from commgate.judge.compare import compare, load_side, verdict
-    from commgate.model.scenario import LatencyRule
 
     if not 1 < a.latency_factor <= 1e6 or not 1 <= a.min_runs <= 100:
         raise UsageError("--latency-factor must be within (1, 1e6] and --min-runs within [1, 100]")

@@ -9,9 +9,13 @@ from pathlib import Path
 import commgate.report.plots
 
 # Imported here, so that pytester's inline runs (which forget modules they import) share one launcher
-# and its forkserver instead of starting one per run.
+# and its forkserver instead of starting one per run; and jsonschema with it: commgate's schema validators are
+# cached, and one made inside an inline run raised the forgotten module's ValidationError, which a later
+# reader's fresh import did not catch (tests/test_baseline.py failed after this directory's tests alone).
 import commgate.run.launcher
+import jsonschema  # noqa: F401
 import pytest
+import referencing  # noqa: F401
 
 commgate.report.plots.pyplot()  # matplotlib and numpy too: C extensions cannot be imported twice in a process
 

@@ -136,7 +136,7 @@ def test_a_planted_slowdown_is_flagged_once_reruns_confirm_it(
     result.stdout.fnmatch_lines(
         [
             "*[[]latency[]] latency shifted against 3 stored run(s) on *",
-            "*latency slower: all_reduce time per step x* in each of 3 run(s) vs 3 reference run(s)*",
+            "*latency slower: all_reduce floor per step x* in each of 3 run(s) vs 3 reference run(s)*",
         ]
     )
 

@@ -277,7 +277,8 @@ class RunLatency:
 
     Per latency key, the time per measured step that the median rank spent in that key's calls, each call
     counted from when its last party had issued it (``_waits``; from its issue where the capture holds no
-    clocks) to its observed completion, summed over the step's calls; and its floor per step. The compute
+    clocks) and its group's earlier collective had completed, to its observed completion, summed over the
+    step's calls; and its floor per step, the measure the verdict judges (``shifts``). The compute
     time per measured step (the step less the time with a call in flight, median rank), the machine's own
     speed."""
 
@@ -294,7 +295,8 @@ class RunLatency:
     collective slows those too."""
     measure: str = ""
     """How the times were measured (``MEASURE`` for runs summarized by this version); a run stored by an
-    earlier version, whose times included the waits for late peers, is not compared with these."""
+    earlier version, whose times included other waits (for late peers, for the calls queued before), is not
+    compared with these."""
 
     def op_time(self, op: str) -> float:
         """Median time per step in ``op`` (all its keys), over the measured steps that issue it (DDP
@@ -313,9 +315,6 @@ class RunLatency:
     def ops(self) -> set[str]:
         return {k[0] for k in self.keys}
 
-    def key_time(self, key: LatencyKey) -> float:
-        return _median_issued(self.keys.get(key, ()))
-
 
 def _median_issued(times: Iterable[int]) -> float:
     issued = [t for t in times if t > 0]
@@ -331,12 +330,23 @@ def summarize(capture: Capture, *, date: str = "") -> RunLatency:
     durations: dict[LatencyKey, list[int]] = defaultdict(list)  # every call's, for the key's floor
     aligned = _waits(capture)
     wait = aligned.wait if aligned is not None else {}
-    for c in capture.calls:
-        if c.step in steps and c.duration_ns is not None:
+    done: dict[tuple[int, tuple[int, ...]], int] = {}
+    """(rank, group) -> when the rank's last collective issued in that group completed: a group runs its
+    collectives one after another (gloo's work queue, NCCL's stream)."""
+    for c in sorted(capture.calls, key=lambda c: (c.rank, c.seq)):
+        if c.duration_ns is None:
+            continue
+        end = c.start_ns + c.duration_ns
+        # the call's own time: from when its last party had issued it (a wait for a late peer, that peer's
+        # compute or its wait for a core, is not the op's cost) and its group's earlier collective had
+        # completed (a prefetched all-gather queued behind another is not slower for it), to its completion
+        start = c.start_ns + max(0, wait.get((c.rank, c.seq), 0))
+        if c.peer is None:
+            start = max(start, done.get((c.rank, c.group), start))
+            done[(c.rank, c.group)] = max(end, done.get((c.rank, c.group), end))
+        if c.step in steps:
             key = latency_key(c)
-            # the call's own time: from when its last party had issued it (a wait for a late peer, that
-            # peer's compute or its wait for a core, is not the op's cost), to its completion
-            own = c.duration_ns - min(c.duration_ns, max(0, wait.get((c.rank, c.seq), 0)))
+            own = max(0, end - start)
             per[key][(c.step, c.rank)] += own
             durations[key].append(own)
             by_rank_step[(c.rank, c.step)].append(c)
@@ -367,19 +377,16 @@ def summarize(capture: Capture, *, date: str = "") -> RunLatency:
     )
 
 
-MEASURE = "own"
-"""``RunLatency.measure`` of this version: each call's own time, counted from when its last party had issued it."""
+MEASURE = "service"
+"""``RunLatency.measure`` of this version: each call's own time, counted from when its last party had issued it
+and its group's earlier collective had completed (``summarize``). Earlier: "own", from the last party's issue
+alone, which counted a queued call's wait behind the calls before it."""
 FLOOR_QUANTILE = 0.1
 """The fastest decile of a key's calls is its floor (``RunLatency.floor``)."""
 FLOOR_MIN_SHARE = 0.01
-"""On runs judged by their floors, an op whose floor per step is under this share of the step is not judged
-(found by 10 unchanged runs of the default suite: an 8 B broadcast held 5% of the step by its time, waiting
-for peers, and its floor of microseconds moved x0.14)."""
-FLOOR_FACTOR = 1.5
-"""On runs judged by their floors, the least ratio that counts (raised to the stored runs' own spread above
-their median). Measured on 2 cores, 4 ranks each (DDP, ZeRO-2, ZeRO-3, FSDP2; 6 unchanged runs and 3 with the
-op planted 2x slower, each): unchanged runs came within x0.63-x1.29 of their median, planted ones x1.96-x5.23;
-summed time per step, x0.74-x1.57 against x1.48-x4.57 (docs/gate.md)."""
+"""An op whose floor per step is under this share of the step is not judged (found by 10 unchanged runs of
+the default suite: an 8 B broadcast held 5% of the step by its time, waiting for peers, and its floor of
+microseconds moved x0.14)."""
 
 
 Verdict = Literal["slower", "faster", "~"]
@@ -387,15 +394,16 @@ Verdict = Literal["slower", "faster", "~"]
 
 @dataclass(frozen=True, slots=True)
 class Shift:
-    """One op's latency, this run (or these runs) against the stored runs: its time per step and its floor
-    per step, each against its own threshold."""
+    """One op's latency, this run (or these runs) against the stored runs: its floor per step against its
+    threshold (the verdict), its time per step beside it."""
 
     op: str
     verdict: Verdict
     ratio: float
-    """Median time per step in the op now / the stored runs' median."""
+    """Median floor per step in the op now / the stored runs' median (``RunLatency.op_floor``)."""
     threshold: float
-    """The ratio that counts: the rule's factor, or the widest spread the stored runs themselves show."""
+    """The ratio that counts: the rule's factor, or how far the stored runs themselves reach from their
+    median on the verdict's side (``spread``; above it for *slower* and *~*)."""
     runs_now: int
     runs_base: int
     machine: float = 1.0
@@ -403,20 +411,18 @@ class Shift:
     compute a slower collective lengthens the measured compute too (a planted 2x all-gather under ZeRO++
     moved it x1.5-2.1); only as far as the scenario's other collectives moved the same way (``_drift``)."""
     keys: tuple[tuple[str, float], ...] = ()
-    """The op's keys that moved most (key text, ratio), for the report."""
-    floor_ratio: float = 1.0
-    """Median floor per step now / the stored runs' median (``RunLatency.op_floor``)."""
-    floor_threshold: float = FLOOR_FACTOR
-    """The floor's ratio that counts: ``FLOOR_FACTOR``, or the stored runs' highest floor over their median."""
+    """The op's keys whose floor moved most (key text, ratio), for the report."""
+    time_ratio: float = 1.0
+    """Median time per step now / the stored runs' median: shown, not judged (the time per step of an
+    unchanged run on a 2-core machine spreads up to x4; a slower collective moves its floor beyond that)."""
 
     def text(self) -> str:
         machine = f"; the run's compute x{self.machine:.2f}" if abs(self.machine - 1) >= 0.05 else ""
         detail = "; ".join(f"{k} x{r:.2f}" for k, r in self.keys)
         return (
-            f"latency {self.verdict}: {self.op} time per step x{self.ratio:.2f} and floor per step "
-            f"x{self.floor_ratio:.2f} in each of {self.runs_now} run(s) vs {self.runs_base} reference run(s) "
-            f"(count beyond x{self.threshold:.2f} and x{self.floor_threshold:.2f}{machine})"
-            + (f": {detail}" if detail else "")
+            f"latency {self.verdict}: {self.op} floor per step x{self.ratio:.2f} in each of {self.runs_now} run(s) "
+            f"vs {self.runs_base} reference run(s) (counts beyond x{self.threshold:.2f}; time per step "
+            f"x{self.time_ratio:.2f}{machine})" + (f": {detail}" if detail else "")
         )
 
 
@@ -434,7 +440,7 @@ class Assessment:
         return [s for s in self.shifts if s.verdict != "~"]
 
     def summary(self) -> str:
-        """``no latency shift beyond x1.25 in 2 op(s)`` (and how many were too small a share of the step
+        """``no latency shift beyond x1.75 in 2 op(s)`` (and how many were too small a share of the step
         to judge), or the note."""
         if self.note:
             return self.note
@@ -459,15 +465,15 @@ def _common(sets: Iterable[set[_T]]) -> set[_T]:
     return out or set()
 
 
-def envelope(runs: Sequence[RunLatency], op: str | None = None) -> float:
-    """The widest ratio between two of ``runs`` in ``op``'s time per step (any op's, for None): what
-    this machine does with nothing changed (1.0 for fewer than two runs)."""
-    widest = 1.0
-    for o in _common(r.ops() for r in runs) if op is None else {op}:
-        times = [r.op_time(o) for r in runs]
-        if min(times) > 0:
-            widest = max(widest, max(times) / min(times))
-    return widest
+def spread(runs: Sequence[RunLatency], op: str) -> tuple[float, float]:
+    """How far from their median ``runs`` themselves put ``op``'s floor per step: (the highest over the
+    median, the median over the lowest), what this machine does with nothing changed, each way ((1.0, 1.0)
+    for no runs, or a floor of 0)."""
+    floors = [r.op_floor(op) for r in runs]
+    if not floors or min(floors) <= 0:
+        return 1.0, 1.0
+    med = statistics.median(floors)
+    return float(max(floors) / med), float(med / min(floors))
 
 
 def _machine(now: Sequence[RunLatency], base: Sequence[RunLatency]) -> float:
@@ -480,26 +486,25 @@ def _machine(now: Sequence[RunLatency], base: Sequence[RunLatency]) -> float:
 
 
 def shifts(now: Sequence[RunLatency], base: Sequence[RunLatency], rule: LatencyRule) -> Assessment:
-    """Each op's time per step and floor per step in the ``now`` runs against the ``base`` runs (the
-    baseline's history, or the before side of ``commgate compare``); every call counted from when its last
-    party had issued it (``summarize``).
+    """Each op's floor per step in the ``now`` runs against the ``base`` runs (the baseline's history, or
+    the before side of ``commgate compare``); every call counted from when its last party had issued it
+    and its group's earlier collective had completed (``summarize``).
 
-    The run is the unit: an op is *slower* only when, in **every** run now, both its time per step and its
-    floor per step are beyond their thresholds times the base runs' medians. The time's threshold is the
-    larger of ``rule.factor`` and the widest spread the base runs show among themselves in that op
-    (``envelope``: what this machine does with nothing changed; each op its own, so that a 20 us broadcast
-    that the scheduler moves x10 on a busy machine does not hide a stable all-reduce slowing x3); the
-    floor's, the larger of ``FLOOR_FACTOR`` and the base runs' highest floor over their median. The two
-    measures are disturbed by different things (the time by every call a core was late for, the floor only
-    by the fastest tenth), and a slower collective moves both. A drift of the whole machine, its compute
-    *and* the scenario's other collectives slower (``_drift``), excuses that much. *faster* mirrors it
-    (reported, never a failure). Fewer than ``rule.min_runs`` base runs measured as this version measures:
-    not judged; an op under ``rule.min_share`` of the step in the base runs is not judged either (a 20 us
-    broadcast is scheduling noise on a shared machine), nor one whose floor is under ``FLOOR_MIN_SHARE``."""
+    The run is the unit: an op is *slower* only when, in **every** run now, its floor per step is beyond
+    the threshold times the base runs' median: the larger of ``rule.factor`` and how far above their median
+    the base runs themselves reach in that op (``spread``: what this machine does with nothing changed;
+    each op its own). The floor, the fastest tenth of the op's calls, is what a wait for a core leaves alone
+    and a slower collective moves; the time per step, which every late core adds to, is shown beside it
+    (``Shift.time_ratio``), not judged. A drift of the whole machine, its compute *and* the scenario's other
+    collectives slower (``_drift``), excuses that much. *faster* mirrors it, below the median by the larger
+    of the factor and the base runs' own reach below it (reported, never a failure). Fewer than
+    ``rule.min_runs`` base runs measured as this version measures: not judged; an op under
+    ``rule.min_share`` of the step in the base runs is not judged either (a 20 us broadcast is scheduling
+    noise on a shared machine), nor one whose floor is under ``FLOOR_MIN_SHARE``."""
     older = sum(r.measure != MEASURE for r in base)
     base = [r for r in base if r.measure == MEASURE]
     if len(base) < rule.min_runs or not now:
-        what = f" measured by this version ({older} stored by an earlier one counted waits for late peers)"
+        what = f" measured by this version ({older} stored by an earlier one counted other waits)"
         what = what if older else ""
         return Assessment(note=f"latency not judged: {len(base)} run(s){what} to compare with, {rule.min_runs} needed")
     step = statistics.median(_median_issued(r.step) for r in base)
@@ -516,35 +521,30 @@ def shifts(now: Sequence[RunLatency], base: Sequence[RunLatency], rule: LatencyR
     machine = _machine(now, base)
     out = []
     for op in sorted(judged):
-        ref = statistics.median(r.op_time(op) for r in base)
-        floor_ref = statistics.median(r.op_floor(op) for r in base)
-        if ref <= 0 or floor_ref <= 0:
+        ref = statistics.median(r.op_floor(op) for r in base)
+        time_ref = statistics.median(r.op_time(op) for r in base)
+        if ref <= 0 or time_ref <= 0:
             continue
-        threshold = max(rule.factor, envelope(base, op))
-        floor_threshold = max(FLOOR_FACTOR, max(r.op_floor(op) for r in base) / floor_ref)
-        times = [r.op_time(op) / ref for r in now]
-        floors = [r.op_floor(op) / floor_ref for r in now]
-        drift = _drift(op, machine, all_now, all_base, RunLatency.op_time)
-        floor_drift = _drift(op, machine, all_now, all_base, RunLatency.op_floor)
+        up, down = (max(rule.factor, s) for s in spread(base, op))
+        floors = [r.op_floor(op) / ref for r in now]
+        drift = _drift(op, machine, all_now, all_base, RunLatency.op_floor)
         verdict: Verdict = "~"
-        if min(times) / max(drift, 1.0) >= threshold and min(floors) / max(floor_drift, 1.0) >= floor_threshold:
+        threshold = up
+        if min(floors) / max(drift, 1.0) >= up:
             verdict = "slower"
-        elif (
-            max(times) / min(drift, 1.0) <= 1 / threshold and max(floors) / min(floor_drift, 1.0) <= 1 / floor_threshold
-        ):
-            verdict = "faster"
+        elif max(floors) / min(drift, 1.0) <= 1 / down:
+            verdict, threshold = "faster", down
         out.append(
             Shift(
                 op=op,
                 verdict=verdict,
-                ratio=float(statistics.median(times)),
+                ratio=float(statistics.median(floors)),
                 threshold=threshold,
                 runs_now=len(now),
                 runs_base=len(base),
                 machine=machine,
                 keys=_moved_keys(op, now, base) if verdict != "~" else (),
-                floor_ratio=float(statistics.median(floors)),
-                floor_threshold=floor_threshold,
+                time_ratio=float(statistics.median(r.op_time(op) for r in now) / time_ref),
             )
         )
     threshold = max((s.threshold for s in out), default=rule.factor)
@@ -589,12 +589,12 @@ def _only(run: RunLatency, ops: set[str]) -> RunLatency:
 def _moved_keys(
     op: str, now: Sequence[RunLatency], base: Sequence[RunLatency], top: int = 3
 ) -> tuple[tuple[str, float], ...]:
-    """The ``top`` keys of ``op`` whose time per step moved most (key text, ratio of medians)."""
+    """The ``top`` keys of ``op`` whose floor per step moved most (key text, ratio of medians)."""
     found = []
-    for key in _common(set(r.keys) for r in (*now, *base)):
+    for key in _common(set(r.floor) for r in (*now, *base)):
         if key[0] != op:
             continue
-        ref = statistics.median(r.key_time(key) for r in base)
+        ref = statistics.median(r.floor[key] for r in base)
         if ref > 0:
-            found.append((key_text(key), float(statistics.median(r.key_time(key) for r in now) / ref)))
+            found.append((key_text(key), float(statistics.median(r.floor[key] for r in now) / ref)))
     return tuple(sorted(found, key=lambda kr: abs(math.log(kr[1])) if kr[1] > 0 else 0.0, reverse=True)[:top])
