@@ -450,7 +450,7 @@ def test_a_shift_is_judged_on_the_floor_and_an_older_history_does_not_count() ->
     assert latency and latency[0].fail  # type: ignore[attr-defined]
     assert "latency slower: all_reduce floor per step x2.9" in latency[0].lines[0]  # type: ignore[attr-defined]
     assert "time per step x2.9" in latency[0].lines[0]  # type: ignore[attr-defined]
-    for measure in ("", "own"):  # before last-party alignment; before a group's queue was taken out
+    for measure in ("", "own", "service"):  # before last-party alignment, queues, gloo's two workers
         older = replace(stored, latency={hw: tuple(replace(r, measure=measure) for r in stored.latency[hw])})
         latency, note = judged(_capture(12.0), older)
         assert not latency and note.startswith(
@@ -489,26 +489,34 @@ def test_a_calls_time_counts_from_when_its_last_party_issued_it() -> None:
     assert unaligned.op_time("all_reduce") == 251_000_000
 
 
-def test_a_queued_calls_time_counts_from_when_its_groups_call_before_it_completed() -> None:
-    """ZeRO-3 prefetches: three all-gathers issued together, each taking 10 ms, complete 10, 20 and 30 ms
-    after their issue, one after another in the group's queue. Each costs 10 ms, not 10, 20 and 30 (a
-    planted 2x all-gather made that sum *fall*: held before it is posted, each call queued behind fewer);
-    a send issued meanwhile is not queued behind them."""
+@pytest.mark.parametrize(
+    ("backend", "ends_ms"),
+    [("nccl", (10.0, 20.0, 30.0, 40.0)), ("gloo", (10.0, 10.01, 20.0, 20.01))],
+    ids=["one stream", "two gloo workers"],
+)
+def test_a_queued_calls_time_counts_from_when_a_worker_of_its_group_was_free(
+    backend: str, ends_ms: tuple[float, ...]
+) -> None:
+    """ZeRO-3 prefetches: four all-gathers issued together, each taking 10 ms, complete 10, 20, 30 and 40 ms
+    after their issue on NCCL's one stream, or two at a time on gloo's two worker threads. Each costs 10 ms,
+    not its time from its issue (a planted 2x all-gather made that sum *fall*: held before it is posted,
+    each call queued behind fewer), nor its time from the completion of the call before it where two ran at
+    once (gloo's floor fell into two clusters); a send issued meanwhile is not queued behind them."""
 
-    def call(rank: int, step: int, seq: int, op: Op, start_ms: float, ms: float) -> CapturedCall:
-        c = replace(_call(rank, step, seq, int(ms * 1e6)), op=op, start_ns=int(start_ms * 1e6), phase="forward")
-        return replace(c, peer=None) if op is not Op.SEND else replace(c, peer=1 - rank, phase="pipeline")
+    def call(rank: int, step: int, seq: int, op: Op, start_ms: float, end_ms: float) -> CapturedCall:
+        c = replace(_call(rank, step, seq, round((end_ms - start_ms) * 1e6)), op=op, start_ns=round(start_ms * 1e6))
+        return replace(c, peer=None, phase="forward") if op is not Op.SEND else replace(c, peer=1 - rank)
 
     calls = []
     for rank in (0, 1):
         for k in range(4):
             t0 = 100.0 * k
-            calls += [call(rank, k, 4 * k + i, Op.ALL_GATHER, t0 + i * 0.1, 10.0 * (i + 1) - i * 0.1) for i in range(3)]
-            calls.append(call(rank, k, 4 * k + 3, Op.SEND, t0 + 0.5, 2.0))
-    cap = Capture(scenario="q", world_size=2, warmup_steps=1, steps=3, backend="gloo", calls=tuple(calls))
+            calls += [call(rank, k, 5 * k + i, Op.ALL_GATHER, t0 + i * 0.01, t0 + e) for i, e in enumerate(ends_ms)]
+            calls.append(call(rank, k, 5 * k + 4, Op.SEND, t0 + 0.5, t0 + 2.5))
+    cap = Capture(scenario="q", world_size=2, warmup_steps=1, steps=3, backend=backend, calls=tuple(calls))
     run = summarize(cap)
-    assert run.op_time("all_gather") == pytest.approx(30e6, rel=1e-6)  # 3 x 10 ms, not 60
-    assert run.op_floor("all_gather") == pytest.approx(30e6, rel=1e-6)
+    assert run.op_time("all_gather") == pytest.approx(40e6, rel=1e-3)  # 4 x 10 ms
+    assert run.op_floor("all_gather") == pytest.approx(40e6, rel=1e-3)
     assert run.op_time("send") == 2_000_000
 
 

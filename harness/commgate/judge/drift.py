@@ -277,7 +277,7 @@ class RunLatency:
 
     Per latency key, the time per measured step that the median rank spent in that key's calls, each call
     counted from when its last party had issued it (``_waits``; from its issue where the capture holds no
-    clocks) and its group's earlier collective had completed, to its observed completion, summed over the
+    clocks) and a worker of its group was free (``WORKERS``), to its observed completion, summed over the
     step's calls; and its floor per step, the measure the verdict judges (``shifts``). The compute
     time per measured step (the step less the time with a call in flight, median rank), the machine's own
     speed."""
@@ -330,20 +330,23 @@ def summarize(capture: Capture, *, date: str = "") -> RunLatency:
     durations: dict[LatencyKey, list[int]] = defaultdict(list)  # every call's, for the key's floor
     aligned = _waits(capture)
     wait = aligned.wait if aligned is not None else {}
-    done: dict[tuple[int, tuple[int, ...]], int] = {}
-    """(rank, group) -> when the rank's last collective issued in that group completed: a group runs its
-    collectives one after another (gloo's work queue, NCCL's stream)."""
+    depth = WORKERS.get(capture.backend, 1)
+    queue: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    """(rank, group) -> until when the group's workers on that rank are busy: the latest ``depth`` completions
+    of the collectives issued in it so far."""
     for c in sorted(capture.calls, key=lambda c: (c.rank, c.seq)):
         if c.duration_ns is None:
             continue
         end = c.start_ns + c.duration_ns
         # the call's own time: from when its last party had issued it (a wait for a late peer, that peer's
-        # compute or its wait for a core, is not the op's cost) and its group's earlier collective had
-        # completed (a prefetched all-gather queued behind another is not slower for it), to its completion
+        # compute or its wait for a core, is not the op's cost) and a worker of its group was free (a
+        # prefetched all-gather queued behind others is not slower for it), to its completion
         start = c.start_ns + max(0, wait.get((c.rank, c.seq), 0))
         if c.peer is None:
-            start = max(start, done.get((c.rank, c.group), start))
-            done[(c.rank, c.group)] = max(end, done.get((c.rank, c.group), end))
+            workers = queue.get((c.rank, c.group), [])
+            if len(workers) == depth:
+                start = max(start, workers[0])
+            queue[(c.rank, c.group)] = sorted([*workers, end])[-depth:]
         if c.step in steps:
             key = latency_key(c)
             own = max(0, end - start)
@@ -377,10 +380,17 @@ def summarize(capture: Capture, *, date: str = "") -> RunLatency:
     )
 
 
-MEASURE = "service"
+MEASURE = "queue"
 """``RunLatency.measure`` of this version: each call's own time, counted from when its last party had issued it
-and its group's earlier collective had completed (``summarize``). Earlier: "own", from the last party's issue
-alone, which counted a queued call's wait behind the calls before it."""
+and a worker of its group was free (``summarize``). Earlier: "own", from the last party's issue alone, which
+counted a queued call's wait behind the calls before it; "service", with one worker a group on gloo too.
+Runs measured otherwise are not compared."""
+WORKERS = {"gloo": 2}
+"""How many of a group's collectives the backend runs at once on a rank: gloo, its process group's worker
+threads (``ProcessGroupGloo``'s default ``threads``, 2); a backend not named here, one (NCCL runs a group's
+collectives on one stream). Taken as one, gloo's prefetched all-gathers that ran two at once were counted
+from each other's completion: user-module-zero3's floor fell into two clusters, x0.44-0.60 and x1.67-2.61 of
+its median across 12 unchanged runs (docs/gate.md)."""
 FLOOR_QUANTILE = 0.1
 """The fastest decile of a key's calls is its floor (``RunLatency.floor``)."""
 FLOOR_MIN_SHARE = 0.01
@@ -488,7 +498,7 @@ def _machine(now: Sequence[RunLatency], base: Sequence[RunLatency]) -> float:
 def shifts(now: Sequence[RunLatency], base: Sequence[RunLatency], rule: LatencyRule) -> Assessment:
     """Each op's floor per step in the ``now`` runs against the ``base`` runs (the baseline's history, or
     the before side of ``commgate compare``); every call counted from when its last party had issued it
-    and its group's earlier collective had completed (``summarize``).
+    and a worker of its group was free (``summarize``).
 
     The run is the unit: an op is *slower* only when, in **every** run now, its floor per step is beyond
     the threshold times the base runs' median: the larger of ``rule.factor`` and how far above their median
