@@ -216,6 +216,31 @@ def test_a_rank_stuck_outside_any_call_is_a_stall_too(tmp_path: Path) -> None:
     assert rank_processes(tmp_path) == []
 
 
+def test_a_planted_faults_wait_is_not_a_stall(tmp_path: Path) -> None:
+    """Both ranks in a call and nothing moved for 5 s against a 1 s limit: a stall; unless a rank sleeps a
+    planted fault's wait (``--commgate-fault slow=all_reduce:20`` under load held one call 19 x its 0.5 s
+    and the watchdog failed the run as stalled in tests/plugin/test_fault.py)."""
+    import json
+
+    from commgate.run.diagnose import Watchdog
+
+    def beat(rank: int, **kw: object) -> None:
+        doc = {"issued": 3, "done": 2, "open": 1, "holding": False, "teardown": False, "steps_ns": [10**9]}
+        (tmp_path / f"rank{rank}.beat").write_text(json.dumps(doc | kw))
+
+    for r in (0, 1):
+        beat(r)
+    dog = Watchdog(tmp_path, (0, 1), stall_s=1.0)
+    assert dog.stalled([True, True]) is None  # the first look is progress
+    dog.since -= 5
+    dog.next_look = 0.0
+    assert dog.stalled([True, True]) == pytest.approx(5, abs=1)
+    beat(1, holding=True)
+    dog.since -= 5
+    dog.next_look = 0.0
+    assert dog.stalled([True, True]) is None
+
+
 def test_the_divergence_of_call_sequences() -> None:
     from commgate.run.diagnose import divergence
 

@@ -111,9 +111,10 @@ PARTIAL_STALL = 3
 class Watchdog:
     """Reads the ranks' heartbeats (``commgate.run.rank._heartbeat``) and says when the run has stalled:
     every running rank is blocked — in a call it issued, or in the teardown after its steps — and no rank
-    has issued or completed a call for ``stall_s`` (a rank still starting, compiling or computing is not
-    blocked, so the ranks' start-up never counts), by default
-    max(STALL_MIN_S, 2 x the slowest step seen + 5 s); or some rank waits in a call and nothing has moved
+    has issued or completed a call, nor slept in a planted fault's wait (``Recorder.holding``), for
+    ``stall_s`` (a rank still starting, compiling or computing is not blocked, so the ranks' start-up never
+    counts), by default max(STALL_MIN_S, 2 x the slowest step seen + 5 s); or some rank waits in a call and
+    nothing has moved
     for ``PARTIAL_STALL`` times that (another rank is stuck outside any call: a rendezvous, a process group
     only some ranks build). The deadline stays the backstop."""
 
@@ -135,7 +136,8 @@ class Watchdog:
         self.next_look = now + 0.25
         beats = [_beat(self.tmp, r) for r in self.ranks]
         progress = tuple((b.get("issued"), b.get("done"), b.get("teardown")) for b in beats)
-        if progress != self.seen:
+        holding = any(alive and b.get("holding") for alive, b in zip(running, beats, strict=True))
+        if progress != self.seen or holding:  # a planted fault's wait is the rank's doing, not a stall
             self.seen, self.since = progress, now
             return None
         blocked = all(

@@ -264,7 +264,14 @@ def _heartbeat(out: Path, rank: int, marks: dict[str, float], status: int) -> No
             _write_status(status, rec.describe_last())
         issued, done, open_ = rec.progress()
         steps = [w.end_ns - w.start_ns for w in list(rec.windows)]
-        beat = {"issued": issued, "done": done, "open": open_, "steps_ns": steps, "teardown": "stepped" in marks}
+        beat = {
+            "issued": issued,
+            "done": done,
+            "open": open_,
+            "holding": rec.holding,
+            "teardown": "stepped" in marks,
+            "steps_ns": steps,
+        }
         os.pwrite(fd, json.dumps(beat).encode()[:BEAT_WIDTH].ljust(BEAT_WIDTH), 0)
         if not dumped and (out / "dump.request").exists():
             atomic_write_json(out / f"rank{rank}.calls.json", {"calls": rec.snapshot(), "teardown": "stepped" in marks})

@@ -68,6 +68,9 @@ class Recorder:
         """The open record of the call issued last (the launcher's hang report reads it)."""
         self.windows: list[StepWindow] = []
         """Step boundaries (``commgate.run.rank`` stamps them around each step)."""
+        self.holding = False
+        """A planted fault holds the call issued last (``commgate.run.planted``): the rank sleeps on purpose,
+        it is not blocked in the call (the stall watchdog reads it from the heartbeat)."""
         self.poller = Poller(self)
 
     def clock(self) -> RankClock:
