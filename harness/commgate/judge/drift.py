@@ -424,7 +424,7 @@ class Shift:
     """The op's keys whose floor moved most (key text, ratio), for the report."""
     time_ratio: float = 1.0
     """Median time per step now / the stored runs' median: shown, not judged (the time per step of an
-    unchanged run on a 2-core machine spreads up to x4; a slower collective moves its floor beyond that)."""
+    unchanged run on a 2-core machine reached x7.3 from the median of 12; its floor spreads less)."""
 
     def text(self) -> str:
         machine = f"; the run's compute x{self.machine:.2f}" if abs(self.machine - 1) >= 0.05 else ""
