@@ -42,19 +42,16 @@ SHARE = 0.05
 def shares(op: str) -> dict[str, float]:
     """Per scenario with a committed gloo baseline whose stored runs issue ``op``: its median share of the
     step (time per step in ``op`` over the step time, each the stored runs' median)."""
-    import statistics
-
     sys.path.insert(0, str(ROOT / "harness"))
     from commgate.judge import baseline as bl
-    from commgate.judge.drift import _median_issued
+    from latency_rule import share  # (this directory: the replay's own measure of an op's share)
 
     out = {}
     for f in sorted((ROOT / "baselines" / "gloo").glob("*.json")):
         b = bl.load(f)
         runs = [r for history in b.latency.values() for r in history if op in r.ops()]
         if runs:
-            step = statistics.median(_median_issued(r.step) for r in runs)
-            out[b.scenario] = statistics.median(r.op_time(op) for r in runs) / step if step else 0.0
+            out[b.scenario] = share(op, runs)
     return out
 
 

@@ -53,6 +53,7 @@ def verdicts(now: list[RunLatency], base: list[RunLatency], rule: LatencyRule) -
 
 
 def share(op: str, runs: list[RunLatency]) -> float:
+    """``op``'s median time per step over the median step time of ``runs`` (0 without step times)."""
     step = statistics.median(_median_issued(r.step) for r in runs)
     return statistics.median(r.op_time(op) for r in runs) / step if step else 0.0
 
