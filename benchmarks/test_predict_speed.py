@@ -26,6 +26,8 @@ def clear_caches() -> None:
     model.inventory.cache_clear()
     zero3_fetch.module_tree.cache_clear()
     zero3_fetch._builtin_hooks.cache_clear()
+    zero3_fetch._builtin_recording.cache_clear()
+    zero3_fetch._builtin_traced.cache_clear()
     zero3_fetch._passes.cache_clear()
     for f in (layout.Layout.dp_groups, layout.Layout.tp_groups, layout.Layout.pp_groups, layout.Layout.stage_pairs):
         f.cache_clear()

@@ -109,6 +109,37 @@ def test_the_named_term_carries_the_difference_to_eq3() -> None:
     assert all(c.unexplained_bytes == 0 for c in p.comparison())
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("hpz", [False, True], ids=["zero3", "hpz"])
+def test_the_shared_recording_pass_is_each_scenarios_own(tied: bool, hpz: bool) -> None:
+    """The built-in decoder's recording pass is replayed once and shared by scenarios whose knobs differ
+    (``_builtin_recording``): it is what each scenario's own replay from nothing gathered gives, and the
+    state it leaves (the persistent parameters kept by the leftovers' release) is each one's own."""
+    from commgate.model.schemes import zero3_fetch as z
+
+    model = SMALL.replace("}", f", tied_embeddings: {str(tied).lower()}}}")
+    knobs_drawn = ["{}", "{stage3_param_persistence_threshold: 0}", "{stage3_param_persistence_threshold: 300}"]
+    for ds in knobs_drawn:
+        text = scenario(model, ", activation_checkpointing: true, micro_batches: 2", ds)
+        if hpz:
+            text = text.replace("scheme: zero3, dp: 2", "scheme: zero++, dp: 4, zero: {hpz: 2}")
+        (s,) = load_text(text)
+        ctx = Context(scenario=s)
+        k = knobs(ctx)
+        own = z._State(knobs=k, persistent=persistent(ctx.params, k), hpz=hpz)
+        if hpz:
+            own.secondary = {p.name for p in ctx.params}
+        first, _ = z.hooks(ctx)
+        expected = z._one_pass(own, first)
+        shared = z._State(knobs=k, persistent=own.persistent, hpz=hpz)
+        if hpz:
+            shared.secondary = {p.name for p in ctx.params}
+        assert z._recording_pass(ctx, shared, first) == expected
+        assert z._key(shared) == z._key(own)
+        assert passes(ctx, 1)[0] == expected
+    assert z._builtin_recording.cache_info().hits >= len(knobs_drawn) - 1
+
+
 @pytest.mark.parametrize(
     ("model", "par", "ds"),
     [

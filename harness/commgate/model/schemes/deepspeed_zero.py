@@ -109,10 +109,13 @@ def comm_dtype_residual(ctx: Context, term: str, volume: Callable[[Context], Fra
     return [Residual(term=term, name="communication dtype", bytes=extra, detail=detail)]
 
 
-def _accumulation(ctx: Context, term: str, component: DeepSpeedZero12 | DeepSpeedZero3) -> list[Residual]:
+def _accumulation(
+    ctx: Context, term: str, component: DeepSpeedZero12 | DeepSpeedZero3, unpadded: list[ExpectedCollective]
+) -> list[Residual]:
     """The named terms for what the paper's one pass per step in the parameters' dtype leaves out, each
-    the model's own unpadded rows differenced: the gradients' communication dtype, then the recompute's
-    extra gathers (ZeRO-3 with activation checkpointing), then the other m - 1 micro-batches."""
+    the model's own unpadded rows differenced (``unpadded``: the scenario's own per-step rows, unpadded):
+    the gradients' communication dtype, then the recompute's extra gathers (ZeRO-3 with activation
+    checkpointing), then the other m - 1 micro-batches."""
     par = ctx.scenario.parallelism
     cfg = ctx.scenario.deepspeed_config
     plain = {k: v for k, v in cfg.items() if k != "communication_data_type"}
@@ -123,7 +126,7 @@ def _accumulation(ctx: Context, term: str, component: DeepSpeedZero12 | DeepSpee
         scenario = replace(ctx.scenario, deepspeed=json.dumps(ds), parallelism=replace(par, **changes))  # type: ignore[arg-type]
         return Context(scenario=scenario)
 
-    volumes: dict[object, Fraction] = {}
+    volumes: dict[object, Fraction] = {ctx.scenario: _volume(unpadded, term)}
 
     def volume(c: Context) -> Fraction:  # the steps difference some scenarios twice: each computed once
         if c.scenario not in volumes:
@@ -438,10 +441,9 @@ class DeepSpeedZero12(DataParallel):
             detail="DeepSpeed reduces ZeRO-1/2 gradients with all_reduce (2N(d-1)/d); Eq. 2 assumes "
             "reduce_scatter (N(d-1)/d) + all_gather",
         )
-        padding = _padding(
-            ctx, "Eq. 2", self.collectives(ctx, init=False), self.collectives(ctx, pad=False, init=False)
-        )
-        return [*DataParallel.residuals(self, ctx), extra, *_accumulation(ctx, "Eq. 2", self), *padding]
+        unpadded = self.collectives(ctx, pad=False, init=False)
+        padding = _padding(ctx, "Eq. 2", self.collectives(ctx, init=False), unpadded)
+        return [*DataParallel.residuals(self, ctx), extra, *_accumulation(ctx, "Eq. 2", self, unpadded), *padding]
 
 
 def _coordinator_gathers(ctx: Context, step: ExpectedCollective, over: int) -> list[ExpectedCollective]:
@@ -459,8 +461,7 @@ def _coordinator_gathers(ctx: Context, step: ExpectedCollective, over: int) -> l
         distinct = {id(p): p for p in passes}  # later passes repeat earlier ones (the same list)
         for key, n in Counter(id(p) for p in passes).items():
             for g in distinct[key]:
-                size = sum(padded(p.numel, over) for p in g.params)
-                counts[g.backward, g.recompute, g.prefetch, g.secondary, size] += n
+                counts[g.backward, g.recompute, g.prefetch, g.secondary, g.padded(over)] += n
         return counts
 
     def rows(counts: Counter[Key], **when: object) -> list[ExpectedCollective]:
@@ -589,9 +590,8 @@ class DeepSpeedZero3(Zero3):
         return rows
 
     def residuals(self, ctx: Context) -> list[Residual]:
-        padding = _padding(
-            ctx, "Eq. 3", self.collectives(ctx, init=False), self.collectives(ctx, pad=False, init=False)
-        )
+        unpadded = self.collectives(ctx, pad=False, init=False)
+        padding = _padding(ctx, "Eq. 3", self.collectives(ctx, init=False), unpadded)
         skipped = _not_gathered_for_backward(ctx)
         why = (
             f"{skipped:,} elements belong to modules whose backward never runs (no gradient reaches them), "
@@ -607,7 +607,7 @@ class DeepSpeedZero3(Zero3):
                 why=why,
             ),
             *_shared_parameters(ctx),
-            *_accumulation(ctx, "Eq. 3", self),
+            *_accumulation(ctx, "Eq. 3", self, unpadded),
             *padding,
         ]
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 from commgate.model.expectation import Context
 from commgate.model.moduletrace import Hook, Module
 from commgate.model.scenario import Scenario
+from commgate.model.schemes._common import padded
 from commgate.model.transformer import ParamTensor
 
 DEFAULTS = {
@@ -190,6 +191,15 @@ class Gather:
     recompute: bool
     secondary: bool = False
     """ZeRO++ hpZ: from the secondary partition, within hpz ranks."""
+    numel: int = field(init=False, compare=False)
+    """Elements gathered (unpadded)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "numel", sum(p.numel for p in self.params))
+
+    def padded(self, over: int) -> int:
+        """Elements gathered, each parameter padded to a multiple of ``over`` (its partitions)."""
+        return self.numel if over == 1 else sum(padded(p.numel, over) for p in self.params)
 
 
 @dataclass
@@ -249,7 +259,19 @@ def _builtin_hooks(params: tuple[ParamTensor, ...], checkpointed: bool, tied: bo
 
 def traced(ctx: Context) -> tuple[int, int]:
     """The recorded trace's length in modules and in parameters (what ``reset_step`` checks across ranks)."""
-    fetched = [h.module for h in hooks(ctx)[1] if h.fetch and h.trace]
+    par, model = ctx.scenario.parallelism, ctx.scenario.model
+    if model.module:
+        return _traced(hooks(ctx)[1])
+    return _builtin_traced(ctx.params, par.activation_checkpointing, model.tied_embeddings)
+
+
+@functools.cache
+def _builtin_traced(params: tuple[ParamTensor, ...], checkpointed: bool, tied: bool) -> tuple[int, int]:
+    return _traced(_builtin_hooks(params, checkpointed, tied)[1])
+
+
+def _traced(later: list[Hook]) -> tuple[int, int]:
+    fetched = [h.module for h in later if h.fetch and h.trace]
     return len(fetched), sum(len(m.params) for m in fetched)
 
 
@@ -274,7 +296,7 @@ def _passes(scenario: Scenario, steps: int) -> list[list[Gather]]:
         for micro in range(par.micro_batches):
             if step == 0 and micro == 0:
                 start = _key(state)
-                out.append(_one_pass(state, first))
+                out.append(_recording_pass(ctx, state, first))
                 state.order = [h.module for h in later if h.fetch and h.trace]  # reset_step: the trace is complete
                 if k.inert and not state.hpz and first is later:
                     # nothing prefetched or kept: a complete pass from the same state is the recording one
@@ -296,6 +318,45 @@ def _passes(scenario: Scenario, steps: int) -> list[list[Gather]]:
             if len(state.release_cache) == key[3]:
                 seen[key] = (out[-1], _snapshot(state))
     return out
+
+
+def _recording_pass(ctx: Context, state: _State, first: list[Hook]) -> list[Gather]:
+    """The recording pass from ``state`` (nothing gathered yet), its gathers returned. Until the trace is
+    complete nothing is prefetched or kept for reuse and every release releases, so the knobs act only in
+    the end-of-backward release of leftovers (the persistent parameters stay): the built-in decoder's pass
+    up to those is replayed once per parameter list, switches and hpZ (``_builtin_recording``), and shared
+    by the named terms' variants of a scenario (other knobs, other micro-batch counts)."""
+    par, model = ctx.scenario.parallelism, ctx.scenario.model
+    if model.module:
+        return _one_pass(state, first)
+    gathers, before = _builtin_recording(ctx.params, par.activation_checkpointing, model.tied_embeddings, state.hpz)
+    state.available, state.secondary = set(before.available), set(before.secondary)
+    state.active = collections.defaultdict(set, {n: set(a) for n, a in before.active.items() if a})
+    _one_pass(state, first[_leftovers_from(first) :])  # the leftovers' releases gather nothing
+    return gathers
+
+
+def _leftovers_from(hooks: list[Hook]) -> int:
+    """Where the end-of-backward releases of leftovers begin (they close the pass)."""
+    cut = len(hooks)
+    while cut and hooks[cut - 1].leftover:
+        cut -= 1
+    assert not any(h.leftover for h in hooks[:cut]), "leftover releases only close a pass"
+    return cut
+
+
+@functools.lru_cache(maxsize=64)
+def _builtin_recording(
+    params: tuple[ParamTensor, ...], checkpointed: bool, tied: bool, hpz: bool
+) -> tuple[list[Gather], _State]:
+    """The built-in decoder's recording pass up to the releases of leftovers: its gathers and the state it
+    leaves (the same under any knobs)."""
+    first, _ = _builtin_hooks(params, checkpointed, tied)
+    unused = Knobs(prefetch=0, max_live=0, reuse=0, persistence=0, model_persistence=0)
+    state = _State(knobs=unused, persistent=frozenset(), hpz=hpz)
+    if hpz:
+        state.secondary = {p.name for p in params}
+    return _one_pass(state, first[: _leftovers_from(first)]), state
 
 
 def _snapshot(state: _State) -> _State:
