@@ -19,10 +19,11 @@ pytest_plugins = ["pytester"]
 
 def pytest_configure(config: pytest.Config) -> None:
     """The tests kill runs on purpose, and a process killed while torch builds or loads a C++ extension
-    (DeepSpeed's CPU comm op, which every forkserver loads) leaves that build's lock behind; every later
-    build then waits for it. So the op is built up front, in a process no test can kill, where commgate
-    builds it for this environment (``commgate.run.extensions``), and the tests load copies of it from a
-    directory of their own, removed at the end. A ``TORCH_EXTENSIONS_DIR`` already set is left as it is."""
+    (DeepSpeed's CPU comm op and commgate's completion stamps, which every forkserver loads) leaves that
+    build's lock behind; every later build then waits for it. So both are built up front, in a process no
+    test can kill, where commgate builds them for this environment (``commgate.run.extensions``), and the
+    tests load copies from a directory of their own, removed at the end. A ``TORCH_EXTENSIONS_DIR`` already
+    set is left as it is."""
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return
     from commgate.run.extensions import environment_dir
@@ -36,9 +37,11 @@ def pytest_configure(config: pytest.Config) -> None:
         print(f"commgate tests: {lock}: {why}", flush=True)
         if cpu:
             _build_deepspeed_op(own)
+        _build_stamps(own)
     else:
         if cpu:
             _build_deepspeed_op(built)
+        _build_stamps(built)
         if built.is_dir():
             shutil.copytree(built, own, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"), symlinks=True)
     os.environ["TORCH_EXTENSIONS_DIR"] = str(own)
@@ -60,6 +63,24 @@ def _build_deepspeed_op(where: Path) -> None:
         return
     if done.returncode != 0:
         print(f"commgate tests: the op's build failed; DeepSpeed's tests will say why:\n{done.stderr[-2000:]}")
+
+
+def _build_stamps(where: Path) -> None:
+    """Build commgate's completion-stamps extension (``commgate.run.stamps``) in ``where`` unless it is built."""
+    from commgate.run import stamps
+
+    if (where / stamps.NAME / f"{stamps.NAME}.so").is_file():
+        return
+    print(f"commgate tests: building commgate's completion stamps once, in {where} (a minute)", flush=True)
+    env = os.environ | {"TORCH_EXTENSIONS_DIR": str(where)}
+    cmd = [sys.executable, "-c", "import sys; from commgate.run import stamps; sys.exit(stamps.build() is None)"]
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        print("commgate tests: the stamps' build ran past 900 s; tests/test_capture_timing.py will say why", flush=True)
+        return
+    if done.returncode != 0:
+        print(f"commgate tests: the stamps' build failed; the poller stamps:\n{done.stderr[-2000:]}", flush=True)
 
 
 # The malformed-scenario corpus is read by tests/test_malformed.py, not collected by the gate.

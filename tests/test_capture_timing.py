@@ -4,6 +4,7 @@ calls nobody waits on, the exact stamps of waited ones, and the blocked time of 
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,14 +14,23 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from commgate.run import interpose  # noqa: E402
+from commgate.run import interpose, stamps  # noqa: E402
 from commgate.run.threadclock import ThreadClock  # noqa: E402
 
 
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[interpose.Recorder]:
-    """A one-rank job on commgate's capturing group over gloo, in this process."""
+@pytest.fixture(params=["stamps", "poller"])
+def world(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[interpose.Recorder]:
+    """A one-rank job on commgate's capturing group over gloo, in this process: with gloo's completions
+    stamped in C++ (``commgate.run.stamps``, built here once per environment), and without (the poller
+    stamps every call, as it does NCCL's and gloo's point-to-point)."""
+    if request.param == "stamps":
+        assert stamps.build() is not None, "the completion-stamps extension did not build (stderr says why)"
+    else:
+        monkeypatch.setenv(stamps.OFF, "0")
     rec = interpose.install("gloo", 0)
+    assert (rec._stamps is not None) == (request.param == "stamps")
     dist.init_process_group(interpose.BACKEND_NAME, init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         yield rec
@@ -71,6 +81,68 @@ def test_every_call_is_stamped_once_whoever_sees_it_first(world: interpose.Recor
     calls = world.drain()
     assert [c.seq for c in calls] == list(range(200))
     assert all(c.duration_ns is not None and c.duration_ns >= 0 for c in calls)
+
+
+@pytest.mark.parametrize("world", ["stamps"], indirect=True)
+def test_gloo_s_collectives_are_stamped_in_cpp_and_wake_no_thread(world: interpose.Recorder) -> None:
+    """With the extension, a gloo collective's end is stamped by gloo's own thread: the call's record ends
+    between its issue and the wait's return, and the poller thread is never started."""
+    for _ in range(20):
+        before = world.now()
+        work = dist.all_reduce(torch.ones(16), async_op=True)
+        work.wait()
+        after = world.now()
+        (call,) = world.take()
+        assert call.duration_ns is not None and before <= call.start_ns <= call.start_ns + call.duration_ns <= after
+    assert world.poller._thread is None, "a stamped call woke the poller"
+
+
+def test_gloo_completes_a_work_s_future_when_the_call_ends() -> None:
+    """What the stamps rest on (torch 2.13): gloo marks a collective's future complete when the call has
+    run, not when it is enqueued (NCCL's is). Two gloo groups of one process, one per thread: rank 1 joins
+    the all-reduce 0.2 s after rank 0 issued it, so rank 0's stamp is at least that late."""
+    ext = stamps.build()
+    assert ext is not None, "the completion-stamps extension did not build (stderr says why)"
+    store = dist.HashStore()
+    groups: list[object] = [None, None]
+
+    def make(r: int) -> None:
+        groups[r] = dist.ProcessGroupGloo(store, r, 2, dist.default_pg_timeout)
+
+    makers = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    for t in makers:
+        t.start()
+    for t in makers:
+        t.join(120)
+    assert all(groups), "the two gloo groups did not connect"
+    late = threading.Timer(0.2, lambda: groups[1].allreduce([torch.ones(4)]).wait())  # type: ignore[attr-defined]
+    issued = time.perf_counter_ns()
+    work = groups[0].allreduce([torch.ones(4)])  # type: ignore[attr-defined]
+    late.start()
+    token = stamps.watch(ext, work)
+    assert token is not None
+    work.wait()
+    late.join(120)
+    assert ext.stamp(token) - issued >= 0.2e9, "gloo completed the future before the call ended"
+
+
+@pytest.mark.parametrize("world", ["stamps"], indirect=True)
+def test_a_work_without_a_future_is_left_to_the_poller(world: interpose.Recorder) -> None:
+    """Gloo's reduce-scatter work has no future (torch 2.13): ``stamps.watch`` says so, and the call is still
+    recorded once, ended by its wait."""
+    bare = dist.new_group([0], backend="gloo")
+    out, inp = torch.empty(4), torch.ones(4)
+    work = dist.reduce_scatter_single(out, inp, group=bare, async_op=True)
+    assert stamps.watch(world._stamps, work) is None
+    work.wait()
+    done = dist.all_reduce(torch.ones(4), group=bare, async_op=True)
+    token = stamps.watch(world._stamps, done)
+    assert token is not None
+    done.wait()
+    assert world._stamps.stamp(token) > 0
+    dist.reduce_scatter_single(out, inp, async_op=True).wait()  # through the capture
+    (call,) = world.take()
+    assert call.op == "reduce_scatter" and call.duration_ns is not None
 
 
 def test_the_poller_sleeps_when_nothing_is_in_flight(world: interpose.Recorder) -> None:

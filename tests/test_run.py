@@ -566,6 +566,27 @@ def test_a_build_lock_whose_build_is_running_says_wait_not_delete(tmp_path: Path
     assert f"(pid {building.pid})" in words and words.endswith("waiting") and "delete" not in words
 
 
+def test_a_stale_lock_beside_a_running_build_is_the_one_named(tmp_path: Path) -> None:
+    """The forkserver builds commgate's completion stamps, then DeepSpeed's op: with the stamps' build at work
+    and a lock a killed DeepSpeed build left, the words name the stale lock to delete (waiting would not end),
+    and a running build is named for what it builds."""
+    from commgate.run.launcher import _lock_words
+
+    running = tmp_path / "commgate_stamps_0123456789" / "lock"
+    stale = tmp_path / "deepspeed_shm_comm" / "lock"
+    for lock in (running, stale):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    building = subprocess.Popen(["sleep", "60"], cwd=running.parent)
+    try:
+        both, alone = _lock_words([running, stale]), _lock_words([running])
+    finally:
+        building.kill()
+        building.wait()
+    assert both.startswith(f"{stale} is a build lock") and both.endswith("delete it")
+    assert alone.startswith("torch is building commgate's completion stamps in") and alone.endswith("waiting")
+
+
 def test_the_forkserver_builds_in_a_directory_of_its_environments_own(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two checkouts' environments do not share (and so do not rebuild alternately) DeepSpeed's op; a
     TORCH_EXTENSIONS_DIR the user set is theirs."""

@@ -8,9 +8,10 @@ a ``CapturedCall`` and then runs on that real backend. Everything goes through i
 Method names are those the pybind11 trampoline of ``ProcessGroup`` calls (``all_gather_single`` is
 C++ ``_allgather_base`` ...); each records the call, then runs it on the real backend's own binding.
 
-Timing: each call is recorded by this process's ``Recorder`` (``commgate.run.recorder``), whose poller
-stamps the completion of calls nobody waits on; no Python code ever runs on the backend's own threads.
-The issue path costs about 10 us a call (``benchmarks/capture_cost.py``).
+Timing: each call is recorded by this process's ``Recorder`` (``commgate.run.recorder``). A gloo
+collective's completion is stamped in C++ on gloo's own thread (``commgate.run.stamps``); other calls'
+by the caller's wait or the recorder's poller. No Python code ever runs on the backend's own threads.
+What the capture costs a call: ``benchmarks/capture_cost.py`` (docs/speed.md).
 """
 
 from __future__ import annotations
@@ -122,11 +123,15 @@ class CapturingProcessGroup(ProcessGroup):
     machinery, and deadlock against gloo's worker thread, which takes the GIL to free finished works.)
     """
 
-    def __init__(self, rank: int, size: int, global_ranks: Sequence[int], name: str, real: Any) -> None:
+    def __init__(
+        self, rank: int, size: int, global_ranks: Sequence[int], name: str, real: Any, *, futures: bool = False
+    ) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # (rank, size) is the Python-subclass form
         self.global_ranks = tuple(global_ranks) or tuple(range(size))
         self._name = name
         self._real = real
+        self._futures = futures
+        """Whether the real backend completes a work's future when the call ends (gloo: stamped in C++)."""
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -145,7 +150,7 @@ class CapturingProcessGroup(ProcessGroup):
             return post()
         seq = rec.issue(op, self.global_ranks, tensors, peer, root)
         work = post()
-        rec.watch(seq, work)
+        rec.watch(seq, work, future=self._futures)
         return _TimedWork(work, rec, seq)
 
     def _run(self, method: str, args: tuple[Any, ...]) -> Any:
@@ -243,7 +248,12 @@ def _creator(inner: str) -> Callable[[Any, Any], CapturingProcessGroup]:
             nccl_opts._timeout = opts.timeout
             real = dist.ProcessGroupNCCL(opts.store, opts.group_rank, opts.group_size, nccl_opts)
         pg = CapturingProcessGroup(
-            opts.group_rank, opts.group_size, list(opts.global_ranks_in_group), opts.group_id, real
+            opts.group_rank,
+            opts.group_size,
+            list(opts.global_ranks_in_group),
+            opts.group_id,
+            real,
+            futures=kind_here == ProcessGroup.BackendType.GLOO,
         )
         pg._register_backend(torch.device(device), kind_here, registered or real)
         _LIVE_BACKENDS.append(real)

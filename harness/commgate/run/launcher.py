@@ -53,6 +53,7 @@ class RunError(CommgateError):
 # What a rank would otherwise import for seconds: torch, what DDP imports on construction (dynamo), DTensor.
 PRELOAD = (
     "commgate.run.quiet",  # first: the forkserver's own output to its log
+    "commgate.run.build_stamps",
     "commgate.run.rank",
     "commgate.run.interpose",
     "torch._dynamo",
@@ -164,7 +165,10 @@ def _forkserver_ready(ctx: ForkServerContext, progress: Callable[[str], None] | 
     while waiter.is_alive():
         waited = time.monotonic() - begun
         if progress and waited > 1:
-            progress(f"starting the ranks' forkserver (imports; a first run builds DeepSpeed's op), {waited:.0f} s")
+            progress(
+                f"starting the ranks' forkserver (imports; a first run builds DeepSpeed's op and commgate's "
+                f"completion stamps), {waited:.0f} s"
+            )
         if waited > bound:
             _stop_forkserver()
             waiter.join(10)
@@ -181,23 +185,32 @@ def _forkserver_ready(ctx: ForkServerContext, progress: Callable[[str], None] | 
 
 
 def _start_report(what: str) -> str:
-    start = "it imports torch and DeepSpeed and, on a first run, builds DeepSpeed's CPU comm op"
-    start += f"; its output: {forkserver_log()}"
+    start = "it imports torch and DeepSpeed and, on a first run, builds DeepSpeed's CPU comm op and commgate's "
+    start += f"completion stamps; its output: {forkserver_log()}"
     locks = build_locks()
     fix = _lock_words(locks) if locks else "set COMMGATE_FORKSERVER_START_S (seconds) to wait longer"
     return f"the ranks' forkserver {what} ({start}); {fix}"
 
 
+EXTENSIONS = {"deepspeed_shm_comm": "DeepSpeed's CPU comm op", "commgate_stamps": "commgate's completion stamps"}
+"""The extensions the forkserver builds, by the start of their build directory's name."""
+
+
 def _lock_words(locks: list[Path]) -> str:
-    """What the first build lock means: a build at work (wait), or one a killed build left (delete it)."""
-    if (pid := builder(locks[0])) is not None:
+    """What the build locks mean: one a killed build left, first (delete it: every later build waits for it),
+    else a build at work (wait)."""
+    builders = {lock: builder(lock) for lock in locks}
+    stale = [lock for lock, pid in builders.items() if pid is None]
+    if stale:
         return (
-            f"torch is building DeepSpeed's CPU comm op in {locks[0].parent} (pid {pid}), once per environment: "
-            "a few minutes on 2 busy cores; waiting"
+            f"{stale[0]} is a build lock of torch's C++ extensions, which a killed build leaves behind and every "
+            "later build waits for, and no process is building there: delete it"
         )
+    lock = locks[0]
+    name = next((words for key, words in EXTENSIONS.items() if lock.parent.name.startswith(key)), lock.parent.name)
     return (
-        f"{locks[0]} is a build lock of torch's C++ extensions, which a killed build leaves behind and every later "
-        "build waits for, and no process is building there: delete it"
+        f"torch is building {name} in {lock.parent} (pid {builders[lock]}), once per environment: "
+        "a few minutes on 2 busy cores; waiting"
     )
 
 

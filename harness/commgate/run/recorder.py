@@ -2,10 +2,14 @@
 
 A ``Recorder`` holds the calls of this process, with the step and phase the runner is in: the capturing
 process group (``commgate.run.interpose``) hands it each call as it is issued and each work it posts. A
-call's duration runs from its issue to its completion, stamped by whoever sees it first: the caller's
-``wait()`` (exact for blocking calls), a completion query, or the ``Poller`` thread, which checks the works
-in flight at a tick of a tenth of their age (20 us to 1 ms), so a call nobody waits on (DDP's buckets,
-ZeRO's and FSDP's overlapped calls) ends within that bound of its true end, not at the next call.
+call's duration runs from its issue to its completion. Where gloo completes the work's future, a C++
+callback stamps the completion exactly, on gloo's own thread (``commgate.run.stamps``), and the recorder
+reads it when it next looks (a wait, a completion query, the next call's issue, a step boundary, the
+heartbeat). Elsewhere (gloo's point-to-point and reduce-scatter, NCCL, or no extension) it is stamped by
+whoever sees it first: the caller's ``wait()`` (exact for blocking calls), a completion query, or the
+``Poller`` thread, which checks the works in flight at a tick of a tenth of their age (20 us to 1 ms), so
+a call nobody waits on (DDP's buckets, ZeRO's and FSDP's overlapped calls) ends within that bound of its
+true end, not at the next call.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 
 from commgate.model.collectives import Op
 from commgate.model.transformer import dtype_name
+from commgate.run import stamps
 from commgate.run.capture import INIT_STEP, CapturedCall, RankClock, StepWindow
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
@@ -62,6 +67,9 @@ class Recorder:
         self._open: dict[int, tuple[Any, ...]] = {}
         self._works: dict[int, tuple[Any, int]] = {}
         """seq -> (the backend's work, its issue time): what the poller watches."""
+        self._stamps = stamps.loaded()
+        self._stamped: dict[int, int] = {}
+        """seq -> its token in the C++ stamps (``commgate.run.stamps``), until the recorder reads the stamp."""
         self._done: list[tuple[tuple[Any, ...], int]] = []
         self.calls: list[CapturedCall] = []
         self.last: tuple[Any, ...] | None = None
@@ -84,6 +92,8 @@ class Recorder:
         self, op: Op, group: tuple[int, ...], tensors: Sequence[torch.Tensor], peer: int | None, root: int | None
     ) -> int:
         start = time.perf_counter_ns() - self._t0
+        if self._stamped:
+            self.harvest()
         if len(tensors) == 1:
             t = tensors[0]
             elements = t.numel()
@@ -111,8 +121,12 @@ class Recorder:
     def complete(self, seq: int, end: int | None = None) -> tuple[tuple[Any, ...], int] | None:
         """Stamp ``seq`` completed at ``end`` (now by default), unless it already was. Returns (its open
         record, its end) when this stamped it, None when it already was."""
+        token = self._stamped.get(seq)  # read, not popped, first: a thread completing it beside reads the same
+        if end is None and token is not None and (stamp := self._stamps.stamp(token)) >= 0:  # type: ignore[union-attr]
+            end = stamp - self._t0
         rec = self._open.pop(seq, None)
         self._works.pop(seq, None)
+        self._stamped.pop(seq, None)
         if rec is None:
             return None
         if end is None:
@@ -121,18 +135,34 @@ class Recorder:
         self._done.append(done)
         return done
 
-    def watch(self, seq: int, work: Any) -> None:
-        """Have the poller stamp ``work``'s completion, unless the caller's wait does it first."""
+    def watch(self, seq: int, work: Any, *, future: bool = False) -> None:
+        """Have ``work``'s completion stamped: in C++ where ``future`` (the backend completes the work's future
+        when the call ends: gloo) and the work has one, else by the poller, unless the caller's wait does it
+        first."""
         rec = self._open.get(seq)
+        if future and rec is not None and self._stamps is not None:
+            token = stamps.watch(self._stamps, work)
+            if token is not None:
+                self._stamped[seq] = token
+                return
         if rec is not None:
             self._works[seq] = (work, rec[_START])
             if not self.poller.awake.is_set():
                 self.poller.wake()
 
+    def harvest(self) -> None:
+        """Complete the calls whose C++ stamp is in, at that stamp (a stamp whose slot a later call took, after
+        65,536 calls in flight, is left to the caller's wait or ``drain``)."""
+        for seq, token in list(self._stamped.items()):
+            if self._stamps.stamp(token) >= 0:  # type: ignore[union-attr]
+                self.complete(seq)
+
     def poll(self) -> int:
         """Stamp the watched calls whose work has completed (the poller does this on its own; the runner
         calls it at step boundaries so that a step's window holds its completions). Returns the issue
         time of the youngest call still in flight, -1 when none is."""
+        if self._stamped:
+            self.harvest()
         youngest = -1
         for seq, (work, start) in list(self._works.items()):
             if work.is_completed():
@@ -143,6 +173,7 @@ class Recorder:
 
     def _completed(self) -> list[CapturedCall]:
         """``calls`` with the records of the calls completed since the last look."""
+        self.harvest()
         done, self._done = self._done, []
         self.calls += [_call(self.rank, rec, end - rec[_START]) for rec, end in done]
         return self.calls
@@ -156,11 +187,13 @@ class Recorder:
     def drain(self) -> list[CapturedCall]:
         """All calls, the never-completed ones with ``duration_ns=None``, in issue order."""
         self.poller.stop()
+        self.harvest()  # before the open ones are listed: a call stamped in C++ is completed, not pending
         pending = [_call(self.rank, rec, None) for rec in list(self._open.values())]
         return sorted(self._completed() + pending, key=lambda c: c.seq)
 
     def progress(self) -> tuple[int, int, int]:
         """(issued, completed, open) calls so far: the launcher's stall watchdog reads them."""
+        self.harvest()
         open_ = len(self._open)
         done = len(self.calls) + len(self._done)
         return done + open_, done, open_
@@ -168,6 +201,7 @@ class Recorder:
     def snapshot(self) -> list[dict[str, Any]]:
         """Every call issued so far, in issue order, as plain records (``open``: not completed): what the
         launcher aligns across ranks when they stall."""
+        self.harvest()
         keys = ("seq", "step", "phase", "op", "group", "peer", "bytes")
         index = [FIELDS.index(k) for k in keys]
 

@@ -1,0 +1,153 @@
+"""Completion times stamped in C++, on the thread that completes a call: a small torch extension.
+
+A call nobody waits on (DDP's buckets, ZeRO's and FSDP's overlapped calls) has its end stamped by the
+recorder's poller thread (``commgate.run.recorder.Poller``), which the issue of every call wakes: on two
+busy cores that wake, and the poller's turn on the GIL, cost a gloo all-reduce about as much again as the
+call itself (``benchmarks/capture_cost.py``). Gloo completes a work's future on its own worker thread, so a
+C++ callback on that future (``watch``) stamps the end exactly, with no Python and no GIL; the recorder
+reads the stamp (``stamp``) when it next looks, and wakes no thread. Gloo's point-to-point and
+reduce-scatter works have no future (torch 2.13): ``watch`` says so and those stay with the poller. NCCL's
+future completes when the call is enqueued, not when it ends: the interposer watches only gloo's works here.
+
+The extension is built with torch's own JIT build, once per environment, into commgate's extension
+directory (``commgate.run.extensions``), by the ranks' forkserver as it starts (``build``; every rank
+inherits it); elsewhere (a job under its own launcher) it is used if it was built (``loaded``), else the
+poller does all the stamping.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import itertools
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+SOURCE = r"""
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <atomic>
+#include <time.h>
+
+namespace {
+constexpr int64_t kSlots = 1 << 16;
+std::atomic<int64_t> stamps[kSlots];
+std::atomic<int64_t> owners[kSlots];
+
+int64_t now_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);  // Python's perf_counter_ns on Linux
+  return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+}  // namespace
+
+// Stamp `token` when `work`'s future completes (at once if it has), on the thread that completes it.
+// False when the work has no future.
+bool watch(c10d::Work& work, int64_t token) {
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  try {
+    future = work.getFuture();
+  } catch (const std::exception&) {
+    return false;
+  }
+  if (!future) return false;
+  const int64_t slot = token & (kSlots - 1);
+  stamps[slot].store(-1, std::memory_order_relaxed);
+  owners[slot].store(token, std::memory_order_release);
+  future->addCallback([token, slot](c10::ivalue::Future&) {
+    if (owners[slot].load(std::memory_order_acquire) == token) stamps[slot].store(now_ns(), std::memory_order_release);
+  });
+  return true;
+}
+
+// `token`'s completion (CLOCK_MONOTONIC ns); -1 while its call runs; -2 once its slot went to a later call.
+int64_t stamp(int64_t token) {
+  const int64_t slot = token & (kSlots - 1);
+  if (owners[slot].load(std::memory_order_acquire) != token) return -2;
+  return stamps[slot].load(std::memory_order_acquire);
+}
+"""
+
+OFF = "COMMGATE_STAMPS"
+"""``COMMGATE_STAMPS=0``: neither build nor load the extension (the poller stamps every call)."""
+
+RUNNING, REUSED = -1, -2
+"""``stamp``'s answers other than a time."""
+
+NAME = "commgate_stamps_" + hashlib.sha256((SOURCE + torch.__version__).encode()).hexdigest()[:10]
+"""The extension's name: a new source or torch is a new build, never an old one loaded."""
+
+_MODULE: ModuleType | None = None
+_TOKENS = itertools.count()
+"""One sequence for the whole process: several recorders (tests, benchmarks) share the extension's slots."""
+
+
+def _built(root: Path) -> Path | None:
+    so = root / NAME / f"{NAME}.so"
+    return so if so.is_file() else None
+
+
+def build() -> ModuleType | None:
+    """Build (once per environment) and load the extension; None where it cannot be built (no compiler:
+    the poller stamps everything), with the reason on stderr."""
+    global _MODULE
+    if os.environ.get(OFF) == "0":
+        return None
+    if _MODULE is not None:
+        return _MODULE
+    from commgate.run.extensions import use_environment_dir
+
+    root = use_environment_dir()
+    if (so := _built(root)) is not None:  # loaded as it is: torch's build would rebuild a copied directory
+        _MODULE = _load(so)
+        return _MODULE
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        _MODULE = load_inline(  # type: ignore[no-untyped-call]
+            NAME, cpp_sources=[SOURCE], functions=["watch", "stamp"], extra_cflags=["-O2"]
+        )
+    except Exception as exc:  # a missing compiler or a failed build: the capture works without it
+        why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        print(f"commgate: completion stamps not built in {root} ({why}); the poller stamps every call", file=sys.stderr)
+        return None
+    return _MODULE
+
+
+def loaded() -> ModuleType | None:
+    """The extension if this process has it, or can load it already built; never builds."""
+    global _MODULE
+    if os.environ.get(OFF) == "0":
+        return None
+    if _MODULE is not None:
+        return _MODULE
+    from commgate.run.extensions import ENV, environment_dir
+
+    so = _built(Path(os.environ.get(ENV) or environment_dir()))
+    if so is not None:
+        _MODULE = _load(so)
+    return _MODULE
+
+
+def _load(so: Path) -> ModuleType | None:
+    """The built extension loaded (torch's libraries, which it links against, are loaded already); None, said
+    on stderr, when it does not load."""
+    try:
+        spec = importlib.util.spec_from_file_location(NAME, so)
+        assert spec is not None and spec.loader is not None, so
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (ImportError, OSError, AssertionError) as exc:
+        print(f"commgate: {so} does not load ({exc}); the poller stamps every call", file=sys.stderr)
+        return None
+    return module
+
+
+def watch(ext: Any, work: Any) -> int | None:
+    """Have ``ext`` stamp ``work``'s completion: its token, or None when the work has no future."""
+    token = next(_TOKENS)
+    return token if ext.watch(work, token) else None
