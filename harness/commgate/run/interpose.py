@@ -144,13 +144,15 @@ class CapturingProcessGroup(ProcessGroup):
         peer: int | None = None,
         root: int | None = None,
     ) -> Any:
-        """Record the call, post it on the real backend (``post``), and hand back its work, timed."""
+        """Record the call, post it on the real backend (``post``), and hand back its work: as it is where its
+        end is stamped in C++ (``commgate.run.stamps``), else timed at the caller's wait."""
         rec = RECORDER
         if rec is None:
             return post()
         seq = rec.issue(op, self.global_ranks, tensors, peer, root)
         work = post()
-        rec.watch(seq, work, future=self._futures)
+        if rec.watch(seq, work, future=self._futures):
+            return work
         return _TimedWork(work, rec, seq)
 
     def _run(self, method: str, args: tuple[Any, ...]) -> Any:

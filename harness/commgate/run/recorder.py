@@ -135,27 +135,30 @@ class Recorder:
         self._done.append(done)
         return done
 
-    def watch(self, seq: int, work: Any, *, future: bool = False) -> None:
+    def watch(self, seq: int, work: Any, *, future: bool = False) -> bool:
         """Have ``work``'s completion stamped: in C++ where ``future`` (the backend completes the work's future
-        when the call ends: gloo) and the work has one, else by the poller, unless the caller's wait does it
-        first."""
+        when the call ends: gloo) and the work has one (True: the caller's wait need not be timed), else by
+        the poller, unless the caller's wait does it first (False)."""
         rec = self._open.get(seq)
         if future and rec is not None and self._stamps is not None:
             token = stamps.watch(self._stamps, work)
             if token is not None:
                 self._stamped[seq] = token
-                return
+                return True
         if rec is not None:
             self._works[seq] = (work, rec[_START])
             if not self.poller.awake.is_set():
                 self.poller.wake()
+        return False
 
     def harvest(self) -> None:
-        """Complete the calls whose C++ stamp is in, at that stamp (a stamp whose slot a later call took, after
-        65,536 calls in flight, is left to the caller's wait or ``drain``)."""
+        """Complete the calls whose C++ stamp is in, at that stamp."""
         for seq, token in list(self._stamped.items()):
-            if self._stamps.stamp(token) >= 0:  # type: ignore[union-attr]
+            stamp = self._stamps.stamp(token)  # type: ignore[union-attr]
+            if stamp >= 0:
                 self.complete(seq)
+            elif stamp == stamps.REUSED:  # its slot went to a call 65,536 later: ended by now, at the latest
+                self.complete(seq, time.perf_counter_ns() - self._t0)
 
     def poll(self) -> int:
         """Stamp the watched calls whose work has completed (the poller does this on its own; the runner
