@@ -3,14 +3,15 @@
     .venv/bin/python benchmarks/capture_cost.py [--calls 3000] [--backend gloo]
 
 One process (world size 1; the cost is the calling thread's, not the wire's), the same op on a bare
-process group and on commgate's capturing group, alternated call for call, the capture in its two forms:
-gloo's completions stamped in C++ (``stamped``, ``commgate.run.stamps``: what a run uses) and every
-completion left to the recorder's poller thread (``poller``: NCCL's calls, gloo's point-to-point and
-reduce-scatter, or no extension). A call's host time is its issue (``async_op=True`` returning a work)
-plus its ``wait()`` once the work has completed (the test spins on the backend's own ``is_completed``
-first), so the op's own duration and the wake-up of a sleeping thread, which dominate and scatter a
-blocking call's wall time on a loaded machine, are out of it. Prints the medians and their ratios to
-bare (goal: <= x1.1), and the wall time of the blocking form, bare and stamped, for comparison.
+process group and on commgate's capturing group, alternated call for call. The capture stamps gloo's
+collectives in C++ (``commgate.run.stamps``, what a run uses); ``COMMGATE_STAMPS=0`` measures its other form,
+every completion left to the recorder's poller thread (NCCL's calls, gloo's point-to-point and
+reduce-scatter): one form per process, so that one's poller thread does not disturb the other's figures. A
+call's host time is its issue (``async_op=True`` returning a work) plus its ``wait()`` once the work has
+completed (the test spins on the backend's own ``is_completed`` first), so the op's own duration and the
+wake-up of a sleeping thread, which dominate and scatter a blocking call's wall time on a loaded machine, are
+out of it. Prints the medians, their difference and ratio (goal: <= x1.1), and the wall time of the blocking
+form, bare and captured, for comparison.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from commgate.run import interpose, stamps
-from commgate.run.recorder import Recorder
 
 SIZES = (4, 64 << 10, 4 << 20)
 
@@ -70,46 +70,39 @@ def main(argv: list[str] | None = None) -> int:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     device = torch.device("cuda" if a.backend == "nccl" else "cpu")
-    if a.backend == "gloo" and stamps.build() is None:
-        print("the completion-stamps extension is not built (stderr says why): 'stamped' is the poller's too")
+    if a.backend == "gloo":
+        stamps.build()  # None (said) with COMMGATE_STAMPS=0 or where it cannot be built
     rec = interpose.install(a.backend, 0)
-    poller = Recorder(0)  # the same capture, every completion left to the poller
-    poller._stamps = None
-    recorders = {"stamped": rec, "poller": poller}
+    form = "stamped in C++" if rec._stamps is not None and a.backend == "gloo" else "poller"
     with tempfile.NamedTemporaryFile() as f:
         dist.init_process_group(interpose.BACKEND_NAME, init_method=f"file://{f.name}", rank=0, world_size=1)
         bare = dist.new_group([0], backend=a.backend)
         captured = dist.group.WORLD
-        paths = ("bare", *recorders)
+        print(f"capture: {form} (COMMGATE_STAMPS=0 for the poller's form)")
         print(
-            f"{'op':<24} {'bytes':>8} {'bare':>7} {'stamped':>8} {'poller':>7} {'x stamped':>9} {'x poller':>8}"
-            f"  {'wall bare':>9} {'stamped':>8}  (medians, us; x: of bare)"
+            f"{'op':<24} {'bytes':>8} {'bare':>7} {'capture':>8} {'cost':>6} {'x bare':>7}"
+            f"  {'wall bare':>9} {'wall cap':>8}  (medians, us)"
         )
         for nbytes in (int(x) for x in a.sizes.split(",")):
             t = torch.zeros(nbytes // 4, device=device)
             for name, op in _ops(t).items():
                 calls = a.calls if nbytes <= 64 << 10 else a.calls // 10
-                host: dict[str, list[int]] = {p: [] for p in paths}
-                wall: dict[str, list[int]] = {p: [] for p in paths}
+                host: dict[str, list[int]] = {"bare": [], "capture": []}
+                wall: dict[str, list[int]] = {"bare": [], "capture": []}
                 for k in range(calls):
-                    for path in paths if k % 2 else paths[::-1]:  # alternated, each first in turn
-                        group = bare if path == "bare" else captured
-                        interpose.RECORDER = recorders.get(path, rec)
-                        host[path].append(host_ns(op, group))
-                        wall[path].append(wall_ns(op, group))
-                    for r in recorders.values():
-                        r.take()
-                interpose.RECORDER = rec
+                    pair = (("bare", bare), ("capture", captured))
+                    for path, g in pair if k % 2 else pair[::-1]:
+                        host[path].append(host_ns(op, g))
+                        wall[path].append(wall_ns(op, g))
+                    rec.take()
                 h = {p: statistics.median(v) / 1e3 for p, v in host.items()}
                 w = {p: statistics.median(v) / 1e3 for p, v in wall.items()}
                 print(
-                    f"{name:<24} {nbytes:>8} {h['bare']:7.1f} {h['stamped']:8.1f} {h['poller']:7.1f}"
-                    f" {h['stamped'] / h['bare']:9.2f} {h['poller'] / h['bare']:8.2f}"
-                    f"  {w['bare']:9.1f} {w['stamped']:8.1f}",
+                    f"{name:<24} {nbytes:>8} {h['bare']:7.1f} {h['capture']:8.1f} {h['capture'] - h['bare']:6.1f}"
+                    f" {h['capture'] / h['bare']:7.2f}  {w['bare']:9.1f} {w['capture']:8.1f}",
                     flush=True,
                 )
         dist.destroy_process_group()
-    poller.drain()
     interpose.release_backends()
     return 0
 
