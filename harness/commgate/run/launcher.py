@@ -53,7 +53,6 @@ class RunError(CommgateError):
 # What a rank would otherwise import for seconds: torch, what DDP imports on construction (dynamo), DTensor.
 PRELOAD = (
     "commgate.run.quiet",  # first: the forkserver's own output to its log
-    "commgate.run.build_stamps",
     "commgate.run.rank",
     "commgate.run.interpose",
     "torch._dynamo",
@@ -72,6 +71,10 @@ PRELOAD_CPU = (
     "commgate.run.workloads.zero",
     "commgate.run.workloads.pp",
 )
+
+PRELOAD_LAST = ("commgate.run.build_stamps",)
+"""Built after DeepSpeed's op: a start that waits on a lock DeepSpeed's killed build left waits there before
+starting a build of its own, which the bounded start's kill would leave locked in turn."""
 
 _CONTEXT: ForkServerContext | None = None
 
@@ -127,7 +130,7 @@ def _context() -> ForkServerContext:
         atexit.register(_remove_log)
         _quiet_resource_tracker()
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(list(PRELOAD if gpu_visible() else PRELOAD + PRELOAD_CPU))
+        ctx.set_forkserver_preload([*(PRELOAD if gpu_visible() else PRELOAD + PRELOAD_CPU), *PRELOAD_LAST])
         _CONTEXT = ctx
     return _CONTEXT
 
