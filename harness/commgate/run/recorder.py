@@ -4,9 +4,10 @@ A ``Recorder`` holds the calls of this process, with the step and phase the runn
 process group (``commgate.run.interpose``) hands it each call as it is issued and each work it posts. A
 call's duration runs from its issue to its completion. Where gloo completes the work's future, a C++
 callback stamps the completion exactly, on gloo's own thread (``commgate.run.stamps``), and the recorder
-reads it when it next looks (a wait, a completion query, the next call's issue, a step boundary, the
-heartbeat). Elsewhere (gloo's point-to-point and reduce-scatter, NCCL, or no extension) it is stamped by
-whoever sees it first: the caller's ``wait()`` (exact for blocking calls), a completion query, or the
+reads it when it next looks (the next call's issue, a step boundary, the heartbeat, a read of the
+calls): such a call's work is the backend's own, its wait and completion queries pass through no Python.
+Elsewhere (gloo's point-to-point and reduce-scatter, NCCL, or no extension) it is stamped by whoever sees
+it first: the caller's ``wait()`` (exact for blocking calls), a completion query, or the
 ``Poller`` thread, which checks the works in flight at a tick of a tenth of their age (20 us to 1 ms), so
 a call nobody waits on (DDP's buckets, ZeRO's and FSDP's overlapped calls) ends within that bound of its
 true end, not at the next call.
