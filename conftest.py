@@ -32,55 +32,37 @@ def pytest_configure(config: pytest.Config) -> None:
     own = Path(tempfile.mkdtemp(prefix="commgate-tests-extensions-"))
     config.add_cleanup(lambda: shutil.rmtree(own, ignore_errors=True))
     built, cpu = environment_dir(), not gpu_visible()  # only on CPU machines does the forkserver load the op
-    if (lock := built / "deepspeed_shm_comm" / "lock").exists():  # a killed build's: not copied, not waited on
-        why = "a build lock (a killed build's, or one running now); the tests build their own op"
-        print(f"commgate tests: {lock}: {why}", flush=True)
-        if cpu:
-            _build_deepspeed_op(own)
-        _build_stamps(own)
+    if locks := sorted(built.glob("*/lock")):  # a killed build's: not copied, not waited on
+        why = "a build lock (a killed build's, or one running now); the tests build their own extensions"
+        print(f"commgate tests: {', '.join(map(str, locks))}: {why}", flush=True)
+        where = own
     else:
-        if cpu:
-            _build_deepspeed_op(built)
-        _build_stamps(built)
-        if built.is_dir():
-            shutil.copytree(built, own, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"), symlinks=True)
+        where = built
+    from commgate.run import stamps
+
+    ninja = where / "deepspeed_shm_comm" / "build.ninja"  # a build's flags name its environment's paths
+    if cpu and not (ninja.is_file() and sys.prefix in ninja.read_text()):
+        _build(where, "DeepSpeed's CPU comm op", "import commgate.run.deepspeed_ops", "DeepSpeed's tests will say why")
+    if not (where / stamps.NAME / f"{stamps.NAME}.so").is_file():
+        code = "import sys; from commgate.run import stamps; sys.exit(stamps.build() is None)"
+        _build(where, "commgate's completion stamps", code, "tests/test_capture_timing.py will say why")
+    if where == built and built.is_dir():
+        shutil.copytree(built, own, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"), symlinks=True)
     os.environ["TORCH_EXTENSIONS_DIR"] = str(own)
 
 
-def _build_deepspeed_op(where: Path) -> None:
-    """Build DeepSpeed's CPU comm op in ``where`` unless it holds a build for this environment (a build's
-    flags name its environment's paths)."""
-    ninja = where / "deepspeed_shm_comm" / "build.ninja"
-    if ninja.is_file() and sys.prefix in ninja.read_text():
-        return
-    print(f"commgate tests: building DeepSpeed's CPU comm op once, in {where} (a minute or two)", flush=True)
+def _build(where: Path, what: str, code: str, otherwise: str) -> None:
+    """Build ``what`` in ``where`` by running ``code`` in a process of its own; a failure is printed, and
+    ``otherwise`` says where it will show."""
+    print(f"commgate tests: building {what} once, in {where} (a minute or two)", flush=True)
     env = os.environ | {"TORCH_EXTENSIONS_DIR": str(where)}
-    cmd = [sys.executable, "-c", "import commgate.run.deepspeed_ops"]
     try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     except subprocess.TimeoutExpired:
-        print("commgate tests: the op's build ran past 900 s; DeepSpeed's tests will say why", flush=True)
+        print(f"commgate tests: the build of {what} ran past 900 s; {otherwise}", flush=True)
         return
     if done.returncode != 0:
-        print(f"commgate tests: the op's build failed; DeepSpeed's tests will say why:\n{done.stderr[-2000:]}")
-
-
-def _build_stamps(where: Path) -> None:
-    """Build commgate's completion-stamps extension (``commgate.run.stamps``) in ``where`` unless it is built."""
-    from commgate.run import stamps
-
-    if (where / stamps.NAME / f"{stamps.NAME}.so").is_file():
-        return
-    print(f"commgate tests: building commgate's completion stamps once, in {where} (a minute)", flush=True)
-    env = os.environ | {"TORCH_EXTENSIONS_DIR": str(where)}
-    cmd = [sys.executable, "-c", "import sys; from commgate.run import stamps; sys.exit(stamps.build() is None)"]
-    try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    except subprocess.TimeoutExpired:
-        print("commgate tests: the stamps' build ran past 900 s; tests/test_capture_timing.py will say why", flush=True)
-        return
-    if done.returncode != 0:
-        print(f"commgate tests: the stamps' build failed; the poller stamps:\n{done.stderr[-2000:]}", flush=True)
+        print(f"commgate tests: the build of {what} failed; {otherwise}:\n{done.stderr[-2000:]}", flush=True)
 
 
 # The malformed-scenario corpus is read by tests/test_malformed.py, not collected by the gate.

@@ -97,13 +97,10 @@ def build() -> ModuleType | None:
     global _MODULE
     if os.environ.get(OFF) == "0":
         return None
-    if _MODULE is not None:
-        return _MODULE
     from commgate.run.extensions import use_environment_dir
 
     root = use_environment_dir()
-    if (so := _built(root)) is not None:  # loaded as it is: torch's build would rebuild a copied directory
-        _MODULE = _load(so)
+    if loaded() is not None:  # loaded as built: torch's build would rebuild a copied directory
         return _MODULE
     try:
         from torch.utils.cpp_extension import load_inline
