@@ -311,8 +311,7 @@ def _passes(scenario: Scenario, steps: int) -> list[list[Gather]]:
             if key in seen:
                 gathers, end = seen[key]
                 out.append(gathers)
-                state.available, state.secondary = set(end.available), set(end.secondary)
-                state.active = collections.defaultdict(set, {n: set(a) for n, a in end.active.items()})
+                _restore(state, end)
                 continue
             out.append(_one_pass(state, later))
             if len(state.release_cache) == key[3]:
@@ -330,8 +329,7 @@ def _recording_pass(ctx: Context, state: _State, first: list[Hook]) -> list[Gath
     if model.module:
         return _one_pass(state, first)
     gathers, before = _builtin_recording(ctx.params, par.activation_checkpointing, model.tied_embeddings, state.hpz)
-    state.available, state.secondary = set(before.available), set(before.secondary)
-    state.active = collections.defaultdict(set, {n: set(a) for n, a in before.active.items() if a})
+    _restore(state, before)
     _one_pass(state, first[_leftovers_from(first) :])  # the leftovers' releases gather nothing
     return gathers
 
@@ -357,6 +355,12 @@ def _builtin_recording(
     if hpz:
         state.secondary = {p.name for p in params}
     return _one_pass(state, first[: _leftovers_from(first)]), state
+
+
+def _restore(state: _State, end: _State) -> None:
+    """``state``'s gathered, secondary and active sets made copies of ``end``'s (a pass's end reused)."""
+    state.available, state.secondary = set(end.available), set(end.secondary)
+    state.active = collections.defaultdict(set, {n: set(a) for n, a in end.active.items() if a})
 
 
 def _snapshot(state: _State) -> _State:
