@@ -1,5 +1,6 @@
 """Loading scenarios: the default suite, defaults, sweeps, presets with overrides."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,17 @@ def test_an_empty_directory_is_an_error(tmp_path: Path) -> None:
 def test_a_missing_file_is_a_one_line_error(tmp_path: Path) -> None:
     with pytest.raises(ScenarioError, match=r"nope\.yaml: \$: cannot read"):
         load_paths([tmp_path / "nope.yaml"])
+
+
+def test_a_fifo_or_a_device_is_refused_unread(tmp_path: Path) -> None:
+    """A FIFO blocked the read forever and a link to /dev/zero filled the memory (found by an adversarial
+    pass): only a regular file is read, and at most one byte past the limit."""
+    os.mkfifo(tmp_path / "fifo.yaml")
+    (tmp_path / "zero.yaml").symlink_to("/dev/zero")
+    for name, kind in (("fifo.yaml", "a FIFO"), ("zero.yaml", "a device or socket")):
+        with pytest.raises(ScenarioError) as info:
+            load_paths([tmp_path / name])
+        assert str(info.value) == f"{tmp_path / name}: $: {kind}, not a file; a scenario is a YAML file"
 
 
 def test_what_the_model_does_not_cover_yet_is_a_one_line_error() -> None:

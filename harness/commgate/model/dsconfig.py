@@ -172,6 +172,24 @@ def not_mappings(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
+SWITCHES = ("fp16", "bf16", "bfloat16")
+"""Sections whose ``enabled`` sets the precision the model follows."""
+
+
+def not_switches(cfg: Mapping[str, Any]) -> list[tuple[tuple[str, str], str]]:
+    """(key path, message) per ``enabled`` of a precision section that is neither a boolean nor ``"auto"``:
+    DeepSpeed's pydantic config coerces ``1`` and ``"yes"`` to true, and a model reading only ``true`` would
+    predict fp32 for a bf16 run."""
+    out = []
+    for k in SWITCHES:
+        section = cfg.get(k)
+        value = section.get("enabled", False) if isinstance(section, Mapping) else False
+        if not isinstance(value, bool) and value != "auto":
+            why = f'{value!r} is not a boolean (DeepSpeed would read it as one); write true or false, or "auto"'
+            out.append(((k, "enabled"), why))
+    return out
+
+
 def _closest(key: str, known: frozenset[str], where: str) -> str:
     close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
     return f"; did you mean {where}{close[0]}?" if close else ""

@@ -15,7 +15,9 @@ import functools
 import itertools
 import json
 import math
+import os
 import re
+import stat
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -64,7 +66,7 @@ def schema() -> dict[str, Any]:
 
 @functools.cache
 def _validator() -> jsonschema.protocols.Validator:
-    cls = jsonschema.validators.validator_for(schema())
+    cls = schemas.strict()
     cls.check_schema(schema())
     return cls(schema())
 
@@ -155,10 +157,13 @@ def _describe(err: jsonschema.ValidationError) -> Iterator[tuple[list[Any], str]
             hint = f"did you mean {close[0]!r}? " if close else ""
             yield [*path, key], f"unknown field {key!r}; {hint}expected one of: {', '.join(allowed)}"
     elif kind == "type":
+        wanted = [want] if isinstance(want, str) else want
+        whole = isinstance(inst, float) and inst.is_integer() and "integer" in wanted
         yield (
             path,
             f"{_show(inst)} is {'an' if _type_name(inst)[0] in 'aeiou' else 'a'} {_type_name(inst)}, "
-            f"expected {want if isinstance(want, str) else ' or '.join(want)}",
+            f"expected {want if isinstance(want, str) else ' or '.join(want)}"
+            + (f" (write {int(inst)}, without the fraction)" if whole and abs(inst) < 1e18 else ""),
         )
     elif kind == "enum":
         yield path, f"{_show(inst)} is not one of: {', '.join(str(v) for v in want)}"
@@ -307,7 +312,7 @@ def _derived(doc: Any, file: str, where: _Located) -> Any:
         return doc  # (an unknown trainer is the schema's problem)
     block = trainer.name
     if trainer.options is not None and block in doc:  # derive reads a block its schema holds, or nothing
-        validator = jsonschema.validators.validator_for(trainer.options)(trainer.options)
+        validator = schemas.strict()(trainer.options)
         problems = [
             Problem(file=file, path=json_path([block, *parts]), message=message, line=where.line([block, *parts]))
             for err in validator.iter_errors(doc[block])
@@ -329,11 +334,17 @@ MAX_FILE_BYTES = 1 << 20
 def load_file(path: str | Path) -> list[Scenario]:
     file = str(path)
     try:
-        data = Path(path).read_bytes()
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):  # a FIFO would block the read, /dev/zero would fill the memory
+            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+            message = f"{kind}, not a file; a scenario is a YAML file"
+            raise ScenarioError([Problem(file=file, path="$", message=message)])
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise ScenarioError([Problem(file=file, path="$", message=f"cannot read: {exc.strerror}")]) from None
     if len(data) > MAX_FILE_BYTES:
-        message = f"{len(data):,} bytes: larger than a scenario file can be ({MAX_FILE_BYTES:,} bytes)"
+        message = f"over {MAX_FILE_BYTES:,} bytes: larger than a scenario file can be"
         raise ScenarioError([Problem(file=file, path="$", message=message)])
     try:
         text = data.decode("utf-8")
@@ -543,7 +554,10 @@ def _deepspeed_block(doc: dict[str, Any], file: str, bad: Bad) -> dict[str, Any]
     wrong = dsconfig.not_mappings(ds)
     for key, message in wrong:
         bad(["deepspeed", key], message)
-    return None if wrong else ds
+    switches = [] if wrong else dsconfig.not_switches(ds)
+    for path, message in switches:
+        bad(["deepspeed", *path], message)
+    return None if wrong or switches else ds
 
 
 def _scenario(
