@@ -4,13 +4,14 @@ a model unlike it and for one with frozen parameters and buffers, and bad hooks 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from commgate.core.errors import CommgateError, ScenarioError
 from commgate.judge.reconcile import reconcile
-from commgate.model.loader import load_text
+from commgate.model.loader import load_file, load_text
 from commgate.model.predict import predict
 
 MIXER = "commgate.examples.mixer:build"
@@ -121,6 +122,46 @@ def test_a_build_that_raises_is_one_line() -> None:
     with pytest.raises(CommgateError, match=r"^model.module 'os:getcwd': build\(scenario\) raised TypeError: ") as info:
         predict(s)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        ("import sys\nsys.exit(0)\n", "exited (status 0); a module commgate imports must not end the process"),
+        (
+            "import argparse\nargparse.ArgumentParser().add_argument('--data', required=True)\n"
+            "argparse.ArgumentParser().parse_args(['--nope'])\n",
+            "exited (status 2, having printed ",
+        ),
+        ("raise RuntimeError('boom at import')\n", "raised RuntimeError: boom at import; fix the module"),
+    ],
+    ids=["sys.exit", "argparse", "raises"],
+)
+def test_a_module_that_ends_or_fails_on_import_is_one_line_naming_the_file(
+    body: str, said: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A module calling ``sys.exit`` on import ended ``commgate run --gate`` with status 0 and nothing run;
+    one parsing its own arguments printed its usage as commgate's (found by an adversarial pass)."""
+    (tmp_path / "ends_here.py").write_text(body + "def build(scenario): pass\n")
+    (tmp_path / "s.yaml").write_text(text("ends_here:build", "scheme: ddp, dp: 2"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "ends_here", raising=False)
+    with pytest.raises(ScenarioError) as info:
+        load_file(tmp_path / "s.yaml")
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path / 's.yaml'}:3: $.model.module: importing ends_here ") and said in message
+    assert "\n" not in message
+
+
+def test_a_build_that_fails_names_the_scenario_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "bad_build.py").write_text("def build(scenario): return 5\n")
+    (tmp_path / "s.yaml").write_text(text("bad_build:build", "scheme: ddp, dp: 2"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "bad_build", raising=False)
+    (s,) = load_file(tmp_path / "s.yaml")
+    with pytest.raises(CommgateError) as info:
+        predict(s)
+    assert str(info.value).startswith(f"{tmp_path / 's.yaml'}: model.module 'bad_build:build': build(scenario) must")
 
 
 @pytest.mark.parametrize("m", [1, 2])

@@ -86,8 +86,17 @@ def resolve(spec: str, what: str = "model.module") -> Callable[..., Any]:
     here = os.getcwd()
     if here not in sys.path and "" not in sys.path:
         sys.path.insert(0, here)
+    said = io.StringIO()
     try:
-        fn: Callable[..., Any] = getattr(importlib.import_module(module), attr)
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+            imported = importlib.import_module(module)
+    except SystemExit as exc:  # (argparse's usage error is one): commgate's own command would end with no word
+        last = said.getvalue().strip().splitlines()[-1:] or [""]
+        printed = f", having printed {last[0][:120]!r}" if last[0] else ""
+        raise CommgateError(
+            f"{what} {spec!r}: importing {module} exited (status {exc.code!r}{printed}); a module commgate imports "
+            'must not end the process on import: put its command-line code under `if __name__ == "__main__":`'
+        ) from None
     except ModuleNotFoundError as exc:
         top = module.split(".")[0]
         fix = (
@@ -97,17 +106,33 @@ def resolve(spec: str, what: str = "model.module") -> Callable[..., Any]:
             else ""
         )
         raise CommgateError(f"{what} {spec!r}: cannot be imported ({exc}){fix}") from None
-    except (ImportError, AttributeError) as exc:
+    except ImportError as exc:
+        raise CommgateError(f"{what} {spec!r}: cannot be imported ({exc})") from None
+    except Exception as exc:  # the module's own code failed as it was imported
+        raise CommgateError(
+            f"{what} {spec!r}: importing {module} raised {type(exc).__name__}: {_first_line(exc)}; fix the module "
+            f"(`python -c 'import {module}'` shows where)"
+        ) from None
+    sys.stderr.write(said.getvalue())  # what the module printed as it was imported, once it has imported
+    try:
+        fn: Callable[..., Any] = getattr(imported, attr)
+    except AttributeError as exc:
         raise CommgateError(f"{what} {spec!r}: cannot be imported ({exc})") from None
     return fn
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else "(no message)"
+
+
 def who(scenario: Scenario) -> str:
-    """How a message names the model: the scenario's ``model.module``, or the trainer's own configuration
-    that built it (a Hugging Face job's ``hf.config``), which is what its user wrote."""
+    """How a message names the model: the scenario's file and its ``model.module``, or the trainer's own
+    configuration that built it (a Hugging Face job's ``hf.config``), which is what its user wrote."""
     spec = scenario.model.module
     if scenario.model.builder is None:
-        return f"model.module {spec!r}"
+        where = f"{scenario.file}: " if scenario.file and not scenario.file.startswith("<") else ""
+        return f"{where}model.module {spec!r}"
     source = scenario.trainer_config.get("config")
     return f"{scenario.trainer}.config {source} ({spec})" if source else f"trainer {scenario.trainer}'s model {spec}"
 
