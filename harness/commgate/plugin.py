@@ -20,19 +20,26 @@ if TYPE_CHECKING:
     from commgate.model.scenario import Scenario
 
 SESSION: pytest.StashKey[Session] = pytest.StashKey()
+DEFAULT_SCENARIO_DIR = "scenarios"
+"""Where the gate looks for scenarios when the pytest configuration names no ``commgate_scenario_dirs``."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("commgate", "commgate: communication regression gate for scenario files")
     for name, kwargs in PYTEST_OPTIONS.items():
         group.addoption(f"--commgate-{name}", **kwargs)
-    parser.addini("commgate_scenario_dirs", type="linelist", default=["scenarios"], help="directories (relative to "
-                  "the rootdir) whose every .yaml/.yml file is a scenario; elsewhere a YAML file is one if it declares "
-                  "schema_version or is named on the command line. A scenario file that cannot be read or validated "
-                  "is a collection error.")  # fmt: skip
+    parser.addini(
+        "commgate_scenario_dirs",
+        type="linelist",
+        default=[DEFAULT_SCENARIO_DIR],
+        help="directories (relative to the rootdir) whose every .yaml/.yml file is a scenario; elsewhere a YAML "
+        "file is one if it declares schema_version or is named on the command line. A scenario file that cannot "
+        "be read or validated is a collection error.",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _check_scenario_dirs(config)
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
     progress = _Progress(config)
@@ -40,6 +47,20 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(progress, "commgate-progress")
     config.pluginmanager.register(_OnInterrupt(config.stash[SESSION]), "commgate-interrupt")
     config.add_cleanup(sigterm_as_interrupt())  # SIGTERM unwinds as Ctrl-C does until the session ends
+
+
+def _check_scenario_dirs(config: pytest.Config) -> None:
+    """A ``commgate_scenario_dirs`` the configuration sets names directories that exist: a misspelled one
+    would collect no scenario and the gate would pass having judged nothing. (The default, ``scenarios``,
+    may be absent: a project with commgate installed need not use it.)"""
+    dirs = config.getini("commgate_scenario_dirs")
+    missing = [d for d in dirs if not (config.rootpath / d).is_dir()]
+    if missing and dirs != [DEFAULT_SCENARIO_DIR]:
+        where = config.inipath or config.rootpath
+        raise pytest.UsageError(
+            f"{where}: commgate_scenario_dirs names {', '.join(map(repr, missing))}, not a directory under "
+            f"{config.rootpath}; create it, or fix the name"
+        )
 
 
 class _Progress:

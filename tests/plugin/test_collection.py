@@ -128,3 +128,14 @@ def test_yaml_files_in_a_named_directory_that_are_not_scenarios_are_reported_wit
     result = pytester.runpytest("--collect-only", "-q", "comm")
     assert result.ret == pytest.ExitCode.INTERRUPTED
     result.stdout.fnmatch_lines([f"{comm}/forgot.yaml:1: $: missing required field 'schema_version'"])
+
+
+def test_a_configured_scenario_directory_that_does_not_exist_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    """A misspelled ``commgate_scenario_dirs`` collected nothing and the session passed, having judged no
+    scenario (found by an adversarial pass); the default directory may still be absent."""
+    pytester.makepyfile(test_x="def test_x(): pass\n")
+    assert pytester.runpytest("-p", "no:cacheprovider").ret == pytest.ExitCode.OK  # the default, absent: fine
+    pytester.makeini("[pytest]\ncommgate_scenario_dirs = comm\n")
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: *.ini: commgate_scenario_dirs names 'comm', not a directory under *"])
