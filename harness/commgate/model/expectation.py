@@ -13,9 +13,11 @@ from __future__ import annotations
 import enum
 import math
 from collections import Counter
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import cached_property
+from typing import Any, TypeVar
 
 from commgate.model import dsconfig
 from commgate.model.collectives import OPS, Op, add_traffic
@@ -24,6 +26,8 @@ from commgate.model.paper import eq1_param_count, llama_param_count
 from commgate.model.scenario import Scenario
 from commgate.model.transformer import WIRE_ITEMSIZE, ParamTensor, inventory, param_stages, stage_split
 from commgate.model.usermodule import Buffer
+
+T = TypeVar("T")
 
 
 class Phase(enum.Enum):
@@ -168,6 +172,14 @@ class Context:
     """Everything a scheme component needs to know about a scenario, computed once."""
 
     scenario: Scenario
+
+    def once(self, key: Hashable, make: Callable[[], T]) -> T:
+        """``make()``, computed once per context and ``key``: what a component's collectives and its
+        residuals both read (the same rows, padded, with and without the once-per-run ones)."""
+        memo: dict[Hashable, Any] = self.__dict__.setdefault("_once", {})
+        if key not in memo:
+            memo[key] = make()
+        return memo[key]  # type: ignore[no-any-return]
 
     @cached_property
     def layout(self) -> Layout:

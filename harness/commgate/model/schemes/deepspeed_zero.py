@@ -542,7 +542,12 @@ class DeepSpeedZero3(Zero3):
             replace(base, elements=padded(p.numel, over), source="ZeRO-3 initial all-gather (per parameter)")
             for p in (ctx.trainable if init else ())
         ]
-        rows.append(replace(base, op=Op.BARRIER, dtype="none", calls=3, source="ZeRO-3 construction barriers"))
+        # the rest is the same with or without the once-per-run rows above: built once per context
+        return rows + ctx.once(("ZeRO-3 rows", over), lambda: self._after_init(ctx, base, over))
+
+    def _after_init(self, ctx: Context, base: ExpectedCollective, over: int) -> list[ExpectedCollective]:
+        """The construction barriers, the trace broadcasts and every step's rows."""
+        rows = [replace(base, op=Op.BARRIER, dtype="none", calls=3, source="ZeRO-3 construction barriers")]
         trace = replace(base, op=Op.BROADCAST, dtype="int64", phase=Phase.FORWARD, source="ZeRO-3 trace broadcast")
         par = ctx.scenario.parallelism
         traced_modules, traced_params = zero3_fetch.traced(ctx)

@@ -35,6 +35,7 @@ to the next, and returns each pass's gathers.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import functools
 import sys
@@ -214,6 +215,8 @@ class _State:
     release_cache: dict[tuple[str, int], frozenset[str]] = field(default_factory=dict)
     order: list[Module] | None = None
     """The recorded module trace (None until complete)."""
+    trace: _Trace | None = None
+    """``order`` indexed for the release's look-ahead (made at its first use)."""
     hpz: bool = False
     secondary: set[str] = field(default_factory=set)
     """ZeRO++ hpZ: parameters with a secondary partition (made when a gathered parameter is released;
@@ -388,40 +391,51 @@ def _one_pass(state: _State, hooks: list[Hook]) -> list[Gather]:
     return _Pass(state).run(hooks)
 
 
+NEVER = -(10**10)
+"""The trace position a parameter not fetched yet in this pass was last fetched for."""
+
+
 @dataclass
 class _Pass:
     """One forward-and-backward pass of the coordinator from ``state``: its gathers, the recorded trace
     still ahead (``__param_queue``), where each parameter was last fetched for
-    (``__most_recent_step_id_param_fetched_for``) and the trace position (``__step_id``)."""
+    (``__most_recent_step_id_param_fetched_for``; absent: ``NEVER``) and the trace position (``__step_id``)."""
 
     state: _State
     gathers: list[Gather] = field(default_factory=list)
     queue: collections.deque[tuple[ParamTensor, int]] = field(init=False)
-    recent: dict[str, int] = field(default_factory=lambda: collections.defaultdict(lambda: -(10**10)))
+    recent: dict[str, int] = field(default_factory=dict)
     step_id: int = 0
 
     def __post_init__(self) -> None:
         self.queue = collections.deque((p, i) for i, mod in enumerate(self.state.order or ()) for p in mod.params)
 
     def run(self, hooks: list[Hook]) -> list[Gather]:
+        fetch, release = self.fetch, self.release
         for hook in hooks:
             if hook.fetch:
-                self.fetch(hook)
+                fetch(hook)
             elif hook.module.params:
-                self.release(hook)
+                release(hook)
         return self.gathers
 
     def gather(self, ps: tuple[ParamTensor, ...], hook: Hook, prefetch: bool) -> None:
         state = self.state
-        todo = tuple(p for p in ps if p.name not in state.available)
+        available = state.available
+        todo = tuple(p for p in ps if p.name not in available)
         if not todo:
             return
-        for second in (True, False):  # one call each (all_gather_coalesced per process group)
-            part = tuple(p for p in todo if (p.name in state.secondary) == second)
-            if part:
-                self.gathers.append(Gather(part, hook.backward, prefetch, hook.recompute, second))
-        state.available.update(p.name for p in todo)
-        state.n_available += sum(p.numel for p in todo)
+        if state.secondary:  # one call each (all_gather_coalesced per process group)
+            for second in (True, False):
+                part = tuple(p for p in todo if (p.name in state.secondary) == second)
+                if part:
+                    self.gathers.append(Gather(part, hook.backward, prefetch, hook.recompute, second))
+            state.n_available += sum(p.numel for p in todo)
+        else:
+            call = Gather(todo, hook.backward, prefetch, hook.recompute)
+            self.gathers.append(call)
+            state.n_available += call.numel
+        available.update(p.name for p in todo)
 
     def fetch(self, hook: Hook) -> None:
         """``fetch_sub_module``: the module's own parameters, then (once the trace is recorded) the queue
@@ -431,34 +445,39 @@ class _Pass:
             self.gather(params, hook, False)
         if not hook.trace:
             return
+        active, name = self.state.active, mod.name
         for p in params:
-            self.state.active[p.name].add(mod.name)
+            active[p.name].add(name)
         if self.state.order is not None:
-            self.advance(params)
+            if params:
+                self.advance(params)
             self.prefetch(hook)
         self.step_id += 1
 
     def advance(self, params: tuple[ParamTensor, ...]) -> None:
         """Pop the queue's entries for the parameters this module fetches now (those not fetched for this
         position already)."""
-        due = sum(1 for p in params if self.recent[p.name] < self.step_id)
+        recent, step_id, queue = self.recent, self.step_id, self.queue
+        due = sum(1 for p in params if recent.get(p.name, NEVER) < step_id)
         popped: set[str] = set()
-        while self.queue and len(popped) < due:
-            p, used = self.queue.popleft()
-            self.recent[p.name] = used
+        while queue and len(popped) < due:
+            p, used = queue.popleft()
+            recent[p.name] = used
             popped.add(p.name)
 
     def prefetch(self, hook: Hook) -> None:
-        k, state, queue = self.state.knobs, self.state, self.queue
+        k, state, queue, recent = self.state.knobs, self.state, self.queue, self.recent
         if k.prefetch <= 0 or not queue:
             return
         budget, chosen, numel = min(k.max_live - state.n_available, k.prefetch), {}, 0
+        available = state.available
         while queue and numel < budget:
             p, used = queue.popleft()
-            if self.recent[p.name] < used:
-                self.recent[p.name] = used
-            if p.name not in state.available and p.name not in chosen:
-                chosen[p.name] = p
+            name = p.name
+            if recent.get(name, NEVER) < used:
+                recent[name] = used
+            if name not in available and name not in chosen:
+                chosen[name] = p
                 numel += p.numel
         if chosen:
             self.gather(tuple(chosen.values()), hook, True)
@@ -473,29 +492,63 @@ class _Pass:
             released = _to_release(state, mod, self.step_id, self.recent)
         else:
             released = frozenset(p.name for p in mod.params)
+        active, available, name = state.active, state.available, mod.name
         for p in mod.params:
-            owners = state.active[p.name]
-            owners.discard(mod.name)
-            if p.name in released and p.name in state.available and not owners:
-                state.available.discard(p.name)
+            owners = active[p.name]
+            owners.discard(name)
+            if not owners and p.name in released and p.name in available:
+                available.discard(p.name)
                 state.n_available -= p.numel
                 if state.hpz:
                     state.secondary.add(p.name)
 
 
+@dataclass(frozen=True, slots=True)
+class _Trace:
+    """The recorded trace indexed for ``__params_to_release``'s look-ahead: the elements of the trace before
+    each position, and the positions at which each parameter is used."""
+
+    starts: tuple[int, ...]
+    """``starts[i]``: the elements of the modules at positions ``0 .. i - 1`` (one more entry than modules)."""
+    uses: dict[str, list[int]]
+
+    @classmethod
+    def of(cls, order: list[Module]) -> _Trace:
+        starts: list[int] = [0]
+        uses: dict[str, list[int]] = collections.defaultdict(list)
+        for i, mod in enumerate(order):
+            starts.append(starts[-1] + sum(p.numel for p in mod.params))
+            for p in mod.params:
+                if not uses[p.name] or uses[p.name][-1] != i:
+                    uses[p.name].append(i)
+        return cls(tuple(starts), dict(uses))
+
+    def reused(self, name: str, step_id: int, reuse: int) -> bool:
+        """Whether the modules the look-ahead traverses from ``step_id`` use ``name``: those at positions
+        ``step_id, step_id + 1, ...`` while fewer than ``reuse`` elements lie before them (from ``step_id``)."""
+        if step_id >= len(self.starts) - 1:
+            return False
+        end = bisect.bisect_left(self.starts, self.starts[step_id] + reuse, lo=step_id)
+        at = self.uses.get(name, ())
+        i = bisect.bisect_left(at, step_id)
+        return i < len(at) and at[i] < end
+
+
 def _to_release(state: _State, mod: Module, step_id: int, recent: dict[str, int]) -> frozenset[str]:
     """``__params_to_release``, cached by module and trace position for the rest of the run (as
-    DeepSpeed's ``lru_cache`` does)."""
+    DeepSpeed's ``lru_cache`` does): the module's parameters, less the persistent ones, those fetched for a
+    later position, and those the trace uses again within ``stage3_max_reuse_distance`` elements."""
     key = (mod.name, step_id)
     if key not in state.release_cache:
         assert state.order is not None
-        out = {p.name for p in mod.params if p.name not in state.persistent and recent[p.name] <= step_id}
-        traversed = 0
-        for later in state.order[step_id:]:
-            if traversed >= state.knobs.reuse:
-                break
-            for p in later.params:
-                out.discard(p.name)
-                traversed += p.numel
-        state.release_cache[key] = frozenset(out)
+        reuse = state.knobs.reuse
+        if state.trace is None and reuse > 0:
+            state.trace = _Trace.of(state.order)
+        trace = state.trace
+        state.release_cache[key] = frozenset(
+            p.name
+            for p in mod.params
+            if p.name not in state.persistent and recent.get(p.name, NEVER) <= step_id
+            and not (trace is not None and trace.reused(p.name, step_id, reuse))
+        )
     return state.release_cache[key]
