@@ -435,3 +435,36 @@ def test_the_fixtures_script_records_the_same_calls_under_this_torch(tmp_path: P
     assert len(fresh) == 30
     for old in ("2.8.0", "2.12.1"):
         assert calls(FR_VERSIONS / f"torch-{old}" / "pickle") == fresh, old
+
+
+def test_a_dump_that_names_a_python_object_is_refused_unread(tmp_path: Path) -> None:
+    """A pickle that would call ``os.system`` as it loads ran it (found by an adversarial pass): a dump is
+    torch's pickle of plain containers, so one naming any other object is refused before it is built; torch's
+    own container builders (``torch.jit._pickle``) still load."""
+    import pickle
+
+    from commgate.core.errors import DocumentError
+    from commgate.run.flightrec import read
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self) -> tuple[object, ...]:
+            return (os.system, (f"touch {marker}",))
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "fr_0").write_bytes(pickle.dumps({"version": "2.10", "pg_config": {}, "entries": [], "x": Payload()}))
+    with pytest.raises(DocumentError) as info:
+        read(bad)
+    assert not marker.exists()
+    assert str(info.value) == (
+        f"{bad / 'fr_0'}: $: not a Flight Recorder dump: the pickle names posix.system, which a dump never holds "
+        "(refused, not run)"
+    )
+    good = tmp_path / "good"
+    good.mkdir()
+    sizes = b"ctorch.jit._pickle\nbuild_intlist\n]K\x03a\x85R"  # build_intlist([3]), as torch's C++ pickler names it
+    body = b"\x80\x02}(X\x07\x00\x00\x00versionX\x04\x00\x00\x002.10X\x07\x00\x00\x00entries]X\x01\x00\x00\x00s" + sizes
+    (good / "fr_0").write_bytes(body + b"u.")
+    assert read(good).calls == ()  # loaded: a dump of no calls

@@ -13,11 +13,13 @@ convention), issue order. What a dump cannot tell is said in ``notes``, never gu
   default group is every rank dumped and another group the ranks whose dumps hold calls on it (said);
 * point-to-point: gloo records no send/recv in the Flight Recorder (torch 2.13): none appear (said).
 
-Read with ``pickle`` only from files the user names (a dump is torch's own pickle); commgate stores none.
+Read with a restricted unpickler (``_Dump``): a dump is torch's own pickle of plain containers, strings and
+numbers, and a file that names any other Python object is refused unread, never run. Commgate stores none.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import pickle
@@ -118,13 +120,39 @@ def dump_files(path: Path) -> dict[int, Path]:
     raise _bad(path, "no Flight Recorder dump here (files named <prefix><rank>, as TORCH_FR_DUMP_TEMP_FILE names them)")
 
 
+_JIT_PICKLE = {"build_intlist", "build_doublelist", "build_boollist", "build_tensorlist", "restore_type_tag"}
+"""What torch's C++ pickler may name in a dump of containers (``torch/jit/_pickle.py``): each hands back
+its first argument."""
+
+
+def _first(value: object, *_: object) -> object:
+    return value
+
+
+class _Dump(pickle.Unpickler):
+    """An unpickler of plain data: ``find_class`` grants only torch's container builders (as the identity);
+    any other class or function in the file is refused, so a dump from elsewhere cannot run code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch.jit._pickle" and name in _JIT_PICKLE:
+            return _first
+        raise _Foreign(f"{module}.{name}")
+
+
+class _Foreign(pickle.UnpicklingError):
+    """A pickle naming a Python object a Flight Recorder dump never holds."""
+
+
 def _load(file: Path) -> dict[str, Any]:
     try:
         raw = file.read_bytes()
     except OSError as exc:
         raise _bad(file, f"cannot be read ({exc.strerror or exc})") from None
     try:
-        doc = json.loads(raw) if file.suffix == ".json" else pickle.loads(raw)
+        doc = json.loads(raw) if file.suffix == ".json" else _Dump(io.BytesIO(raw)).load()
+    except _Foreign as exc:
+        message = f"not a Flight Recorder dump: the pickle names {exc}, which a dump never holds (refused, not run)"
+        raise _bad(file, message) from None
     except Exception as exc:  # a truncated pickle raises whatever it stopped in (EOFError, UnpicklingError, ...)
         form = "JSON" if file.suffix == ".json" else "pickle"
         raise _bad(file, f"not a complete Flight Recorder dump ({form}: {exc}); truncated?") from None
