@@ -24,6 +24,8 @@ def pytest_configure(config: pytest.Config) -> None:
     test can kill, where commgate builds them for this environment (``commgate.run.extensions``), and the
     tests load copies from a directory of their own, removed at the end. A ``TORCH_EXTENSIONS_DIR`` already
     set is left as it is."""
+    global TEST_BOUND_S
+    TEST_BOUND_S = _bound_s()  # a usage error here is one line; at import, a traceback
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return
     from commgate.run.extensions import environment_dir
@@ -69,7 +71,20 @@ def _build(where: Path, what: str, code: str, otherwise: str) -> None:
 collect_ignore = ["tests/data"]
 
 
-TEST_BOUND_S = float(os.environ.get("COMMGATE_TEST_BOUND_S") or 1200)
+def _bound_s() -> float:
+    value = os.environ.get("COMMGATE_TEST_BOUND_S", "")
+    try:
+        bound = float(value or 1200)
+    except ValueError:
+        bound = -1.0
+    if not 0 < bound < float("inf"):
+        raise pytest.UsageError(
+            f"COMMGATE_TEST_BOUND_S={value!r}: expected a positive number of seconds (default 1200)"
+        )
+    return bound
+
+
+TEST_BOUND_S = 1200.0
 """No test runs longer (the longest, torchtitan's own 8B and 70B configurations, takes minutes): past it, every
 process the test session started is killed, so that a test waiting on one fails instead of holding CI until its
 own timeout, and the session goes on. ``COMMGATE_TEST_BOUND_S`` sets another bound."""

@@ -124,6 +124,17 @@ def test_predict_matrix_in_json() -> None:
         (["predict", "--model", "13B"], "--model needs --scheme"),
         (["predict", "--scheme", "ddp"], "--scheme needs --model"),
         (["predict", "scenarios", "--model", "13B", "--scheme", "ddp"], "not both"),
+        (["predict", "scenarios/ddp.yaml", "--dp", "8", "--checkpointing"], "(--dp, --checkpointing), not both"),
+        (["predict", "--dp", "8"], "a scenario by flags needs --model PRESET"),
+        (["predict", "--report-dir", ""], "argument --report-dir: an empty path (an unset variable?)"),
+        (["run", "scenarios/ddp.yaml", "--report-dir", ""], "argument --report-dir: an empty path"),
+        (["run", "scenarios/ddp.yaml", "--deadline", "nan"], "--deadline nan: expected a positive, finite number"),
+        (["html", "README.md", "--out", ""], "argument --out: an empty path"),
+        (["capture", "-o", "", "--", "true"], "argument -o/--out: an empty path"),
+        (["capture", "-o", "scenarios", "--", "true"], "-o scenarios: a directory that is not empty; a capture goes"),
+        (["init", "--preset", "19M-cpu", "--schemes", ","], "--schemes ',': name one scheme or more"),
+        (["import", "--neox", "tests/data/neox/13B.yml", "-o", "tests/data/neox/13B.yml"], "is the --neox input"),
+        (["import", "--neox", "tests/data/neox/13B.yml", "-o", "README.md"], "-o README.md exists: give --force"),
         (["predict", "--model", "13B", "--scheme", "tp", "--tp", "3"], "heads a=40 are not divisible by tp"),
         (["predict", "--model", "7B", "--scheme", "ddp", "--dp", "2"], '"7B" is not one of'),
     ],
@@ -219,3 +230,70 @@ def test_a_bad_torchrun_variable_is_one_line(tmp_path: Path) -> None:
         proc.stderr == "commgate: error: environment variable RANK 'x': expected a whole number (torchrun sets it "
         "for each rank); unset it or set it right\n"
     )
+
+
+def test_an_empty_or_bad_html_out_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """``html --out FILE`` was a traceback (NotADirectoryError) (found by an adversarial pass)."""
+    target = tmp_path / "page.html"
+    target.write_text("mine")
+    proc = commgate("html", str(ROOT / "README.md"), "--out", str(target))  # the out directory is checked first
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{target}: cannot write the HTML page there: {target} is not a directory; give another --out" in proc.stderr
+    assert target.read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "says"),
+    [
+        ("COMMGATE_FORKSERVER_START_S", "abc", "'abc' is not a number of seconds"),
+        ("COMMGATE_FORKSERVER_START_S", "nan", "nan: expected a positive, finite number of seconds"),
+        ("COMMGATE_STAMPS", "maybe", "expected one of 1, true, yes, on, 0, false, no, off"),
+    ],
+)
+def test_a_bad_environment_variable_is_one_line_before_anything_runs(name: str, value: str, says: str) -> None:
+    """``COMMGATE_FORKSERVER_START_S=abc`` was a traceback after the run had started; ``COMMGATE_STAMPS=false``
+    left the stamps on (only "0" turned them off) (found by an adversarial pass)."""
+    env = {**os.environ, name: value}
+    proc = subprocess.run(
+        [sys.executable, "-m", "commgate", "run", "scenarios/ddp.yaml"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    from commgate.core.env import VARIABLES
+
+    means = next(v.means for v in VARIABLES if v.name == name)
+    assert (
+        proc.stderr.strip() == f"commgate: error: environment variable {name}={value!r}: {says}; {means}, or unset it"
+    )
+
+
+def test_a_switch_reads_every_spelling_of_off() -> None:
+    from commgate.core import env
+
+    for word, on in [("0", False), ("false", False), ("No", False), ("off", False), ("1", True), ("TRUE", True)]:
+        os.environ["COMMGATE_STAMPS"] = word
+        try:
+            assert env.switch("COMMGATE_STAMPS", True) is on, word
+        finally:
+            del os.environ["COMMGATE_STAMPS"]
+    assert env.switch("COMMGATE_STAMPS", True) is True
+
+
+def test_capture_leaves_no_directory_for_a_command_that_never_started(tmp_path: Path) -> None:
+    proc = commgate("capture", "-o", str(tmp_path / "cap"), "--", str(tmp_path / "no-such-command"))
+    assert proc.returncode != 0
+    assert not (tmp_path / "cap").exists()
+
+
+def test_import_replaces_an_existing_scenario_only_with_force(tmp_path: Path) -> None:
+    out = tmp_path / "s.yaml"
+    out.write_text("mine\n")
+    neox = str(ROOT / "tests" / "data" / "neox" / "13B.yml")
+    assert commgate("import", "--neox", neox, "--dp", "8", "-o", str(out)).returncode == 2
+    assert out.read_text() == "mine\n"
+    done = commgate("import", "--neox", neox, "--dp", "8", "-o", str(out), "--force")
+    assert done.returncode == 0, done.stderr
+    assert out.read_text().startswith("# written by commgate import")

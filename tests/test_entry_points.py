@@ -1,7 +1,12 @@
 """The README's two commands are what `.ci/run` runs and what a newcomer types."""
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -151,3 +156,21 @@ def test_under_load_runs_the_tests_beside_busy_processes_and_kills_them_after(tm
         assert head.startswith("under load: 2 busy processes") and len(pids) == 2
         assert proc.returncode == status, out
         assert not any(os.path.exists(f"/proc/{p}") for p in pids)
+
+
+def test_a_bad_test_bound_is_one_line() -> None:
+    """``COMMGATE_TEST_BOUND_S=abc`` was a traceback while loading the conftest (found by an adversarial pass)."""
+    env = {**os.environ, "COMMGATE_TEST_BOUND_S": "abc"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests/test_units.py"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == pytest.ExitCode.USAGE_ERROR, done.stdout + done.stderr
+    assert (
+        done.stderr.strip()
+        == "ERROR: COMMGATE_TEST_BOUND_S='abc': expected a positive number of seconds (default 1200)"
+    )

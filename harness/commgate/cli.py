@@ -15,9 +15,10 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from commgate import __version__
+from commgate.core import env
 from commgate.core.errors import CommgateError, ScenarioError, UsageError
 from commgate.model.importer import HF_TYPES
 from commgate.model.scenario import LatencyRule
@@ -31,6 +32,14 @@ if TYPE_CHECKING:
     from commgate.session import Session
 
 DEFAULT_SUITE = "scenarios"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line, as every other error of the command (the usage it would print
+    first is what ``--help`` shows)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def default_paths(given: list[str], *, instead: str = "") -> list[str]:
@@ -53,7 +62,7 @@ def default_paths(given: list[str], *, instead: str = "") -> list[str]:
     return dirs
 
 
-def _add_predict(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_predict(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser(
         "predict",
         help="expected communication of scenarios (no torch needed)",
@@ -92,14 +101,18 @@ def _add_predict(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         choices=["true", "false"],
         help="FSDP2, every group (default: torch's choice, the blocks but not the root)",
     )
+    p.set_defaults(scenario_flags=tuple((act.option_strings[0], act.dest, act.default) for act in g._group_actions))
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     o.add_argument("--matrix", action="store_true", help="include the rank x rank traffic matrix")
     o.add_argument("--detail", action="store_true", help="every row of the model (per bucket, layer) with its source")
-    o.add_argument("--report-dir", type=Path, help="also write predictions.json there (atomically)")
+    o.add_argument("--report-dir", type=env.path, help="also write predictions.json there (atomically)")
 
 
 def _flags_document(a: argparse.Namespace) -> dict[str, Any]:
+    if not a.model:
+        raise UsageError(f"{'--scheme' if a.scheme else 'a scenario by flags'} needs --model PRESET (or give scenario "
+                         "files instead)")  # fmt: skip
     if not a.scheme:
         raise UsageError(f"--model needs --scheme ({', '.join(SCHEMES)})")
     model: dict[str, Any] = {"preset": a.model}
@@ -142,12 +155,11 @@ def cmd_predict(a: argparse.Namespace) -> int:
     from commgate.model.predict import predict
     from commgate.report.render import prediction_document, prediction_text, predictions_document
 
-    if a.model and a.paths:
-        raise UsageError("give scenario paths or --model/--scheme flags, not both")
-    if a.model:
+    given = [flag for flag, dest, default in a.scenario_flags if getattr(a, dest) != default]
+    if given and a.paths:  # a flag would be silently ignored: the files are predicted as written
+        raise UsageError(f"give scenario paths or a scenario by flags ({', '.join(given)}), not both")
+    if given:
         scenarios = load_document(_flags_document(a), file="<command line>")
-    elif a.scheme:
-        raise UsageError("--scheme needs --model PRESET (or give scenario files instead)")
     else:
         scenarios = load_paths(default_paths(a.paths, instead=" (or --model/--scheme)"))
     preds = [predict(s) for s in scenarios]
@@ -270,7 +282,15 @@ def cmd_capture(a: argparse.Namespace) -> int:
     from commgate.run.captured import launch
 
     command = a.job[1:] if a.job[:1] == ["--"] else a.job
-    return launch(a.out, command)
+    if a.out.exists() and (not a.out.is_dir() or any(a.out.iterdir())):
+        what = "a file" if not a.out.is_dir() else "a directory that is not empty"
+        raise UsageError(f"-o {a.out}: {what}; a capture goes to a new directory (its files would be overwritten)")
+    new = not a.out.exists()
+    try:
+        return launch(a.out, command)
+    finally:  # a command that never started leaves nothing behind
+        if new and a.out.is_dir() and not any(a.out.iterdir()):
+            a.out.rmdir()
 
 
 def cmd_check(a: argparse.Namespace) -> int:
@@ -362,9 +382,12 @@ def _flight_recorder_alone(a: argparse.Namespace) -> int:
 
 
 def cmd_html(a: argparse.Namespace) -> int:
+    from commgate.core.fsutil import check_writable_dir
     from commgate.report.htmlreport import write
 
-    print(write(a.out or a.report.parent, _load_report(a.report)))
+    out = a.out or a.report.parent
+    check_writable_dir(out, what="the HTML page", fix="give another --out")
+    print(write(out, _load_report(a.report)))
     return 0
 
 
@@ -430,7 +453,7 @@ def cmd_presets(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="commgate",
         description="Regression harness for the communication behaviour of distributed transformer training.",
     )
@@ -451,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--report-dir",
-        type=Path,
+        type=env.path,
         help="write report.json there (rewritten after every scenario), then index.html, plots/ and trace.json",
     )
     r.add_argument("--deadline", type=float, help="seconds per scenario (default: each scenario's deadline_s)")
@@ -470,7 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--baseline-dir",
-        type=Path,
+        type=env.path,
         default=Path("baselines"),
         help="baselines ({backend}/{id}.json) and bandwidth curves (bandwidth-{backend}.json); default ./baselines",
     )
@@ -500,8 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
         "volume, a scenario on one side only, or a slowdown seen in every run.",
     )
     side = "report.json, a directory of runs (*/report.json) or a baseline directory"
-    c.add_argument("before", type=Path, help=side)
-    c.add_argument("after", type=Path, help=side)
+    c.add_argument("before", type=env.path, help=side)
+    c.add_argument("after", type=env.path, help=side)
     c.add_argument(
         "--latency-factor",
         type=float,
@@ -516,8 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
         "html",
         help="render a report.json as index.html with plots and trace.json (what run --report-dir writes)",
     )
-    h.add_argument("report", type=Path, help="a report.json written by `commgate run` or the pytest gate")
-    h.add_argument("--out", type=Path, help="directory for index.html, plots/ and trace.json (default: beside it)")
+    h.add_argument("report", type=env.path, help="a report.json written by `commgate run` or the pytest gate")
+    h.add_argument("--out", type=env.path, help="directory for index.html, plots/ and trace.json (default: beside it)")
     k = sub.add_parser(
         "calibrate",
         help="fit the time model's u, host time per layer pass and lag for this hardware to a report's runs",
@@ -528,8 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
         "curve. Calibrate on runs the model is not judged on (benchmarks/calibration); runs with more local ranks "
         "than cores are left out.",
     )
-    k.add_argument("report", type=Path, help="a report.json from `commgate run` with a bandwidth curve")
-    k.add_argument("--baseline-dir", type=Path, default=Path("baselines"), help="where bandwidth-{backend}.json is")
+    k.add_argument("report", type=env.path, help="a report.json from `commgate run` with a bandwidth curve")
+    k.add_argument("--baseline-dir", type=env.path, default=Path("baselines"), help="where bandwidth-{backend}.json is")
     v = sub.add_parser("validate", help="check scenario files; one line per problem")
     v.add_argument(
         "paths",
@@ -545,9 +568,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write a scenario from existing configs; every key ignored or left out is listed on stderr. "
         "The result validates and predicts.",
     )
-    i.add_argument("--neox", type=Path, help="a GPT-NeoX YAML config (model, parallelism, ZeRO, precision)")
-    i.add_argument("--deepspeed", type=Path, help="a DeepSpeed JSON config (becomes the deepspeed: block)")
-    i.add_argument("--hf", type=Path, help=f"a Hugging Face config.json (model_type {', '.join(HF_TYPES)})")
+    i.add_argument("--neox", type=env.path, help="a GPT-NeoX YAML config (model, parallelism, ZeRO, precision)")
+    i.add_argument("--deepspeed", type=env.path, help="a DeepSpeed JSON config (becomes the deepspeed: block)")
+    i.add_argument("--hf", type=env.path, help=f"a Hugging Face config.json (model_type {', '.join(HF_TYPES)})")
     i.add_argument(
         "--torchtitan",
         metavar="TOML|MODULE:CONFIG",
@@ -566,11 +589,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="commgate (default): a scenario of commgate's own workloads; hf: a Hugging Face Trainer job "
         '(--hf and optionally --deepspeed, "auto" resolved as Trainer resolves it and written out)',
     )
-    i.add_argument("-o", "--out", type=Path, required=True, help="the scenario file to write")
+    i.add_argument("-o", "--out", type=env.path, required=True, help="the scenario file to write (a new one)")
+    i.add_argument("--force", action="store_true", help="overwrite OUT if it exists (never one of the inputs)")
     return parser
 
 
-def _add_init(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_init(sub: argparse._SubParsersAction[_Parser]) -> None:
     from commgate.model.starter import DEFAULT_SCHEMES
 
     n = sub.add_parser(
@@ -584,7 +608,7 @@ def _add_init(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     what = n.add_mutually_exclusive_group(required=True)
     what.add_argument("--module", metavar="PKG.MOD:BUILD", help="your model's build function (docs/scenarios.md)")
     what.add_argument("--preset", help="a model preset (commgate presets)")
-    what.add_argument("--hf", type=Path, metavar="CONFIG.json", help="a Hugging Face config.json, at reduced scale")
+    what.add_argument("--hf", type=env.path, metavar="CONFIG.json", help="a Hugging Face config.json, at reduced scale")
     n.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES), help="comma-separated (default: %(default)s)")
     n.add_argument("--dp", type=int, default=2, help="data-parallel CPU ranks (default 2)")
     n.add_argument("--dir", default="comm", help="the scenario folder (default comm)")
@@ -599,7 +623,7 @@ def _add_init(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def cmd_init(a: argparse.Namespace) -> int:
     from commgate.core.fsutil import atomic_write_text
-    from commgate.model.starter import start
+    from commgate.model.starter import DEFAULT_SCHEMES, start
 
     if a.dp < 1:
         raise UsageError(f"--dp {a.dp}: give 1 or more data-parallel ranks (default 2)")
@@ -611,6 +635,9 @@ def cmd_init(a: argparse.Namespace) -> int:
             "path; run init from the repository's root"
         )
     schemes = tuple(s.strip() for s in a.schemes.split(",") if s.strip())
+    if not schemes:
+        raise UsageError(f"--schemes {a.schemes!r}: name one scheme or more, comma-separated (default: "
+                         f"{','.join(DEFAULT_SCHEMES)})")  # fmt: skip
     got = start(
         repo=Path.cwd(), folder=a.dir, module=a.module, preset=a.preset, hf=a.hf, schemes=schemes, dp=a.dp, s=a.s
     )
@@ -626,7 +653,7 @@ def cmd_init(a: argparse.Namespace) -> int:
     return 0
 
 
-def _add_capture(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_capture(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser(
         "capture",
         help="run a job unchanged (torchrun, srun, ...) and capture every collective of every rank it starts",
@@ -635,7 +662,7 @@ def _add_capture(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "output and exit status pass through. Without this command, COMMGATE_CAPTURE=DIR and PYTHONPATH=<the "
         "directory of commgate.run.external.BOOTSTRAP> in the ranks' environment do the same.",
     )
-    p.add_argument("-o", "--out", type=Path, required=True, help="a new directory for the capture")
+    p.add_argument("-o", "--out", type=env.path, required=True, help="a new directory for the capture")
     p.add_argument("job", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the job's command line")
     c = sub.add_parser(
         "check",
@@ -644,10 +671,10 @@ def _add_capture(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "the model (exact, named terms), the stored baseline, the drift rules; the same report and HTML as a run. "
         "Exit status 1 if the check failed.",
     )
-    c.add_argument("capture", type=Path, nargs="?", metavar="DIR", help="the directory commgate capture -o wrote")
+    c.add_argument("capture", type=env.path, nargs="?", metavar="DIR", help="the directory commgate capture -o wrote")
     c.add_argument(
         "--flight-recorder",
-        type=Path,
+        type=env.path,
         metavar="DUMPS",
         help="PyTorch Flight Recorder dumps (a directory of <prefix><rank> files, pickle or .json, or one of them): "
         "alone, what they hold and where the ranks part; with DIR, each dumped call matched to the capture and "
@@ -655,7 +682,7 @@ def _add_capture(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
     c.add_argument(
         "--scenario",
-        type=Path,
+        type=env.path,
         help="the scenario describing the job (its steps: the captured ones); without it, the baseline and drift "
         "rules alone judge the capture (the model is not checked)",
     )
@@ -664,9 +691,9 @@ def _add_capture(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="without --scenario: the name the capture's baseline is kept under (default: the job's script, "
         "e.g. train for torchrun ... train.py)",
     )
-    c.add_argument("--baseline-dir", type=Path, default=Path("baselines"), help="default ./baselines")
+    c.add_argument("--baseline-dir", type=env.path, default=Path("baselines"), help="default ./baselines")
     c.add_argument("--update-baselines", action="store_true", help="rewrite a baseline whose communication changed")
-    c.add_argument("--report-dir", type=Path, help="write report.json, index.html, plots/ and trace.json there")
+    c.add_argument("--report-dir", type=env.path, help="write report.json, index.html, plots/ and trace.json there")
 
 
 def cmd_compare(a: argparse.Namespace) -> int:
@@ -692,6 +719,7 @@ def cmd_import(a: argparse.Namespace) -> int:
     from commgate.model.loader import load_document
     from commgate.model.predict import predict
 
+    _check_import_out(a)
     if a.name is None:  # the written file's name: imports of one config into several files do not collide
         a.name = scenario_name(a.out)
     got: Imported
@@ -733,6 +761,22 @@ def cmd_import(a: argparse.Namespace) -> int:
     atomic_write_text(a.out, text + yaml.safe_dump(got.doc, sort_keys=False))
     print(f"wrote {a.out}: {scenarios[0].id} ({scenarios[0].parallelism.scheme}, world {scenarios[0].world_size})")
     return 0
+
+
+def _check_import_out(a: argparse.Namespace) -> None:
+    """OUT is never an input (a config would be replaced by the scenario), and an existing file is replaced
+    only with ``--force``."""
+    out = a.out.resolve()
+    for flag in ("neox", "deepspeed", "hf", "torchtitan"):
+        given = getattr(a, flag)
+        if given is not None and Path(given).resolve() == out:
+            raise UsageError(
+                f"-o {a.out} is the --{flag} input: it would be replaced by the scenario; give another file"
+            )
+    if a.out.is_dir():
+        raise UsageError(f"-o {a.out}: a directory; give the scenario file to write (e.g. {a.out / 'job.yaml'})")
+    if a.out.exists() and not a.force:
+        raise UsageError(f"-o {a.out} exists: give --force to replace it, or another file")
 
 
 CPU_MARGIN = 40
@@ -796,6 +840,7 @@ COMMANDS = {
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        env.check()
         return COMMANDS[args.command](args)
     except CommgateError as exc:
         print(f"commgate: error: {exc}" if isinstance(exc, UsageError) else str(exc), file=sys.stderr)

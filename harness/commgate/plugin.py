@@ -54,12 +54,27 @@ def _check_scenario_dirs(config: pytest.Config) -> None:
     would collect no scenario and the gate would pass having judged nothing. (The default, ``scenarios``,
     may be absent: a project with commgate installed need not use it.)"""
     dirs = config.getini("commgate_scenario_dirs")
+    where = config.inipath or config.rootpath
     missing = [d for d in dirs if not (config.rootpath / d).is_dir()]
     if missing and dirs != [DEFAULT_SCENARIO_DIR]:
-        where = config.inipath or config.rootpath
         raise pytest.UsageError(
             f"{where}: commgate_scenario_dirs names {', '.join(map(repr, missing))}, not a directory under "
             f"{config.rootpath}; create it, or fix the name"
+        )
+    root, here = config.rootpath.resolve(), config.invocation_params.dir
+    named = [(here / a.split("::")[0]).resolve() for a in config.args]
+    outside = [
+        d
+        for d in dirs
+        if d not in missing
+        and not (full := (root / d).resolve()).is_relative_to(root)
+        and not any(full.is_relative_to(n) for n in named)
+    ]
+    if outside:  # pytest looks under its rootdir, or where it is told: the gate would judge none of them
+        raise pytest.UsageError(
+            f"{where}: commgate_scenario_dirs names {', '.join(map(repr, outside))}, outside the rootdir {root}, "
+            f"where pytest does not look; name it on the command line (pytest {outside[0]}) or move it under the "
+            "rootdir"
         )
 
 

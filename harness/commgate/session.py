@@ -12,11 +12,13 @@ to the controller's (``part``, ``merge``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from commgate.core import env
 from commgate.core.errors import CommgateError, UsageError
 from commgate.core.fsutil import check_writable_dir
 from commgate.judge.finding import Finding
@@ -24,7 +26,7 @@ from commgate.judge.store import BaselineStore
 from commgate.model.scenario import Backend, Scenario
 from commgate.pipeline import Options, run_scenario
 from commgate.report.report import Report, ScenarioResult
-from commgate.run.inject import Faults, parse
+from commgate.run.inject import SPECS, Faults, parse
 from commgate.run.runners import LocalRanks, Runner
 
 if TYPE_CHECKING:
@@ -44,13 +46,13 @@ PYTEST_OPTIONS: dict[str, dict[str, Any]] = {
                          "changed ones), and report what changed"},
     "refresh-latency": {"action": "store_true", "help": "with --commgate-update-baselines: rewrite unchanged "
                         "baselines too, storing this run's latency samples"},
-    "baseline-dir": {"metavar": "DIR", "type": Path, "help": "where baselines live (default: <rootdir>/baselines)"},
-    "report-dir": {"metavar": "DIR", "type": Path, "help": "write report.json and the HTML there"},
+    "baseline-dir": {"metavar": "DIR", "type": env.path, "help": "where baselines live (default: <rootdir>/baselines)"},
+    "report-dir": {"metavar": "DIR", "type": env.path, "help": "write report.json and the HTML there"},
     "backend": {"choices": ("auto", "gloo", "nccl"), "help": "run every scenario on this backend instead of the one "
                 "it declares"},
     "deadline": {"metavar": "S", "type": float, "help": "per-scenario deadline in seconds"},
     "fault": {"metavar": "FAULT", "action": "append", "default": [], "help": "plant a fault to prove the gate: "
-              "delay-first-recv[=MS], late-rank[=MS], extra-collective, ddp-bucket-mb=MB, zero-stage=N"},
+              + ", ".join(SPECS)},
 }  # fmt: skip
 
 
@@ -96,8 +98,9 @@ def options(
         )
     if refresh_latency and not update:
         raise UsageError(f"{flag('refresh-latency')} works with {flag('update-baselines')}; add it")
-    if deadline is not None and deadline <= 0:
-        raise UsageError(f"{flag('deadline')} {deadline:g}: expected a positive number of seconds")
+    if deadline is not None and not (math.isfinite(deadline) and deadline > 0):
+        raise UsageError(f"{flag('deadline')} {deadline:g}: expected a positive, finite number of seconds")
+    env.check()
     return Options(
         baseline_dir=baseline_dir,
         gate=gate,

@@ -139,3 +139,26 @@ def test_a_configured_scenario_directory_that_does_not_exist_is_a_usage_error(py
     result = pytester.runpytest("-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["ERROR: *.ini: commgate_scenario_dirs names 'comm', not a directory under *"])
+
+
+def test_a_scenario_directory_outside_the_rootdir_is_a_usage_error_unless_named(pytester: pytest.Pytester) -> None:
+    """``commgate_scenario_dirs = ../sc`` passed the existence check and pytest collected nothing there: "no tests
+    ran" with no word why (found by an adversarial pass). Named on the command line, it is collected."""
+    shared = pytester.path / "sc"
+    shared.mkdir()
+    (shared / "s.yaml").write_text(
+        "schema_version: 1\nname: s\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: ddp, dp: 2}\n"
+    )
+    project = pytester.mkdir("proj")
+    (project / "pytest.ini").write_text("[pytest]\ncommgate_scenario_dirs = ../sc\n")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(project)
+        result = pytester.runpytest_subprocess("--collect-only", "-q")
+        assert result.ret == pytest.ExitCode.USAGE_ERROR
+        result.stderr.fnmatch_lines(
+            ["ERROR: *pytest.ini: commgate_scenario_dirs names '../sc', outside the rootdir *; name it on the "
+             "command line (pytest ../sc) or move it under the rootdir"]
+        )  # fmt: skip
+        named = pytester.runpytest_subprocess("--collect-only", "-q", "../sc")
+        assert named.ret == pytest.ExitCode.OK
+        named.stdout.fnmatch_lines(["*s.yaml::s"])

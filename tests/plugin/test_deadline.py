@@ -18,10 +18,12 @@ def test_a_hang_fails_at_the_deadline(pytester: pytest.Pytester, scenario_file: 
     assert "<failure" in (pytester.path / "out.xml").read_text()
 
 
-def test_a_non_positive_deadline_is_a_usage_error(
-    pytester: pytest.Pytester, scenario_file: Callable[..., Path]
+@pytest.mark.parametrize("value", ["0", "nan", "inf"])
+def test_a_non_positive_or_infinite_deadline_is_a_usage_error(
+    value: str, pytester: pytest.Pytester, scenario_file: Callable[..., Path]
 ) -> None:
+    """``nan`` passed the ``<= 0`` check and switched the deadline off (found by an adversarial pass)."""
     scenario_file("g")
-    result = pytester.runpytest("--commgate-deadline", "0")
+    result = pytester.runpytest("--commgate-deadline", value)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--commgate-deadline 0: expected a positive number of seconds*"])
+    result.stderr.fnmatch_lines([f"*--commgate-deadline {value}: expected a positive, finite number of seconds*"])

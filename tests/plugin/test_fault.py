@@ -180,3 +180,19 @@ def test_the_docs_list_every_fault() -> None:
     for doc in ("README.md", "docs/gate.md"):
         row = next(line for line in (root / doc).read_text().splitlines() if line.startswith("| `--commgate-fault"))
         assert [s for s in SPECS if f"`{s}`" not in row] == [], doc
+
+
+@pytest.mark.parametrize("fault", ["delay-first-recv=-500", "late-rank=nan", "ddp-bucket-mb=0", "slow=all_reduce:inf"])
+def test_a_fault_that_would_plant_nothing_is_a_usage_error(fault: str, pytester: pytest.Pytester) -> None:
+    """A delay of -500 ms or nan planted nothing, and the gate "proved" itself on an unfaulted run (found by an
+    adversarial pass)."""
+    result = pytester.runpytest("--commgate-fault", fault)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*--commgate-fault {fault!r}: expected one of *(MS, MB and FACTOR positive numbers)"])
+
+
+def test_the_fault_options_help_names_every_fault(pytester: pytest.Pytester) -> None:
+    from commgate.run.inject import SPECS
+
+    help_text = " ".join(pytester.runpytest("--help").stdout.str().split())
+    assert ", ".join(SPECS) in help_text

@@ -36,6 +36,19 @@ def test_a_report_dir_that_is_a_file_is_a_usage_error(pytester: pytest.Pytester)
                                  "--commgate-report-dir"])  # fmt: skip
 
 
+@pytest.mark.parametrize("option", ["--commgate-report-dir", "--commgate-baseline-dir"])
+def test_an_empty_directory_option_is_a_usage_error_not_the_working_directory(
+    option: str, pytester: pytest.Pytester
+) -> None:
+    """``--commgate-report-dir=$OUT`` with OUT unset wrote report.json and index.html into the working directory,
+    over the user's own index.html (found by an adversarial pass)."""
+    (pytester.path / "index.html").write_text("<h1>mine</h1>")
+    result = pytester.runpytest(f"{option}=")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*argument {option}: an empty path (an unset variable?): give a file or directory"])
+    assert (pytester.path / "index.html").read_text() == "<h1>mine</h1>"
+
+
 def test_a_report_dir_gone_by_the_end_is_one_line_not_a_crash(
     pytester: pytest.Pytester, scenario_file: Callable[..., Path]
 ) -> None:

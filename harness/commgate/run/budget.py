@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from commgate.core import env
 from commgate.model.expectation import Context
 from commgate.model.scenario import Scenario
 from commgate.model.schemes import SCHEMES
@@ -123,7 +124,7 @@ def available() -> int | None:
 
 
 SKIP = "COMMGATE_SKIP_MEMORY_CHECK"
-YES, NO = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+YES, NO = env.ON, ("", *env.OFF)
 
 
 def refusal(scenario: Scenario, runtime: int) -> str | None:

@@ -19,6 +19,7 @@ A fault changes what runs, never what is expected: the gate must notice.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from commgate.core.errors import UsageError
@@ -84,9 +85,9 @@ def parse(specs: list[str]) -> Faults:
         name, _, value = spec.partition("=")
         try:
             if name == "delay-first-recv":
-                faults = replace(faults, delay_first_recv_ms=float(value) if value else 2000.0)
+                faults = replace(faults, delay_first_recv_ms=_positive(value) if value else 2000.0)
             elif name == "late-rank":
-                faults = replace(faults, late_rank_ms=float(value) if value else 400.0)
+                faults = replace(faults, late_rank_ms=_positive(value) if value else 400.0)
             elif name == "extra-collective" and not value:
                 faults = replace(faults, extra_collective=True)
             elif name == "slow" and value:
@@ -95,7 +96,7 @@ def parse(specs: list[str]) -> Faults:
                     raise ValueError
                 faults = replace(faults, slow=(*faults.slow, (op, float(factor) if factor else 2.0)))
             elif name == "ddp-bucket-mb" and value:
-                faults = replace(faults, ddp_bucket_mb=float(value))
+                faults = replace(faults, ddp_bucket_mb=_positive(value))
             elif name == "zero-stage" and value in ("1", "2", "3"):
                 faults = replace(faults, zero_stage=int(value))
             elif name == "env" and (var := value.partition("=")[0]).isidentifier() and "=" in value:
@@ -103,5 +104,15 @@ def parse(specs: list[str]) -> Faults:
             else:
                 raise ValueError
         except ValueError:
-            raise UsageError(f"--commgate-fault {spec!r}: expected one of {', '.join(SPECS)}") from None
+            raise UsageError(
+                f"--commgate-fault {spec!r}: expected one of {', '.join(SPECS)} (MS, MB and FACTOR positive numbers)"
+            ) from None
     return faults
+
+
+def _positive(value: str) -> float:
+    """A fault's size: a positive, finite number (a delay of 0 or -500 ms, or nan, plants nothing)."""
+    number = float(value)
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(value)
+    return number

@@ -34,6 +34,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+from commgate.core import env
 from commgate.core.errors import CommgateError
 from commgate.model.scenario import Scenario
 from commgate.run import budget
@@ -151,7 +152,7 @@ def _forkserver_ready(ctx: ForkServerContext, progress: Callable[[str], None] | 
     ``RunError`` naming any build lock and the bound's variable."""
     if _START_FAILED:
         raise RunError(_START_FAILED[0])
-    bound = float(os.environ.get("COMMGATE_FORKSERVER_START_S") or FORKSERVER_START_S)
+    bound = env.seconds("COMMGATE_FORKSERVER_START_S", FORKSERVER_START_S)
     probe = ctx.Process(target=os.getpid, name="commgate-forkserver-probe", daemon=True)
     errors: list[BaseException] = []
 

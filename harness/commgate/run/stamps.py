@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from commgate.core import env
+
 SOURCE = r"""
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <atomic>
@@ -73,7 +75,8 @@ int64_t stamp(int64_t token) {
 """
 
 OFF = "COMMGATE_STAMPS"
-"""``COMMGATE_STAMPS=0``: neither build nor load the extension (the poller stamps every call)."""
+"""``COMMGATE_STAMPS=0`` (or false, no, off): neither build nor load the extension (the poller stamps every
+call)."""
 
 RUNNING, REUSED = -1, -2
 """``stamp``'s answers other than a time."""
@@ -95,7 +98,7 @@ def build() -> ModuleType | None:
     """Build (once per environment) and load the extension; None where it cannot be built (no compiler:
     the poller stamps everything), with the reason on stderr."""
     global _MODULE
-    if os.environ.get(OFF) == "0":
+    if not env.switch(OFF, True):
         return None
     from commgate.run.extensions import use_environment_dir
 
@@ -118,7 +121,7 @@ def build() -> ModuleType | None:
 def loaded() -> ModuleType | None:
     """The extension if this process has it, or can load it already built; never builds."""
     global _MODULE
-    if os.environ.get(OFF) == "0":
+    if not env.switch(OFF, True):
         return None
     if _MODULE is not None:
         return _MODULE

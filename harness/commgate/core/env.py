@@ -1,0 +1,96 @@
+"""The environment variables and command-line values commgate reads, each parsed in one place, so that a
+value that is not one (``COMMGATE_STAMPS=false`` read as "not 0", ``--deadline nan``, an unset variable's
+empty path read as the working directory) is refused in one line instead of taken for something else.
+
+``check()`` runs where a command or a pytest session starts: a bad variable is a usage error before anything
+runs, not a traceback minutes later in a forkserver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from commgate.core.errors import UsageError
+
+ON, OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+"""How a switch is written (any case); empty or unset is the switch's default."""
+
+
+@dataclass(frozen=True, slots=True)
+class Variable:
+    name: str
+    kind: str
+    """``switch`` (ON or OFF) or ``seconds`` (a positive, finite number)."""
+    means: str
+    """What it does, in the words of a one-line error."""
+
+
+SWITCH, SECONDS = "switch", "seconds"
+VARIABLES = (
+    Variable("COMMGATE_STAMPS", SWITCH, "0 (or false, no, off) stamps every call by the poller, not in C++"),
+    Variable("COMMGATE_SKIP_MEMORY_CHECK", SWITCH, "1 (or true, yes, on) skips the memory check"),
+    Variable("COMMGATE_FORKSERVER_START_S", SECONDS, "the bound on the forkserver's first start, in seconds"),
+)
+"""The variables of this kind (each read through ``switch`` or ``seconds``); the others have their own
+checks where they are read (``COMMGATE_LINK``, ``COMMGATE_NETNS``: a link or a namespace)."""
+
+
+def switch(name: str, default: bool) -> bool:
+    """The switch ``name``: ``default`` when unset or empty; ``UsageError`` naming it when it is neither on nor
+    off."""
+    value = os.environ.get(name, "")
+    word = value.strip().lower()
+    if not word:
+        return default
+    if word in ON or word in OFF:
+        return word in ON
+    raise UsageError(f"environment variable {name}={value!r}: expected one of {', '.join(ON + OFF)}; {_means(name)}")
+
+
+def seconds(name: str, default: float) -> float:
+    """The positive, finite number of seconds ``name`` holds (``default`` when unset or empty); ``UsageError``
+    naming it otherwise."""
+    value = os.environ.get(name, "")
+    if not value.strip():
+        return default
+    try:
+        return positive_seconds(value)
+    except argparse.ArgumentTypeError as exc:
+        raise UsageError(f"environment variable {name}={value!r}: {exc}; {_means(name)}") from None
+
+
+def check() -> None:
+    """Every variable of ``VARIABLES`` that is set, read as it will be (the first bad one raises)."""
+    for v in VARIABLES:
+        if v.kind == SWITCH:
+            switch(v.name, False)
+        else:
+            seconds(v.name, 1.0)
+
+
+def _means(name: str) -> str:
+    return next(v.means for v in VARIABLES if v.name == name) + ", or unset it"
+
+
+def positive_seconds(text: str) -> float:
+    """An argument type: a positive, finite number (``nan`` and ``inf`` parse as floats and pass ``> 0``
+    checks, or fail none)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text}: expected a positive, finite number of seconds")
+    return value
+
+
+def path(text: str) -> Path:
+    """An argument type: a path that is not empty (``Path("")`` is the working directory, where an unset
+    ``$VAR`` would have the files written)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (an unset variable?): give a file or directory")
+    return Path(text)
