@@ -133,6 +133,7 @@ def test_predict_matrix_in_json() -> None:
         (["capture", "-o", "", "--", "true"], "argument -o/--out: an empty path"),
         (["capture", "-o", "scenarios", "--", "true"], "-o scenarios: a directory that is not empty; a capture goes"),
         (["init", "--preset", "19M-cpu", "--schemes", ","], "--schemes ',': name one scheme or more"),
+        (["init", "--preset", "13b"], "--preset '13b': not a model preset; did you mean '13B'?"),
         (["import", "--neox", "tests/data/neox/13B.yml", "-o", "tests/data/neox/13B.yml"], "is the --neox input"),
         (["import", "--neox", "tests/data/neox/13B.yml", "-o", "README.md"], "-o README.md exists: give --force"),
         (["predict", "--model", "13B", "--scheme", "tp", "--tp", "3"], "heads a=40 are not divisible by tp"),

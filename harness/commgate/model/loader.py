@@ -158,12 +158,10 @@ def _describe(err: jsonschema.ValidationError) -> Iterator[tuple[list[Any], str]
             yield [*path, key], f"unknown field {key!r}; {hint}expected one of: {', '.join(allowed)}"
     elif kind == "type":
         wanted = [want] if isinstance(want, str) else want
-        whole = isinstance(inst, float) and inst.is_integer() and "integer" in wanted
         yield (
             path,
             f"{_show(inst)} is {'an' if _type_name(inst)[0] in 'aeiou' else 'a'} {_type_name(inst)}, "
-            f"expected {want if isinstance(want, str) else ' or '.join(want)}"
-            + (f" (write {int(inst)}, without the fraction)" if whole and abs(inst) < 1e18 else ""),
+            f"expected {want if isinstance(want, str) else ' or '.join(want)}{_type_hint(inst, wanted)}",
         )
     elif kind == "enum":
         yield path, f"{_show(inst)} is not one of: {', '.join(str(v) for v in want)}"
@@ -329,6 +327,24 @@ def _derived(doc: Any, file: str, where: _Located) -> Any:
 
 MAX_FILE_BYTES = 1 << 20
 """A scenario file is at most this large (a YAML document larger than 1 MiB is not a scenario)."""
+
+
+YAML11_FLOAT = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")
+"""A number YAML 1.1 (PyYAML) reads as a string: an exponent without a dot in the mantissa (``1e-3``), or
+without its sign (``1.0e3``)."""
+
+
+def _type_hint(inst: Any, wanted: list[str]) -> str:
+    """How to write what was meant, where the value is one written the other way: ``2.0`` for a count,
+    ``1e-3`` (a string to YAML 1.1) for a number."""
+    if isinstance(inst, float) and inst.is_integer() and "integer" in wanted and abs(inst) < 1e18:
+        return f" (write {int(inst)}, without the fraction)"
+    if isinstance(inst, str) and "number" in wanted and YAML11_FLOAT.fullmatch(inst.strip()):
+        mantissa, _, exponent = inst.strip().lower().partition("e")
+        dotted = mantissa if "." in mantissa else f"{mantissa}.0"
+        signed = exponent if exponent[0] in "+-" else f"+{exponent}"  # YAML 1.1's exponent has its sign
+        return f" (YAML reads {inst} as a string: write {dotted}e{signed})"
+    return ""
 
 
 def load_file(path: str | Path) -> list[Scenario]:

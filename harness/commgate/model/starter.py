@@ -9,6 +9,7 @@ it writes validates and predicts before anything is written; a file that exists 
 from __future__ import annotations
 
 import configparser
+import difflib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,6 +94,12 @@ def _model(
     if module:
         return {"module": module, "s": s or MODULE_S}, module.split(":")[0].split(".")[-1]
     if preset:
+        from commgate.model.transformer import PRESETS
+
+        if preset not in PRESETS:
+            close = difflib.get_close_matches(preset, list(PRESETS), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise UsageError(f"--preset {preset!r}: not a model preset; {hint}`commgate presets` lists them")
         return {"preset": preset} | ({"s": s} if s else {}), preset
     from commgate.model.importer import build
 
