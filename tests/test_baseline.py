@@ -42,7 +42,8 @@ def test_compare_names_every_difference_with_obtained_expected_and_delta() -> No
     [
         (
             "truncated.json",
-            r"truncated\.json:\d+: \$: not valid JSON \(.*\); delete it or rerun with --commgate-update-baselines$",
+            r"truncated\.json:\d+: \$: not valid JSON \(.*\); delete it: the next gated run \(pytest, commgate run "
+            r"--gate, commgate check\) writes it anew$",
         ),
         (
             "newer.json",

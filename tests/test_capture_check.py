@@ -176,3 +176,166 @@ def test_a_missing_or_empty_capture_is_one_line_naming_the_file_and_field(tmp_pa
     assert "ERROR   job (ddp, 2 ranks" in run.stdout
     assert f"{comm / 'job.yaml'}: capture: {comm / 'empty'}: $: not a capture: no rank<N>.json in it" in run.stdout
     assert not (tmp_path / "baselines").exists()  # nothing written
+
+
+# ------------------------------------------------------------------------------ hand-made capture directories
+
+
+def hand_capture(d: Path, monkeypatch: pytest.MonkeyPatch, world: int = 2) -> Path:
+    """A 2-step capture of ``world`` ranks (one all-reduce a step) written by the ranks' own writers
+    (``commgate.run.external._meta``, ``write_rank_calls``), with ``job.json`` as ``commgate capture`` leaves
+    it: no rank started."""
+    from commgate.core.fsutil import atomic_write_json
+    from commgate.model.collectives import Op
+    from commgate.run import external
+    from commgate.run.capture import CapturedCall, StepWindow, write_rank_calls
+
+    d.mkdir(parents=True)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv(external.JOB_ENV, "job-1")
+    monkeypatch.setenv(external.COMMAND_ENV, "torchrun --nproc-per-node 2 train.py")
+    fixed = {"stack": {"hardware": "cpu x2", "cuda": None, "rocm": None, "backend_version": None},
+             "versions": {"python": "3", "torch": "2", "deepspeed": None, "commgate": "0"}}  # fmt: skip
+    group = tuple(range(world))
+    for r in range(world):
+        calls = [
+            CapturedCall(rank=r, seq=s, step=s, phase="backward", op=Op("all_reduce"), group=group, peer=None,
+                         dtype="fp32", elements=256, bytes=1024, tensors=1, start_ns=1000 * s + 10, duration_ns=50)
+            for s in range(2)
+        ]  # fmt: skip
+        windows = [StepWindow(rank=r, step=s, start_ns=1000 * s, end_ns=1000 * s + 900) for s in range(2)]
+        write_rank_calls(d / f"rank{r}.json", calls, windows)
+        state = external._State(out=d, rank=r, inner="gloo", requested="gloo", fixed=fixed)
+        atomic_write_json(d / f"rank{r}.meta.json", external._meta(state, "exited", 2))
+    atomic_write_json(d / "job.json", {"command": "torchrun train.py", "job": "job-1", "exit_status": 0, "wall_s": 1})
+    return d
+
+
+DROP = object()
+"""``edit``'s value that removes the key."""
+
+
+def edit(file: Path, **changes: object) -> None:
+    """Set (or, given ``DROP``, remove) top-level keys of the JSON object in ``file``."""
+    doc = json.loads(file.read_text())
+    for key, value in changes.items():
+        if value is DROP:
+            del doc[key]
+        else:
+            doc[key] = value
+    file.write_text(json.dumps(doc))
+
+
+def check_in_process(cap: Path, store: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    from commgate.cli import main
+
+    status = main(["check", str(cap), "--name", "j", "--baseline-dir", str(store)])
+    out, err = capsys.readouterr()
+    return status, out, err.strip()
+
+
+def test_a_hand_made_capture_is_judged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The helper's capture, as the ranks' writers write it, passes the meta's schema and is judged."""
+    cap = hand_capture(tmp_path / "cap", monkeypatch)
+    status, out, err = check_in_process(cap, tmp_path / "b", capsys)
+    assert status == 1 and err == "", err  # no baseline yet: written, and failed
+    assert out.startswith(f"{cap}: unknown (COMMGATE_CAPTURE in the environment), 2 ranks on ")
+    assert "2 step(s) by optimizer step hooks" in out and "; exit status 0" in out.splitlines()[0]
+    assert (tmp_path / "b" / "gloo" / "j.json").is_file()
+
+
+FIX = "; capture the job again (commgate capture -o NEW_DIR -- COMMAND)"
+MALFORMED_IDS = ["no-step-marks", "world-abc", "world-0", "world-neg", "world-float", "world-huge", "stack-str"]
+MALFORMED_IDS += ["stack-value", "rank-str", "job-null", "backend-null", "meta-version"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "says"),
+    [
+        ({"step_marks": DROP}, "$: 'step_marks' is a required property"),
+        ({"world_size": "abc"}, "$.world_size: 'abc' is not of type 'integer'"),
+        ({"world_size": 0}, "$.world_size: 0 is less than the minimum of 1"),
+        ({"world_size": -1}, "$.world_size: -1 is less than the minimum of 1"),
+        ({"world_size": 2.0}, "$.world_size: 2.0 is not of type 'integer'"),
+        ({"world_size": 10_000_000_000}, "$.world_size: 10000000000 is greater than the maximum of 1048576"),
+        ({"stack": "x"}, "$.stack: 'x' is not of type 'object'"),
+        ({"stack": {"hardware": 3}}, "$.stack.hardware: 3 is not of type 'string', 'null'"),
+        ({"rank": "0"}, "$.rank: '0' is not of type 'integer'"),
+        ({"job": None}, "$.job: None is not of type 'string'"),
+        ({"backend": None}, "$.backend: None is not of type 'string'"),
+        ({"meta_version": 2}, "$.meta_version: 1 was expected"),
+    ],
+    ids=MALFORMED_IDS,
+)
+def test_a_malformed_meta_is_one_line_naming_the_file_the_field_and_the_value(
+    changes: dict[str, object],
+    says: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Each of these was a traceback (KeyError, ValueError, ZeroDivisionError, AttributeError), or, for
+    10**10 ranks, gigabytes of memory: the meta is held to its schema before anything reads it."""
+    cap = hand_capture(tmp_path / "cap", monkeypatch)
+    edit(cap / "rank0.meta.json", **changes)
+    status, out, err = check_in_process(cap, tmp_path / "b", capsys)
+    assert (status, out) == (2, "")
+    assert err == f"{cap / 'rank0.meta.json'}: {says}{FIX}"
+    assert not (tmp_path / "b").exists()  # nothing written
+
+
+def test_a_world_larger_than_the_ranks_present_is_told_in_bounded_words(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A million ranks said, two present: the first missing ones are named and the rest counted (neither
+    the message nor the memory grows with the world)."""
+    cap = hand_capture(tmp_path / "cap", monkeypatch)
+    for r in (0, 1):
+        edit(cap / f"rank{r}.meta.json", world_size=1048576)
+    status, _, err = check_in_process(cap, tmp_path / "b", capsys)
+    names = ", ".join(f"rank{r}.json" for r in range(2, 10))
+    assert status == 2 and err == (
+        f"{cap}: $: ranks [2, 3, 4, 5, 6, 7, 8, 9, ...] of a world of 1048576 are missing ({names} and 1048566 "
+        "more): a rank's capture is written when the rank ends; was it killed outright (SIGKILL)?"
+    )
+
+
+def test_a_rank_outside_the_world_is_one_line_naming_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """rank7 of a world of 2 beside ranks 0 and 1 was judged as 3 ranks, then as 2."""
+    cap = hand_capture(tmp_path / "cap", monkeypatch)
+    shutil.copy(cap / "rank1.json", cap / "rank7.json")
+    shutil.copy(cap / "rank1.meta.json", cap / "rank7.meta.json")
+    edit(cap / "rank7.meta.json", rank=7)
+    status, out, err = check_in_process(cap, tmp_path / "b", capsys)
+    assert (status, out) == (2, "")
+    assert err == (
+        f"{cap / 'rank7.meta.json'}: $.rank: rank 7 of a world of 2: no such rank; remove rank7.json and "
+        "rank7.meta.json, or capture the job again into a directory of its own"
+    )
+
+
+def test_a_rank_file_under_another_name_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """rank01.json is no name a rank writes: read as rank 1 it would stand beside (or replace) rank1.json."""
+    cap = hand_capture(tmp_path / "cap", monkeypatch)
+    shutil.copy(cap / "rank1.json", cap / "rank01.json")
+    status, _, err = check_in_process(cap, tmp_path / "b", capsys)
+    assert status == 2
+    assert err == f"{cap / 'rank01.json'}: $: not a rank's file name (rank 1's is rank1.json); remove or rename it"
+
+
+def test_a_malformed_job_file_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cap = hand_capture(tmp_path / "cap", monkeypatch)
+    (cap / "job.json").write_text("[]")
+    status, _, err = check_in_process(cap, tmp_path / "b", capsys)
+    assert status == 2 and err == f"{cap / 'job.json'}: $: [] is not of type 'object'{FIX}"
+    (cap / "job.json").write_text(json.dumps({"command": "x", "exit_status": "0"}))
+    status, _, err = check_in_process(cap, tmp_path / "b", capsys)
+    assert status == 2 and err == f"{cap / 'job.json'}: $.exit_status: '0' is not of type 'integer'{FIX}"

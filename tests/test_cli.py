@@ -131,7 +131,7 @@ def test_predict_matrix_in_json() -> None:
         (["run", "scenarios/ddp.yaml", "--deadline", "nan"], "--deadline nan: expected a positive, finite number"),
         (["html", "README.md", "--out", ""], "argument --out: an empty path"),
         (["capture", "-o", "", "--", "true"], "argument -o/--out: an empty path"),
-        (["capture", "-o", "scenarios", "--", "true"], "-o scenarios: a directory that is not empty; a capture goes"),
+        (["capture", "-o", "scenarios", "--", "true"], "capture: scenarios is a directory that is not empty"),
         (["init", "--preset", "19M-cpu", "--schemes", ","], "--schemes ',': name one scheme or more"),
         (["init", "--preset", "13b"], "--preset '13b': not a model preset; did you mean '13B'?"),
         (["import", "--neox", "tests/data/neox/13B.yml", "-o", "tests/data/neox/13B.yml"], "is the --neox input"),

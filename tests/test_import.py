@@ -61,6 +61,7 @@ def test_hugging_face_and_deepspeed_configs(tmp_path: Path, capsys: pytest.Captu
     assert "rotary_pct ignored" in err
     assert 'optimizer.params.eps, optimizer.params.weight_decay: "auto" is Hugging Face' in err
     assert "import with --trainer hf" in err
+    out = tmp_path / "refused.yaml"
     hf.write_text(json.dumps({"model_type": "llama", "hidden_size": 4096}))
     assert main(["import", "--hf", str(hf), "-o", str(out)]) == 2
     assert "num_attention_heads missing" in capsys.readouterr().err
@@ -93,6 +94,7 @@ def test_llama_family_hugging_face_configs(
     assert m.qkv_bias == config.startswith("qwen")
     assert "rope_theta ignored" in capsys.readouterr().err
     # the reduced variant keeps the layers, heads and key/value heads, the MLP's ratio to h, and splits over tp
+    out = tmp_path / "s-cpu.yaml"
     assert main(["import", "--hf", str(HF / config), "--tp", "2", "--cpu", "-o", str(out)]) == 0
     (small,) = load_file(out)
     r = small.model
@@ -121,7 +123,7 @@ def test_a_value_that_is_not_a_number_is_one_line(tmp_path: Path, capsys: pytest
     ds.write_text(json.dumps({"zero_optimization": {"stage": "x"}}))
     assert main(["import", "--hf", str(HF / "tinyllama-1.1b.json"), "--deepspeed", str(ds), "-o", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "deepspeed zero_optimization.stage: 'x' is not a whole number" in err and "Traceback" not in err
+    assert "ds.json: zero_optimization.stage: 'x' is not a whole number" in err and "Traceback" not in err
     assert not out.exists()
 
 
@@ -166,3 +168,205 @@ def test_imports_of_one_config_into_several_files_do_not_collide(tmp_path: Path)
     assert main(["validate", str(tmp_path)]) == 0
     assert main(["import", "--hf", str(hf), "--dp", "2", "--name", "mine", "-o", str(tmp_path / "x.yaml")]) == 0
     assert load_file(tmp_path / "x.yaml")[0].id == "mine"
+
+
+def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one line ``commgate import argv`` fails with (exit status 2, nothing written)."""
+    assert main(["import", *argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("commgate: error: "), err
+    return err.removeprefix("commgate: error: ").rstrip("\n")
+
+
+NEOX_SMALL = "num-layers: 2\nhidden-size: 64\nnum-attention-heads: 4\nseq-length: 128\n"
+
+
+def test_a_zero_stage_deepspeed_has_not_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Stage 5 in the DeepSpeed JSON, 7 in the NeoX config, a number past a float's 53 bits: one line naming the
+    file that states it, the key, the value as written, and the stages there are."""
+    neox, ds, out = tmp_path / "base.yml", tmp_path / "d.json", tmp_path / "x.yaml"
+    neox.write_text(NEOX_SMALL)
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 5}}))
+    assert refused(["--neox", str(neox), "--deepspeed", str(ds), "--dp", "2", "-o", str(out)], capsys) == (
+        f"{ds}: zero_optimization.stage: 5 is not a ZeRO stage: give 0, 1, 2 or 3"
+    )
+    for stage in ("7", "99999999999999999999999"):
+        neox.write_text(NEOX_SMALL + f"zero_optimization: {{stage: {stage}}}\n")
+        assert refused(["--neox", str(neox), "--dp", "2", "-o", str(out)], capsys) == (
+            f"{neox}: zero_optimization.stage: {stage} is not a ZeRO stage: give 0, 1, 2 or 3"
+        )
+    ds.write_text(json.dumps({"zero_optimization": {"overlap_comm": True}}))  # the stage is the NeoX config's
+    assert refused(["--neox", str(neox), "--deepspeed", str(ds), "--dp", "2", "-o", str(out)], capsys).startswith(
+        f"{neox}: zero_optimization.stage: 99999999999999999999999 is not"
+    )
+    assert not out.exists()
+
+
+def test_neox_parallel_degrees_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A negative degree is refused; pipe-parallel-size 0 (GPT-NeoX's model without its pipeline wrapper) is
+    pp 1, saying so."""
+    neox, out = tmp_path / "n.yml", tmp_path / "x.yaml"
+    neox.write_text(NEOX_SMALL + "pipe-parallel-size: 0\nmodel-parallel-size: -2\n")
+    assert refused(["--neox", str(neox), "--dp", "2", "-o", str(out)], capsys) == (
+        f"{neox}: model-parallel-size: -2 is not 1 or more: give 1 (no tensor parallelism) or more"
+    )
+    neox.write_text(NEOX_SMALL + "pipe-parallel-size: -1\n")
+    assert refused(["--neox", str(neox), "--dp", "2", "-o", str(out)], capsys) == (
+        f"{neox}: pipe-parallel-size: -1 is not 0 or more: give 0 (no pipeline) or the stage count"
+    )
+    neox.write_text(NEOX_SMALL.replace("num-layers: 2", "num-layers: 0"))
+    assert (
+        refused(["--neox", str(neox), "--dp", "2", "-o", str(out)], capsys) == f"{neox}: num-layers: 0 is not 1 or more"
+    )
+    neox.write_text(NEOX_SMALL + "pipe-parallel-size: 0\n")
+    assert main(["import", "--neox", str(neox), "--dp", "2", "-o", str(out)]) == 0
+    note = f"{neox}: pipe-parallel-size 0 (GPT-NeoX's model without its pipeline wrapper): pp 1"
+    assert f"note: {note}" in capsys.readouterr().err
+    doc = yaml.safe_load(out.read_text())
+    assert doc["parallelism"]["pp"] == 1 and note in doc["notes"]
+
+
+def test_a_key_given_twice_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """JSON and YAML keep the last of a key given twice, silently: a DeepSpeed JSON, a NeoX config (YAML or
+    JSON) and a config.json with one are refused, naming the key (its place) and both values or lines."""
+    neox, ds, hf, out = tmp_path / "n.yml", tmp_path / "d.json", tmp_path / "config.json", tmp_path / "x.yaml"
+    neox.write_text(NEOX_SMALL)
+    ds.write_text('{"zero_optimization": {"stage": 2}, "zero_optimization": {"stage": 3}}')
+    assert refused(["--neox", str(neox), "--deepspeed", str(ds), "--dp", "2", "-o", str(out)], capsys) == (
+        f'{ds}: zero_optimization: given twice ({{"stage": 2}}, then {{"stage": 3}}); JSON keeps only the last '
+        "silently: give it once"
+    )
+    ds.write_text('{"zero_optimization": {"stage": 2, "overlap_comm": true, "stage": 3}}')
+    assert refused(["--neox", str(neox), "--deepspeed", str(ds), "--dp", "2", "-o", str(out)], capsys) == (
+        f"{ds}: zero_optimization.stage: given twice (2, then 3); JSON keeps only the last silently: give it once"
+    )
+    neox.write_text("num-layers: 2\nhidden-size: 64\nnum-layers: 4\nnum-attention-heads: 4\nseq-length: 128\n")
+    assert refused(["--neox", str(neox), "--dp", "2", "-o", str(out)], capsys) == (
+        f"{neox}:3: num-layers: duplicate key 'num-layers' (first on line 1); YAML would keep only the last: "
+        "give it once"
+    )
+    neox_json = tmp_path / "n.json"
+    neox_json.write_text(
+        '{"num-layers": 2, "hidden-size": 64, "num-attention-heads": 4, "seq-length": 128, "num-layers": 4}'
+    )
+    assert refused(["--neox", str(neox_json), "--dp", "2", "-o", str(out)], capsys) == (
+        f"{neox_json}: num-layers: given twice (2, then 4); JSON keeps only the last silently: give it once"
+    )
+    text = (HF / "tinyllama-1.1b.json").read_text()
+    hf.write_text(text.replace('"hidden_size": 2048,', '"hidden_size": 2048, "hidden_size": 1024,'))
+    assert refused(["--hf", str(hf), "--dp", "2", "-o", str(out)], capsys) == (
+        f"{hf}: hidden_size: given twice (2048, then 1024); JSON keeps only the last silently: give it once"
+    )
+    assert not out.exists()
+
+
+def test_hugging_face_values_of_another_type_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A string where transformers holds a boolean or a number ("false" is true in Python), a size of 0: one
+    line each, naming the key and the value as the file writes it."""
+    base = json.loads((HF / "tinyllama-1.1b.json").read_text())
+    hf, out = tmp_path / "config.json", tmp_path / "x.yaml"
+    for change, message in (
+        (
+            {"tie_word_embeddings": "false"},
+            'tie_word_embeddings: "false" is not a boolean: give true or false (no quotes)',
+        ),
+        ({"attention_bias": "false"}, 'attention_bias: "false" is not a boolean: give true or false (no quotes)'),
+        ({"hidden_size": "64"}, 'hidden_size: "64" is not a whole number of 1 or more: give one (no quotes)'),
+        ({"num_hidden_layers": 0}, "num_hidden_layers: 0 is not a whole number of 1 or more: give one (no quotes)"),
+        (
+            {"intermediate_size": 5632.5},
+            "intermediate_size: 5632.5 is not a whole number of 1 or more: give one (no quotes)",
+        ),
+        ({"head_dim": "x"}, 'head_dim: "x" is not a whole number of 1 or more: give one (no quotes)'),
+        ({"torch_dtype": 16}, "torch_dtype: 16 is not a dtype's name: give one, such as bfloat16"),
+    ):
+        hf.write_text(json.dumps(base | change))
+        assert refused(["--hf", str(hf), "--dp", "2", "-o", str(out)], capsys) == f"{hf}: {message}"
+    hf.write_text(json.dumps(base | {"max_position_embeddings": "x"}))
+    assert refused(["--trainer", "hf", "--hf", str(hf), "--dp", "2", "-o", str(out)], capsys) == (
+        f'{hf}: max_position_embeddings: "x" is not a whole number of 1 or more: give one'
+    )
+    assert not out.exists()
+
+
+def test_hugging_face_dtypes_and_defaults_are_said(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A dtype commgate does not model is named; transformers 5's ``dtype`` is read (before ``torch_dtype``,
+    as transformers does); a key left out is what transformers builds (LlamaConfig's intermediate_size 11008,
+    MistralConfig's num_key_value_heads 8), each one said."""
+    base = json.loads((HF / "tinyllama-1.1b.json").read_text())
+    hf = tmp_path / "config.json"
+
+    def imported(cfg: dict[str, object]) -> tuple[dict[str, object], list[str]]:
+        out = tmp_path / f"x{len(list(tmp_path.glob('x*.yaml')))}.yaml"
+        hf.write_text(json.dumps(cfg))
+        assert main(["import", "--hf", str(hf), "--dp", "2", "-o", str(out)]) == 0
+        capsys.readouterr()
+        doc = yaml.safe_load(out.read_text())
+        return doc["model"], doc["notes"]
+
+    model, notes = imported(base | {"torch_dtype": "float8"})
+    assert "dtype" not in model
+    assert (
+        f"{hf}: torch_dtype 'float8' is not modelled (commgate models float32, float16, bfloat16): dtype fp32 "
+        "unless a DeepSpeed fp16/bf16 block sets one"
+    ) in notes
+    model, notes = imported(base | {"dtype": "float16"})
+    assert (
+        model["dtype"] == "fp16" and f"{hf}: dtype fp16 from dtype (a DeepSpeed fp16/bf16 block overrides it)" in notes
+    )
+    model, notes = imported({k: v for k, v in base.items() if k != "intermediate_size"})
+    assert model["ffn_hidden"] == 11008
+    assert f"{hf}: intermediate_size absent: 11008, transformers' default for llama; state it if yours differs" in notes
+    model, notes = imported({k: v for k, v in base.items() if k != "num_key_value_heads"})
+    assert model["kv_heads"] == 32 and not any("num_key_value_heads" in n for n in notes)  # None: as many as heads
+    mistral = json.loads((HF / "mistral-7b.json").read_text())
+    model, notes = imported({k: v for k, v in mistral.items() if k != "num_key_value_heads"})
+    assert model["kv_heads"] == 8
+    assert f"{hf}: num_key_value_heads absent: 8, transformers' default for mistral; state it if yours differs" in notes
+
+
+def test_what_is_missing_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A NeoX config without its dimensions names them (not "give --neox", which was given); a DeepSpeed
+    config alone says it has none; no input at all lists every input, --torchtitan too."""
+    neox, ds, out = tmp_path / "n.yml", tmp_path / "d.json", tmp_path / "x.yaml"
+    neox.write_text("hidden-size: 64\nnum-attention-heads: 4\n")
+    assert refused(["--neox", str(neox), "--dp", "2", "-o", str(out)], capsys) == (
+        f"{neox}: num-layers, seq-length missing: a GPT-NeoX config states num-layers, hidden-size, "
+        "num-attention-heads, seq-length (or give --hf, a config.json, for the model)"
+    )
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    assert refused(["--deepspeed", str(ds), "--dp", "2", "-o", str(out)], capsys) == (
+        f"{ds}: a DeepSpeed config has no model dimensions: give --neox or --hf too"
+    )
+    assert refused(["-o", str(out)], capsys) == (
+        "commgate import needs at least one of --neox, --deepspeed, --hf (or --torchtitan alone)"
+    )
+    # with --hf, the config.json has the model: the NeoX config gives the parallelism
+    neox.write_text("model-parallel-size: 2\n")
+    assert (
+        main(["import", "--neox", str(neox), "--hf", str(HF / "tinyllama-1.1b.json"), "--dp", "2", "-o", str(out)]) == 0
+    )
+    assert yaml.safe_load(out.read_text())["parallelism"]["tp"] == 2
+
+
+@pytest.mark.parametrize(
+    ("precision", "block", "dtype"),
+    [("fp16", "fp16", "fp16"), ("bfloat16", "bf16", "bf16"), ("fp32", None, "fp32")],
+)
+def test_neox_precision_enables_the_deepspeed_block_it_implies(
+    precision: str, block: str | None, dtype: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """GPT-NeoX's ``precision: fp16`` with no fp16 block runs fp16 (``NeoXArgs.calculate_derived`` enables
+    the block); the importer listed the key as used and wrote fp32 (found by an adversarial pass)."""
+    neox, out = tmp_path / "n.yml", tmp_path / f"{precision}.yaml"
+    neox.write_text(NEOX_SMALL + f"precision: {precision}\n")
+    assert main(["import", "--neox", str(neox), "--dp", "2", "-o", str(out)]) == 0
+    doc = yaml.safe_load(out.read_text())
+    assert doc["model"].get("dtype", "fp32") == dtype
+    assert (block is None) == (block not in doc.get("deepspeed", {}))
+    said = f"{neox}: precision {precision}: DeepSpeed's {block} block enabled, as GPT-NeoX derives it"
+    assert (said in capsys.readouterr().err) == (block is not None)
+    neox.write_text(NEOX_SMALL + "precision: float8\n")
+    assert refused(["--neox", str(neox), "--dp", "2", "-o", str(tmp_path / "x.yaml")], capsys) == (
+        f"{neox}: precision: 'float8' is not one of GPT-NeoX's: fp32, fp16, bfloat16"
+    )

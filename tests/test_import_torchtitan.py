@@ -38,7 +38,7 @@ def edited(tmp_path: Path, toml: str, old: str, new: str) -> str:
 
 def imported(tmp_path: Path, *args: str) -> tuple[dict[str, object], str]:
     out = tmp_path / "imported.yaml"
-    assert main(["import", "--torchtitan", *args, "-o", str(out)]) == 0
+    assert main(["import", "--torchtitan", *args, "-o", str(out), "--force"]) == 0  # one file, imported again
     text = out.read_text()
     return yaml.safe_load(text), text
 

@@ -282,15 +282,7 @@ def cmd_capture(a: argparse.Namespace) -> int:
     from commgate.run.captured import launch
 
     command = a.job[1:] if a.job[:1] == ["--"] else a.job
-    if a.out.exists() and (not a.out.is_dir() or any(a.out.iterdir())):
-        what = "a file" if not a.out.is_dir() else "a directory that is not empty"
-        raise UsageError(f"-o {a.out}: {what}; a capture goes to a new directory (its files would be overwritten)")
-    new = not a.out.exists()
-    try:
-        return launch(a.out, command)
-    finally:  # a command that never started leaves nothing behind
-        if new and a.out.is_dir() and not any(a.out.iterdir()):
-            a.out.rmdir()
+    return launch(a.out, command)
 
 
 def cmd_check(a: argparse.Namespace) -> int:
@@ -522,7 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
         "a directory of run reports, e.g. ci/pre-upgrade.sh's before/ and after/). Exit status 1 on a change in "
         "volume, a scenario on one side only, or a slowdown seen in every run.",
     )
-    side = "report.json, a directory of runs (*/report.json) or a baseline directory"
+    side = "report.json or the --report-dir holding it, a directory of runs (*/report.json) or a baseline directory"
     c.add_argument("before", type=env.path, help=side)
     c.add_argument("after", type=env.path, help=side)
     c.add_argument(

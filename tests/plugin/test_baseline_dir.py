@@ -24,7 +24,10 @@ def test_a_truncated_baseline_is_a_one_line_error(
     path.write_text(path.read_text()[:200])
     result = pytester.runpytest()
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines([f"{path}:*: not valid JSON (*); delete it or rerun with --commgate-update-baselines"])
+    result.stdout.fnmatch_lines(
+        [f"{path}:*: not valid JSON (*); delete it: the next gated run (pytest, commgate run --gate, commgate check) "
+         "writes it anew"]
+    )  # fmt: skip
     assert "Traceback" not in result.stdout.str()
 
 

@@ -214,7 +214,7 @@ def migrate(doc: dict[str, Any], *, file: str = "<baseline>") -> dict[str, Any]:
 def load(path: Path, *, scenario: str | None = None) -> Baseline:
     """The baseline at ``path``, migrated and validated (and, given ``scenario``, of that scenario: a file
     copied or renamed from another's is not compared); ``BaselineError`` (one line) otherwise."""
-    hint = "; delete it or rerun with --commgate-update-baselines"
+    hint = "; delete it: the next gated run (pytest, commgate run --gate, commgate check) writes it anew"
     try:
         doc = read_json(path, validate, migrate=lambda d: migrate(d, file=str(path)), hint=hint)
     except DocumentError as exc:

@@ -1,16 +1,17 @@
 """Pre-upgrade A/B: what changed in communication between two runs (``commgate compare BEFORE AFTER``).
 
-Each side is a run report (``report.json`` from ``commgate run`` or ``--commgate-report-dir``), a
-directory of several runs' reports (``*/report.json``: ``ci/pre-upgrade.sh`` writes ``before/1..N`` and
-``after/1..N``, interleaved so that a drifting machine weighs on both sides alike), or a baseline
-directory (``baselines/``, one file per scenario and backend, with its stored runs, as
-``commgate.judge.store`` lays it out; obtained files are not baselines). Per scenario present on both
-sides: calls per (window, op, group, dtype, size, phase), bytes per step per op and the message-size
-histogram, exactly (``commgate.judge.baseline.compare``; the first run of a side stands for
-it, and a side whose runs disagree in volume is itself a change); latency per op by
-``commgate.judge.drift.shifts``, the after runs against the before runs, once each side has
-``min_runs``. A change in volume, a scenario on one side only, or a slowdown in every run is a change.
-Torch-free.
+Each side is a run report (``report.json`` from ``commgate run`` or ``--commgate-report-dir``, or the
+report directory holding it), a directory of several runs' reports (``*/report.json``:
+``ci/pre-upgrade.sh`` writes ``before/1..N`` and ``after/1..N``, interleaved so that a drifting machine
+weighs on both sides alike), or a baseline directory (``baselines/``, one file per scenario and backend,
+with its stored runs, as ``commgate.judge.store`` lays it out, each file where its scenario's runs read
+it; obtained files are not baselines). A directory holding two of these kinds, a report listing a scenario
+twice, a baseline file under another name: a one-line error. Per scenario present on both sides: calls
+per (window, op, group, dtype, size, phase), bytes per step per op and the message-size histogram,
+exactly (``commgate.judge.baseline.compare``; the first run of a side stands for it, and a side whose
+runs disagree in volume is itself a change); latency per op by ``commgate.judge.drift.shifts``, the after
+runs against the before runs, once each side has ``min_runs``. A change in volume, a scenario on one side
+only, or a slowdown in every run is a change. Torch-free.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from commgate.core import schemas
-from commgate.core.errors import CommgateError
+from commgate.core.errors import CommgateError, DocumentError, Problem
 from commgate.core.fsutil import read_json
 from commgate.judge import baseline as bl
 from commgate.judge.causes import Cause, recognise
@@ -53,26 +54,63 @@ status."""
 
 def load_side(path: Path) -> Side:
     """Scenario id (with the backend when a baseline directory holds several) -> what it sent, with the
-    latency of every run the side holds; or the status of a scenario that did not run (in any of them)."""
-    reports = sorted(path.glob("*/report.json"), key=_run_order) if path.is_dir() else []
+    latency of every run the side holds; or the status of a scenario that did not run (in any of them).
+
+    A directory holding ``report.json`` (``--report-dir``'s) is that report; one holding ``*/report.json``,
+    those runs; else a baseline directory. A directory that holds two of these kinds is a one-line error:
+    which to compare is not guessed."""
+    if not path.is_dir():
+        return _load_report(path)
+    own = path / "report.json"
+    reports = sorted(path.glob("*/report.json"), key=_run_order)
+    runs = {p.parent for p in reports}
+    # baseline files are in the backends' folders; a run's folder holds its trace.json, no baseline
+    stored = [p for p in BaselineStore(path).query() if p.parent != path and p.parent not in runs]
+    held = [
+        f"a run's report ({own})" if own.is_file() else "",
+        f"runs' reports ({reports[0]}{', ...' if len(reports) > 1 else ''})" if reports else "",
+        f"baseline files ({stored[0]}{', ...' if len(stored) > 1 else ''})" if stored else "",
+    ]
+    if len(kinds := [k for k in held if k]) > 1:
+        raise CommgateError(
+            f"{path}: holds {' and '.join(kinds)}: compare one kind at a time; give the report.json, the folder "
+            "of runs or the baseline folder alone (move the others out)"
+        )
+    if own.is_file():
+        return _load_report(own)
     if reports:
-        runs = [_load_report(p) for p in reports]
-        out = dict(runs[0])
-        for run in runs[1:]:
+        runs_read = [_load_report(p) for p in reports]
+        out = dict(runs_read[0])
+        for run in runs_read[1:]:
             for name, b in run.items():
                 first = out.setdefault(name, b)
                 if first is not b:
                     out[name] = first if isinstance(first, str) else b if isinstance(b, str) else _join(first, b)
         return out
-    if path.is_dir():
-        files = BaselineStore(path).query()
-        if not files:
-            raise CommgateError(f"{path}: no baseline files (expected {path}/<backend>/<scenario>.json)")
-        loaded = [bl.load(f) for f in files]
-        backends = {b.backend for b in loaded}
-        side: Side = {(b.scenario if len(backends) == 1 else f"{b.scenario} ({b.backend})"): b for b in loaded}
-        return side
-    return _load_report(path)
+    files = BaselineStore(path).query()
+    if not files:
+        raise CommgateError(f"{path}: no baseline files (expected {path}/<backend>/<scenario>.json)")
+    loaded = [_load_baseline(path, f) for f in files]
+    backends = {b.backend for b in loaded}
+    side: Side = {(b.scenario if len(backends) == 1 else f"{b.scenario} ({b.backend})"): b for b in loaded}
+    return side
+
+
+def _load_baseline(root: Path, file: Path) -> bl.Baseline:
+    """The baseline in ``file`` of the baseline directory ``root``, kept where its scenario's runs look for it
+    (``commgate.judge.store``): a file renamed or moved from its place is not compared under another name."""
+    b = bl.load(file)
+    expected = BaselineStore(root).path(b.backend, b.scenario)
+    if file.name != expected.name:
+        message = f"{b.scenario!r}, but the file is named {file.name}: rename it {expected.name}"
+        raise bl.BaselineError([Problem(file=str(file), path="$.scenario", message=message + _WHOSE)])
+    if file.parent != root and file.parent.name != b.backend:
+        message = f"{b.backend!r}, but the file is in {file.parent.name}/: move it to {expected}"
+        raise bl.BaselineError([Problem(file=str(file), path="$.backend", message=message + _WHOSE)])
+    return b
+
+
+_WHOSE = " (where its scenario's runs read it), or delete it if it is another scenario's"
 
 
 def _run_order(p: Path) -> tuple[int, str]:
@@ -91,9 +129,16 @@ def _join(a: bl.Baseline, b: bl.Baseline) -> bl.Baseline:
 def _load_report(path: Path) -> Side:
     doc = read_json(path, lambda d: schemas.validate("report", d), hint=": expected a commgate report.json")
     out: Side = {}
-    for sc in doc["scenarios"]:
+    where: dict[str, int] = {}
+    for i, sc in enumerate(doc["scenarios"]):
         b = _from_report_entry(sc)
-        out[sc["name"] if b is None else b.scenario] = sc["status"] if b is None else b
+        name = sc["name"] if b is None else b.scenario
+        if name in where:
+            message = f"{name!r} is listed twice (also $.scenarios[{where[name]}]): which run is it? Give a report "
+            message += "that lists each scenario once, as commgate run writes it"
+            raise DocumentError([Problem(file=str(path), path=f"$.scenarios[{i}]", message=message)])
+        where[name] = i
+        out[name] = sc["status"] if b is None else b
     return out
 
 

@@ -27,6 +27,7 @@ import copy
 import importlib
 import json
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,8 @@ class Imported:
 
 
 def _read(path: Path, what: str) -> dict[str, Any]:
-    """A config file as a mapping: JSON, TOML (Python >= 3.11's tomllib) or YAML, by its suffix."""
+    """A config file as a mapping: JSON, TOML (Python >= 3.11's tomllib) or YAML, by its suffix. A key given
+    twice in one mapping is refused (JSON and YAML would keep the last silently; TOML refuses it itself)."""
     toml: Any = None
     if path.suffix == ".toml":
         if sys.version_info < (3, 11):
@@ -61,7 +63,7 @@ def _read(path: Path, what: str) -> dict[str, Any]:
         toml = importlib.import_module("tomllib")  # (commgate's types are Python 3.10's)
     try:
         text = path.read_text(encoding="utf-8")
-        doc = json.loads(text) if path.suffix == ".json" else toml.loads(text) if toml else yaml.safe_load(text)
+        doc = _json(text, path) if path.suffix == ".json" else toml.loads(text) if toml else _yaml(text, path)
     except OSError as exc:
         raise UsageError(f"{path}: cannot be read ({exc.strerror})") from None
     except (json.JSONDecodeError, yaml.YAMLError, UnicodeDecodeError, ValueError) as exc:  # TOMLDecodeError too
@@ -69,6 +71,63 @@ def _read(path: Path, what: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise UsageError(f"{path}: a {what} is a mapping, found {type(doc).__name__}")
     return doc
+
+
+def _json(text: str, path: Path) -> Any:
+    """A JSON document, a key given twice in one object refused (``json`` keeps the last one silently)."""
+    twice: list[tuple[dict[str, Any], str, Any]] = []  # (the object, the key, its first value), kept alive
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj: dict[str, Any] = {}
+        for key, value in items:
+            if key in obj:
+                twice.append((obj, key, obj[key]))
+            obj[key] = value
+        return obj
+
+    doc = json.loads(text, object_pairs_hook=pairs)
+    if twice:  # one of them (the first found), named by its place in the document
+        places = dict(_objects(doc, []))
+        obj, key, first = next((t for t in twice if id(t[0]) in places), twice[0])
+        where = ".".join(map(str, [*places.get(id(obj), []), key]))
+        raise UsageError(
+            f"{path}: {where}: given twice ({_short(first)}, then {_short(obj[key])}); JSON keeps only the last "
+            "silently: give it once"
+        )
+    return doc
+
+
+def _objects(doc: Any, place: list[str | int]) -> Iterator[tuple[int, list[str | int]]]:
+    """(id, place) of every JSON object in ``doc``, in the document's order."""
+    if isinstance(doc, dict):
+        yield id(doc), place
+        for key, value in doc.items():
+            yield from _objects(value, [*place, key])
+    elif isinstance(doc, list):
+        for i, value in enumerate(doc):
+            yield from _objects(value, [*place, i])
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _yaml(text: str, path: Path) -> Any:
+    """A YAML document, a key given twice in one mapping refused as a scenario's is (the loader's check)."""
+    from commgate.model.loader import _duplicate_keys
+
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        for problem in _duplicate_keys(node, str(path), []):  # the first one
+            where, key = f"{problem.file}:{problem.line}", problem.path.removeprefix("$.")
+            raise UsageError(f"{where}: {key}: {problem.message}: give it once")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def build(
@@ -83,7 +142,7 @@ def build(
     name: str | None = None,
 ) -> Imported:
     if not (neox or deepspeed or hf):
-        raise UsageError("commgate import needs at least one of --neox, --deepspeed, --hf")
+        raise UsageError("commgate import needs at least one of --neox, --deepspeed, --hf (or --torchtitan alone)")
     out = Imported(doc={})
     model: dict[str, Any] = {}
     par: dict[str, Any] = {}
@@ -92,16 +151,25 @@ def build(
         _neox(_read(neox, "GPT-NeoX config"), model, par, ds, out.notes, str(neox))
     if hf:
         _hf(_read(hf, "Hugging Face config.json"), model, out.notes, str(hf))
+    stage_file = neox
     if deepspeed:
-        ds = _merge(ds, _read(deepspeed, "DeepSpeed JSON config"))
+        given = _read(deepspeed, "DeepSpeed JSON config")
+        if isinstance(given.get("zero_optimization"), dict) and "stage" in given["zero_optimization"]:
+            stage_file = deepspeed
+        ds = _merge(ds, given)
     if tp is not None:
         par["tp"] = tp
     if pp is not None:
         par["pp"] = pp
     par["dp"] = dp
+    if neox and not hf and (missing := [key for key, target in NEOX_DIMENSIONS if target not in model]):
+        raise UsageError(
+            f"{neox}: {', '.join(missing)} missing: a GPT-NeoX config states "
+            f"{', '.join(key for key, _ in NEOX_DIMENSIONS)} (or give --hf, a config.json, for the model)"
+        )
     if "L" not in model:
-        raise UsageError("no model dimensions: give --neox or --hf (a DeepSpeed config has none)")
-    stage = _stage(ds)
+        raise UsageError(f"{deepspeed}: a DeepSpeed config has no model dimensions: give --neox or --hf too")
+    stage = _stage(ds, str(stage_file))
     par["scheme"] = _scheme(par, stage)
     for key in ("bf16", "fp16"):
         if dsconfig.enabled(ds, key):
@@ -126,11 +194,15 @@ def build(
     return out
 
 
-def _stage(ds: dict[str, Any]) -> int:
-    """The DeepSpeed config's ZeRO stage (0 when it gives none)."""
+def _stage(ds: dict[str, Any], f: str) -> int:
+    """The DeepSpeed config's ZeRO stage (0 when it gives none); ``f`` the file that states it."""
     zero = ds.get("zero_optimization")
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
-    return _whole(stage, "deepspeed zero_optimization.stage") if dsconfig.given(stage) else 0
+    if not dsconfig.given(stage):
+        return 0
+    if (number := _whole(stage, f"{f}: zero_optimization.stage")) not in ZERO_STAGES:
+        raise UsageError(f"{f}: zero_optimization.stage: {stage!r} is not a ZeRO stage: give 0, 1, 2 or 3")
+    return number
 
 
 def scenario_name(path: Path | None) -> str:
@@ -148,7 +220,11 @@ def _scheme(par: dict[str, Any], stage: int) -> str:
         return "pp"
     if tp > 1:
         return "tp"
-    return {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[stage]
+    return ZERO_STAGES[stage]
+
+
+ZERO_STAGES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
+"""DeepSpeed's ZeRO stages (``zero_optimization.stage``) and the scheme each is without TP or a pipeline."""
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -162,6 +238,12 @@ def _whole(value: Any, where: str) -> int:
     """``value`` as a whole number; a one-line ``UsageError`` naming ``where`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise UsageError(f"{where}: {value!r} is not a whole number")
+    if isinstance(value, int):  # exactly (a float holds 53 bits)
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        pass
     try:
         number = float(value)
     except ValueError:
@@ -175,9 +257,11 @@ def _neox(
     cfg: dict[str, Any], model: dict[str, Any], par: dict[str, Any], ds: dict[str, Any], notes: list[str], f: str
 ) -> None:
     get = {k.replace("_", "-"): v for k, v in cfg.items()}
-    for key, target in (("num-layers", "L"), ("hidden-size", "h"), ("num-attention-heads", "a"), ("seq-length", "s")):
+    for key, target in NEOX_DIMENSIONS:
+        if key in get and (value := _whole(get[key], f"{f}: {key}")) < 1:
+            raise UsageError(f"{f}: {key}: {value} is not 1 or more")
         if key in get:
-            model[target] = _whole(get[key], f"{f}: {key}")
+            model[target] = value
     model["V"] = 50304  # GPT-NeoX pads its tokenizer's vocabulary to a multiple of 128 (50277 -> 50304)
     notes.append(f"{f}: V = 50304, GPT-NeoX's padded vocabulary (the config does not state it)")
     pos = get.get("pos-emb", "learned")
@@ -185,9 +269,17 @@ def _neox(
     if pos not in ("rotary", "learned", "none"):
         notes.append(f"{f}: pos-emb {pos!r} has no counterpart; learned positions assumed")
     model["tied_embeddings"] = not get.get("no-weight-tying", False)
-    if (pp := _whole(get.get("pipe-parallel-size", 0), f"{f}: pipe-parallel-size")) > 1:
+    pp = _whole(get.get("pipe-parallel-size", 1), f"{f}: pipe-parallel-size")
+    tp = _whole(get.get("model-parallel-size", 1), f"{f}: model-parallel-size")
+    if pp < 0:
+        raise UsageError(f"{f}: pipe-parallel-size: {pp} is not 0 or more: give 0 (no pipeline) or the stage count")
+    if tp < 1:
+        raise UsageError(f"{f}: model-parallel-size: {tp} is not 1 or more: give 1 (no tensor parallelism) or more")
+    if pp == 0:  # GPT-NeoX's is_pipe_parallel is pipe-parallel-size >= 1
+        notes.append(f"{f}: pipe-parallel-size 0 (GPT-NeoX's model without its pipeline wrapper): pp 1")
+    if pp > 1:
         par["pp"] = pp
-    if (tp := _whole(get.get("model-parallel-size", 1), f"{f}: model-parallel-size")) > 1:
+    if tp > 1:
         par["tp"] = tp
     if get.get("checkpoint-activations"):
         par["activation_checkpointing"] = True
@@ -196,7 +288,29 @@ def _neox(
             ds[key] = value
         elif key.replace("_", "-") not in NEOX_USED:
             notes.append(f"{f}: {key} ignored (no communication effect commgate models)")
+    _neox_precision(get.get("precision"), ds, notes, f)
 
+
+def _neox_precision(precision: Any, ds: dict[str, Any], notes: list[str], f: str) -> None:
+    """GPT-NeoX's ``precision`` (``NeoXArgs.calculate_derived``): ``fp16`` enables the DeepSpeed ``fp16`` block
+    (its other keys kept), ``bfloat16`` adds an enabled ``bf16`` block where the config has none; ``fp32`` and
+    absent leave the blocks as they are."""
+    if precision is None or precision == "fp32":
+        return
+    if precision == "fp16":
+        section = ds.get("fp16")
+        ds["fp16"] = (dict(section) if isinstance(section, dict) else {}) | {"enabled": True}
+    elif precision == "bfloat16":
+        if not ds.get("bf16"):
+            ds["bf16"] = {"enabled": True}
+    else:
+        raise UsageError(f"{f}: precision: {precision!r} is not one of GPT-NeoX's: fp32, fp16, bfloat16")
+    notes.append(f"{f}: precision {precision}: DeepSpeed's {'fp16' if precision == 'fp16' else 'bf16'} block "
+                 "enabled, as GPT-NeoX derives it")  # fmt: skip
+
+
+NEOX_DIMENSIONS = (("num-layers", "L"), ("hidden-size", "h"), ("num-attention-heads", "a"), ("seq-length", "s"))
+"""The GPT-NeoX keys of the model's dimensions (GPT-NeoX has no default for them) and their scenario fields."""
 
 HF_LLAMA = ("llama", "mistral", "qwen2")
 """Hugging Face model types imported as ``architecture: llama`` (Mistral's sliding window changes no
@@ -207,50 +321,104 @@ HF_TYPES = ("gpt_neox", *HF_LLAMA)
 HF_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
+HF_DEFAULTS: dict[str, dict[str, int | None]] = {
+    "llama": {"intermediate_size": 11008, "num_key_value_heads": None, "max_position_embeddings": 2048},
+    "mistral": {"intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 131072},
+    "qwen2": {"intermediate_size": 22016, "num_key_value_heads": 32, "max_position_embeddings": 32768},
+    "gpt_neox": {"intermediate_size": 24576, "max_position_embeddings": 2048},
+}
+"""What transformers (5.x: ``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``, ``GPTNeoXConfig``) builds a
+model with when its config.json leaves the key out (``num_key_value_heads`` None: as many as the heads); each
+one taken is noted. The other dimensions have no default here: a config.json states them."""
+
+
+def _hf_count(cfg: dict[str, Any], key: str, kind: str, notes: list[str], f: str, heads: int = 0) -> int:
+    """``cfg[key]``, a whole number of 1 or more (a JSON integer, as transformers writes it); absent:
+    transformers' default for ``kind`` (noted), or a one-line error where commgate keeps none. ``heads``: what
+    ``num_key_value_heads`` None (null, or transformers' default) stands for."""
+    if key not in cfg:
+        defaults = HF_DEFAULTS[kind]
+        if key not in defaults:
+            raise UsageError(f"{f}: {key} missing (a {kind} config.json states it)")
+        default = defaults[key]
+        if default is None:  # num_key_value_heads: as many as the heads
+            return heads
+        notes.append(f"{f}: {key} absent: {default}, transformers' default for {kind}; state it if yours differs")
+        return default
+    value = cfg[key]
+    if value is None and heads:  # transformers: as many as the heads
+        return heads
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"{f}: {key}: {json.dumps(value)} is not a whole number of 1 or more: give one (no quotes)")
+    return value
+
+
+def _hf_flag(cfg: dict[str, Any], key: str, f: str) -> bool:
+    """``cfg[key]``, a JSON boolean (false when absent, as in transformers' configs commgate imports)."""
+    value = cfg.get(key, False)
+    if not isinstance(value, bool):
+        raise UsageError(f"{f}: {key}: {json.dumps(value)} is not a boolean: give true or false (no quotes)")
+    return value
+
+
 def _hf(cfg: dict[str, Any], model: dict[str, Any], notes: list[str], f: str) -> None:
     kind = cfg.get("model_type")
     if kind not in HF_TYPES:
         raise UsageError(f"{f}: model_type {kind!r}: commgate imports {', '.join(HF_TYPES)} configs")
-    try:
-        h, a = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        model.update(
-            L=int(cfg["num_hidden_layers"]),
-            h=h,
-            a=a,
-            V=int(cfg["vocab_size"]),
-            s=int(cfg.get("max_position_embeddings", 2048)),
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        )
-        if "intermediate_size" in cfg:
-            model["ffn_hidden"] = int(cfg["intermediate_size"])
-        model.pop("x", None)
-        if kind in HF_LLAMA:
-            model.update(architecture="llama", kv_heads=int(cfg.get("num_key_value_heads") or a))
-            if kind == "qwen2":  # Qwen2Attention: bias=True on q_proj, k_proj, v_proj (not o_proj)
-                model["qkv_bias"] = True
-            model.pop("position", None)  # rotary
-        else:
-            model["position"] = "rotary"
-    except KeyError as exc:
-        raise UsageError(f"{f}: {exc.args[0]} missing (a {kind} config.json states it)") from None
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"{f}: not a number where one is needed ({exc})") from None
+
+    def count(key: str) -> int:
+        return _hf_count(cfg, key, kind, notes, f)
+
+    h, a = count("hidden_size"), count("num_attention_heads")
+    model.update(
+        L=count("num_hidden_layers"),
+        h=h,
+        a=a,
+        V=count("vocab_size"),
+        s=count("max_position_embeddings"),
+        tied_embeddings=_hf_flag(cfg, "tie_word_embeddings", f),
+        ffn_hidden=count("intermediate_size"),
+    )
+    model.pop("x", None)
+    if kind in HF_LLAMA:
+        model.update(architecture="llama", kv_heads=_hf_count(cfg, "num_key_value_heads", kind, notes, f, heads=a))
+        if kind == "qwen2":  # Qwen2Attention: bias=True on q_proj, k_proj, v_proj (not o_proj)
+            model["qkv_bias"] = True
+        model.pop("position", None)  # rotary
+    else:
+        model["position"] = "rotary"
     notes.append(f"{f}: s = max_position_embeddings = {model['s']}; set model.s to the sequence length you train with")
     for key in ("attention_bias", "mlp_bias"):
-        if kind in HF_LLAMA and cfg.get(key):
+        if kind in HF_LLAMA and _hf_flag(cfg, key, f):
             raise UsageError(f"{f}: {key}: true: Llama-style layers with biases are not modelled")
-    head_dim = cfg.get("head_dim")
-    if kind in HF_LLAMA and head_dim is not None and int(head_dim) * a != h:
+    if kind in HF_LLAMA and cfg.get("head_dim") is not None and (head_dim := count("head_dim")) * a != h:
         raise UsageError(f"{f}: head_dim {head_dim} != hidden_size/num_attention_heads = {h}/{a}: not modelled")
     if kind in HF_LLAMA and cfg.get("hidden_act", "silu") != "silu":
         notes.append(f"{f}: hidden_act {cfg['hidden_act']!r}: the gated MLP's activation moves no bytes; SiLU is run")
-    if dtype := HF_DTYPES.get(str(cfg.get("torch_dtype"))):
-        model["dtype"] = dtype
-        notes.append(f"{f}: dtype {dtype} from torch_dtype (a DeepSpeed fp16/bf16 block overrides it)")
+    _hf_dtype(cfg, model, notes, f)
     used = {"model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
             "max_position_embeddings", "tie_word_embeddings", "intermediate_size", "num_key_value_heads",
-            "attention_bias", "mlp_bias", "head_dim", "hidden_act", "torch_dtype"}  # fmt: skip
+            "attention_bias", "mlp_bias", "head_dim", "hidden_act", "torch_dtype", "dtype"}  # fmt: skip
     notes += [f"{f}: {k} ignored" for k in cfg if k not in used]
+
+
+def _hf_dtype(cfg: dict[str, Any], model: dict[str, Any], notes: list[str], f: str) -> None:
+    """The model's dtype from ``dtype`` (transformers 5) or ``torch_dtype`` (before; ``dtype`` wins, as in
+    transformers): a dtype commgate does not model is noted, and fp32 kept."""
+    key = "dtype" if cfg.get("dtype") is not None else "torch_dtype"
+    given = cfg.get(key)
+    if given is None:
+        return
+    if not isinstance(given, str):
+        raise UsageError(f"{f}: {key}: {json.dumps(given)} is not a dtype's name: give one, such as bfloat16")
+    if dtype := HF_DTYPES.get(given):
+        model["dtype"] = dtype
+        notes.append(f"{f}: dtype {dtype} from {key} (a DeepSpeed fp16/bf16 block overrides it)")
+    else:
+        notes.append(
+            f"{f}: {key} {given!r} is not modelled (commgate models {', '.join(HF_DTYPES)}): dtype fp32 unless a "
+            "DeepSpeed fp16/bf16 block sets one"
+        )
 
 
 def _reduce(model: dict[str, Any], par: dict[str, Any], ds: dict[str, Any], notes: list[str]) -> None:
@@ -652,7 +820,9 @@ def hf_trainer(*, hf: Path, deepspeed: Path | None, dp: int, out: Path, name: st
         block["deepspeed"] = os.path.relpath(deepspeed.resolve(), base)
     if args:
         block["training_args"] = args
-    s = int(cfg.get("max_position_embeddings", 2048))
+    s = cfg.get("max_position_embeddings", 2048)
+    if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+        raise UsageError(f"{hf}: max_position_embeddings: {json.dumps(s)} is not a whole number of 1 or more: give one")
     doc: dict[str, Any] = {
         "schema_version": 1,
         "name": name or scenario_name(hf),
@@ -669,8 +839,9 @@ def hf_trainer(*, hf: Path, deepspeed: Path | None, dp: int, out: Path, name: st
     except CommgateError as exc:  # nothing is written: the message names the inputs' fields, not the file
         why = str(exc).replace("\n", "; ").removeprefix(f"{out}:").strip()
         raise UsageError(f"{out} not written: the imported scenario is refused: {why}") from None
+    whence = "'s max_position_embeddings" if "max_position_embeddings" in cfg else " states no max_position_embeddings"
     comments = [  # an edit to make, not a note of the job: in the file's head, not repeated by every run
-        f"model.s = {s}, {hf.name}'s max_position_embeddings: set it to the sequence length you train with",
+        f"model.s = {s}, {hf.name}{whence}: set it to the sequence length you train with",
         "resolved by trainer hf (transformers' and accelerate's own code), checked when loaded:",
     ]
     comments += [f"  {line}" for line in trainer.derived(scenario)]

@@ -5,11 +5,14 @@ read back into one ``Capture`` (``load``), and the ``Runner`` that hands it to t
 The directory holds what each rank wrote (``commgate.run.external``): ``rank{r}.json`` (calls and step
 windows, as a commgate run's rank writes them), ``rank{r}.meta.json`` (job, launcher, host, versions, how
 it ended), and ``job.json`` from ``commgate capture`` (the command, its exit status). A directory that is
-not a capture, ranks missing, two jobs mixed, a truncated file: one line naming the file and what is wrong.
+not a capture, ranks missing or outside the world, two jobs mixed, a truncated or malformed file: one line
+naming the file, the field and what is wrong.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import re
 import shlex
@@ -22,6 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from commgate.core import schemas
 from commgate.core.errors import DocumentError, Problem, UsageError
 from commgate.core.fsutil import atomic_write_json, read_json
 from commgate.model.scenario import Expectations, ModelSpec, Parallelism, Scenario
@@ -44,6 +48,9 @@ def launch(out: Path, command: list[str]) -> int:
         raise UsageError("capture: give the job's command after --, e.g. commgate capture -o DIR -- torchrun ...")
     if out.exists() and (not out.is_dir() or any(RANK_FILE.fullmatch(p.name) for p in out.iterdir())):
         raise UsageError(f"capture: {out} holds a capture (or is not a directory) already; give a new directory")
+    if out.exists() and any(out.iterdir()):  # its files could be the user's: job.json would be written over
+        raise UsageError(f"capture: {out} is a directory that is not empty; a capture goes to a new directory")
+    new = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOTSTRAP), env.get("PYTHONPATH")]))
@@ -54,6 +61,8 @@ def launch(out: Path, command: list[str]) -> int:
     try:
         job = subprocess.Popen(command, env=env)
     except OSError as exc:
+        if new:  # a command that never started leaves nothing behind
+            out.rmdir()
         raise UsageError(f"capture: cannot start {command[0]!r}: {exc.strerror or exc}") from None
     forward = {s: signal.signal(s, lambda n, _f: job.send_signal(n)) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
@@ -115,20 +124,88 @@ def _check_rank_file(doc: Any) -> None:
     capture_doc.validate(stub | {"calls": doc["calls"], "step_windows": doc["step_windows"]} | clocks)
 
 
-def _check_meta(doc: Any) -> None:
+WORLD_MAX = 1048576
+"""The most ranks a capture may hold (the scenario schema's bound on a parallelism degree)."""
+
+_NULLABLE = {"type": ["string", "null"]}
+META_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "a rank's capture meta (rank{r}.meta.json, written by commgate.run.external)",
+    "type": "object",
+    "required": [
+        "meta_version", "job", "rank", "world_size", "host", "launcher", "backend", "steps", "step_marks",
+        "ended", "stack",
+    ],
+    "properties": {
+        "meta_version": {"const": 1},
+        "job": {"type": "string"},
+        "rank": {"type": "integer", "minimum": 0, "maximum": WORLD_MAX - 1},
+        "world_size": {"type": "integer", "minimum": 1, "maximum": WORLD_MAX},
+        "local_world_size": {"type": "integer", "minimum": 1, "maximum": WORLD_MAX},
+        "host": {"type": "string"},
+        "launcher": {"type": "string"},
+        "command": {"type": "string"},
+        "requested_backend": _NULLABLE,
+        "backend": _NULLABLE,
+        "not_captured": _NULLABLE,
+        "steps": {"type": "integer", "minimum": 0},
+        "step_marks": {"type": "string"},
+        "ended": {"type": "string"},
+        "started": {"type": "number"},
+        "stack": {"type": "object", "additionalProperties": _NULLABLE},
+        "versions": {"type": "object", "additionalProperties": _NULLABLE},
+    },
+    # a rank that captured something names the backend it captured over
+    "if": {"properties": {"not_captured": {"type": "string"}}, "required": ["not_captured"]},
+    "else": {"properties": {"backend": {"type": "string"}}},
+}  # fmt: skip
+"""What ``commgate.run.external`` writes as ``rank{r}.meta.json`` (further keys are let through)."""
+
+JOB_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["exit_status"],
+    "properties": {"command": {"type": "string"}, "exit_status": {"type": "integer"}},
+}
+"""``job.json``, as ``launch`` writes it."""
+
+RECAPTURE = "; capture the job again (commgate capture -o NEW_DIR -- COMMAND)"
+
+
+@functools.cache
+def _validator(which: str) -> Any:
+    return schemas.strict()(META_SCHEMA if which == "meta" else JOB_SCHEMA)
+
+
+def _check(which: str, doc: Any) -> None:
+    """``doc`` held to ``META_SCHEMA`` or ``JOB_SCHEMA``: a ``jsonschema.ValidationError`` that says the fix."""
     import jsonschema
 
-    need = {"meta_version", "job", "rank", "world_size", "host", "launcher", "backend", "steps", "ended", "stack"}
-    if not isinstance(doc, dict) or not need <= doc.keys():
-        missing = sorted(need - doc.keys()) if isinstance(doc, dict) else sorted(need)
-        raise jsonschema.ValidationError(f"not a rank's capture meta: missing {', '.join(missing)}")
+    try:
+        _validator(which).validate(doc)
+    except jsonschema.ValidationError as exc:
+        exc.message += RECAPTURE
+        raise
+
+
+def _check_meta(doc: Any) -> None:
+    _check("meta", doc)
+
+
+def _check_job(doc: Any) -> None:
+    _check("job", doc)
 
 
 def load(directory: Path) -> Captured:
     """The capture in ``directory``, every rank present, one job; else a one-line ``DocumentError``."""
     if not directory.is_dir():
         raise _bad(directory, "not a directory; give the -o directory of commgate capture (or COMMGATE_CAPTURE)")
-    files = {int(found.group(1)): p for p in directory.iterdir() if (found := RANK_FILE.fullmatch(p.name))}
+    files: dict[int, Path] = {}
+    for p in sorted(directory.iterdir()):
+        if found := RANK_FILE.fullmatch(p.name):
+            r = int(found.group(1))
+            if p.name != f"rank{r}.json" or r in files:  # rank01.json: not a name a rank writes
+                raise _bad(p, f"not a rank's file name (rank {r}'s is rank{r}.json); remove or rename it")
+            files[r] = p
     if not files:
         raise _bad(directory, "not a capture: no rank<N>.json in it (commgate capture -o DIR, or COMMGATE_CAPTURE=DIR)")
     hint = ": a rank's capture is written when the rank ends; was it killed outright (SIGKILL)?"
@@ -139,19 +216,25 @@ def load(directory: Path) -> Captured:
             raise _bad(meta, f"missing beside {f.name}{hint}")
         metas[r] = read_json(meta, _check_meta, hint=hint)
     first = metas[min(metas)]
+    world = first["world_size"]
     for r, m in metas.items():
         where = directory / f"rank{r}.meta.json"
         if m["job"] != first["job"]:
             mixed = f"job {m['job']!r}, but rank{min(metas)}'s is {first['job']!r}: two jobs' captures in one directory"
             raise _bad(where, f"{mixed}; capture each job into a directory of its own", "$.job")
-        if m["rank"] != r or m["world_size"] != first["world_size"]:
-            raise _bad(where, f"rank {m['rank']} of {m['world_size']}: not rank {r} of {first['world_size']}")
+        if m["rank"] != r or m["world_size"] != world:
+            raise _bad(where, f"rank {m['rank']} of {m['world_size']}: not rank {r} of {world}")
+        if r >= world:
+            stray = f"rank {r} of a world of {world}: no such rank; remove rank{r}.json and {where.name}"
+            raise _bad(where, f"{stray}, or capture the job again into a directory of its own", "$.rank")
         if m.get("not_captured"):
             raise _bad(where, f"nothing was captured: {m['not_captured']}", "$.not_captured")
-    world = int(first["world_size"])
-    if missing := sorted(set(range(world)) - files.keys()):
-        names = ", ".join(f"rank{r}.json" for r in missing)
-        raise _bad(directory, f"ranks {missing} of a world of {world} are missing ({names}){hint}")
+    if len(files) < world:  # every rank present is below world: some below it are missing
+        shown = list(itertools.islice((r for r in range(world) if r not in files), 8))
+        names = ", ".join(f"rank{r}.json" for r in shown)
+        more = f" and {world - len(files) - len(shown)} more" if world - len(files) > len(shown) else ""
+        ranks = ", ".join(map(str, shown)) + (", ..." if more else "")
+        raise _bad(directory, f"ranks [{ranks}] of a world of {world} are missing ({names}{more}){hint}")
     docs = {r: read_json(f, _check_rank_file, hint=hint) for r, f in sorted(files.items())}
     return _merge(directory, docs, metas)
 
@@ -173,10 +256,10 @@ def _merge(directory: Path, docs: dict[int, dict[str, Any]], metas: dict[int, di
     stack = {k: v for k, v in first["stack"].items() if v is None or isinstance(v, str)}
     stack |= {"launcher": str(first["launcher"]), "hosts": hosts, "command": str(first.get("command", ""))}
     job = directory / JOB_FILE
-    status = read_json(job, lambda d: None).get("exit_status") if job.exists() else None
+    status = read_json(job, _check_job)["exit_status"] if job.exists() else None
     cap = Capture(
         scenario=directory.name,
-        world_size=int(first["world_size"]),
+        world_size=first["world_size"],
         warmup_steps=0,
         steps=steps,
         backend=str(first["backend"]),

@@ -548,7 +548,8 @@ def _to_release(state: _State, mod: Module, step_id: int, recent: dict[str, int]
         state.release_cache[key] = frozenset(
             p.name
             for p in mod.params
-            if p.name not in state.persistent and recent.get(p.name, NEVER) <= step_id
+            if p.name not in state.persistent
+            and recent.get(p.name, NEVER) <= step_id
             and not (trace is not None and trace.reused(p.name, step_id, reuse))
         )
     return state.release_cache[key]
