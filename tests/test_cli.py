@@ -298,3 +298,11 @@ def test_import_replaces_an_existing_scenario_only_with_force(tmp_path: Path) ->
     done = commgate("import", "--neox", neox, "--dp", "8", "-o", str(out), "--force")
     assert done.returncode == 0, done.stderr
     assert out.read_text().startswith("# written by commgate import")
+
+
+def test_init_from_a_config_json_says_what_its_import_left_out(tmp_path: Path) -> None:
+    """``init --hf`` dropped the import's notes: a key ignored or defaulted went unsaid (found by a review)."""
+    config = ROOT / "tests" / "data" / "hf" / "tinyllama-1.1b.json"
+    done = commgate("init", "--hf", str(config), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"note: {config}: rope_theta ignored" in done.stdout.splitlines()

@@ -86,13 +86,14 @@ def scenario_dirs(config: Path) -> list[str]:
 
 def _model(
     module: str | None, preset: str | None, hf: Path | None, dp: int, s: int | None = None
-) -> tuple[dict[str, Any], str]:
-    """The scenarios' model block and the name they start with."""
+) -> tuple[dict[str, Any], str, list[str]]:
+    """The scenarios' model block, the name they start with, and what the import of a config.json says it
+    left out or took as a default (its notes)."""
     given = [x for x in (module, preset, hf) if x]
     if len(given) != 1:
         raise UsageError("commgate init needs one of --module PKG.MOD:BUILD, --preset NAME, --hf CONFIG.json")
     if module:
-        return {"module": module, "s": s or MODULE_S}, module.split(":")[0].split(".")[-1]
+        return {"module": module, "s": s or MODULE_S}, module.split(":")[0].split(".")[-1], []
     if preset:
         from commgate.model.transformer import PRESETS
 
@@ -100,12 +101,12 @@ def _model(
             close = difflib.get_close_matches(preset, list(PRESETS), n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise UsageError(f"--preset {preset!r}: not a model preset; {hint}`commgate presets` lists them")
-        return {"preset": preset} | ({"s": s} if s else {}), preset
+        return {"preset": preset} | ({"s": s} if s else {}), preset, []
     from commgate.model.importer import build
 
     assert hf is not None
     imported = build(hf=hf, dp=max(dp, 2), cpu=True)  # the reduced-scale variant a CI runner can run
-    return imported.doc["model"] | ({"s": s} if s else {}), Path(hf).stem
+    return imported.doc["model"] | ({"s": s} if s else {}), Path(hf).stem, imported.notes
 
 
 def start(
@@ -129,9 +130,8 @@ def start(
 
     if unknown := [s for s in schemes if s not in SCHEMES]:
         raise UsageError(f"--schemes {','.join(unknown)}: unknown; commgate knows {', '.join(SCHEMES)}")
-    model, base = _model(module, preset, hf, dp, s)
+    model, base, notes = _model(module, preset, hf, dp, s)
     files: dict[Path, str] = {}
-    notes: list[str] = []
     for scheme in schemes:
         path = repo / folder / f"{base}-{scheme}.yaml"
         doc = {
