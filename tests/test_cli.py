@@ -306,3 +306,14 @@ def test_init_from_a_config_json_says_what_its_import_left_out(tmp_path: Path) -
     done = commgate("init", "--hf", str(config), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert f"note: {config}: rope_theta ignored" in done.stdout.splitlines()
+
+
+def test_a_traffic_matrix_too_wide_to_draw_lists_its_heaviest_pairs() -> None:
+    """The text matrix grew with dp squared (42 MB of text at dp 2048; no end at dp 1048576): beyond 32 ranks
+    its heaviest pairs are listed instead (found by an adversarial pass)."""
+    drawn = commgate("predict", "--model", "19M-cpu", "--scheme", "ddp", "--dp", "32", "--matrix")
+    listed = commgate("predict", "--model", "19M-cpu", "--scheme", "ddp", "--dp", "4096", "--matrix")
+    assert drawn.returncode == listed.returncode == 0, listed.stderr
+    assert "src\\dst" in drawn.stdout and "more than 32 to draw" not in drawn.stdout
+    assert "4,096 ranks, more than 32 to draw; 4,096 rank pairs exchange bytes, the 20 heaviest" in listed.stdout
+    assert "0 -> 1: " in listed.stdout and len(listed.stdout.splitlines()) < len(drawn.stdout.splitlines()) + 40

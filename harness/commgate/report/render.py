@@ -275,8 +275,22 @@ def _paper_text(p: Prediction) -> list[str]:
     return lines
 
 
+MATRIX_DRAWN = 32
+"""Ranks up to which the text traffic matrix is drawn whole (n x n cells); beyond, its heaviest pairs are
+listed: a drawn matrix grows with n squared (42 MB of text at dp 2048)."""
+MATRIX_PAIRS = 20
+
+
 def _matrix_text(p: Prediction) -> list[str]:
     tm, n = p.traffic_matrix(), p.scenario.world_size
+    if n > MATRIX_DRAWN:
+        heaviest = sorted(tm.items(), key=lambda kv: (-kv[1], kv[0]))[:MATRIX_PAIRS]
+        lines = [
+            f"  traffic matrix, bytes per step (ring model): {n:,} ranks, more than {MATRIX_DRAWN} to draw; "
+            f"{len(tm):,} rank pairs exchange bytes, the {len(heaviest)} heaviest below (--json --matrix lists "
+            "every pair):"
+        ]
+        return lines + [f"    {src} -> {dst}: {human_bytes(b)}" for (src, dst), b in heaviest]
     hdr = ["src\\dst", *(str(j) for j in range(n))]
     body = [[str(i), *(human_bytes(tm.get((i, j), 0)) if tm.get((i, j)) else "." for j in range(n))] for i in range(n)]
     lines = ["  traffic matrix, bytes per step sent row -> column (ring model):"]
