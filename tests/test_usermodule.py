@@ -232,3 +232,30 @@ def test_what_the_module_prints_while_commgate_builds_and_traces_it_is_not_shown
     assert predict(s).collectives
     out = capsys.readouterr().out
     assert "chatty build" not in out and "building Net" not in out and "forward of Net" not in out
+
+
+@pytest.mark.parametrize("scheme", ["ddp", "zero3"])
+def test_a_trainable_parameter_never_used_is_one_line_naming_it(
+    scheme: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A submodule the forward never calls: under ZeRO-3 a traceback (KeyError), under DDP a prediction
+    whose paper term came out 20 B short, and a run DDP stopped at its second step (found by an adversarial
+    pass)."""
+    (tmp_path / "two_heads.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.a, self.b = nn.Linear(4, 1), nn.Linear(4, 1)\n"
+        "    def forward(self, x):\n        return self.a(x).sum()\n\n"
+        "def build(scenario):\n    return M(), lambda seed: (torch.ones(2, 4),)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "two_heads", raising=False)
+    (s,) = load_text(text("two_heads:build", f"scheme: {scheme}, dp: 2"))
+    with pytest.raises(CommgateError) as info:
+        predict(s)
+    assert str(info.value) == (
+        "model.module 'two_heads:build': b.weight, b.bias receive no gradient in a forward and backward (on the "
+        "meta device): torch's DDP stops at the second step on a trainable parameter never used (without "
+        "find_unused_parameters), and commgate does not model what the engines send for one; freeze it "
+        "(requires_grad_(False)) or use it in the forward"
+    )

@@ -184,6 +184,14 @@ def _describe(scenario: Scenario) -> Described:
     params, buffers, modules = _inventory(model, spec)
     with contextlib.redirect_stdout(io.StringIO()):
         ready, events = _trace(model, inputs, spec, scenario.model.autocast)
+    if unused := [p.name for p in params if not p.frozen and p.name not in set(ready)]:
+        shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+        raise CommgateError(
+            f"{spec}: {shown} receive{'s' if len(unused) == 1 else ''} no gradient in a forward and backward (on "
+            "the meta device): torch's DDP stops at the second step on a trainable parameter never used (without "
+            "find_unused_parameters), and commgate does not model what the engines send for one; freeze it "
+            "(requires_grad_(False)) or use it in the forward"
+        )
     by_name = {p.name: p for p in params}
     first, later = _hooks(events, modules, by_name, {p.name: i for i, p in enumerate(params)})
     return Described(params=params, buffers=buffers, ready=ready, first=first, later=later)
