@@ -244,7 +244,8 @@ def test_a_trainable_parameter_never_used_is_one_line_naming_it(
     (tmp_path / "two_heads.py").write_text(
         "import torch\nfrom torch import nn\n\n"
         "class M(nn.Module):\n"
-        "    def __init__(self):\n        super().__init__()\n        self.a, self.b = nn.Linear(4, 1), nn.Linear(4, 1)\n"
+        "    def __init__(self):\n        super().__init__()\n"
+        "        self.a, self.b = nn.Linear(4, 1), nn.Linear(4, 1)\n"
         "    def forward(self, x):\n        return self.a(x).sum()\n\n"
         "def build(scenario):\n    return M(), lambda seed: (torch.ones(2, 4),)\n"
     )
