@@ -198,3 +198,21 @@ def test_zero3_sub_groups_all_reduce_one_norm_each(size: int, tmp_path: Path) ->
     assert total // (size + max(parts)) <= norm.calls <= (total // size + 1 if size < total else 1)
     assert (norm.calls > 1) == (size < total)
     assert reconcile(prediction, launch_local(s, workdir=tmp_path)).ok
+
+
+def test_the_removed_features_are_the_ones_deepspeed_refuses() -> None:
+    """DeepSpeed 0.19 refuses a config naming a feature it removed, whatever the value (``amp``,
+    ``sparse_gradients: false``...); validate said ok and the ranks raised (found by an adversarial pass).
+    Fails when upstream changes the list."""
+    config = pytest.importorskip("deepspeed.runtime.config")
+    assert set(config._REMOVED_TOP_LEVEL_CONFIG_KEYS) == dsconfig.REMOVED
+    assert set(config._REMOVED_ZERO_CONFIG_KEYS) == dsconfig.REMOVED_ZERO
+    with pytest.raises(config.DeepSpeedConfigError):
+        config._reject_removed_config_keys({"sparse_gradients": False})
+    with pytest.raises(ScenarioError) as info:
+        load("{scheme: zero1, dp: 2}", "{amp: {enabled: false}, zero_optimization: {mics_shard_size: 1}}")
+    said = "DeepSpeed removed this feature and refuses a config that names it, at any value: leave it out"
+    assert [(p.path, p.message) for p in info.value.problems] == [
+        ("$.deepspeed.amp", said),
+        ("$.deepspeed.zero_optimization.mics_shard_size", said),
+    ]

@@ -122,7 +122,6 @@ MODELLED: dict[tuple[str, ...], tuple[Callable[[Any, int], bool], str, str]] = {
     ),
     ("zero_optimization", "cpu_offload"): (_bool, "true or false", "optimizer offload"),
     ("zero_optimization", "cpu_offload_param"): (_bool, "true or false", "parameter offload"),
-    ("zero_optimization", "mics_shard_size"): (_absent, "left out", "MiCS sharding"),
     # measured: ZeRO-1/2/3 reduce the gradients in it, same buckets (MoE and the pipeline: see scenario.py)
     ("communication_data_type",): (
         lambda v, stage: v in ("fp32", "fp16", "bf16"),
@@ -130,7 +129,6 @@ MODELLED: dict[tuple[str, ...], tuple[Callable[[Any, int], bool], str, str]] = {
         "this communication dtype",
     ),
     ("prescale_gradients",): (_is(False), "false", "gradient prescaling"),
-    ("sparse_gradients",): (_is(False), "false", "sparse gradients"),
     ("pipeline", "pipe_partitioned"): (_absent, "left out", "partitioned pipeline activations"),
     ("pipeline", "grad_partitioned"): (_absent, "left out", "partitioned pipeline gradients"),
 }
@@ -205,17 +203,34 @@ def unknown_keys(cfg: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def refused_keys(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """(key, message) per ``zero_optimization`` key DeepSpeed does not know: its pydantic config forbids
-    extra fields, so DeepSpeed would refuse the config (``extra_forbidden``); with the closest known key."""
+REMOVED = frozenset(
+    {
+        "amp", "compression_training", "curriculum_learning", "eigenvalue", "elasticity", "graph_harvesting",
+        "nebula", "progressive_layer_drop", "quantize_training", "sparse_attention", "sparse_gradients",
+    }
+)  # fmt: skip
+"""Top-level keys DeepSpeed 0.19 refuses whatever their value: their features were removed
+(``runtime/config.py``'s ``_REMOVED_TOP_LEVEL_CONFIG_KEYS``; a test keeps this equal to it)."""
+REMOVED_ZERO = frozenset({"mics_hierarchical_params_gather", "mics_shard_size", "zeropp_loco_param"})
+"""The same in ``zero_optimization`` (``_REMOVED_ZERO_CONFIG_KEYS``)."""
+
+
+def refused_keys(cfg: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
+    """(key path, message) per key DeepSpeed refuses the config for, whatever its value: a feature it removed
+    (``REMOVED``, ``REMOVED_ZERO``), or a ``zero_optimization`` key it does not know (its pydantic config
+    forbids extra fields: ``extra_forbidden``), with the closest known key."""
+    removed = "DeepSpeed removed this feature and refuses a config that names it, at any value: leave it out"
+    out: list[tuple[tuple[str, ...], str]] = [((k,), removed) for k in cfg if k in REMOVED]
     zo = cfg.get("zero_optimization", {})
     if not isinstance(zo, Mapping):
-        return []
-    return [
-        (k, f"DeepSpeed has no such key and refuses the config (extra fields forbidden){_closest(k, ZERO, '')}")
-        for k in zo
-        if k not in ZERO
-    ]
+        return out
+    unknown = "DeepSpeed has no such key and refuses the config (extra fields forbidden)"
+    for k in zo:
+        if k in REMOVED_ZERO:
+            out.append((("zero_optimization", k), removed))
+        elif k not in ZERO:
+            out.append((("zero_optimization", k), unknown + _closest(k, ZERO, "")))
+    return out
 
 
 def violations(cfg: Mapping[str, Any], stage: int) -> list[tuple[tuple[str, ...], Any, str, str]]:

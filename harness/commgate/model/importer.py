@@ -446,9 +446,10 @@ def _reduce(model: dict[str, Any], par: dict[str, Any], ds: dict[str, Any], note
 def _drop_unmodelled(ds: dict[str, Any], stage: int, notes: list[str]) -> bool:
     """Leave out what DeepSpeed refuses (it would not run); keep what the model does not follow yet, noted.
     Returns whether anything kept is not modelled (the scenario is then a baseline-only gate)."""
-    for key, message in dsconfig.refused_keys(ds):
-        del ds["zero_optimization"][key]
-        notes.append(f"deepspeed zero_optimization.{key} left out: {message}")
+    for path, message in dsconfig.refused_keys(ds):
+        section = ds if len(path) == 1 else ds[path[0]]
+        del section[path[-1]]
+        notes.append(f"deepspeed {'.'.join(path)} left out: {message.removesuffix(': leave it out')}")
     unmodelled = dsconfig.violations(ds, stage)
     for path, value, expected, what in unmodelled:
         notes.append(

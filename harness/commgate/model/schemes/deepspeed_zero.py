@@ -691,8 +691,8 @@ def deepspeed_keys(c: Check) -> None:
     """The ``deepspeed:`` block's keys: refused ones, ones the model does not follow (unless the model check
     is off), the batch size it states."""
     par = c.par
-    for key, message in dsconfig.refused_keys(c.ds):
-        c.bad(["deepspeed", "zero_optimization", key], message)
+    for path, message in dsconfig.refused_keys(c.ds):
+        c.bad(["deepspeed", *path], message)
     if c.checked:
         dsconfig.unmodelled(c.ds, par.zero.stage, c.bad)
     batch = c.ds.get("train_batch_size", "auto")
