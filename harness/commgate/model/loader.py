@@ -465,8 +465,15 @@ def _expand(doc: dict[str, Any], file: str, where: _Located) -> Iterator[tuple[s
     # A key "a.b+c.d" moves its paths together: each of its values is a list with one value per path
     # (a strong-scaling sweep: dp up while micro-batches go down). Keys are combined as a product.
     axes: list[list[list[tuple[str, Any]]]] = []
+    swept: dict[str, str] = {}
     for key, values in sweep.items():
         paths = key.split("+")
+        for path in paths:  # a path swept by two keys: its variants would be named by both, and run by one
+            if (other := swept.setdefault(path, key)) != key or paths.count(path) > 1:
+                msg = f"{path} is swept twice (also by {other!r}): sweep each path under one key"
+                raise ScenarioError(
+                    [Problem(file=file, path=f"$.sweep.{key}", message=msg, line=where.line(["sweep", key]))]
+                )
         if len(paths) == 1:
             axes.append([[(key, v)] for v in values])
             continue
@@ -479,10 +486,10 @@ def _expand(doc: dict[str, Any], file: str, where: _Located) -> Iterator[tuple[s
         axes.append([list(zip(paths, v, strict=True)) for v in values])
     limit = doc.get("sweep_limit", SWEEP_LIMIT)
     if (variants := math.prod(len(a) for a in axes)) > limit:
-        msg = (
-            f"{' x '.join(str(len(a)) for a in axes)} = {variants:,} variants, more than the sweep limit {limit}; "
-            "raise it with sweep_limit: N if you mean it"
-        )
+        most = schema()["properties"]["sweep_limit"]["maximum"]
+        fix = f"raise it with sweep_limit: N (at most {most:,}) if you mean it" if limit < most else "split the sweep"
+        counts = " x ".join(str(len(a)) for a in axes)
+        msg = f"{counts} = {variants:,} variants, more than the sweep limit {limit:,}; {fix}"
         raise ScenarioError([Problem(file=file, path="$.sweep", message=msg, line=where.line(["sweep"]))])
     for combo in itertools.product(*axes):
         variant = copy.deepcopy(base)
