@@ -719,11 +719,13 @@ def _from_deepspeed(
                 ["deepspeed", "zero_optimization", "stage"],
                 f"{zo['stage']} contradicts scheme {par.get('scheme')!r} (ZeRO stage {stage})",
             )
-    for key, dtype in (("bf16", "bf16"), ("fp16", "fp16")):
-        if dsconfig.enabled(ds, key):
-            if model.get("dtype", dtype) != dtype:
-                bad(["deepspeed", key, "enabled"], f"True contradicts model.dtype = {model['dtype']!r}")
-            model["dtype"] = dtype
+    enabled = [key for key in ("bf16", "fp16") if dsconfig.enabled(ds, key)]
+    if len(enabled) > 1:  # DeepSpeedConfig asserts it: "bfloat16 and fp16 modes cannot be simultaneously enabled"
+        bad(["deepspeed", "fp16", "enabled"], "True, and bf16.enabled too: DeepSpeed runs one precision; enable one")
+    for dtype in enabled[:1]:
+        if model.get("dtype", dtype) != dtype:
+            bad(["deepspeed", dtype, "enabled"], f"True contradicts model.dtype = {model['dtype']!r}")
+        model["dtype"] = dtype
     if zero:
         par["zero"] = zero
     return model, par
