@@ -184,3 +184,22 @@ def test_blocked_time_counts_waiting_not_computing() -> None:
     assert slept > 80e6, "a sleeping thread is blocked"
     assert spun < 20e6, "a computing thread is not, even when it waits for a core"
     clock.close()
+
+
+def test_a_completed_call_the_poller_had_not_looked_at_is_not_left_open_by_the_drain() -> None:
+    """The drain listed a watched call as never completed (``duration_ns`` None) when its work had completed
+    but the poller, starved of a core, had not polled it yet: it failed once under load
+    (``test_run.py::test_capture_sees_every_path``). The drain looks at the watched works once more."""
+    from commgate.model.collectives import Op
+    from commgate.run.recorder import Recorder
+
+    class Done:
+        def is_completed(self) -> bool:
+            return True
+
+    rec = Recorder(0)
+    rec.poller._stopped = True  # a poller that never gets to look: the thread it starts ends at once
+    seq = rec.issue(Op.ALL_REDUCE, (0, 1), [torch.ones(4)], None, None)
+    rec.watch(seq, Done())
+    (call,) = rec.drain()
+    assert call.seq == seq and call.duration_ns is not None and call.duration_ns >= 0

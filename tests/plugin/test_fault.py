@@ -119,7 +119,12 @@ def test_a_planted_slowdown_is_flagged_once_reruns_confirm_it(
     """Three stored runs, then every all_reduce made 20x as long: the op is slower in the run and in
     both confirming reruns, so the gate fails (``latency.action: fail``) naming it. ``min_share: 0``: the
     capture stamps DDP's bucket all-reduces when they complete, so at this model's size they can hold less
-    of the step than the default 5% below which an op is not judged, and the test would flip with it."""
+    of the step than the default 5% below which an op is not judged, and the test would flip with it.
+
+    An unchanged run judged here is not asserted to pass: whether real timings stay within the rule's reach
+    is the machine's (under load that changed between the stored runs and the judged one, an unchanged
+    all_reduce floor once moved x3.92 while the compute moved x0.72); the rule's unchanged runs are measured
+    by ``benchmarks/gate_quality.py`` and its arithmetic on fixed runs by ``tests/test_baseline.py``."""
     import shutil
 
     scenario_file("g", tail="expectations: {baseline: {latency: {action: fail, min_share: 0}}}\n")
@@ -130,7 +135,6 @@ def test_a_planted_slowdown_is_flagged_once_reruns_confirm_it(
         result = pytester.runpytest("--commgate-update-baselines", "--commgate-refresh-latency")
         result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*this run added to the latency history*"])
-    pytester.runpytest().assert_outcomes(passed=1)  # unchanged: judged against 3 runs, nothing moved
     result = pytester.runpytest("--commgate-fault", "slow=all_reduce:20")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(

@@ -191,7 +191,9 @@ class Recorder:
     def drain(self) -> list[CapturedCall]:
         """All calls, the never-completed ones with ``duration_ns=None``, in issue order."""
         self.poller.stop()
-        self.harvest()  # before the open ones are listed: a call stamped in C++ is completed, not pending
+        # before the open ones are listed: a call stamped in C++, or whose work has completed though the poller
+        # (starved of a core on a loaded machine) had not looked at it yet, is completed, not pending
+        self.poll()
         pending = [_call(self.rank, rec, None) for rec in list(self._open.values())]
         return sorted(self._completed() + pending, key=lambda c: c.seq)
 
