@@ -216,3 +216,14 @@ def test_the_removed_features_are_the_ones_deepspeed_refuses() -> None:
         ("$.deepspeed.amp", said),
         ("$.deepspeed.zero_optimization.mics_shard_size", said),
     ]
+
+
+def test_a_block_under_a_scheme_without_deepspeed_says_what_does_nothing() -> None:
+    """``deepspeed: {zero_optimization: {offload_optimizer: ...}}`` under DDP was taken without a word, while its
+    bf16 switch set the model's dtype (found by an adversarial pass): the keys no engine reads are named."""
+    block = "{bf16: {enabled: true}, zero_optimization: {offload_optimizer: {device: cpu}}, gradient_clipping: 1.0}"
+    ddp = load("{scheme: ddp, dp: 2}", block)
+    assert ddp.model.dtype == "bf16"  # read: the precision
+    (said,) = [w for w in ddp.warnings if "no DeepSpeed engine" in w]
+    assert said.startswith("deepspeed zero_optimization, gradient_clipping: scheme ddp runs on torch alone")
+    assert not [w for w in load("{scheme: zero2, dp: 2}", block).warnings if "no DeepSpeed engine" in w]

@@ -616,6 +616,7 @@ def _scenario(
             *_trainer_warnings(doc),
             *_filled(ds, model, par, doc.get("trainer", "commgate")),
             *(_client_optimizer(ds) if doc.get("trainer", "commgate") == "commgate" else ()),  # commgate's own
+            *(_no_engine(ds, par) if doc.get("trainer", "commgate") == "commgate" else ()),
         ),
         notes=tuple(doc.get("notes", ())),
     )
@@ -647,6 +648,29 @@ def _filled(ds: dict[str, Any], model: ModelSpec, par: Parallelism, trainer: str
     return (
         f'deepspeed "auto" values, as trainer {trainer!r} runs them: {"; ".join(p for p in parts if p)} '
         "(a Hugging Face Trainer resolves them from its TrainingArguments and the model: trainer hf)",
+    )
+
+
+READ_WITHOUT_ENGINE = frozenset(
+    {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "bf16", "fp16"}
+)
+"""The ``deepspeed:`` keys a scenario reads (``_from_deepspeed``) where no DeepSpeed engine runs it."""
+
+
+def _no_engine(ds: dict[str, Any], par: Parallelism) -> tuple[str, ...]:
+    """Under a scheme commgate's own workloads run on torch alone (DDP, FSDP2, tensor or context parallelism,
+    torch's pipelining), the block's keys besides its batch and precision ones do nothing: said, not dropped
+    in silence (an optimizer offload under DDP was taken without a word)."""
+    scheme = SCHEMES[par.scheme]
+    if scheme.deepspeed or (par.pipeline.engine == "deepspeed" and par.pp > 1):
+        return ()
+    idle = [k for k in ds if k not in READ_WITHOUT_ENGINE]
+    if not idle:
+        return ()
+    return (
+        f"deepspeed {', '.join(idle)}: scheme {par.scheme} runs on torch alone, no DeepSpeed engine: of the "
+        f"block only {', '.join(sorted(READ_WITHOUT_ENGINE))} are read (the batch and the precision); the rest "
+        "does nothing",
     )
 
 
