@@ -79,6 +79,10 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _listed(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [] if value is None else [value]
+
+
 def _type_name(value: Any) -> str:
     return {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", dict: "mapping"}.get(
         type(value), type(value).__name__
@@ -184,6 +188,10 @@ def _describe(err: jsonschema.ValidationError) -> Iterator[tuple[list[Any], str]
         yield path, f"{_show(inst)} has duplicate items"
     elif kind in ("minItems", "minProperties"):
         yield path, "must not be empty"
+    elif kind in ("oneOf", "anyOf"):  # jsonschema's own words show Python's repr (None for null)
+        kinds = sorted({str(t) for sub in want if isinstance(sub, Mapping) for t in _listed(sub.get("type"))})
+        expected = f": expected {' or '.join(kinds)}" if kinds else ""
+        yield path, f"{_show(inst)} is not one of the forms this field takes{expected}"
     else:  # pragma: no cover - wording for validators the schema does not use yet
         yield path, err.message
 
