@@ -260,3 +260,31 @@ def test_a_trainable_parameter_never_used_is_one_line_naming_it(
         "find_unused_parameters), and commgate does not model what the engines send for one; freeze it "
         "(requires_grad_(False)) or use it in the forward"
     )
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        (
+            "import torch\ndef build(scenario): return 42, lambda seed: (torch.ones(1),)\n",
+            "build(scenario) must return (torch.nn.Module, function from a seed to the inputs), got (int, function)",
+        ),
+        (
+            "import torch\ndef build(scenario): return torch.nn.ReLU(), lambda seed: (torch.ones(1),)\n",
+            "the module has no parameters: nothing to train, nothing to communicate",
+        ),
+    ],
+    ids=["not-a-module", "no-parameters"],
+)
+def test_what_a_build_returned_is_named_as_it_is(
+    body: str, said: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``got tuple`` for a tuple of the wrong things, and "every parameter is frozen" for a module with none
+    (found by an adversarial pass)."""
+    (tmp_path / "odd_build.py").write_text(body)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "odd_build", raising=False)
+    (s,) = load_text(text("odd_build:build", "scheme: ddp, dp: 2"))
+    with pytest.raises(CommgateError) as info:
+        predict(s)
+    assert str(info.value) == f"model.module 'odd_build:build': {said}"

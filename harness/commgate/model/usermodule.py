@@ -154,9 +154,16 @@ def build(scenario: Scenario, device: Any) -> tuple[Any, Callable[[int], tuple[A
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.nn.Module) and callable(out[1])):
         raise CommgateError(
             f"{name}: build(scenario) must return (torch.nn.Module, "
-            f"function from a seed to the inputs), got {type(out).__name__}"
+            f"function from a seed to the inputs), got {_kinds(out)}"
         )
     return out
+
+
+def _kinds(value: Any) -> str:
+    """What ``build`` returned, by type: ``(int, function)``, ``NoneType``."""
+    if isinstance(value, tuple):
+        return "(" + ", ".join(type(v).__name__ for v in value) + ")"
+    return type(value).__name__
 
 
 def describe(scenario: Scenario) -> Described:
@@ -206,6 +213,8 @@ def _inventory(model: Any, spec: str) -> tuple[tuple[ParamTensor, ...], tuple[Bu
         )
         for n, p in model.named_parameters()
     )
+    if not params:
+        raise CommgateError(f"{spec}: the module has no parameters: nothing to train, nothing to communicate")
     if all(p.frozen for p in params):
         raise CommgateError(f"{spec}: every parameter is frozen (requires_grad off): nothing to train")
     buffers = tuple(Buffer(n, dtype_name(b.dtype), b.numel()) for n, b in model.named_buffers())

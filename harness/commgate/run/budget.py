@@ -105,7 +105,8 @@ def slow(scenario: Scenario, deadline_s: float) -> str | None:
     if need is None or need <= deadline_s:
         return None
     return (
-        f"{scenario.id}: its {scenario.warmup_steps + scenario.steps} steps need at least {need:,.0f} s of compute "
+        f"{scenario.id}: its {scenario.warmup_steps + scenario.steps} steps need at least "
+        f"{f'{need:,.0f}' if need >= 10 else f'{need:.2g}'} s of compute "
         f"on {os.cpu_count()} cores (at {CORE_FLOPS / 1e9:g} GFLOP/s each), more than the deadline of "
         f"{deadline_s:g} s: use a reduced-scale model or fewer steps, raise deadline_s, or run it on GPUs"
     )
