@@ -530,7 +530,11 @@ def _build(doc: dict[str, Any], *, file: str, where: _Located, label: str) -> tu
     from it, then every consistency rule run on them."""
     problems: list[Problem] = []
 
+    preset = doc["model"].get("preset") if isinstance(doc.get("model"), Mapping) else None
+
     def bad(parts: list[Any], message: str) -> None:
+        if preset and len(parts) == 2 and parts[0] == "model" and parts[1] not in doc["model"]:
+            message += f" ({parts[1]} is preset {preset}'s)"  # a field the file does not write: say whose
         problems.append(Problem(file=file, path=json_path(parts), message=message, line=where.line(parts)))
 
     ds = _deepspeed_block(doc, file, bad)
