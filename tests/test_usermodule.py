@@ -288,3 +288,14 @@ def test_what_a_build_returned_is_named_as_it_is(
     with pytest.raises(CommgateError) as info:
         predict(s)
     assert str(info.value) == f"model.module 'odd_build:build': {said}"
+
+
+def test_checkpointing_a_users_module_says_it_does_nothing() -> None:
+    """The switch wraps the built-in decoder's layers; on a user's module it changed nothing, unsaid (found by
+    an adversarial pass)."""
+    (s,) = load_text(text(MIXER, "scheme: ddp, dp: 2, activation_checkpointing: true"))
+    (said,) = [w for w in s.warnings if w.startswith("parallelism.activation_checkpointing")]
+    assert f"model.module {MIXER!r} runs its own forward as written" in said
+    (plain,) = load_text(text(MIXER, "scheme: ddp, dp: 2"))
+    assert not [w for w in plain.warnings if w.startswith("parallelism.activation_checkpointing")]
+    assert rows(predict(s)) == rows(predict(plain))  # what the warning says: nothing changes

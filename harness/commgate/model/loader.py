@@ -629,6 +629,7 @@ def _scenario(
             *_filled(ds, model, par, doc.get("trainer", "commgate")),
             *(_client_optimizer(ds) if doc.get("trainer", "commgate") == "commgate" else ()),  # commgate's own
             *(_no_engine(ds, par) if doc.get("trainer", "commgate") == "commgate" else ()),
+            *(_module_checkpointing(model, par) if doc.get("trainer", "commgate") == "commgate" else ()),
         ),
         notes=tuple(doc.get("notes", ())),
     )
@@ -683,6 +684,19 @@ def _no_engine(ds: dict[str, Any], par: Parallelism) -> tuple[str, ...]:
         f"deepspeed {', '.join(idle)}: scheme {par.scheme} runs on torch alone, no DeepSpeed engine: of the "
         f"block only {', '.join(sorted(READ_WITHOUT_ENGINE))} are read (the batch and the precision); the rest "
         "does nothing",
+    )
+
+
+def _module_checkpointing(model: ModelSpec, par: Parallelism) -> tuple[str, ...]:
+    """``activation_checkpointing`` on a user's module: the switch wraps the built-in decoder's layers only;
+    the module's own forward runs as it is written, in the run and in the model alike (said, not ignored in
+    silence)."""
+    if not (model.module and par.activation_checkpointing):
+        return ()
+    return (
+        "parallelism.activation_checkpointing: true checkpoints the built-in decoder's layers; model.module "
+        f"{model.module!r} runs its own forward as written, in the run and the prediction alike (checkpoint "
+        "inside your module if you mean it)",
     )
 
 
