@@ -12,6 +12,10 @@ SUITE=${SUITE:-scenarios}
 if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
+if ! "$PYTHON" -c "import commgate" 2>/dev/null; then
+  echo "ci/pr-gate.sh: $PYTHON has no commgate installed; set PYTHON=/path/to/venv/bin/python (the one you installed commgate into) or activate that environment" >&2
+  exit 2
+fi
 mkdir -p "$OUT"
 # shellcheck disable=SC2086  # SUITE may name several paths
 exec "$PYTHON" -m pytest $SUITE --junitxml "$OUT/junit.xml" --commgate-report-dir "$OUT" -p no:cacheprovider "$@"

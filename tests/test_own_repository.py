@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 MODULE = """
@@ -184,3 +186,35 @@ def test_init_says_to_ignore_out_where_the_repository_ignores_files_already(tmp_
     assert f"{tmp_path / '.gitignore'}: add `out/` (ci.sh writes its reports to out/commgate" in " ".join(got.notes)
     (tmp_path / ".gitignore").write_text("*.pyc\nout/\n")
     assert not [n for n in start(repo=tmp_path, preset="19M-cpu", schemes=("ddp",)).notes if "out/" in n]
+
+
+def test_the_line_init_says_to_add_works_when_pasted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``add `commgate_scenario_dirs = comm``` was invalid TOML in pyproject.toml, and a second name for the
+    setting in a pytest.ini that had it (a newcomer's walkthrough): the line is written as the file writes it,
+    and pasted in, pytest reads it."""
+    import re
+
+    from commgate.model.starter import start
+
+    monkeypatch.chdir(tmp_path)
+    for config, section, existing in (
+        ("pyproject.toml", "[tool.pytest.ini_options]\n", ""),
+        ("pytest.ini", "[pytest]\n", "commgate_scenario_dirs = comm\n"),
+    ):
+        for old in ("pyproject.toml", "pytest.ini"):
+            (tmp_path / old).unlink(missing_ok=True)
+        (tmp_path / config).write_text(section + existing)
+        (note,) = [
+            n for n in start(repo=tmp_path, preset="19M-cpu", folder="comm2", schemes=("ddp",)).notes if config in n
+        ]
+        line = re.search(r"`((?:commgate_scenario_dirs = |    )[^`]*)`", note)
+        assert line, note
+        (tmp_path / config).write_text(section + existing + line[1] + "\n" if existing else section + line[1] + "\n")
+        (tmp_path / "comm").mkdir(exist_ok=True)
+        (tmp_path / "comm2").mkdir(exist_ok=True)
+        shown = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert shown.returncode in (0, 5), shown.stdout + shown.stderr  # read (5: nothing to collect yet)
+        assert "comm2" in line[1]

@@ -163,7 +163,8 @@ def against_baseline(
                 kind="baseline",
                 fail=True,
                 title=f"communication differs from the baseline (taken {taken.get('date')} at "
-                f"{taken.get('commit')}, torch {taken.get('torch')}, deepspeed {taken.get('deepspeed')})",
+                f"{taken.get('commit') or 'no commit'}, torch {taken.get('torch')}, "
+                f"deepspeed {taken.get('deepspeed') or 'none'})",
                 causes=recognise(now.calls, stored.calls, steps=steps),
                 differences=tuple(diffs),
                 hint=f"if the change is intended, accept it with {update_flag}",

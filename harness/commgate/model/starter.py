@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import configparser
 import difflib
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,26 @@ def pytest_config(repo: Path) -> Path | None:
 MODULE_S = 64
 """The sequence length written for your module (``model.s``, which your ``build(scenario)`` reads as
 ``scenario.model.s``; a scenario without one says 1): ``commgate init --s`` writes another."""
+
+
+def _config_note(config: Path, folder: str) -> list[str]:
+    """The line to add to the repository's own pytest configuration, as that file writes it: TOML's quoted
+    list in pyproject.toml, ini's bare words elsewhere; a folder added to the setting when it is there."""
+    named = scenario_dirs(config)  # (init runs in the repository: the names as the file writes them)
+    if folder in named:
+        return []
+    toml = config.name == "pyproject.toml"
+    section = "[tool.pytest.ini_options]" if toml else "pytest section"
+    if named and toml:
+        line = f"commgate_scenario_dirs = [{', '.join(json.dumps(d) for d in [*named, folder])}]"
+        return [f"{config}: make its commgate_scenario_dirs `{line}` (init does not edit your files)"]
+    if named:  # an ini linelist: one folder a line
+        return [
+            f"{config}: add the line `    {folder}` (indented) below its commgate_scenario_dirs: pytest reads one "
+            "folder a line (init does not edit your files)"
+        ]
+    line = f'commgate_scenario_dirs = ["{folder}"]' if toml else f"commgate_scenario_dirs = {folder}"
+    return [f"{config}: add `{line}` to its {section} (commgate init does not edit your files)"]
 
 
 def scenario_dirs(config: Path) -> list[str]:
@@ -157,7 +178,7 @@ def start(
     if config is None:
         files[repo / "pytest.ini"] = f"[pytest]\n{line}\n"
     else:
-        notes.append(f"{config}: add `{line}` to its pytest section (commgate init does not edit your files)")
+        notes += _config_note(config, folder)
     ignore = repo / ".gitignore"  # ci.sh and every run write reports under out/
     if not ignore.exists():
         files[ignore] = "out/\n"
