@@ -531,15 +531,18 @@ def _build(doc: dict[str, Any], *, file: str, where: _Located, label: str) -> tu
     problems: list[Problem] = []
 
     preset = doc["model"].get("preset") if isinstance(doc.get("model"), Mapping) else None
+    written = set(doc["model"]) if preset else set()  # the model fields the file (or its deepspeed block) sets
 
     def bad(parts: list[Any], message: str) -> None:
-        if preset and len(parts) == 2 and parts[0] == "model" and parts[1] not in doc["model"]:
+        if preset and len(parts) == 2 and parts[0] == "model" and parts[1] not in written:
             message += f" ({parts[1]} is preset {preset}'s)"  # a field the file does not write: say whose
         problems.append(Problem(file=file, path=json_path(parts), message=message, line=where.line(parts)))
 
     ds = _deepspeed_block(doc, file, bad)
     if ds is None:
         return None, problems
+    if any(dsconfig.enabled(ds, key) for key in ("bf16", "fp16")):
+        written.add("dtype")  # the block's precision sets it
     _capture_dir(doc, file, bad, sweep=bool(label))
     model_doc, par_doc = _from_deepspeed(ds, dict(doc["model"]), dict(doc["parallelism"]), bad)
     model = _build_model(model_doc, bad)
