@@ -227,3 +227,12 @@ def test_a_block_under_a_scheme_without_deepspeed_says_what_does_nothing() -> No
     (said,) = [w for w in ddp.warnings if "no DeepSpeed engine" in w]
     assert said.startswith("deepspeed zero_optimization, gradient_clipping: scheme ddp runs on torch alone")
     assert not [w for w in load("{scheme: zero2, dp: 2}", block).warnings if "no DeepSpeed engine" in w]
+
+
+def test_a_dtype_the_block_sets_is_not_called_the_presets() -> None:
+    """A rule's problem with a model field the file does not write names the preset it comes from; the dtype
+    the block's bf16 switch sets is the block's, not the preset's."""
+    with pytest.raises(ScenarioError) as info:
+        load("{scheme: 3d, dp: 1, tp: 2, pp: 2}", "{bf16: {enabled: true}}")
+    (problem,) = info.value.problems
+    assert problem.path == "$.model.dtype" and "is preset" not in problem.message
