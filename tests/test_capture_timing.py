@@ -161,6 +161,35 @@ def test_a_work_without_a_future_is_left_to_the_poller(world: interpose.Recorder
     assert call.op == "reduce_scatter" and call.duration_ns is not None
 
 
+class _Synchronous:
+    """A backend whose all_reduce runs to the end and hands back no work, as NCCL's does for
+    ``async_op=False`` (torch 2.11 with NCCL 2.28, seen by ``tests/test_capture_nccl.py`` on a GPU)."""
+
+    def __init__(self, real: object) -> None:
+        self._real = real
+
+    def allreduce(self, *args: object) -> None:
+        self._real.allreduce(*args).wait()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("world", ["poller"], indirect=True)
+def test_a_synchronous_call_that_hands_back_no_work_is_recorded_and_ended(world: interpose.Recorder) -> None:
+    """The caller gets the backend's None back (torch then waits on nothing), and the call is recorded once,
+    ended, not left open for the drain to call never-completed."""
+    group = dist.group.WORLD
+    real = group._real
+    group._real = _Synchronous(real)
+    try:
+        t = torch.ones(4)
+        assert dist.all_reduce(t) is None
+        assert t.tolist() == [1.0] * 4
+    finally:
+        group._real = real
+    assert world._open == {}
+    (call,) = world.take()
+    assert call.op == "all_reduce" and call.bytes == 16 and call.duration_ns is not None
+
+
 def test_the_poller_sleeps_when_nothing_is_in_flight(world: interpose.Recorder) -> None:
     dist.all_reduce(torch.ones(4))
     deadline = time.monotonic() + 60  # bounded, not timed: a loaded machine runs the poller late

@@ -96,6 +96,20 @@ class _TimedWork(dist.Work):
         self._inner.synchronize()
 
 
+class _StreamDone:
+    """A synchronous call's end, where the backend hands back no work (NCCL with ``async_op=False``: the call
+    runs on the caller's current stream, and torch's ``dist.all_reduce`` then has nothing to wait on): an event
+    recorded on that stream after the call, which the poller asks as it asks a work. Recording it adds
+    nothing the stream waits for. Seen on torch 2.11 with NCCL 2.28 (``tests/test_capture_nccl.py``)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._event.record(torch.cuda.current_stream(tensors[0].device))
+
+    def is_completed(self) -> bool:
+        return bool(self._event.query())  # type: ignore[no-untyped-call]
+
+
 def _flat(x: Any) -> list[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         return [x]
@@ -151,6 +165,12 @@ class CapturingProcessGroup(ProcessGroup):
             return post()
         seq = rec.issue(op, self.global_ranks, tensors, peer, root)
         work = post()
+        if work is None:  # a synchronous call: NCCL's with async_op=False posts on the caller's stream, no work
+            if tensors and tensors[0].is_cuda:
+                rec.watch(seq, _StreamDone(tensors))
+            else:
+                rec.complete(seq)
+            return None
         if rec.watch(seq, work, future=self._futures):
             return work
         return _TimedWork(work, rec, seq)
@@ -246,9 +266,15 @@ def _creator(inner: str) -> Callable[[Any, Any], CapturingProcessGroup]:
             real = EmulatedBackend(opts.group_rank, opts.group_size, wire, started)
             registered = stand_in(opts.group_rank, opts.group_size)
         else:
+            # the options torch's own _new_process_group_helper gives NCCL: the group's name and ranks are what
+            # NCCL's Flight Recorder writes into a dump's pg_config
             nccl_opts = dist.ProcessGroupNCCL.Options()
+            nccl_opts.is_high_priority_stream = False
             nccl_opts._timeout = opts.timeout
+            nccl_opts.global_ranks_in_group = list(opts.global_ranks_in_group)
+            nccl_opts.group_name = opts.group_id
             real = dist.ProcessGroupNCCL(opts.store, opts.group_rank, opts.group_size, nccl_opts)
+            real._set_sequence_number_for_group()  # as torch does for an NCCL group it makes
         pg = CapturingProcessGroup(
             opts.group_rank,
             opts.group_size,
