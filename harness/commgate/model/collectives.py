@@ -179,8 +179,10 @@ OPS: dict[Op, OpSpec] = {
             bindings=(
                 _b("allgather"),
                 _b("all_gather_single", real="_allgather_base"),
+                _b("_allgather_base"),  # all_gather_into_tensor's call before torch 2.13 renamed it
                 _b("allgather_coalesced"),
                 _b("allgather_into_tensor_coalesced"),
+                _b("all_gather_single_coalesced", real="allgather_into_tensor_coalesced"),  # the coalescing manager
             ),
         ),
         OpSpec(
@@ -193,7 +195,9 @@ OPS: dict[Op, OpSpec] = {
             bindings=(
                 _b("reduce_scatter", 1),
                 _b("reduce_scatter_single", 1, "_reduce_scatter_base"),
+                _b("_reduce_scatter_base", 1),  # reduce_scatter_tensor's call before torch 2.13
                 _b("reduce_scatter_tensor_coalesced", 1),
+                _b("reduce_scatter_single_coalesced", 1, "reduce_scatter_tensor_coalesced"),
             ),
         ),
         OpSpec(
@@ -203,7 +207,7 @@ OPS: dict[Op, OpSpec] = {
             _pairwise,
             _all,
             "all_to_all",
-            bindings=(_b("alltoall", 1), _b("all_to_all_single", 1, "alltoall_base")),
+            bindings=(_b("alltoall", 1), _b("all_to_all_single", 1, "alltoall_base"), _b("alltoall_base", 1)),
         ),
         OpSpec(
             Op.BROADCAST,
