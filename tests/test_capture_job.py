@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from subprocess import PIPE
+from typing import Any
 
 import pytest
 from commgate.run.external import BOOTSTRAP, CAPTURE_ENV
@@ -270,17 +271,22 @@ def test_capture_refuses_a_directory_that_holds_a_capture(ddp: tuple[Path, subpr
     assert sorted(p.name for p in ddp[0].iterdir()) == before
 
 
-def test_nanogpt_ddp_is_captured_and_reconciled_to_zero_unexplained_bytes(work: Path) -> None:
+def capture_nanogpt(job: Path, **how: Any) -> None:
+    """nanoGPT's train.py made ready in ``job`` (``tests/data/nanogpt/job.py``; ``how``: its ``nproc``,
+    ``backend``) and captured to ``job/capture``; it ran to the end, its own log passed through."""
     sys.path.insert(0, str(NANOGPT))
     try:
         from job import nanogpt_job
     finally:
         sys.path.remove(str(NANOGPT))
-    job = work / "nanogpt"
-    command = nanogpt_job(job)
-    done = commgate("capture", "-o", job / "capture", "--", *command, cwd=job)
+    done = commgate("capture", "-o", job / "capture", "--", *nanogpt_job(job, **how), cwd=job)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "iter 2: loss" in done.stdout  # nanoGPT's own log, passed through
+
+
+def test_nanogpt_ddp_is_captured_and_reconciled_to_zero_unexplained_bytes(work: Path) -> None:
+    job = work / "nanogpt"
+    capture_nanogpt(job)
     args = ("check", job / "capture", "--scenario", "nanogpt-ddp.yaml", "--baseline-dir", job / "baselines")
     judged = commgate(*args, "--update-baselines", "--report-dir", job / "report", cwd=job)
     assert (job / "baselines" / "gloo" / "nanogpt-ddp.json").is_file(), judged.stdout + judged.stderr
@@ -418,6 +424,36 @@ def test_dumps_of_older_torch_versions_are_read_or_say_why_they_hold_nothing(
         done = commgate("check", "--flight-recorder", form)
         assert done.returncode == status, done.stdout + done.stderr
         assert f"version {dump_version}:" in done.stdout and says in done.stdout
+
+
+NCCL_DUMP = FR_VERSIONS / "torch-2.11.0-nccl"
+
+
+def test_a_real_nccl_dump_is_read_with_its_groups_and_gpu_durations(work: Path) -> None:
+    """Regression fixture: NCCL's recorder of a one-rank DDP job on an H200 (torch 2.11, NCCL 2.28.9), timed
+    (``TORCH_NCCL_ENABLE_TIMING=1``), with the job's capture (README beside it; ``tests/test_capture_nccl.py``
+    makes them fresh on a GPU). The group's ranks come from ``pg_config`` (keyed by the group's name, not its
+    description); a duration is the recorder's ``duration_ms`` (CUDA events), not the watchdog's discovery
+    times; the calls not retired when dumped are said untimed, for that reason."""
+    import pickle
+
+    from commgate.run.flightrec import read
+
+    raw = pickle.loads((NCCL_DUMP / "pickle" / "fr_0").read_bytes())["entries"]
+    for form in ("pickle", "json"):
+        dumps = read(NCCL_DUMP / form)
+        assert [c.group for c in dumps.calls] == [(0,)] * 8
+        assert [c.duration_ns for c in dumps.calls] == [
+            round(e["duration_ms"] * 1e6) if "duration_ms" in e else None for e in raw
+        ]
+        assert sum(c.duration_ns is not None for c in dumps.calls) == 3
+        assert "durations: 5 of 8 calls untimed (not retired when dumped)" in dumps.notes
+        assert not [n for n in dumps.notes if n.startswith("groups:")], dumps.notes
+    done = commgate(
+        "check", NCCL_DUMP / "capture", "--flight-recorder", NCCL_DUMP / "pickle", "--baseline-dir", work / "nccl-b"
+    )
+    assert "every one of the dumps' 8 calls is a captured call" in done.stdout, done.stdout + done.stderr
+    assert "backend nccl" in done.stdout
 
 
 def test_the_fixtures_script_records_the_same_calls_under_this_torch(tmp_path: Path) -> None:

@@ -7,10 +7,13 @@ process group and its ranks, dtype, message size (the larger of the call's input
 convention), issue order. What a dump cannot tell is said in ``notes``, never guessed:
 
 * steps: a dump holds no step boundaries; every call is placed in step 0, in issue order;
-* durations: only where the job timed its calls (``time_discovered_started_ns`` and ``..._completed_ns``
-  both set); else None;
-* groups: ``pg_config`` lists a group's ranks on NCCL; gloo's dump leaves it empty (torch 2.13), so the
-  default group is every rank dumped and another group the ranks whose dumps hold calls on it (said);
+* durations: ``duration_ms``, which the recorder writes only where the job timed its calls
+  (``TORCH_NCCL_ENABLE_TIMING=1``: CUDA events around the call on NCCL's stream) and only once the call is
+  retired; else None. ``time_discovered_started_ns``/``..._completed_ns`` are when NCCL's watchdog noticed the
+  call start and end (both within a microsecond of each other on a real NCCL dump), not a duration;
+* groups: an entry names its group ``(name, description)``; ``pg_config``, keyed by name, lists the group's
+  ranks on NCCL; gloo's dump leaves it empty (torch 2.13), so the default group is every rank dumped and
+  another group the ranks whose dumps hold calls on it (said);
 * point-to-point: gloo records no send/recv in the Flight Recorder (torch 2.13): none appear (said).
 
 Read with a restricted unpickler (``_Dump``): a dump is torch's own pickle of plain containers, strings and
@@ -191,7 +194,8 @@ def read(path: Path) -> Dumps:
                 calls.append(call)
                 timed += call.duration_ns is not None
     if timed < len(calls):
-        notes.append(f"durations: {len(calls) - timed} of {len(calls)} calls untimed (the job did not time its calls)")
+        why = "not retired when dumped" if timed else "the job did not time its calls: TORCH_NCCL_ENABLE_TIMING=1"
+        notes.append(f"durations: {len(calls) - timed} of {len(calls)} calls untimed ({why})")
     version = versions.pop()
     gloo = any(str(e["profiling_name"]).startswith("gloo:") for d in docs.values() for e in d["entries"])
     if gloo:
@@ -225,6 +229,12 @@ def _count(items: Iterable[str]) -> dict[str, int]:
 
 
 def _pg_name(e: dict[str, Any]) -> str:
+    """The entry's group's name (``process_group`` is ``(name, description)``), which keys ``pg_config``."""
+    pg = e["process_group"]
+    return str(pg[0] if isinstance(pg, (list, tuple)) else pg)
+
+
+def _pg_desc(e: dict[str, Any]) -> str:
     pg = e["process_group"]
     return str(pg[1] if isinstance(pg, (list, tuple)) and len(pg) > 1 else pg)
 
@@ -240,14 +250,16 @@ def _groups(docs: dict[int, dict[str, Any]], notes: list[str]) -> dict[str, tupl
             if name and ranks:
                 listed[str(name)] = tuple(int(x) for x in ranks)
     seen: dict[str, set[int]] = {}
+    desc: dict[str, str] = {}
     for r, d in docs.items():
         for e in d["entries"]:
             seen.setdefault(_pg_name(e), set()).add(r)
+            desc[_pg_name(e)] = _pg_desc(e)
     out: dict[str, tuple[int, ...]] = {}
     for name, ranks in seen.items():
         if name in listed:
             out[name] = listed[name]
-        elif name == "default_pg":
+        elif desc[name] == "default_pg":
             out[name] = tuple(sorted(docs))
             notes.append(
                 "groups: the dump lists no group's ranks (gloo); the default group is taken as every rank dumped "
@@ -290,7 +302,7 @@ def _call(
     side_in = _size(file, e["input_sizes"], e["input_dtypes"], where)
     side_out = _size(file, e["output_sizes"], e["output_dtypes"], where)
     elements, dtype, nbytes = max(side_in, side_out)
-    start, end = e.get("time_discovered_started_ns"), e.get("time_discovered_completed_ns")
+    duration_ms = e.get("duration_ms")
     created = int(e.get("time_created_ns") or 0)
     return CapturedCall(
         rank=rank,
@@ -305,7 +317,7 @@ def _call(
         bytes=nbytes,
         tensors=max(len(e["input_sizes"]), len(e["output_sizes"]), 1),
         start_ns=created,
-        duration_ns=int(end) - int(start) if start and end else None,
+        duration_ns=round(float(duration_ms) * 1e6) if duration_ms is not None else None,
     )
 
 
