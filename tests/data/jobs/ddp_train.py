@@ -1,12 +1,13 @@
 """A plain torch DDP training script, as a user writes it (nothing of commgate in it): a small MLP, SGD,
-``--steps`` steps on gloo (or the backend named by ``--backend``), launched by torchrun.
+``--steps`` steps on gloo (or the backend named by ``--backend``; with ``nccl``, on the GPU of its local rank),
+launched by torchrun.
 
 * ``--bucket-cap-mb`` and ``--extra-all-reduce``: the planted changes the gate must catch;
 * ``--fail-at K``: rank 1 raises at step K (a failing job must still leave a readable capture);
 * ``--mark-steps``: each step marked with ``commgate.capture.step()``, as a job whose steps the optimizer
   does not mark would;
 * ``--dump-fr``: the Flight Recorder (``TORCH_FR_BUFFER_SIZE``) dumped at the end, as a job asked for its
-  dump does, to ``$TORCH_FR_DUMP_TEMP_FILE<rank>`` (pickle) and ``<rank>.json``;
+  dump does, to ``$TORCH_FR_DUMP_TEMP_FILE<rank>`` (pickle) and ``<rank>.json`` (on NCCL, NCCL's recorder);
 * ``--reduce-scatter``: a reduce_scatter_tensor of the gradients' first layer after each step, as a sharded
   optimizer would (gloo runs, and its Flight Recorder records, it as an all_reduce);
 * ``--hang-at-end``: rank 0 issues one more all_reduce than rank 1, and the job hangs in it: rank 0 dumps
@@ -47,11 +48,16 @@ def main() -> None:
     p.add_argument("--reduce-scatter", action="store_true", help="a reduce_scatter_tensor after each step")
     p.add_argument("--hang-at-end", action="store_true", help="rank 0 issues an all_reduce rank 1 never does")
     a = p.parse_args()
+    device = torch.device("cpu")
+    kw: dict = {} if a.bucket_cap_mb is None else {"bucket_cap_mb": a.bucket_cap_mb}
+    if a.backend == "nccl":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        kw["device_ids"] = [device.index]
     dist.init_process_group(a.backend)
     rank = dist.get_rank()
     torch.manual_seed(0)
-    kw = {} if a.bucket_cap_mb is None else {"bucket_cap_mb": a.bucket_cap_mb}
-    model = DistributedDataParallel(MLP(), **kw)
+    model = DistributedDataParallel(MLP().to(device), **kw)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for k in range(a.steps):
         if a.mark_steps:
@@ -60,30 +66,42 @@ def main() -> None:
             commgate.capture.step()
         if a.fail_at == k and rank == 1:
             raise RuntimeError(f"planted failure at step {k}")
-        x = torch.randn(4, 64)
+        x = torch.randn(4, 64).to(device)
         loss = model(x)
         loss.backward()
         if a.extra_all_reduce:
             dist.all_reduce(loss.detach().clone())
         if a.reduce_scatter:
             grad = model.module.net[0].weight.grad.flatten()[:64].contiguous()
-            dist.reduce_scatter_tensor(torch.empty(64 // dist.get_world_size()), grad)
+            dist.reduce_scatter_tensor(torch.empty(64 // dist.get_world_size(), device=device), grad)
         opt.step()
         opt.zero_grad()
     if a.hang_at_end:
         hang(rank)
     if a.dump_fr:
-        dump_fr(rank)
+        torch.cuda.synchronize() if a.backend == "nccl" else None
+        dump_fr(rank, nccl=a.backend == "nccl")
     print(f"rank {rank} of {os.environ['WORLD_SIZE']}: {a.steps} steps, loss {loss.item():.4f}", flush=True)
     dist.destroy_process_group()
 
 
-def dump_fr(rank: int) -> None:
-    """TORCH_FR_BUFFER_SIZE on; the files named as the watchdog names them: <prefix><rank> and .json."""
-    from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json
+def dump_fr(rank: int, *, nccl: bool = False) -> None:
+    """TORCH_FR_BUFFER_SIZE on; the files named as the watchdog names them: <prefix><rank> and .json. An NCCL
+    job's calls are in NCCL's own recorder (``_dump_nccl_trace``), what its watchdog dumps."""
+    import torch._C._distributed_c10d as c10d
 
+    which = "_dump_nccl_trace" if nccl else "_dump_fr_trace"
+    if nccl:  # a call has its duration once NCCL's watchdog has retired it: wait for that (at most 60 s)
+        import pickle
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if all(e.get("retired", True) for e in pickle.loads(c10d._dump_nccl_trace()).get("entries", [])):
+                break
+            time.sleep(0.05)
     prefix = os.environ["TORCH_FR_DUMP_TEMP_FILE"]
-    for suffix, dump in (("", _dump_fr_trace()), (".json", _dump_fr_trace_json())):
+    for suffix, dump in (("", getattr(c10d, which)()), (".json", getattr(c10d, f"{which}_json")())):
+        dump = dump.encode() if isinstance(dump, str) else dump
         with open(f"{prefix}{rank}{suffix}.part", "wb") as f:
             f.write(dump)
         os.replace(f"{prefix}{rank}{suffix}.part", f"{prefix}{rank}{suffix}")  # whole, or not there

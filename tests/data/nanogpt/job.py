@@ -24,9 +24,9 @@ CPU_PATCH = [
 ]
 
 
-def nanogpt_job(where: Path, *, max_iters: int = 2) -> list[str]:
+def nanogpt_job(where: Path, *, max_iters: int = 2, nproc: int = 2, backend: str = "gloo") -> list[str]:
     """nanoGPT's files in ``where`` (a new directory), a tiny data set, and its command line (``max_iters``
-    + 1 optimizer steps)."""
+    + 1 optimizer steps) on ``nproc`` ranks; with ``backend`` nccl, nanoGPT's own CUDA path."""
     import numpy as np
 
     where.mkdir()
@@ -48,6 +48,6 @@ def nanogpt_job(where: Path, *, max_iters: int = 2) -> list[str]:
     finally:
         sys.path.remove(str(HERE))
     tiny = {**CONFIG, "dataset": "tiny", "batch_size": 2, "gradient_accumulation_steps": 2, "max_iters": max_iters}
-    tiny |= {"eval_interval": 1000, "eval_iters": 1, "compile": False, "dtype": "float32", "backend": "gloo"}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    tiny |= {"eval_interval": 1000, "eval_iters": 1, "compile": False, "dtype": "float32", "backend": backend}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
     return [*torchrun, "train.py", *(f"--{k}={v}" for k, v in tiny.items())]
