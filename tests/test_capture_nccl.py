@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_capture_job import JOBS, capture_nanogpt, commgate
+from test_capture_job import JOBS, capture_nanogpt, commgate, every_op_is_recorded
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a CUDA GPU; this machine has none")
 
@@ -116,6 +116,12 @@ def test_nccl_flight_recorder_dumps_give_the_capture_s_verdict(
     both = commgate("check", nccl[0], *scenario(work), "--baseline-dir", baselines, "--flight-recorder", dumps)
     assert both.returncode == 0, both.stdout + both.stderr
     assert "is a captured call" in both.stdout
+
+
+def test_every_op_a_job_calls_on_nccl_is_recorded_once_ended(work: Path) -> None:
+    """Each collective, async and sync (NCCL's synchronous calls hand back no work), through the names torch
+    2.11 calls the group by (``_allgather_base``, ``_reduce_scatter_base``, ``alltoall_base``)."""
+    every_op_is_recorded(work / "every-op", TORCHRUN, WORLD, "--backend", "nccl")
 
 
 def test_nanogpt_on_nccl_is_captured_as_itself(work: Path) -> None:
