@@ -474,6 +474,38 @@ def test_a_real_nccl_dump_is_read_with_its_groups_and_gpu_durations(work: Path) 
     assert "backend nccl" in done.stdout
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("duration_ms", "abc", "$.entries[0].duration_ms: 'abc' is not of type 'number', 'null'"),
+        ("duration_ms", -3.0, "$.entries[0].duration_ms: -3.0 is less than the minimum of 0"),
+        ("time_created_ns", "x", "$.entries[0].time_created_ns: 'x' is not of type 'integer', 'null'"),
+        ("input_sizes", 5, "$.entries[0].input_sizes: 5 is not of type 'array'"),
+        ("process_group", None, "$.entries[0].process_group: None is not valid under any of the given schemas"),
+        ("ranks", "garbage", "$.pg_config.0.ranks: ranks 'garbage': not a list of ranks"),
+    ],
+)
+def test_a_dump_with_a_field_torch_never_writes_is_one_line(
+    tmp_path: Path, field: str, value: object, says: str
+) -> None:
+    """A mistyped field of a real NCCL dump (an entry's, or a group's ranks) is one line naming the file and the
+    place, never a traceback from deep in the reader."""
+    import pickle
+
+    from commgate.core.errors import DocumentError
+    from commgate.run.flightrec import read
+
+    doc = pickle.loads((NCCL_DUMP / "pickle" / "fr_0").read_bytes())
+    if field == "ranks":
+        doc["pg_config"]["0"]["ranks"] = value
+    else:
+        doc["entries"][0][field] = value
+    (tmp_path / "fr_0").write_bytes(pickle.dumps(doc))
+    with pytest.raises(DocumentError) as exc:
+        read(tmp_path)
+    assert str(exc.value) == f"{tmp_path / 'fr_0'}: {says} (not as torch writes a dump)"
+
+
 def test_the_fixtures_script_records_the_same_calls_under_this_torch(tmp_path: Path) -> None:
     """The script that made the fixtures (``make_dump.py``), run fresh under the installed torch: its dumps
     hold the very calls torch 2.8's and 2.12's hold, op for op."""

@@ -171,7 +171,74 @@ def _load(file: Path) -> dict[str, Any]:
             raise _bad(
                 file, f"entry without {', '.join(missing) if isinstance(e, dict) else 'fields'}", f"$.entries[{i}]"
             )
+    _check_types(file, doc)
     return doc
+
+
+_SHAPES = {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}}}
+_NAMES = {"type": "array", "items": {"type": "string"}}
+DUMP_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "pg_config": {
+            "type": "object",
+            "additionalProperties": {"type": "object", "properties": {"ranks": {"type": ["string", "array"]}}},
+        },
+        "entries": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "profiling_name": {"type": "string"},
+                    "process_group": {
+                        "anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "string"}}]
+                    },
+                    "input_sizes": _SHAPES,
+                    "output_sizes": _SHAPES,
+                    "input_dtypes": _NAMES,
+                    "output_dtypes": _NAMES,
+                    "state": {"type": "string"},
+                    "duration_ms": {"type": ["number", "null"], "minimum": 0},
+                    "time_created_ns": {"type": ["integer", "null"], "minimum": 0},
+                },
+            },
+        },
+    },
+}
+"""The types ``read`` relies on in a dump (torch writes more: let through). Tuples (the pickle form's
+``process_group``) are read as arrays."""
+
+
+def _check_types(file: Path, doc: dict[str, Any]) -> None:
+    """``doc`` held to ``DUMP_SCHEMA``, and each group's ``ranks`` (JSON text in a dump) a list of ranks: else
+    one line naming the file, the place and the value."""
+    import jsonschema
+
+    from commgate.core import schemas
+    from commgate.core.fsutil import json_path
+
+    def plain(x: Any) -> Any:
+        if isinstance(x, (list, tuple)):
+            return [plain(i) for i in x]
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        return x
+
+    try:
+        schemas.strict()(DUMP_SCHEMA).validate(plain({k: doc[k] for k in ("pg_config", "entries") if k in doc}))
+    except jsonschema.ValidationError as exc:
+        raise _bad(file, f"{exc.message} (not as torch writes a dump)", json_path(exc.absolute_path)) from None
+    for name, cfg in (doc.get("pg_config") or {}).items():
+        ranks = cfg.get("ranks", [])
+        try:
+            listed = json.loads(ranks) if isinstance(ranks, str) else ranks
+            ok = isinstance(listed, list) and all(isinstance(r, int) and r >= 0 for r in listed)
+        except json.JSONDecodeError:
+            ok = False
+        if not ok:
+            raise _bad(
+                file, f"ranks {ranks!r}: not a list of ranks (not as torch writes a dump)", f"$.pg_config.{name}.ranks"
+            )
 
 
 def read(path: Path) -> Dumps:
