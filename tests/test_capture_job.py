@@ -284,17 +284,17 @@ def capture_nanogpt(job: Path, **how: Any) -> None:
     assert "iter 2: loss" in done.stdout  # nanoGPT's own log, passed through
 
 
-def every_op_is_recorded(out: Path, torchrun: list[str], world: int, *script_args: str) -> None:
+def every_op_is_recorded(out: Path, torchrun: list[str], world: int, *script_args: str, rounds: int = 1) -> None:
     """``tests/data/jobs/every_op.py`` captured: each collective a job can call, async and sync, recorded once
-    in the order called, ended, with its bytes (64 float32 elements a tensor; an all-gather's output is the
-    world's)."""
+    in the order called (``rounds`` times: once a device), ended, with its bytes (64 float32 elements a tensor;
+    an all-gather's output is the world's)."""
     done = commgate("capture", "-o", out, "--", *torchrun, "every_op.py", *script_args)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ops = ["all_reduce", "broadcast", "reduce", "all_gather", "all_gather", "reduce_scatter", "all_to_all", "barrier"]
     size = {"all_gather": 256 * world, "barrier": 0}
     for rank in range(world):
         calls = json.loads((out / f"rank{rank}.json").read_text())["calls"]
-        assert [(c["op"], c["bytes"]) for c in calls] == [(op, size.get(op, 256)) for op in ops for _ in "as"]
+        assert [(c["op"], c["bytes"]) for c in calls] == [(op, size.get(op, 256)) for op in ops for _ in "as"] * rounds
         assert [c for c in calls if c["duration_ns"] is None] == []
 
 

@@ -124,6 +124,15 @@ def test_every_op_a_job_calls_on_nccl_is_recorded_once_ended(work: Path) -> None
     every_op_is_recorded(work / "every-op", TORCHRUN, WORLD, "--backend", "nccl")
 
 
+@pytest.mark.parametrize("backend", ["cpu:gloo,cuda:nccl", "default"])
+def test_a_group_of_nccl_and_gloo_runs_each_tensor_on_its_device_s_backend(work: Path, backend: str) -> None:
+    """A job that asks for ``cpu:gloo,cuda:nccl``, or for no backend (torch then gives the group both), calls
+    each op on CUDA and on CPU tensors: under the capture as bare, the CPU's run on gloo (they failed on NCCL,
+    which the capture had made the group's only backend), and every call is recorded."""
+    args = ("--backend", backend, "--cpu-tensors") if backend != "default" else ("--backend", "", "--cpu-tensors")
+    every_op_is_recorded(work / f"both-{backend.replace(':', '-').replace(',', '-')}", TORCHRUN, WORLD, *args, rounds=2)
+
+
 def test_nanogpt_on_nccl_is_captured_as_itself(work: Path) -> None:
     """nanoGPT's train.py on its own CUDA path (device cuda:<local rank>, DDP with device_ids, backend nccl)."""
     job = work / "nanogpt"

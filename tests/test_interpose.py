@@ -88,3 +88,15 @@ def test_every_collective_method_of_the_installed_torch_is_bound() -> None:
     bound = {b.name for spec in OPS.values() for b in spec.bindings}
     methods = {n for n in dir(torch._C._distributed_c10d.ProcessGroup) if not n.startswith("__")}
     assert sorted(methods - bound - NOT_COLLECTIVES) == [], "bind these in commgate.model.collectives.OPS"
+
+
+@pytest.mark.parametrize(
+    ("backend", "both"),
+    [(None, True), ("undefined", True), ("cpu:gloo,cuda:nccl", True), ("cuda:nccl,cpu:gloo", True), ("nccl", False)],
+)
+def test_a_job_s_nccl_group_has_gloo_for_cpu_tensors_where_torch_would_give_it(backend: str | None, both: bool) -> None:
+    """torch gives a group gloo beside NCCL where the job names no backend or names ``cpu:gloo``; the capture
+    gives its NCCL group the same (``tests/test_capture_nccl.py`` runs such a group's CPU and CUDA calls)."""
+    from commgate.run.external import _cpu_too
+
+    assert _cpu_too(backend) is both

@@ -151,6 +151,13 @@ def _resolve(backend: Any) -> str | None:
     return name if name in ("gloo", "nccl") else None
 
 
+def _cpu_too(backend: Any) -> bool:
+    """Whether torch would give the group gloo for its CPU tensors beside NCCL: no backend named (torch then
+    takes every device's default), or one naming ``cpu:gloo``."""
+    name = str(backend).lower() if backend is not None else ""
+    return not name or name == "undefined" or "cpu:gloo" in name
+
+
 def _init(init: Any, backend: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``init_process_group`` over the capturing backend, which holds the one the program asked for."""
     from commgate.run import interpose
@@ -164,7 +171,7 @@ def _init(init: Any, backend: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
         state.not_captured = f"the job asked for backend {backend!r}; commgate interposes gloo and nccl"
         return init(backend, *args, **kwargs)
     state.inner = inner
-    state.recorder = interpose.install(inner, state.rank)
+    state.recorder = interpose.install(inner, state.rank, cpu_too=_cpu_too(backend))
     done = init(interpose.BACKEND_NAME, *args, **kwargs)
     import torch.distributed as dist
 

@@ -138,7 +138,15 @@ class CapturingProcessGroup(ProcessGroup):
     """
 
     def __init__(
-        self, rank: int, size: int, global_ranks: Sequence[int], name: str, real: Any, *, futures: bool = False
+        self,
+        rank: int,
+        size: int,
+        global_ranks: Sequence[int],
+        name: str,
+        real: Any,
+        *,
+        futures: bool = False,
+        cpu: Any = None,
     ) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # (rank, size) is the Python-subclass form
         self.global_ranks = tuple(global_ranks) or tuple(range(size))
@@ -146,6 +154,15 @@ class CapturingProcessGroup(ProcessGroup):
         self._real = real
         self._futures = futures
         """Whether the real backend completes a work's future when the call ends (gloo: stamped in C++)."""
+        self._cpu = cpu
+        """The gloo backend of an NCCL group's CPU tensors, where the job asked for both (``cpu:gloo,cuda:nccl``,
+        or no backend on a CUDA machine, which torch reads so); None otherwise."""
+
+    def _backend(self, tensors: list[torch.Tensor]) -> Any:
+        """The real backend of a call of ``tensors``: the CPU's where the group has one and they are on the CPU."""
+        if self._cpu is not None and tensors and not tensors[0].is_cuda:
+            return self._cpu
+        return self._real
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -154,33 +171,34 @@ class CapturingProcessGroup(ProcessGroup):
         self,
         op: Op,
         tensors: list[torch.Tensor],
-        post: Callable[[], Any],
+        post: Callable[[Any], Any],
         peer: int | None = None,
         root: int | None = None,
     ) -> Any:
-        """Record the call, post it on the real backend (``post``), and hand back its work: as it is where its
-        end is stamped in C++ (``commgate.run.stamps``), else timed at the caller's wait."""
+        """Record the call, post it on its real backend (``post(backend)``), and hand back its work: as it is
+        where its end is stamped in C++ (``commgate.run.stamps``), else timed at the caller's wait."""
+        real = self._backend(tensors)
         rec = RECORDER
         if rec is None:
-            return post()
+            return post(real)
         seq = rec.issue(op, self.global_ranks, tensors, peer, root)
-        work = post()
+        work = post(real)
         if work is None:  # a synchronous call: NCCL's with async_op=False posts on the caller's stream, no work
             if tensors and tensors[0].is_cuda:
                 rec.watch(seq, _StreamDone(tensors))
             else:
                 rec.complete(seq)
             return None
-        if rec.watch(seq, work, future=self._futures):
+        if rec.watch(seq, work, future=self._futures or real is self._cpu):
             return work
         return _TimedWork(work, rec, seq)
 
-    def _run(self, method: str, args: tuple[Any, ...]) -> Any:
-        real = getattr(self._real, method, None)
+    def _run(self, backend: Any, method: str, args: tuple[Any, ...]) -> Any:
+        real = getattr(backend, method, None)
         if real is not None:
             return real(*args)
         outputs, inputs, opts = args
-        works = [getattr(self._real, _PER_TENSOR[method])(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        works = [getattr(backend, _PER_TENSOR[method])(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
         try:
             future = torch.futures.collect_all([w.get_future() for w in works])
         except RuntimeError:  # gloo's reduce-scatter works have no future (DTensor's sequence-parallel path)
@@ -191,15 +209,13 @@ class CapturingProcessGroup(ProcessGroup):
         return torch._C._distributed_c10d._create_work_from_future(future)  # type: ignore[attr-defined]
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
-        return self._recorded(Op.SEND, tensors, lambda: self._real.send(tensors, dst, tag), self.global_ranks[dst])
+        return self._recorded(Op.SEND, tensors, lambda b: b.send(tensors, dst, tag), self.global_ranks[dst])
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
-        return self._recorded(Op.RECV, tensors, lambda: self._real.recv(tensors, src, tag), self.global_ranks[src])
+        return self._recorded(Op.RECV, tensors, lambda b: b.recv(tensors, src, tag), self.global_ranks[src])
 
     def barrier(self, opts: Any = None) -> Any:
-        return self._recorded(
-            Op.BARRIER, [], lambda: self._real.barrier() if opts is None else self._real.barrier(opts)
-        )
+        return self._recorded(Op.BARRIER, [], lambda b: b.barrier() if opts is None else b.barrier(opts))
 
 
 def _make_collective(name: str, op: Op, arg: int, method: str) -> Callable[..., Any]:
@@ -210,13 +226,13 @@ def _make_collective(name: str, op: Op, arg: int, method: str) -> Callable[..., 
     rooted = OPS[op].rooted
 
     def collective(self: CapturingProcessGroup, *args: Any) -> Any:
-        if RECORDER is None:
-            return self._run(method, args)
         tensors = _flat(args[arg])
         if not tensors:  # scatter/gather off the root: this rank's shard, standing for 1/n of the message
             tensors = _flat(args[1 - arg]) * self.size()
+        if RECORDER is None:
+            return self._run(self._backend(tensors), method, args)
         root = self.global_ranks[args[-1].rootRank] if rooted else None  # the options come last
-        return self._recorded(op, tensors, lambda: self._run(method, args), root=root)
+        return self._recorded(op, tensors, lambda b: self._run(b, method, args), root=root)
 
     collective.__name__ = collective.__qualname__ = name
     return collective
@@ -240,12 +256,13 @@ _INNER = {
 }
 
 
-def _creator(inner: str) -> Callable[[Any, Any], CapturingProcessGroup]:
+def _creator(inner: str, cpu_too: bool) -> Callable[[Any, Any], CapturingProcessGroup]:
     device, kind = _INNER[inner]
 
     def create(opts: Any, backend_options: Any) -> CapturingProcessGroup:
         real: Any
         registered: Any = None
+        cpu: Any = None
         kind_here = kind
         ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
         if inner == "gloo" or (inner == "emulated" and len(ranks) > 1 and REAL_RANKS.issuperset(ranks)):
@@ -275,6 +292,12 @@ def _creator(inner: str) -> Callable[[Any, Any], CapturingProcessGroup]:
             nccl_opts.group_name = opts.group_id
             real = dist.ProcessGroupNCCL(opts.store, opts.group_rank, opts.group_size, nccl_opts)
             real._set_sequence_number_for_group()  # as torch does for an NCCL group it makes
+            if cpu_too:  # its CPU tensors on gloo, as torch's cpu:gloo,cuda:nccl (a store prefix each, as torch's)
+                from torch.distributed.distributed_c10d import PrefixStore
+
+                store = PrefixStore("cpu/", opts.store)
+                cpu = dist.ProcessGroupGloo(store, opts.group_rank, opts.group_size, opts.timeout)
+                _LIVE_BACKENDS.append(cpu)
         pg = CapturingProcessGroup(
             opts.group_rank,
             opts.group_size,
@@ -282,8 +305,11 @@ def _creator(inner: str) -> Callable[[Any, Any], CapturingProcessGroup]:
             opts.group_id,
             real,
             futures=kind_here == ProcessGroup.BackendType.GLOO,
+            cpu=cpu,
         )
         pg._register_backend(torch.device(device), kind_here, registered or real)
+        if cpu is not None:
+            pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, cpu)
         _LIVE_BACKENDS.append(real)
         return pg
 
@@ -315,15 +341,23 @@ gloo."""
 
 
 def install(
-    inner: str, rank: int, real: Sequence[int] = (), *, recorder: Callable[[int], Recorder] = Recorder
+    inner: str,
+    rank: int,
+    real: Sequence[int] = (),
+    *,
+    recorder: Callable[[int], Recorder] = Recorder,
+    cpu_too: bool = False,
 ) -> Recorder:
     """Register the ``commgate`` backend over ``inner`` (gloo, nccl, or emulated with the ``real`` ranks
     started) and start recording with ``recorder(rank)`` (a rank with planted faults on its calls hands in
-    ``commgate.run.planted.recorder``'s)."""
+    ``commgate.run.planted.recorder``'s). ``cpu_too``: an NCCL group's CPU tensors go to gloo, as torch does
+    for ``cpu:gloo,cuda:nccl``."""
     global RECORDER, REAL_RANKS
     REAL_RANKS = frozenset(real)
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND_NAME, _creator(inner), extended_api=True, devices=[_INNER[inner][0]])
+        cpu_too = cpu_too and inner == "nccl"
+        devices = [_INNER[inner][0], *(["cpu"] if cpu_too else [])]
+        dist.Backend.register_backend(BACKEND_NAME, _creator(inner, cpu_too), extended_api=True, devices=devices)
     global INSTALLED
     RECORDER = INSTALLED = recorder(rank)
     return RECORDER

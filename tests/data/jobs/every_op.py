@@ -1,6 +1,8 @@
 """Each collective a job can call, once asynchronously and once synchronously, on the backend named by
-``--backend`` (nccl: the GPU of its local rank), launched by torchrun; nothing of commgate in it.
-``tests/test_capture_nccl.py`` captures it and checks that each call is recorded once, ended, with its bytes."""
+``--backend`` (nccl: the GPU of its local rank), launched by torchrun; nothing of commgate in it. With
+``--cpu-tensors`` (a ``cpu:gloo,cuda:nccl`` group's), each again on CPU tensors. ``tests/test_capture_job.py``
+and ``tests/test_capture_nccl.py`` capture it and check that each call is recorded once, ended, with its
+bytes."""
 
 import argparse
 import os
@@ -14,13 +16,23 @@ N = 64
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--backend", default="gloo")
+    p.add_argument("--backend", default="gloo", help="'' for none: torch's default for each device")
+    p.add_argument("--cpu-tensors", action="store_true", help="each op again on CPU tensors")
     a = p.parse_args()
-    device = torch.device("cpu")
-    if a.backend == "nccl":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    dist.init_process_group(a.backend)
+    devices = [torch.device("cpu")]
+    if "nccl" in a.backend or (not a.backend and torch.cuda.is_available()):  # none named: torch's defaults
+        devices = [torch.device("cuda", int(os.environ["LOCAL_RANK"])), *devices[: a.cpu_tensors]]
+        torch.cuda.set_device(devices[0])
+    dist.init_process_group(a.backend or None)
+    for device in devices:
+        every_op(device)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    print(f"rank {dist.get_rank()}: 8 ops, each async and sync, on {', '.join(map(str, devices))}", flush=True)
+    dist.destroy_process_group()
+
+
+def every_op(device: torch.device) -> None:
     world = dist.get_world_size()
     t, out = torch.ones(N, device=device), torch.empty(N * world, device=device)
     shard = torch.empty(N // world, device=device)
@@ -39,10 +51,6 @@ def main() -> None:
             work = op(asynchronous)
             if work is not None:
                 work.wait()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    print(f"rank {dist.get_rank()}: {len(ops)} ops, each async and sync", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
