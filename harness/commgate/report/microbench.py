@@ -77,12 +77,15 @@ def _operation(op: str, nbytes: int, group: Any, group_ranks: Sequence[int]) -> 
     if op == "all_reduce":
         t = ones(n)
         return lambda: dist.all_reduce(t, group=group)
+    # torch 2.13's names; before it, all_gather_into_tensor and reduce_scatter_tensor (deprecated in 2.13)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     if op == "all_gather":
         small, big = ones(n // g), empty(n)
-        return lambda: dist.all_gather_single(big, small, group=group)
+        return lambda: gather(big, small, group=group)
     if op == "reduce_scatter":
         small, big = empty(n // g), ones(n)
-        return lambda: dist.reduce_scatter_single(small, big, group=group)
+        return lambda: scatter(small, big, group=group)
     if op == "all_to_all":
         src, dst = ones(n), empty(n)
         return lambda: dist.all_to_all_single(dst, src, group=group)
