@@ -22,6 +22,7 @@ numbers, and a file that names any other Python object is refused unread, never 
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
@@ -209,12 +210,18 @@ DUMP_SCHEMA: dict[str, Any] = {
 ``process_group``) are read as arrays."""
 
 
+@functools.cache
+def _validator() -> Any:
+    from commgate.core import schemas
+
+    return schemas.strict()(DUMP_SCHEMA)
+
+
 def _check_types(file: Path, doc: dict[str, Any]) -> None:
     """``doc`` held to ``DUMP_SCHEMA``, and each group's ``ranks`` (JSON text in a dump) a list of ranks: else
     one line naming the file, the place and the value."""
     import jsonschema
 
-    from commgate.core import schemas
     from commgate.core.fsutil import json_path
 
     def plain(x: Any) -> Any:
@@ -225,7 +232,7 @@ def _check_types(file: Path, doc: dict[str, Any]) -> None:
         return x
 
     try:
-        schemas.strict()(DUMP_SCHEMA).validate(plain({k: doc[k] for k in ("pg_config", "entries") if k in doc}))
+        _validator().validate(plain({k: doc[k] for k in ("pg_config", "entries") if k in doc}))
     except jsonschema.ValidationError as exc:
         raise _bad(file, f"{exc.message} (not as torch writes a dump)", json_path(exc.absolute_path)) from None
     for name, cfg in (doc.get("pg_config") or {}).items():
