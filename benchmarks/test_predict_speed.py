@@ -11,7 +11,7 @@ from commgate.model import transformer as model
 from commgate.model.loader import load_document
 from commgate.model.predict import predict
 from commgate.model.scenario import Scenario
-from commgate.model.schemes import zero3_fetch
+from commgate.model.schemes import deepspeed_zero, zero3_fetch
 
 BIG = {"scheme": "3d", "dp": 64, "tp": 8, "pp": 8, "micro_batches": 16}
 
@@ -29,6 +29,8 @@ def clear_caches() -> None:
     zero3_fetch._builtin_recording.cache_clear()
     zero3_fetch._builtin_traced.cache_clear()
     zero3_fetch._passes.cache_clear()
+    deepspeed_zero._ready_order_of.cache_clear()
+    deepspeed_zero._zero3_buckets.cache_clear()
     for f in (layout.Layout.dp_groups, layout.Layout.tp_groups, layout.Layout.pp_groups, layout.Layout.stage_pairs):
         f.cache_clear()
 

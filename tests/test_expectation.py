@@ -302,3 +302,31 @@ def test_paper_volume_is_additive_in_3d() -> None:
     p = scenario(scheme="3d", dp=2, tp=2, pp=2)
     assert p.paper_volume_elements == sum((t.elements for t in p.paper_terms), Fraction(0))
     assert [t.equation for t in p.paper_terms] == ["Eq. 5", "Eq. 4", "Eq. 2"]
+
+
+def test_a_row_sized_is_the_row_replaced() -> None:
+    """``ExpectedCollective.sized`` copies the row's fields one by one: every field, as ``replace`` does."""
+    import dataclasses
+
+    from commgate.model.expectation import ExpectedCollective
+
+    row = ExpectedCollective(
+        op=Op.REDUCE_SCATTER,
+        axis="hpz",
+        groups=((0, 1), (2, 3)),
+        dtype="bf16",
+        elements=7,
+        calls=3,
+        phase=Phase.BACKWARD,
+        source="s",
+        paper_term="Eq. 3",
+        once=True,
+        at_step=2,
+        from_step=1,
+        overlaps=True,
+    )
+    sized = row.sized(11)
+    assert sized == dataclasses.replace(row, elements=11)
+    assert {f.name: getattr(sized, f.name) for f in dataclasses.fields(row)} == dataclasses.asdict(row) | {
+        "elements": 11
+    }

@@ -124,3 +124,25 @@ def test_llama_counted_by_hand() -> None:
     # t=2: every projection halves (whole heads per rank), norms stay whole
     ((dense, _),) = stage_split(inventory(m), L=1, tp=2, pp=1)
     assert dense == 40 + (8 + 32 + 16 + 16 + 32 + 8 + 3 * 48) + 8 + 40
+
+
+def test_a_parameter_pickled_in_another_process_hashes_as_one_made_here() -> None:
+    """``ParamTensor`` keeps its hash; one pickled by a process with another string hash seed must not
+    carry that process's hash here (it would miss every cache keyed by the model's parameters)."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    code = (
+        "import pickle, sys; from commgate.model.transformer import PRESETS, inventory; "
+        "sys.stdout.buffer.write(pickle.dumps(inventory(PRESETS['125M'])[:3]))"
+    )
+    seed = "1" if os.environ.get("PYTHONHASHSEED") != "1" else "2"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=os.environ | {"PYTHONHASHSEED": seed}, capture_output=True, check=True
+    ).stdout
+    theirs, ours = pickle.loads(out), inventory(PRESETS["125M"])[:3]
+    assert theirs == ours
+    assert [hash(p) for p in theirs] == [hash(p) for p in ours]
+    assert set(theirs) == set(ours)

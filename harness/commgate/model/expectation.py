@@ -14,7 +14,7 @@ import enum
 import math
 from collections import Counter
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from fractions import Fraction
 from functools import cached_property
 from typing import Any, TypeVar
@@ -91,6 +91,15 @@ class ExpectedCollective:
     def group_size(self) -> int:
         return len(self.groups[0])
 
+    def sized(self, elements: int) -> ExpectedCollective:
+        """This row with message size ``elements``: ``replace(self, elements=elements)`` without its
+        per-call look-up of the fields (a 13B model's per-parameter rows number a thousand)."""
+        new = object.__new__(ExpectedCollective)
+        for name in _ROW_FIELDS:
+            object.__setattr__(new, name, getattr(self, name))
+        object.__setattr__(new, "elements", elements)
+        return new
+
     @property
     def bytes_per_call(self) -> int:
         return math.ceil(self.elements * WIRE_ITEMSIZE[self.dtype])
@@ -128,6 +137,9 @@ class ExpectedCollective:
     @property
     def participant_count(self) -> int:
         return len(self.groups) if OPS[self.op].p2p else len(self.groups) * self.group_size
+
+
+_ROW_FIELDS = tuple(f.name for f in fields(ExpectedCollective))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -6,6 +6,7 @@ by ``commgate.model.schemes.zero3_fetch.pass_hooks`` and for a user's module on 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from commgate.model.transformer import ParamTensor
 
@@ -18,8 +19,10 @@ class Module:
     children: tuple[Module, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class Hook:
+class Hook(NamedTuple):
+    """One hook firing (immutable; a named tuple, as ``pass_hooks`` makes thousands per pass list and a
+    frozen dataclass's construction costs three times as much)."""
+
     module: Module
     fetch: bool
     """Pre-hook (fetch) or post-hook (release)."""

@@ -25,7 +25,7 @@ import enum
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
 from typing import Literal
 
@@ -155,9 +155,23 @@ class ParamTensor:
 
     numel: int = field(init=False, repr=False, compare=False)
     """Elements (the shape's product, computed once)."""
+    _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "numel", math.prod(self.shape))
+        fields = (self.name, self.shape, self.shard.value, self.block, self.layer, self.expert, self.frozen)
+        object.__setattr__(self, "_hash", hash(fields))
+
+    def __hash__(self) -> int:
+        """Computed once: a model's parameter tuple keys the ZeRO-3 replay's caches, and each lookup hashes
+        every parameter (the generated hash would hash the ``Shard`` enum in Python each time)."""
+        return self._hash
+
+    def __setstate__(self, state: list[object]) -> None:
+        """Unpickled: the fields set, the hash computed again (a string's hash differs between processes)."""
+        for f, value in zip(fields(self), state, strict=True):
+            object.__setattr__(self, f.name, value)
+        self.__post_init__()
 
     def numel_per_tp_rank(self, t: int) -> int:
         if self.shard is Shard.REPLICATED or t == 1:

@@ -51,6 +51,7 @@ difference to Eq. 2/3 is the named term "partition padding".
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from collections import Counter
@@ -205,17 +206,14 @@ def _init_broadcasts(
 ) -> list[ExpectedCollective]:
     """The engine's broadcast of each parameter (a rank's tensor-parallel shard of it) at construction."""
     isz, tp = ctx.scenario.model.itemsize, ctx.scenario.parallelism.tp
-    return [
-        replace(
-            base,
-            op=Op.BROADCAST,
-            dtype="uint8",
-            elements=p.numel_per_tp_rank(tp) * isz,
-            calls=times,
-            source="DeepSpeed initial parameter broadcast (per parameter, as bytes)",
-        )
-        for p in (ctx.params if params is None else params)
-    ]
+    row = replace(
+        base,
+        op=Op.BROADCAST,
+        dtype="uint8",
+        calls=times,
+        source="DeepSpeed initial parameter broadcast (per parameter, as bytes)",
+    )
+    return [row.sized(p.numel_per_tp_rank(tp) * isz) for p in (ctx.params if params is None else params)]
 
 
 def _init_row(ctx: Context, op: Op) -> ExpectedCollective:
@@ -318,17 +316,23 @@ def oversized(sizes: list[int], index: int, limit: int, d: int) -> list[int]:
     return [*out, group] if group else out
 
 
-def _ready_order(ctx: Context) -> list[ParamTensor]:
+def _ready_order(ctx: Context) -> tuple[ParamTensor, ...]:
     """The order gradients reach ZeRO-3's reduction: a module's gradients together, modules in the order
     their first gradient becomes ready (the built-in decoder's in reverse), each module's parameters in
     registration order (a linear layer's weight, then bias)."""
+    return _ready_order_of(ctx.trainable, ctx.ready_order)
+
+
+@functools.lru_cache(maxsize=16)
+def _ready_order_of(trainable: tuple[ParamTensor, ...], ready: tuple[ParamTensor, ...]) -> tuple[ParamTensor, ...]:
+    """``_ready_order`` of the parameters (once per model: the named terms' variants of a scenario share it)."""
     owners: dict[str, list[ParamTensor]] = {}
-    for p in ctx.trainable:
+    for p in trainable:
         owners.setdefault(p.name.rsplit(".", 1)[0], []).append(p)
     first: dict[str, int] = {}
-    for i, p in enumerate(ctx.ready_order):
+    for i, p in enumerate(ready):
         first.setdefault(p.name.rsplit(".", 1)[0], i)
-    return [p for owner in sorted(owners, key=lambda o: first[o]) for p in owners[owner]]
+    return tuple(p for owner in sorted(owners, key=lambda o: first[o]) for p in owners[owner])
 
 
 def _gradient_buckets(ctx: Context, over: int = 1) -> list[int]:
@@ -349,9 +353,14 @@ def _gradient_buckets(ctx: Context, over: int = 1) -> list[int]:
             ready=ready,
             hooked=in_hooks(ctx),
         )
-    limit = par.zero.bucket_elements
+    return list(_zero3_buckets(_ready_order(ctx), par.zero.bucket_elements, over))
+
+
+@functools.lru_cache(maxsize=16)
+def _zero3_buckets(order: tuple[ParamTensor, ...], limit: int, over: int) -> tuple[int, ...]:
+    """ZeRO-3's reductions of ``_gradient_buckets``, once per parameter order, bucket size and padding."""
     out, current, sent = [], 0, 0
-    for p in _ready_order(ctx):
+    for p in order:
         if current and current + p.numel > limit:
             out.append(sent)
             current = sent = 0
@@ -359,7 +368,7 @@ def _gradient_buckets(ctx: Context, over: int = 1) -> list[int]:
         sent += padded(p.numel, over)
     if current:
         out.append(sent)
-    return out
+    return tuple(out)
 
 
 def _bf16_optimizer(ctx: Context, step: ExpectedCollective, *, pad: bool) -> list[ExpectedCollective]:
@@ -538,10 +547,8 @@ class DeepSpeedZero3(Zero3):
         # when it was partitioned as it was built
         partitioned = built_partitioned(ctx.scenario) if self.built_partitioned is None else self.built_partitioned
         rows = _init_broadcasts(ctx, base, 1 if partitioned else 2) if init else []
-        rows += [  # the trainable ones (a frozen parameter is not)
-            replace(base, elements=padded(p.numel, over), source="ZeRO-3 initial all-gather (per parameter)")
-            for p in (ctx.trainable if init else ())
-        ]
+        gather = replace(base, source="ZeRO-3 initial all-gather (per parameter)")
+        rows += [gather.sized(padded(p.numel, over)) for p in (ctx.trainable if init else ())]  # not a frozen one
         # the rest is the same with or without the once-per-run rows above: built once per context
         return rows + ctx.once(("ZeRO-3 rows", over), lambda: self._after_init(ctx, base, over))
 
