@@ -4,9 +4,11 @@ and synthetic captures: no ranks started here."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import pytest
 from commgate.judge import baseline as bl
@@ -559,3 +561,46 @@ def test_the_note_on_too_few_stored_runs_names_the_flags_of_the_entry_point(upda
     finding, note = against_latency(s.expectations, now, one, None, update_flag)
     assert finding is None
     assert note == f"latency not judged: 1 run(s) to compare with, 3 needed (stored runs; {refresh} adds one)"
+
+
+def _edited(tmp_path: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
+    doc = json.loads((DATA / "ddp.json").read_text())
+    edit(doc)
+    path = tmp_path / "ddp.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def _first(d: dict[str, Any]) -> str:
+    return next(iter(d))
+
+
+@pytest.mark.parametrize(
+    ("edit", "where", "says"),
+    [
+        (lambda d: d["bytes_per_step"].update({_first(d["bytes_per_step"]): "1/0"}), r"\$\.bytes_per_step\.\w+", "1/0"),
+        (lambda d: d["histogram"].update({_first(d["histogram"]): "0/0"}), r"\$\.histogram\.\d+", "0/0"),
+        (lambda d: d["bytes_per_step"].update({_first(d["bytes_per_step"]): 10**400}), r"\$\.bytes_per_step", "1000"),
+        (lambda d: d["calls"].insert(0, d["calls"][0] | {"calls": 99}), r"\$\.calls\[1\]", "listed twice"),
+    ],
+    ids=["zero-denominator", "zero-over-zero", "huge", "call-twice"],
+)
+def test_a_hand_edited_baseline_is_a_one_line_error_not_a_crash_or_a_silent_choice(
+    tmp_path: Path, edit: Callable[[dict[str, Any]], None], where: str, says: str
+) -> None:
+    """A baseline fraction "1/0" (the pattern allowed it) was a ZeroDivisionError in compare, ``run --gate``
+    and pytest; 10**400 an OverflowError; a call listed twice was read as its last entry, and compare said
+    "the same" (found by an adversarial pass)."""
+    path = _edited(tmp_path, edit)
+    with pytest.raises(bl.BaselineError, match=rf"ddp\.json: {where}.*{says}") as info:
+        bl.load(path)
+    assert "\n" not in str(info.value)
+
+
+def test_runs_with_no_measured_time_are_not_a_division_by_zero() -> None:
+    """A baseline whose stored runs' times are all zero (hand-edited) made compare's latency verdict divide by
+    zero (found by an adversarial pass): zero is "not measured", never a ratio."""
+    zero = [_run(0.0, broadcast=0.0, compute=0.0, step=0.0)] * 3
+    assert _verdicts(zero, BASE) == {"all_reduce": "faster", "broadcast": "faster"}
+    assert _verdicts([_run(0.0, broadcast=3.0, compute=0.0)], BASE)["broadcast"] == "faster"
+    assert _verdicts(BASE, zero) == {}  # nothing stored to compare with: not judged

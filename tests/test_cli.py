@@ -317,3 +317,31 @@ def test_a_traffic_matrix_too_wide_to_draw_lists_its_heaviest_pairs() -> None:
     assert "src\\dst" in drawn.stdout and "more than 32 to draw" not in drawn.stdout
     assert "4,096 ranks, more than 32 to draw; 4,096 rank pairs exchange bytes, the 20 heaviest" in listed.stdout
     assert "0 -> 1: " in listed.stdout and len(listed.stdout.splitlines()) < len(drawn.stdout.splitlines()) + 40
+
+
+@pytest.mark.parametrize(("name", "kind"), [("plots", "file"), ("index.html", "dir"), ("plots/traffic.png", "dir")])
+def test_an_output_of_the_wrong_kind_in_the_report_folder_is_one_line_before_anything_runs(
+    tmp_path: Path, name: str, kind: str
+) -> None:
+    """A file named ``plots`` in the report folder was a traceback (FileExistsError) after the scenarios had
+    run, ``index.html`` a directory an error after trace.json and the figures were written (found by an
+    adversarial pass): the folder is writable, what commgate writes into it is not."""
+    from commgate.report.plots import PLOTS
+
+    name = name if name != "plots/traffic.png" else f"plots/{PLOTS[0][2]}"
+    out = tmp_path / "out"
+    (out / name).parent.mkdir(parents=True, exist_ok=True)
+    if kind == "file":
+        (out / name).write_text("mine")
+    else:
+        (out / name).mkdir()
+    (tmp_path / "g.yaml").write_text(SMALL.format(name="g"))
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    ran = commgate("run", "g.yaml", "--report-dir", str(out), cwd=tmp_path)
+    what = "not a directory, and commgate writes into a directory there" if kind == "file" else "a directory where"
+    assert ran.returncode == 2 and ran.stdout == "" and "Traceback" not in ran.stderr, ran.stdout + ran.stderr
+    assert f"{out / name}: {what}" in ran.stderr and "give another --report-dir" in ran.stderr
+    page = commgate("html", str(ROOT / "README.md"), "--out", str(out))  # the folder is checked first
+    assert page.returncode == 2 and "Traceback" not in page.stderr, page.stderr
+    assert f"{out / name}: {what}" in page.stderr and "give another --out" in page.stderr
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before  # nothing written

@@ -375,10 +375,11 @@ def _flight_recorder_alone(a: argparse.Namespace) -> int:
 
 def cmd_html(a: argparse.Namespace) -> int:
     from commgate.core.fsutil import check_writable_dir
-    from commgate.report.htmlreport import write
+    from commgate.report.htmlreport import check_outputs, write
 
     out = a.out or a.report.parent
     check_writable_dir(out, what="the HTML page", fix="give another --out")
+    check_outputs(out, fix="give another --out")
     print(write(out, _load_report(a.report)))
     return 0
 

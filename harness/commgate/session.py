@@ -193,7 +193,11 @@ class Session:
         if self._writable:
             return
         if self.report_dir is not None:
-            check_writable_dir(self.report_dir, what="the report", fix=f"give another {self.flag('report-dir')}")
+            fix = f"give another {self.flag('report-dir')}"
+            check_writable_dir(self.report_dir, what="the report", fix=fix)
+            from commgate.report import htmlreport
+
+            htmlreport.check_outputs(self.report_dir, fix=fix)
         if baselines and self.options.gate:
             fix = f"give another {self.flag('baseline-dir')}"
             check_writable_dir(self.options.baseline_dir, what="baselines", fix=fix)

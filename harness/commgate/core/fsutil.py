@@ -147,6 +147,19 @@ def check_writable_dir(path: Path, *, what: str, fix: str) -> None:
         raise WriteError(f"{path}: cannot write {what} there ({exc.strerror or exc}); {fix}") from None
 
 
+def check_outputs(folder: Path, *, files: tuple[str, ...], dirs: tuple[str, ...] = (), fix: str) -> None:
+    """Before a command spends time: a one-line ``WriteError`` where a file it writes into ``folder``
+    (``files``, relative paths) exists there as a directory, or a directory it writes into (``dirs``) as
+    something else; a writable folder does not make those writable."""
+    for name in dirs:
+        if (folder / name).exists() and not (folder / name).is_dir():
+            raise WriteError(f"{folder / name}: not a directory, and commgate writes into a directory there; "
+                             f"remove it, or {fix}")  # fmt: skip
+    for name in files:
+        if (folder / name).is_dir():
+            raise WriteError(f"{folder / name}: a directory where commgate writes a file; remove it, or {fix}")
+
+
 def _nearest_existing(path: Path, *, what: str, fix: str) -> Path:
     """The directory ``path`` is or would be created in; a ``WriteError`` where that is not a directory."""
     where = path

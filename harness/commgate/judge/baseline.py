@@ -222,7 +222,29 @@ def load(path: Path, *, scenario: str | None = None) -> Baseline:
     if scenario is not None and doc["scenario"] != scenario:
         message = f"{doc['scenario']!r} is another scenario's baseline, not {scenario!r}'s" + hint
         raise BaselineError([Problem(file=str(path), path="$.scenario", message=message)])
+    if twice := _listed_twice(doc):
+        where, what = twice
+        raise BaselineError([Problem(file=str(path), path=where, message=f"{what} is listed twice" + hint)])
     return Baseline.from_json(doc)
+
+
+def _listed_twice(doc: dict[str, Any]) -> tuple[str, str] | None:
+    """Where a hand-edited baseline lists one kind of call (or one latency key of a run) a second time,
+    and which: the dictionaries ``from_json`` builds would keep the last silently."""
+    seen: set[tuple[Any, ...]] = set()
+    for i, c in enumerate(doc["calls"]):
+        key = (c["window"], c["op"], tuple(c["group"]), c["dtype"], c["bytes_per_call"], c["phase"])
+        if key in seen:
+            return f"$.calls[{i}]", f"{c['op']} of {c['bytes_per_call']} B on group {c['group']} ({c['phase']})"
+        seen.add(key)
+    for hw, runs in doc["latency"].items():
+        for j, run in enumerate(runs):
+            keys: set[tuple[Any, ...]] = set()
+            for i, k in enumerate(run["keys"]):
+                if (k["op"], k["where"], k["bytes"], k["phase"]) in keys:
+                    return f"$.latency[{hw!r}][{j}].keys[{i}]", f"the latency of {k['key']!r}"
+                keys.add((k["op"], k["where"], k["bytes"], k["phase"]))
+    return None
 
 
 def write(path: Path, baseline: Baseline) -> Path:

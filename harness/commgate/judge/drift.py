@@ -487,10 +487,10 @@ def spread(runs: Sequence[RunLatency], op: str) -> tuple[float, float]:
 
 
 def _machine(now: Sequence[RunLatency], base: Sequence[RunLatency]) -> float:
-    """Median compute time per step now / in ``base`` (1.0 when either is unknown)."""
+    """Median compute time per step now / in ``base`` (1.0 when either is unknown, or zero: not measured)."""
     a = [statistics.median(r.compute) for r in now if r.compute]
     b = [statistics.median(r.compute) for r in base if r.compute]
-    if not a or not b or statistics.median(b) <= 0:
+    if not a or not b or statistics.median(b) <= 0 or statistics.median(a) <= 0:
         return 1.0
     return float(statistics.median(a) / statistics.median(b))
 
@@ -574,9 +574,9 @@ def _drift(
     slower collective alone moves only the compute (its calls overlap it), not the other collectives."""
     others = []
     for other in _common(r.ops() for r in (*now, *base)) - {op}:
-        ref = statistics.median(value(r, other) for r in base)
-        if ref > 0:
-            others.append(statistics.median(value(r, other) for r in now) / ref)
+        ref, at = statistics.median(value(r, other) for r in base), statistics.median(value(r, other) for r in now)
+        if ref > 0 and at > 0:  # zero: not measured (a hand-edited baseline), nothing to corroborate with
+            others.append(at / ref)
     if not others:  # nothing to corroborate it with: the compute ratio stands alone
         return machine
     common = float(statistics.median(others))

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from commgate.core import fsutil
 from commgate.core.fsutil import atomic_write_json, atomic_write_text
 from commgate.core.units import human_bytes, shown, signed
 from commgate.report import detail, plots, timemodel
@@ -316,6 +317,14 @@ def page(doc: dict[str, Any], figures: dict[str, str | None]) -> str:
             parts.append(f'<h2>{html.escape(title)}</h2><p class="note">{html.escape(note)}</p>{_img(src, title)}')
     parts += [_details(doc), "</body></html>"]
     return "\n".join(parts)
+
+
+def check_outputs(out: Path, *, fix: str) -> None:
+    """What ``write`` (and a run's report.json) writes into ``out`` can be written there: a one-line
+    ``WriteError`` before anything is written otherwise (``fsutil.check_outputs``)."""
+    figures = tuple(f"plots/{name}" for _, _, name in plots.PLOTS)
+    files = ("report.json", "trace.json", "index.html", *figures)
+    fsutil.check_outputs(out, files=files, dirs=("plots",), fix=fix)
 
 
 def write(out: Path, doc: dict[str, Any], *, progress: Callable[[str], None] | None = None) -> Path:
