@@ -130,6 +130,35 @@ def test_a_json_file_next_to_the_scenario(tmp_path: Path) -> None:
         load_file(tmp_path / "t.yaml")
 
 
+@pytest.mark.parametrize(
+    ("target", "says"),
+    [
+        ("/dev/zero", "cannot be read (a device or socket, not a file; a DeepSpeed JSON config is a file)"),
+        ("fifo.json", "cannot be read (a FIFO, not a file; a DeepSpeed JSON config is a file)"),
+        ("big.json", "cannot be read (over 16,777,216 bytes: larger than a DeepSpeed JSON config can be)"),
+        ("dup.json", "zero_optimization.reduce_bucket_size: given twice (1000, then 500000000); JSON keeps only"),
+    ],
+)
+def test_a_deepspeed_file_that_is_no_config_is_one_line_without_reading_it_whole(
+    tmp_path: Path, target: str, says: str
+) -> None:
+    """``deepspeed: /dev/zero`` grew to 20 GB and was killed, a FIFO blocked, a key given twice in the file
+    was the last one silently (found by an adversarial pass); the same keys inline were refused."""
+    import os
+
+    os.mkfifo(tmp_path / "fifo.json")
+    (tmp_path / "big.json").write_text(" " * (17 << 20) + "{}")
+    (tmp_path / "dup.json").write_text(
+        '{"zero_optimization": {"reduce_bucket_size": 1000, "reduce_bucket_size": 500000000}}'
+    )
+    (tmp_path / "s.yaml").write_text(f"{HEAD}parallelism: {{scheme: zero1, dp: 2}}\ndeepspeed: {target}\n")
+    with pytest.raises(ScenarioError) as info:
+        load_file(tmp_path / "s.yaml")
+    named = target if target.startswith("/") else tmp_path / target
+    assert str(info.value).startswith(f"{tmp_path / 's.yaml'}:5: $.deepspeed: {named}: {says}")
+    assert "\n" not in str(info.value)
+
+
 def test_the_block_reaches_the_config_deepspeed_runs() -> None:
     from commgate.run.workloads.zero import ds_config
 

@@ -370,3 +370,17 @@ def test_neox_precision_enables_the_deepspeed_block_it_implies(
     assert refused(["--neox", str(neox), "--dp", "2", "-o", str(tmp_path / "x.yaml")], capsys) == (
         f"{neox}: precision: 'float8' is not one of GPT-NeoX's: fp32, fp16, bfloat16"
     )
+
+
+def test_an_alias_bomb_in_a_config_is_refused_not_expanded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A GPT-NeoX YAML of nine anchors of nine aliases each ran for minutes at 100% CPU in the importer's
+    duplicate-key check (found by an adversarial pass); scenario files were bounded, the importer was not."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    neox = tmp_path / "bomb.yml"
+    neox.write_text("\n".join(lines) + "\n" + NEOX_SMALL)
+    out = tmp_path / "x.yaml"
+    assert refused(["--neox", str(neox), "--dp", "2", "-o", str(out)], capsys) == (
+        f"{neox}:1: $: the document expands to more than 100,000 YAML nodes (aliases expanded); not a config"
+    )
+    assert not out.exists()

@@ -2,6 +2,7 @@
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from commgate.core.errors import ScenarioError
@@ -117,3 +118,24 @@ def test_what_the_model_does_not_cover_yet_is_a_one_line_error() -> None:
     assert not s.expectations.model_check
     with pytest.raises(ScenarioError, match=r"zero\.bucket_elements: 2001: DeepSpeed's ZeRO-1/2 need an even bucket"):
         load_text(head + "parallelism: {scheme: zero1, dp: 2, zero: {bucket_elements: 2001}}\n")
+
+
+def test_a_directory_that_disappears_during_the_walk_is_passed_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``commgate validate /tmp`` was a traceback (FileNotFoundError) when another job's temporary directory
+    went away between listing and reading it (found by an adversarial pass)."""
+    from commgate.model.loader import scenario_files
+
+    (tmp_path / "a.yaml").write_text("x: 1\n")
+    (tmp_path / "gone").mkdir()
+    (tmp_path / "gone" / "b.yaml").write_text("x: 1\n")
+    scandir = os.scandir
+
+    def vanishing(path: Any) -> Any:
+        if Path(path).name == "gone":
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", vanishing)
+    assert scenario_files([tmp_path]) == [tmp_path / "a.yaml"]

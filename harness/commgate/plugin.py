@@ -6,6 +6,7 @@ are imported only when a scenario runs."""
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -134,6 +135,23 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Col
             return ScenarioFile.from_parent(parent, path=file_path)
         config.stash[SESSION].not_scenarios.append(f"{file_path}: {rule}")
     return None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A scenario-named link to a missing file under the ini's ``commgate_scenario_dirs`` or a directory
+    named on the command line (pytest's walk passes over it: the gate would stay green without it) is a
+    usage error naming it."""
+    config = session.config
+    dirs = [(config.rootpath / d).resolve() for d in config.getini("commgate_scenario_dirs")]
+    if config.args_source == pytest.Config.ArgsSource.ARGS:
+        dirs += [Path(config.invocation_params.dir, a.split("::")[0]) for a in config.args]
+    from commgate.model.loader import dangling
+
+    if links := dangling(dirs):
+        where = ", ".join(f"{f} -> {os.readlink(f)}" for f in links[:3]) + (" ..." if len(links) > 3 else "")
+        raise pytest.UsageError(
+            f"{len(links)} scenario link(s) to a missing file: {where}; restore the files or remove the links"
+        )
 
 
 def _under_args(config: pytest.Config, path: Path) -> bool:

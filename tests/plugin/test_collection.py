@@ -162,3 +162,28 @@ def test_a_scenario_directory_outside_the_rootdir_is_a_usage_error_unless_named(
         named = pytester.runpytest_subprocess("--collect-only", "-q", "../sc")
         assert named.ret == pytest.ExitCode.OK
         named.stdout.fnmatch_lines(["*s.yaml::s"])
+
+
+def test_a_scenario_link_to_a_missing_file_is_an_error_not_a_silent_gap(
+    pytester: pytest.Pytester, scenario_file: Callable[..., Path]
+) -> None:
+    """A ``*.yaml`` link whose target is gone (a scenario linked from a checkout that is missing) was passed
+    over by pytest's walk and by ``commgate validate``: the gate stayed green without it (found by an
+    adversarial pass)."""
+    import subprocess
+    import sys
+
+    scenario_file("a")
+    comm = pytester.mkdir("comm")
+    (comm / "b.yaml").symlink_to(pytester.path / "gone" / "b.yaml")
+    pytester.makeini("[pytest]\ncommgate_scenario_dirs = comm\n")
+    for args in (["--collect-only", "-q"], ["--collect-only", "-q", "comm"]):
+        result = pytester.runpytest(*args)
+        assert result.ret == pytest.ExitCode.USAGE_ERROR
+        result.stderr.fnmatch_lines(
+            [f"*1 scenario link(s) to a missing file: {comm}/b.yaml -> {pytester.path}/gone/b.yaml;*"]
+        )
+        assert "Traceback" not in result.stdout.str() + result.stderr.str()
+    proc = subprocess.run([sys.executable, "-m", "commgate", "validate", str(comm)], capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"{comm}/b.yaml: $: a link to {pytester.path}/gone/b.yaml, which does not exist" in proc.stdout + proc.stderr

@@ -6,12 +6,39 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from commgate.core.errors import DocumentError, Problem, WriteError
+
+CONFIG_BYTES = 16 << 20
+"""A configuration file another tool reads (a DeepSpeed JSON, a Hugging Face config, a GPT-NeoX YAML, a
+torchtitan TOML) is at most this large: they are a few kilobytes."""
+DOCUMENT_BYTES = 1 << 30
+"""A document commgate wrote (a report, a baseline, a capture) is at most this large."""
+
+
+def read_bytes(path: Path, *, limit: int, what: str) -> bytes:
+    """A regular file's bytes, at most ``limit`` of them: a FIFO would block the read and ``/dev/zero``
+    fill the memory. Otherwise an ``OSError`` whose ``strerror`` says why in words (callers print it in one
+    line as they print a missing file's)."""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+        raise OSError(errno.EINVAL, f"{kind}, not a file; a {what} is a file")
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"over {limit:,} bytes: larger than a {what} can be")
+    return data
+
+
+def read_text(path: Path, *, limit: int, what: str) -> str:
+    """``read_bytes`` decoded as UTF-8 (a ``UnicodeDecodeError`` where it is not)."""
+    return read_bytes(path, limit=limit, what=what).decode("utf-8")
 
 
 def json_path(parts: Iterable[str | int]) -> str:
@@ -36,7 +63,7 @@ def read_json(
         return DocumentError([Problem(file=str(path), path=where, message=message, line=line)])
 
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = json.loads(read_text(path, limit=DOCUMENT_BYTES, what="JSON document commgate writes"))
     except OSError as exc:
         raise fail("$", f"cannot be read ({exc.strerror or exc})") from None
     except UnicodeDecodeError as exc:
@@ -77,9 +104,11 @@ def read_json_object(path: Path, what: str) -> dict[str, Any]:
     """A JSON object another tool reads (a DeepSpeed config, a Hugging Face ``config.json``), or a one-line
     ``ValueError`` naming the file and what it should be."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = json_once(read_text(path, limit=CONFIG_BYTES, what=what))
     except OSError as exc:
         raise ValueError(f"{path}: cannot be read ({exc.strerror})") from None
+    except KeyError as exc:
+        raise ValueError(f"{path}: {exc.args[0]}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: not a {what} ({exc})") from None
     if not isinstance(doc, dict):
@@ -87,10 +116,54 @@ def read_json_object(path: Path, what: str) -> dict[str, Any]:
     return doc
 
 
+def json_once(text: str) -> Any:
+    """A JSON document, a key given twice in one object refused: a ``KeyError`` whose one argument names its
+    place and both values (``json`` keeps the last one silently)."""
+    twice: list[tuple[dict[str, Any], str, Any]] = []  # (the object, the key, its first value), kept alive
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj: dict[str, Any] = {}
+        for key, value in items:
+            if key in obj:
+                twice.append((obj, key, obj[key]))
+            obj[key] = value
+        return obj
+
+    doc = json.loads(text, object_pairs_hook=pairs)
+    if twice:  # one of them (the first found), named by its place in the document
+        places = dict(_objects(doc, []))
+        obj, key, first = next((t for t in twice if id(t[0]) in places), twice[0])
+        where = ".".join(map(str, [*places.get(id(obj), []), key]))
+        raise KeyError(
+            f"{where}: given twice ({_short(first)}, then {_short(obj[key])}); JSON keeps only the last silently: "
+            "give it once"
+        )
+    return doc
+
+
+def _objects(doc: Any, place: list[str | int]) -> Iterator[tuple[int, list[str | int]]]:
+    """(id, place) of every JSON object in ``doc``, in the document's order."""
+    if isinstance(doc, dict):
+        yield id(doc), place
+        for key, value in doc.items():
+            yield from _objects(value, [*place, key])
+    elif isinstance(doc, list):
+        for i, value in enumerate(doc):
+            yield from _objects(value, [*place, i])
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def text_head(path: Path, limit: int) -> str | None:
     """The first ``limit`` bytes of a text file, decoded as UTF-8 or, after their byte-order mark, as
-    UTF-16/32 (undecodable bytes replaced, no byte-order mark left); None when it cannot be read."""
+    UTF-16/32 (undecodable bytes replaced, no byte-order mark left); None when it cannot be read or is not a
+    regular file (a FIFO would block the read)."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return None
         with path.open("rb") as f:
             head = f.read(limit)
     except OSError:

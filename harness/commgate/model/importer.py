@@ -27,7 +27,6 @@ import copy
 import importlib
 import json
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from typing import Any
 import yaml
 
 from commgate.core.errors import UsageError
+from commgate.core.fsutil import CONFIG_BYTES, json_once, read_text
 from commgate.model import dsconfig
 
 NEOX_USED = {
@@ -62,7 +62,7 @@ def _read(path: Path, what: str) -> dict[str, Any]:
             raise UsageError(f"{path}: reading a TOML needs Python 3.11 or later (tomllib)")
         toml = importlib.import_module("tomllib")  # (commgate's types are Python 3.10's)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text(path, limit=CONFIG_BYTES, what=what)
         doc = _json(text, path) if path.suffix == ".json" else toml.loads(text) if toml else _yaml(text, path)
     except OSError as exc:
         raise UsageError(f"{path}: cannot be read ({exc.strerror})") from None
@@ -75,53 +75,26 @@ def _read(path: Path, what: str) -> dict[str, Any]:
 
 def _json(text: str, path: Path) -> Any:
     """A JSON document, a key given twice in one object refused (``json`` keeps the last one silently)."""
-    twice: list[tuple[dict[str, Any], str, Any]] = []  # (the object, the key, its first value), kept alive
-
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        obj: dict[str, Any] = {}
-        for key, value in items:
-            if key in obj:
-                twice.append((obj, key, obj[key]))
-            obj[key] = value
-        return obj
-
-    doc = json.loads(text, object_pairs_hook=pairs)
-    if twice:  # one of them (the first found), named by its place in the document
-        places = dict(_objects(doc, []))
-        obj, key, first = next((t for t in twice if id(t[0]) in places), twice[0])
-        where = ".".join(map(str, [*places.get(id(obj), []), key]))
-        raise UsageError(
-            f"{path}: {where}: given twice ({_short(first)}, then {_short(obj[key])}); JSON keeps only the last "
-            "silently: give it once"
-        )
-    return doc
-
-
-def _objects(doc: Any, place: list[str | int]) -> Iterator[tuple[int, list[str | int]]]:
-    """(id, place) of every JSON object in ``doc``, in the document's order."""
-    if isinstance(doc, dict):
-        yield id(doc), place
-        for key, value in doc.items():
-            yield from _objects(value, [*place, key])
-    elif isinstance(doc, list):
-        for i, value in enumerate(doc):
-            yield from _objects(value, [*place, i])
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+    try:
+        return json_once(text)
+    except KeyError as exc:
+        raise UsageError(f"{path}: {exc.args[0]}") from None
 
 
 def _yaml(text: str, path: Path) -> Any:
     """A YAML document, a key given twice in one mapping refused as a scenario's is (the loader's check)."""
-    from commgate.model.loader import _duplicate_keys
+    from commgate.core.errors import ScenarioError
+    from commgate.model.loader import _bounded, _duplicate_keys
 
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
         if node is None:
             return None
+        try:  # an alias "bomb" of a few lines expands to billions of nodes
+            _bounded(node, str(path))
+        except ScenarioError as exc:
+            raise UsageError(str(exc).replace("; not a scenario", "; not a config")) from None
         for problem in _duplicate_keys(node, str(path), []):  # the first one
             where, key = f"{problem.file}:{problem.line}", problem.path.removeprefix("$.")
             raise UsageError(f"{where}: {key}: {problem.message}: give it once")

@@ -357,6 +357,9 @@ def _type_hint(inst: Any, wanted: list[str]) -> str:
 
 def load_file(path: str | Path) -> list[Scenario]:
     file = str(path)
+    if os.path.islink(path) and not os.path.exists(path):
+        message = f"a link to {os.readlink(path)}, which does not exist; restore the file or remove the link"
+        raise ScenarioError([Problem(file=file, path="$", message=message)])
     try:
         mode = os.stat(path).st_mode
         if not stat.S_ISREG(mode):  # a FIFO would block the read, /dev/zero would fill the memory
@@ -416,15 +419,29 @@ def not_a_scenario(path: Path) -> str | None:
 
 
 def scenario_files(paths: Iterable[str | Path]) -> list[Path]:
-    """The scenario files named by ``paths`` (directories are searched recursively)."""
+    """The scenario files named by ``paths`` (directories are searched recursively; a link to a missing
+    file is one, whose loading says so)."""
     out: list[Path] = []
     for raw in paths:
         p = Path(raw)
         if p.is_dir():
-            out += sorted(f for f in p.rglob("*") if f.suffix in SCENARIO_SUFFIXES and f.is_file())
+            out += sorted(f for f in _walk(p) if f.suffix in SCENARIO_SUFFIXES and (f.is_file() or not f.exists()))
         else:
             out.append(p)
     return out
+
+
+def _walk(root: Path) -> Iterator[Path]:
+    """Every entry under ``root`` that is not a directory, links to directories not followed; a directory
+    that disappears or cannot be read during the walk (another job's temporary one) is passed over."""
+    for where, _, files in os.walk(root):
+        yield from (Path(where) / name for name in files)
+
+
+def dangling(dirs: Iterable[Path]) -> list[Path]:
+    """The scenario-named links under ``dirs`` whose target is missing (a scenario linked from a checkout
+    that is gone): never left out in silence."""
+    return sorted({f for d in dirs if d.is_dir() for f in _walk(d) if f.suffix in SCENARIO_SUFFIXES and not f.exists()})
 
 
 def load_paths(paths: Iterable[str | Path]) -> list[Scenario]:
