@@ -345,3 +345,20 @@ def test_an_output_of_the_wrong_kind_in_the_report_folder_is_one_line_before_any
     assert page.returncode == 2 and "Traceback" not in page.stderr, page.stderr
     assert f"{out / name}: {what}" in page.stderr and "give another --out" in page.stderr
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before  # nothing written
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("-k", ""), "-k '': an empty selection matches every scenario"),
+        (("-k", "ddp", "-k", " "), "-k '': an empty selection matches every scenario"),
+        (("--link", ""), "--link '': give a rate (e.g. 10gbit), or no --link"),
+        (("--emulate", "--link", "10gbit"), "--emulate with --link 10gbit: a shaped link joins two halves"),
+    ],
+)
+def test_run_arguments_that_cannot_mean_what_they_say_are_refused(args: tuple[str, ...], says: str) -> None:
+    """``-k ""`` (an unset $SEL) started the whole suite; ``--emulate --link 10gbit`` skipped every scenario and
+    exited 0 (found by an adversarial pass)."""
+    proc = commgate("run", "scenarios/ddp.yaml", *args)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert says in proc.stderr and "Traceback" not in proc.stderr

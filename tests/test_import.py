@@ -384,3 +384,45 @@ def test_an_alias_bomb_in_a_config_is_refused_not_expanded(tmp_path: Path, capsy
         f"{neox}:1: $: the document expands to more than 100,000 YAML nodes (aliases expanded); not a config"
     )
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        (NEOX_SMALL.replace("num-layers: 2", "num-layers: 2.5"), "num-layers: 2.5 is not a whole number"),
+        (NEOX_SMALL + "no-weight-tying: 'false'\n", "no-weight-tying: 'false' is not a boolean; write true or false"),
+        (NEOX_SMALL + "num_layers: 4\n", "num-layers and num_layers: one key to GPT-NeoX, given twice: give it once"),
+        (NEOX_SMALL + "num-kv-heads: 2\n", "num-kv-heads: 2 (grouped-query attention) changes the parameter count"),
+    ],
+    ids=["float", "string-bool", "two-spellings", "kv-heads"],
+)
+def test_a_neox_value_the_importer_cannot_follow_is_refused_not_changed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, says: str
+) -> None:
+    """``num-layers: 40.5`` was written as L 40, ``no-weight-tying: "false"`` as untied (the opposite), both
+    spellings of a key kept the last, ``num-kv-heads`` was "ignored (no communication effect)" though it
+    changes the parameter count (found by an adversarial pass)."""
+    neox, out = tmp_path / "n.yml", tmp_path / "x.yaml"
+    neox.write_text(text)
+    assert refused(["--neox", str(neox), "--dp", "2", "-o", str(out)], capsys).startswith(f"{neox}: {says}")
+    assert not out.exists()
+
+
+def test_neox_pads_its_vocabulary_by_the_model_parallel_size_and_a_second_config_may_not_differ(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """GPT-NeoX pads the tokenizer's vocabulary to make-vocab-size-divisible-by x model-parallel-size
+    (``_vocab_size_with_padding``): V was 50304 whatever the degree; a Hugging Face config.json given with the
+    NeoX one replaced its dimensions without a word (found by an adversarial pass)."""
+    neox, out = tmp_path / "n.yml", tmp_path / "x.yaml"
+    for extra, v in [("", 50304), ("model-parallel-size: 2\n", 50432), ("tokenizer-type: CharLevelTokenizer\n", 512)]:
+        neox.write_text(NEOX_SMALL + extra + "padded-vocab-size: 1000\n")
+        assert main(["import", "--neox", str(neox), "--dp", "2", "-o", str(out), "--force"]) == 0
+        err = capsys.readouterr().err
+        assert yaml.safe_load(out.read_text())["model"]["V"] == v
+        assert f"padded-vocab-size not read: GPT-NeoX derives it from the tokenizer (V = {v})" in err
+    hf = HF / "tinyllama-1.1b.json"
+    assert refused(["--neox", str(neox), "--hf", str(hf), "--dp", "2", "-o", str(tmp_path / "y.yaml")], capsys) == (
+        f"{neox} and {hf} describe different models (L 2 vs 22, h 64 vs 2048, a 4 vs 32); give the config of the "
+        "model you train (--neox or --hf), not both"
+    )

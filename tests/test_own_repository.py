@@ -218,3 +218,34 @@ def test_the_line_init_says_to_add_works_when_pasted(tmp_path: Path, monkeypatch
         )  # fmt: skip
         assert shown.returncode in (0, 5), shown.stdout + shown.stderr  # read (5: nothing to collect yet)
         assert "comm2" in line[1]
+
+
+def test_init_writes_what_it_offers_and_refuses_what_it_cannot_run(tmp_path: Path) -> None:
+    """init offered zero++ (an invalid name, "19M-cpu-zero++", and no flag for its hpz) and tp/pp/3d/cp/moe
+    with no flag to set their degree, accepted a --dp its own next step could not run, and a .gitignore directory was a
+    traceback; its next: line named a bare ``python``, another interpreter than the one with commgate (found
+    by an adversarial pass)."""
+    from commgate.model.loader import load_paths
+    from commgate.run.launcher import local_rank_limit
+
+    bindir = Path(sys.executable).parent
+    init = [str(bindir / "commgate"), "init", "--preset", "19M-cpu"]
+
+    def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*init, *args], cwd=cwd, capture_output=True, text=True)
+
+    for args, says in [
+        (("--schemes", "ddp,tp,zero++"), "--schemes tp,zero++: init writes data-parallel scenarios (ddp, zero1,"),
+        (("--dp", str(local_rank_limit() + 1)), f"--dp {local_rank_limit() + 1}: the scenarios run on this machine"),
+    ]:
+        bad = run(*args, cwd=tmp_path)
+        assert bad.returncode == 2 and says in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+        assert list(tmp_path.iterdir()) == []
+    (tmp_path / ".gitignore").mkdir()
+    ok = run("--schemes", "zero1,fsdp", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert f"note: {tmp_path / '.gitignore'}: not a file" in ok.stdout
+    assert sorted(s.name for s in load_paths([tmp_path / "comm"])) == ["19M-cpu-fsdp", "19M-cpu-zero1"]
+    python = next(line for line in ok.stdout.splitlines() if line.startswith("next: ")).split()[1]
+    version = subprocess.run([python, "-c", "import commgate"], cwd=tmp_path, capture_output=True, text=True)
+    assert version.returncode == 0, (python, version.stderr)

@@ -201,6 +201,15 @@ def cmd_run(a: argparse.Namespace) -> int:
         refresh_latency=a.refresh_latency,
         deadline=a.deadline,
     )
+    if a.select and not all(k.strip() for k in a.select):  # an unset $SEL would select every scenario
+        raise UsageError("-k '': an empty selection matches every scenario; give part of a scenario id, or no -k")
+    if a.link is not None and not a.link.strip():
+        raise UsageError("--link '': give a rate (e.g. 10gbit), or no --link")
+    if a.emulate and a.link:
+        raise UsageError(
+            f"--emulate with --link {a.link}: a shaped link joins two halves of the started ranks, and an emulated "
+            "run starts one; give one of the two"
+        )
     scenarios = load_paths(default_paths(a.paths))
     if a.select:
         scenarios = [s for s in scenarios if any(k in s.id for k in a.select)]
@@ -617,9 +626,15 @@ def _add_init(sub: argparse._SubParsersAction[_Parser]) -> None:
 def cmd_init(a: argparse.Namespace) -> int:
     from commgate.core.fsutil import atomic_write_text
     from commgate.model.starter import DEFAULT_SCHEMES, start
+    from commgate.run.launcher import local_rank_limit
 
     if a.dp < 1:
         raise UsageError(f"--dp {a.dp}: give 1 or more data-parallel ranks (default 2)")
+    if a.dp > (limit := local_rank_limit()):
+        raise UsageError(
+            f"--dp {a.dp}: the scenarios run on this machine's CPU ranks, at most {limit} here; give --dp {limit} or "
+            "fewer (production world sizes run emulated: emulate: true, README)"
+        )
     if a.s is not None and a.s < 1:
         raise UsageError(f"--s {a.s}: give a sequence length of 1 or more tokens")
     if "/" in a.dir or a.dir in ("", ".", ".."):
@@ -639,9 +654,10 @@ def cmd_init(a: argparse.Namespace) -> int:
         print(f"wrote {path.relative_to(Path.cwd())}")
     for note in got.notes:
         print(f"note: {note}")
+    python = env.python_command()
     print(
-        f"next: python -m pytest {a.dir}/ --commgate-update-baselines   (stores baselines/: commit them), then "
-        f"python -m pytest {a.dir}/ (the gate) and sh {a.dir}/ci.sh in CI"
+        f"next: {python} -m pytest {a.dir}/ --commgate-update-baselines   (stores baselines/: commit them), then "
+        f"{python} -m pytest {a.dir}/ (the gate) and sh {a.dir}/ci.sh in CI"
     )
     return 0
 

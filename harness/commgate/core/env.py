@@ -94,3 +94,18 @@ def path(text: str) -> Path:
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty path (an unset variable?): give a file or directory")
     return Path(text)
+
+
+def python_command(*, anywhere: bool = False) -> str:
+    """This interpreter as a command commgate suggests can name it: ``python`` where that is what the shell
+    finds (an activated environment), else its path, relative to the working directory when inside it
+    (``.venv/bin/python``, the README's way) unless the command is for ``anywhere``: a bare ``python`` would
+    be another one, without commgate."""
+    import shutil
+    import sys
+
+    found = shutil.which("python")
+    if found and Path(found).absolute() == Path(sys.executable).absolute():
+        return "python"
+    here = Path(sys.executable).absolute()
+    return str(here.relative_to(Path.cwd())) if here.is_relative_to(Path.cwd()) and not anywhere else str(here)

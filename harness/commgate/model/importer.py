@@ -40,7 +40,11 @@ from commgate.model import dsconfig
 NEOX_USED = {
     "num-layers", "hidden-size", "num-attention-heads", "seq-length", "max-position-embeddings", "pos-emb",
     "no-weight-tying", "pipe-parallel-size", "model-parallel-size", "checkpoint-activations", "precision",
+    "num-kv-heads", "make-vocab-size-divisible-by", "padded-vocab-size", "tokenizer-type",
 }  # fmt: skip
+
+NEOX_VOCAB = {"GPT2BPETokenizer": 50257, "HFGPT2Tokenizer": 50257, "HFTokenizer": 50277, "CharLevelTokenizer": 512}
+"""Tokens of GPT-NeoX's tokenizers before padding (``HFTokenizer``: its 20B tokenizer, 50,277)."""
 
 
 @dataclass
@@ -123,7 +127,14 @@ def build(
     if neox:
         _neox(_read(neox, "GPT-NeoX config"), model, par, ds, out.notes, str(neox))
     if hf:
+        neox_model = dict(model)
         _hf(_read(hf, "Hugging Face config.json"), model, out.notes, str(hf))
+        if neox and (clash := [f"{k} {neox_model[k]} vs {model[k]}" for k, _ in NEOX_DIMENSIONS_OF if k in neox_model
+                               and k in model and neox_model[k] != model[k]]):  # fmt: skip
+            raise UsageError(
+                f"{neox} and {hf} describe different models ({', '.join(clash)}); give the config of the model "
+                "you train (--neox or --hf), not both"
+            )
     stage_file = neox
     if deepspeed:
         given = _read(deepspeed, "DeepSpeed JSON config")
@@ -213,10 +224,11 @@ def _whole(value: Any, where: str) -> int:
         raise UsageError(f"{where}: {value!r} is not a whole number")
     if isinstance(value, int):  # exactly (a float holds 53 bits)
         return value
-    try:
-        return int(value)
-    except ValueError:
-        pass
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
     try:
         number = float(value)
     except ValueError:
@@ -229,14 +241,26 @@ def _whole(value: Any, where: str) -> int:
 def _neox(
     cfg: dict[str, Any], model: dict[str, Any], par: dict[str, Any], ds: dict[str, Any], notes: list[str], f: str
 ) -> None:
-    get = {k.replace("_", "-"): v for k, v in cfg.items()}
+    get: dict[str, Any] = {}
+    for k, v in cfg.items():
+        if (key := k.replace("_", "-")) in get:  # GPT-NeoX reads both spellings as one key: the last would win
+            twice = [other for other in cfg if other.replace("_", "-") == key]
+            raise UsageError(f"{f}: {' and '.join(twice)}: one key to GPT-NeoX, given twice: give it once")
+        get[key] = v
+    for key in ("no-weight-tying", "checkpoint-activations"):
+        if key in get and not isinstance(get[key], bool):
+            raise UsageError(f"{f}: {key}: {get[key]!r} is not a boolean; write true or false (no quotes)")
     for key, target in NEOX_DIMENSIONS:
         if key in get and (value := _whole(get[key], f"{f}: {key}")) < 1:
             raise UsageError(f"{f}: {key}: {value} is not 1 or more")
         if key in get:
             model[target] = value
-    model["V"] = 50304  # GPT-NeoX pads its tokenizer's vocabulary to a multiple of 128 (50277 -> 50304)
-    notes.append(f"{f}: V = 50304, GPT-NeoX's padded vocabulary (the config does not state it)")
+    if "num-kv-heads" in get and "num-attention-heads" in get and get["num-kv-heads"] != get["num-attention-heads"]:
+        raise UsageError(
+            f"{f}: num-kv-heads: {get['num-kv-heads']!r} (grouped-query attention) changes the parameter count, and "
+            "commgate's GPT-NeoX model has every head's keys and values; import the model's Hugging Face config.json "
+            "(--hf: architecture llama, kv_heads) or write the scenario by hand"
+        )
     pos = get.get("pos-emb", "learned")
     model["position"] = {"rotary": "rotary", "learned": "learned", "none": "none"}.get(pos, "learned")
     if pos not in ("rotary", "learned", "none"):
@@ -248,6 +272,7 @@ def _neox(
         raise UsageError(f"{f}: pipe-parallel-size: {pp} is not 0 or more: give 0 (no pipeline) or the stage count")
     if tp < 1:
         raise UsageError(f"{f}: model-parallel-size: {tp} is not 1 or more: give 1 (no tensor parallelism) or more")
+    _neox_vocab(get, model, notes, f, tp)
     if pp == 0:  # GPT-NeoX's is_pipe_parallel is pipe-parallel-size >= 1
         notes.append(f"{f}: pipe-parallel-size 0 (GPT-NeoX's model without its pipeline wrapper): pp 1")
     if pp > 1:
@@ -262,6 +287,26 @@ def _neox(
         elif key.replace("_", "-") not in NEOX_USED:
             notes.append(f"{f}: {key} ignored (no communication effect commgate models)")
     _neox_precision(get.get("precision"), ds, notes, f)
+
+
+def _neox_vocab(get: dict[str, Any], model: dict[str, Any], notes: list[str], f: str, mp: int) -> None:
+    """V as GPT-NeoX derives it (``_vocab_size_with_padding``): the tokenizer's tokens padded to a multiple of
+    ``make-vocab-size-divisible-by`` (128) times ``model-parallel-size``; a ``padded-vocab-size`` in the
+    config is what GPT-NeoX recomputes, so it is not read."""
+    kind = get.get("tokenizer-type", "HFTokenizer")
+    tokens = NEOX_VOCAB.get(kind, NEOX_VOCAB["HFTokenizer"])
+    by = _whole(get.get("make-vocab-size-divisible-by", 128), f"{f}: make-vocab-size-divisible-by")
+    if by < 1:
+        raise UsageError(f"{f}: make-vocab-size-divisible-by: {by} is not 1 or more (GPT-NeoX's default: 128)")
+    model["V"] = -(-tokens // (by * mp)) * (by * mp)
+    which = (
+        f"{kind}'s {tokens:,} tokens"
+        if kind in NEOX_VOCAB
+        else f"{tokens:,} tokens ({kind!r}: the 20B tokenizer's assumed)"
+    )
+    notes.append(f"{f}: V = {model['V']}, GPT-NeoX's padded vocabulary: {which} padded to a multiple of {by} x {mp}")
+    if "padded-vocab-size" in get:
+        notes.append(f"{f}: padded-vocab-size not read: GPT-NeoX derives it from the tokenizer (V = {model['V']})")
 
 
 def _neox_precision(precision: Any, ds: dict[str, Any], notes: list[str], f: str) -> None:
@@ -281,6 +326,9 @@ def _neox_precision(precision: Any, ds: dict[str, Any], notes: list[str], f: str
     notes.append(f"{f}: precision {precision}: DeepSpeed's {'fp16' if precision == 'fp16' else 'bf16'} block "
                  "enabled, as GPT-NeoX derives it")  # fmt: skip
 
+
+NEOX_DIMENSIONS_OF = (("L", "num-layers"), ("h", "hidden-size"), ("a", "num-attention-heads"))
+"""The dimensions a GPT-NeoX config and a Hugging Face config.json both state (when both are given)."""
 
 NEOX_DIMENSIONS = (("num-layers", "L"), ("hidden-size", "h"), ("num-attention-heads", "a"), ("seq-length", "s"))
 """The GPT-NeoX keys of the model's dimensions (GPT-NeoX has no default for them) and their scenario fields."""

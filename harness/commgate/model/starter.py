@@ -20,6 +20,9 @@ from commgate.core.errors import CommgateError, UsageError
 
 DEFAULT_SCHEMES = ("ddp", "zero2", "zero3")
 """What a new repository starts with: torch DDP and DeepSpeed ZeRO-2 and ZeRO-3, on ``dp`` CPU ranks."""
+DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+"""The schemes init writes: they need no degree but ``dp`` (tensor, pipeline, context and expert parallelism
+and ZeRO++'s partitions each need their own, which init has no flag for)."""
 
 CI = """#!/usr/bin/env sh
 # commgate's gate, as CI runs it, from the repository's root, in an environment where commgate is installed.
@@ -151,13 +154,20 @@ def start(
 
     if unknown := [s for s in schemes if s not in SCHEMES]:
         raise UsageError(f"--schemes {','.join(unknown)}: unknown; commgate knows {', '.join(SCHEMES)}")
+    if others := [s for s in schemes if s not in DATA_PARALLEL]:
+        raise UsageError(
+            f"--schemes {','.join(others)}: init writes data-parallel scenarios ({', '.join(DATA_PARALLEL)}); "
+            "write one of those, then copy it and set the degree by hand (parallelism.tp, pp, cp, moe or "
+            "zero.hpz; docs/scenarios.md)"
+        )
     model, base, notes = _model(module, preset, hf, dp, s)
     files: dict[Path, str] = {}
     for scheme in schemes:
-        path = repo / folder / f"{base}-{scheme}.yaml"
+        name = f"{base}-{scheme}"
+        path = repo / folder / f"{name}.yaml"
         doc = {
             "schema_version": 1,
-            "name": f"{base}-{scheme}",
+            "name": name,
             "description": f"{base} under {scheme} on {dp} CPU ranks (written by commgate init)",
             "model": model,
             "parallelism": {"scheme": scheme, "dp": dp},
@@ -180,8 +190,10 @@ def start(
     else:
         notes += _config_note(config, folder)
     ignore = repo / ".gitignore"  # ci.sh and every run write reports under out/
-    if not ignore.exists():
+    if not ignore.exists() and not ignore.is_symlink():
         files[ignore] = "out/\n"
+    elif not ignore.is_file():
+        notes.append(f"{ignore}: not a file; ignore out/ in your version control (ci.sh writes reports there)")
     elif not {"out", "out/", "/out", "/out/"} & set(ignore.read_text(errors="replace").split()):
         notes.append(f"{ignore}: add `out/` (ci.sh writes its reports to out/commgate; init does not edit it)")
     if existing := [str(p) for p in files if p.exists()]:

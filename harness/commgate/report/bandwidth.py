@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from commgate.core import schemas
+from commgate.core import env, schemas
 from commgate.core.errors import CommgateError
 from commgate.core.fsutil import atomic_write_json, read_json
 from commgate.model.collectives import OPS as OPS_TABLE
@@ -248,9 +248,10 @@ def sweep_command(curve_dir: Path) -> str:
     microbenchmarks of commgate's checkout by absolute path (an installed wheel has none: say where)."""
     bench = Path(__file__).resolve().parents[3] / "benchmarks" / "test_collectives.py"
     target = curve_dir.resolve()
+    python = env.python_command(anywhere=True)
     if bench.is_file():
-        return f"python -m pytest {bench} -p no:cacheprovider --commgate-curve-dir {target}"
-    return f"python -m pytest benchmarks/test_collectives.py --commgate-curve-dir {target} (in a commgate checkout)"
+        return f"{python} -m pytest {bench} -p no:cacheprovider --commgate-curve-dir {target}"
+    return f"{python} -m pytest benchmarks/test_collectives.py --commgate-curve-dir {target} (in a commgate checkout)"
 
 
 def calibrate(
