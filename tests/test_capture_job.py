@@ -554,3 +554,54 @@ def test_a_dump_that_names_a_python_object_is_refused_unread(tmp_path: Path) -> 
     body = b"\x80\x02}(X\x07\x00\x00\x00versionX\x04\x00\x00\x002.10X\x07\x00\x00\x00entries]X\x01\x00\x00\x00s" + sizes
     (good / "fr_0").write_bytes(body + b"u.")
     assert read(good).calls == ()  # loaded: a dump of no calls
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP, signal.SIGTERM], ids=["int", "hup", "term"])
+def test_an_interrupted_capture_waits_for_the_job_and_keeps_every_ranks_capture(work: Path, signum: int) -> None:
+    """``kill -INT`` to ``commgate capture`` left torchrun and its ranks running (orphans, no job.json); a
+    SIGHUP (a closed terminal) was passed on to ranks that died of it unwritten: 0 rank files (found by an
+    adversarial pass). Each is passed on, and the capture ends with the job, every rank's file written."""
+    import time
+
+    name = signal.Signals(signum).name.lower()
+    out, ready = work / f"interrupted-{name}", work / f"ready-{name}"
+    ready.mkdir()
+    cmd = [sys.executable, "-m", "commgate", "capture", "-o", str(out), "--", *TORCHRUN, "ddp_train.py", "--steps", "2",
+           "--linger", str(ready)]  # fmt: skip
+    with subprocess.Popen(cmd, cwd=JOBS, stdout=PIPE, stderr=PIPE, text=True, start_new_session=True) as p:
+        try:
+            deadline = time.monotonic() + BOUND_S
+            while len(list(ready.iterdir())) < 2 and p.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)  # both ranks past their steps, waiting for the signal
+            assert len(list(ready.iterdir())) == 2, p.communicate(timeout=BOUND_S)
+            p.send_signal(signum)
+            _, err = p.communicate(timeout=BOUND_S)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode != 0 and f"commgate capture: 2 rank file(s) in {out}" in err, err  # the job's own tracebacks
+    from commgate.run.captured import load
+
+    captured = load(out)  # job.json and both ranks' files
+    assert captured.exit_status == p.returncode and captured.steps == 2, err
+    left = subprocess.run(["pgrep", "-f", f"--linger {ready}"], capture_output=True, text=True).stdout.split()
+    assert left == [], f"processes of the job left running: {left}"
+
+
+@pytest.mark.parametrize(
+    ("flag", "says"),
+    [("--os-exit", "os._exit and SIGKILL skip"), ("--no-init", "never set up a process group")],
+    ids=["os-exit", "no-init"],
+)
+def test_a_job_that_leaves_no_capture_says_why(work: Path, flag: str, says: str) -> None:
+    """A job ending by ``os._exit`` was "0 rank file(s)", and check said "not a capture"; one that never
+    called init_process_group was "$.backend: None is not of type 'string'; capture the job again" (found by
+    an adversarial pass): each says what happened."""
+    out = work / f"nothing{flag}"
+    done = commgate("capture", "-o", out, "--", *TORCHRUN, "ddp_train.py", "--steps", "1", flag)
+    assert done.returncode == 0, done.stderr
+    judged = commgate("check", out, "--scenario", "ddp-mlp.yaml", "--baseline-dir", work / "unused")
+    assert judged.returncode == 2 and "Traceback" not in judged.stderr
+    assert says in judged.stderr and "\n" not in judged.stderr.strip(), judged.stderr
+    if flag == "--os-exit":
+        assert says in done.stderr

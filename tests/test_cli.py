@@ -187,9 +187,12 @@ def test_gate_in_a_read_only_working_directory_is_one_line(tmp_path: Path) -> No
     assert proc.stderr == "baselines: cannot write baselines there (Permission denied); give another --baseline-dir\n"
 
 
-def test_a_run_stopped_by_sigterm_keeps_a_report_marked_interrupted(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["term", "hup"])
+def test_a_run_stopped_by_sigterm_keeps_a_report_marked_interrupted(tmp_path: Path, signum: int) -> None:
     """The first scenario finishes (skipped here: it needs a GPU), the second never ends by itself (rank 1
-    wedged); SIGTERM once it has begun: report.json holds the first and says the run was interrupted."""
+    wedged); SIGTERM once it has begun: report.json holds the first and says the run was interrupted. So does
+    SIGHUP (a closed terminal, a dropped ssh), which killed the run outright, its report saying "passed"
+    (found by an adversarial pass)."""
     (tmp_path / "a.yaml").write_text(SMALL.format(name="a") + "markers: [gpu]\n")
     wedged = "workload: commgate.run.workloads.faults:wedge\ndeadline_s: 600\n"
     (tmp_path / "b.yaml").write_text(SMALL.format(name="b") + wedged)
@@ -199,13 +202,16 @@ def test_a_run_stopped_by_sigterm_keeps_a_report_marked_interrupted(tmp_path: Pa
         for line in proc.stdout:
             if line.startswith("[2/2] b:"):
                 break
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         out, err = proc.communicate(timeout=300)
     assert proc.returncode == 130 and err.endswith("commgate: interrupted\n")
     doc = json.loads((tmp_path / "out" / "report.json").read_text())
     assert [s["name"] for s in doc["scenarios"]] == ["a"]
-    assert doc["interrupted"] == "SIGTERM during b, scenario 2 of 2; 1 scenario(s) had finished"
-    assert "interrupted (SIGTERM during b, scenario 2 of 2; 1 scenario(s) had finished): 0 passed" in out
+    assert doc["interrupted"] == f"{signal.Signals(signum).name} during b, scenario 2 of 2; 1 scenario(s) had finished"
+    assert (
+        f"interrupted ({signal.Signals(signum).name} during b, scenario 2 of 2; 1 scenario(s) had finished): 0 passed"
+        in out
+    )
 
 
 @pytest.mark.skipif(any(Path("/dev").glob("nvidia[0-9]*")), reason="ranks on GPUs take DeepSpeed's GPU accelerators")
@@ -362,3 +368,28 @@ def test_run_arguments_that_cannot_mean_what_they_say_are_refused(args: tuple[st
     proc = commgate("run", "scenarios/ddp.yaml", *args)
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
     assert says in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_stale_torchrun_variables_say_what_the_run_waits_for_and_a_sigterm_stops_it() -> None:
+    """RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT left over from another job made ``commgate
+    run`` wait 300 s in silence for ranks that never come, deaf to SIGTERM and Ctrl-C (the wait was in
+    C++; found by an adversarial pass): it says what it waits for and why, and stops when told."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    stale = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    argv = [sys.executable, "-m", "commgate", "run", "scenarios/ddp.yaml"]
+    with subprocess.Popen(argv, cwd=ROOT, env=os.environ | stale, stderr=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True, start_new_session=True) as proc:  # fmt: skip
+        try:
+            assert proc.stderr is not None
+            line = proc.stderr.readline()  # the wait's line, 15 s into it
+            assert f"commgate: waiting for the job's 4 ranks at 127.0.0.1:{port}" in line and "unset them" in line
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=200)  # deaf to it, it would wait out the store's 300 s
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and "interrupted (SIGTERM during ddp-19m-dp4" in out, out + err

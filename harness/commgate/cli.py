@@ -191,8 +191,10 @@ def cmd_run(a: argparse.Namespace) -> int:
     from commgate.run.runners import LocalRanks, TorchrunRank, under_torchrun
     from commgate.session import Session, options
 
-    # A CI runner's cancel (SIGTERM) unwinds like Ctrl-C, so that rank processes are killed on the way out.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt("SIGTERM")))
+    # A CI runner's cancel (SIGTERM) and a closed terminal or dropped ssh (SIGHUP) unwind like Ctrl-C, so that
+    # rank processes are killed on the way out and the report says the run was interrupted.
+    for number in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, lambda n, _f: (_ for _ in ()).throw(KeyboardInterrupt(signal.Signals(n).name)))
     checked = options(
         lambda name: f"--{name}",
         baseline_dir=a.baseline_dir,

@@ -57,22 +57,25 @@ PYTEST_OPTIONS: dict[str, dict[str, Any]] = {
 
 
 def sigterm_as_interrupt() -> Callable[[], None]:
-    """SIGTERM (a CI runner's cancel) unwinds as Ctrl-C does: ranks killed, report.json kept and marked
-    interrupted. Only where SIGTERM is at its default, on the main thread; returns what puts the handler
-    back (nothing where it left it alone)."""
+    """SIGTERM (a CI runner's cancel) and SIGHUP (a closed terminal, a dropped ssh) unwind as Ctrl-C does:
+    ranks killed, report.json kept and marked interrupted. Only where each is at its default, on the main
+    thread; returns what puts the handlers back (nothing where it left them alone)."""
     import signal
     import threading
 
-    if signal.getsignal(signal.SIGTERM) != signal.SIG_DFL or threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
     def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt("SIGTERM")
+        raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = {
+        n: signal.signal(n, interrupt) for n in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(n) == signal.SIG_DFL
+    }
 
     def restore() -> None:
-        signal.signal(signal.SIGTERM, previous)
+        for n, handler in previous.items():
+            signal.signal(n, handler)
 
     return restore
 

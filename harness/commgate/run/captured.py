@@ -64,7 +64,26 @@ def launch(out: Path, command: list[str]) -> int:
         if new:  # a command that never started leaves nothing behind
             out.rmdir()
         raise UsageError(f"capture: cannot start {command[0]!r}: {exc.strerror or exc}") from None
+    interrupts = 0
+
+    def interrupted(number: int, _frame: Any) -> None:
+        """Ctrl-C: the job ends and writes its capture, and this waits for it. A terminal's Ctrl-C reaches the
+        job too (one process group): forwarding it again would interrupt torchrun's own shutdown of its
+        ranks, so the first is forwarded only where it cannot have come from the terminal; the second is
+        forwarded, the third kills the job."""
+        nonlocal interrupts
+        interrupts += 1
+        if interrupts >= 3:
+            print("commgate capture: interrupted three times: killing the job", file=sys.stderr)
+            job.kill()
+        elif interrupts == 2 or not _terminal_reached(job):
+            job.send_signal(number)
+        else:
+            print("commgate capture: interrupted: waiting for the job to end (Ctrl-C again to interrupt it "
+                  "once more, a third time to kill it)", file=sys.stderr)  # fmt: skip
+
     forward = {s: signal.signal(s, lambda n, _f: job.send_signal(n)) for s in (signal.SIGTERM, signal.SIGHUP)}
+    forward[signal.SIGINT] = signal.signal(signal.SIGINT, interrupted)
     try:
         code = job.wait()
     finally:
@@ -82,7 +101,19 @@ def launch(out: Path, command: list[str]) -> int:
     )
     written = sorted(p.name for p in out.iterdir() if RANK_FILE.fullmatch(p.name))
     print(f"commgate capture: {len(written)} rank file(s) in {out}; the job exited with {status}", file=sys.stderr)
+    if not written:
+        print(f"commgate capture: {NONE_WRITTEN}", file=sys.stderr)
     return status
+
+
+def _terminal_reached(job: subprocess.Popen[bytes]) -> bool:
+    """Whether a Ctrl-C that reached this process reached ``job`` too: both in the foreground process group
+    of the controlling terminal."""
+    try:
+        with open("/dev/tty", "rb") as tty:
+            return os.tcgetpgrp(tty.fileno()) == os.getpgrp() == os.getpgid(job.pid)
+    except OSError:  # no terminal (CI, nohup, a kill from elsewhere): the signal was this process's alone
+        return False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,6 +200,11 @@ JOB_SCHEMA: dict[str, Any] = {
 """``job.json``, as ``launch`` writes it."""
 
 RECAPTURE = "; capture the job again (commgate capture -o NEW_DIR -- COMMAND)"
+NONE_WRITTEN = (
+    "the job's ranks wrote no capture: a rank writes it when it ends, which os._exit and SIGKILL skip, and a "
+    "process without RANK in its environment (torchrun sets it) is not a rank; end the ranks normally (return, "
+    "sys.exit)"
+)
 
 
 @functools.cache
@@ -206,6 +242,8 @@ def load(directory: Path) -> Captured:
             if p.name != f"rank{r}.json" or r in files:  # rank01.json: not a name a rank writes
                 raise _bad(p, f"not a rank's file name (rank {r}'s is rank{r}.json); remove or rename it")
             files[r] = p
+    if not files and (directory / JOB_FILE).is_file():  # commgate capture ran a job, and no rank wrote
+        raise _bad(directory, f"no rank<N>.json in it: {NONE_WRITTEN}")
     if not files:
         raise _bad(directory, "not a capture: no rank<N>.json in it (commgate capture -o DIR, or COMMGATE_CAPTURE=DIR)")
     hint = ": a rank's capture is written when the rank ends; was it killed outright (SIGKILL)?"

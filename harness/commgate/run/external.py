@@ -15,7 +15,7 @@ in every Python process the launcher starts. In a rank (``RANK`` set) with ``COM
   ``commgate.capture.step()`` called by the program takes over: each call begins the next step;
 * labels the calls of DeepSpeed's ``engine.backward`` and ``engine.step`` with their phases, where the job
   uses DeepSpeed (``ENGINE_PHASES``);
-* writes, when the process ends (normally, by an exception, by ``sys.exit`` or by SIGTERM, as torchrun
+* writes, when the process ends (normally, by an exception, by ``sys.exit`` or by SIGTERM or SIGHUP, as torchrun
   stops the others when one rank fails), ``DIR/rank{r}.json`` (the calls and step windows, as a
   commgate run's rank writes them) and ``DIR/rank{r}.meta.json`` (the job, the launcher, the host, the
   versions, how the process ended).
@@ -133,8 +133,9 @@ def activate() -> None:
         hook(kind, exc, tb)
 
     sys.excepthook = excepthook
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _terminated)
+    for number in (signal.SIGTERM, signal.SIGHUP):  # a hang-up (torchrun passes it on) keeps the capture too
+        if signal.getsignal(number) is signal.SIG_DFL:
+            signal.signal(number, _terminated)
 
 
 def _resolve(backend: Any) -> str | None:
@@ -355,7 +356,8 @@ def _meta(state: _State, how: str, steps: int) -> dict[str, Any]:
         "command": os.environ.get(COMMAND_ENV) or " ".join(sys.argv),
         "requested_backend": state.requested,
         "backend": state.inner,
-        "not_captured": state.not_captured,
+        "not_captured": state.not_captured
+        or (None if state.inner else "the rank never set up a process group (torch.distributed.init_process_group)"),
         "steps": steps,
         "step_marks": "commgate.capture.step()" if state.explicit else "optimizer step hooks",
         "ended": how,

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -173,14 +174,53 @@ def torchrun_store(scenario_index: int) -> Any:
     if _BASE_STORE is None:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts the store
-        _BASE_STORE = dist.TCPStore(  # type: ignore[attr-defined]
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            world,
-            is_master=rank == 0 and not agent,
-            timeout=timedelta(seconds=300),
-        )
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+
+        def connect() -> Any:
+            return dist.TCPStore(  # type: ignore[attr-defined]
+                addr, port, world, is_master=rank == 0 and not agent, timeout=timedelta(seconds=STORE_WAIT_S)
+            )
+
+        _BASE_STORE = _interruptible(connect, f"the job's {world} ranks at {addr}:{port}")
     return dist.PrefixStore(f"commgate/{scenario_index}", _BASE_STORE)  # type: ignore[attr-defined]
+
+
+STORE_WAIT_S = 300
+"""How long a torchrun rank waits for the job's other ranks to meet at the store."""
+
+
+def _interruptible(connect: Callable[[], Any], what: str) -> Any:
+    """``connect()`` (which blocks in C++, where no signal handler runs) on a thread, this one waiting on it:
+    Ctrl-C and SIGTERM stop the wait at once, and a wait past 15 s says what it waits for, and how the
+    variables that made this a torchrun rank may have been left over from another job."""
+    import threading
+
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["store"] = connect()
+        except Exception as exc:  # the store's timeout
+            box["error"] = exc
+
+    worker = threading.Thread(target=run, name="commgate-store", daemon=True)
+    worker.start()
+    worker.join(15)
+    if worker.is_alive():
+        print(
+            f"commgate: waiting for {what} (at most {STORE_WAIT_S} s): RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR "
+            "and MASTER_PORT are set, which makes this a torchrun rank; if no launcher started it, unset them",
+            file=sys.stderr,
+            flush=True,
+        )
+    while worker.is_alive():
+        worker.join(0.5)
+    if "error" in box:
+        raise CommgateError(
+            f"{what} did not all meet within {STORE_WAIT_S} s ({str(box['error']).splitlines()[0]}); if no launcher "
+            "started this process, unset RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT"
+        )
+    return box["store"]
 
 
 _BASE_STORE: Any = None

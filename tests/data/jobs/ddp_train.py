@@ -12,13 +12,17 @@ launched by torchrun.
   optimizer would (gloo runs, and its Flight Recorder records, it as an all_reduce);
 * ``--hang-at-end``: rank 0 issues one more all_reduce than rank 1, and the job hangs in it: rank 0 dumps
   its Flight Recorder from a thread once the stuck call is recorded (as the watchdog dumps a stuck NCCL job;
-  gloo has none), rank 1 dumps and waits for rank 0's dump, then the job is ended (exit status 3).
+  gloo has none), rank 1 dumps and waits for rank 0's dump, then the job is ended (exit status 3);
+* ``--linger DIR``: after the steps each rank touches ``DIR/ready<rank>`` and waits for a signal (a job
+  interrupted mid-run); ``--os-exit``: each rank ends by ``os._exit(0)``; ``--no-init``: the script ends
+  before ``init_process_group`` (a job that never sets up a group).
 """
 
 import argparse
 import os
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -47,7 +51,14 @@ def main() -> None:
     p.add_argument("--mark-steps", action="store_true", help="mark each step with commgate.capture.step()")
     p.add_argument("--reduce-scatter", action="store_true", help="a reduce_scatter_tensor after each step")
     p.add_argument("--hang-at-end", action="store_true", help="rank 0 issues an all_reduce rank 1 never does")
+    p.add_argument(
+        "--linger", type=Path, help="after the steps, touch DIR/ready<rank> and wait (<= 300 s) for a signal"
+    )
+    p.add_argument("--os-exit", action="store_true", help="end each rank with os._exit(0) after the steps")
+    p.add_argument("--no-init", action="store_true", help="end before init_process_group")
     a = p.parse_args()
+    if a.no_init:
+        return
     device = torch.device("cpu")
     kw: dict = {} if a.bucket_cap_mb is None else {"bucket_cap_mb": a.bucket_cap_mb}
     if a.backend == "nccl":
@@ -78,6 +89,11 @@ def main() -> None:
         opt.zero_grad()
     if a.hang_at_end:
         hang(rank)
+    if a.os_exit:
+        os._exit(0)
+    if a.linger:
+        (a.linger / f"ready{rank}").touch()
+        time.sleep(300)
     if a.dump_fr:
         torch.cuda.synchronize() if a.backend == "nccl" else None
         dump_fr(rank, nccl=a.backend == "nccl")
