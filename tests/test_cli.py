@@ -393,3 +393,21 @@ def test_stale_torchrun_variables_say_what_the_run_waits_for_and_a_sigterm_stops
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130 and "interrupted (SIGTERM during ddp-19m-dp4" in out, out + err
+
+
+def test_two_runs_into_one_report_directory_are_refused(tmp_path: Path) -> None:
+    """Two ``commgate run --report-dir out`` at once: the directory's report said "1 passed" while the other
+    run had failed (found by an adversarial pass). The second is refused while the first runs."""
+    (tmp_path / "b.yaml").write_text(SMALL.format(name="b") + "workload: commgate.run.workloads.faults:wedge\n")
+    argv = [sys.executable, "-m", "commgate", "run", "b.yaml", "--report-dir", "out", "--deadline", "600"]
+    with subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as first:  # fmt: skip
+        try:
+            assert first.stdout is not None
+            assert first.stdout.readline().startswith("[1/1] b:")  # it holds the directory now
+            second = commgate("run", "b.yaml", "--report-dir", "out", cwd=tmp_path)
+        finally:
+            os.killpg(first.pid, signal.SIGTERM)
+            first.communicate(timeout=300)
+    assert second.returncode == 2 and second.stdout == "", second.stdout + second.stderr
+    assert f"--report-dir out: another commgate run (pid {first.pid}) is writing its report there" in second.stderr

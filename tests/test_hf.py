@@ -680,3 +680,16 @@ def test_commgate_import_for_trainer_hf_refuses_what_it_does_not_take(
     out = tmp_path / "job.yaml"
     assert main(["import", "--hf", str(TINY), "--trainer", "hf", "--tp", "2", "-o", str(out)]) == 2
     assert "--trainer hf takes --hf" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_stray_launcher_variable_does_not_change_what_a_scenario_resolves_to() -> None:
+    """``WORLD_SIZE=3 commgate run -k ddp`` failed on the Hugging Face scenarios -k had left out: accelerate,
+    asked to resolve their "auto" values, read the stray variable and wanted MASTER_ADDR (found by an
+    adversarial pass). The resolution is of the scenario's ranks, whatever the environment says."""
+    root = Path(__file__).resolve().parents[1]
+    files = [str(root / "scenarios" / f) for f in ("hf-zero2.yaml", "hf-zero3.yaml", "hf-fsdp2.yaml")]
+    stray = {"WORLD_SIZE": "3", "LOCAL_RANK": "1", "RANK": "1"}
+    proc = subprocess.run([sys.executable, "-m", "commgate", "predict", *files], capture_output=True, text=True,
+                          env=os.environ | stray)  # fmt: skip
+    clean = subprocess.run([sys.executable, "-m", "commgate", "predict", *files], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout == clean.stdout, proc.stderr[-2000:]

@@ -826,3 +826,17 @@ def test_the_resource_trackers_warnings_go_to_the_forkserver_log_not_the_termina
         time.sleep(0.1)
     assert "leaked semaphore" not in done.stderr
     assert logs and "leaked semaphore" in logs[0].read_text()
+
+
+def test_a_tmpdir_too_long_for_a_socket_says_so(tmp_path: Path) -> None:
+    """A TMPDIR of 86 characters was "the ranks' forkserver exited while starting (OSError) ...; set
+    COMMGATE_FORKSERVER_START_S to wait longer", its log empty: the forkserver's Unix socket lies under
+    TMPDIR, and its path was over the 107 characters a socket's may have (found by an adversarial pass)."""
+    long = tmp_path / ("x" * max(1, 90 - len(str(tmp_path))))
+    long.mkdir()
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "commgate", "run", str(root / "scenarios" / "ddp.yaml")],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "TMPDIR": str(long)})  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"TMPDIR ({long}: {len(str(long))} characters)" in done.stdout
+    assert "set TMPDIR to a shorter directory" in done.stdout and "COMMGATE_FORKSERVER_START_S" not in done.stdout

@@ -183,6 +183,14 @@ def _forkserver_ready(ctx: ForkServerContext, progress: Callable[[str], None] | 
             words = _lock_words(locks)
             print(f"commgate: the ranks' forkserver has waited {waited:.0f} s; {words}", file=sys.stderr)
         waiter.join(POLL_S)
+    if errors and "AF_UNIX path too long" in str(errors[0]):  # its socket lies under TMPDIR
+        where = tempfile.gettempdir()
+        _START_FAILED.append(
+            f"the ranks' forkserver cannot listen: its Unix socket's path, TMPDIR ({where}: {len(where)} characters) "
+            "and the 34 that multiprocessing adds, is over the 107 a socket's path may have; set TMPDIR to a "
+            "shorter directory (e.g. /tmp)"
+        )
+        raise RunError(_START_FAILED[0])
     if errors:
         _START_FAILED.append(_start_report(f"exited while starting ({type(errors[0]).__name__})"))
         raise RunError(_START_FAILED[0])

@@ -32,6 +32,7 @@ import copy
 import functools
 import json
 import math
+import os
 import sys
 import tempfile
 import types
@@ -241,17 +242,25 @@ def _quiet() -> Iterator[None]:
     """transformers' and accelerate's global state left as it was: ``HfTrainerDeepSpeedConfig`` registers a
     process-global weak reference (``integrations/deepspeed.py:79``; while it lives, ``from_config`` builds
     under ``deepspeed.zero.Init``) and ``TrainingArguments(use_cpu=True)`` makes accelerate's
-    ``PartialState`` singleton."""
+    ``PartialState`` singleton. Where that state is made here, a launcher's variables (a stray ``WORLD_SIZE``
+    left from another job, or this run's own ranks') are hidden from it: the resolution is of the scenario's
+    ranks (``_World``), not of this process, and accelerate would otherwise set up a distributed state."""
     from accelerate.state import AcceleratorState, PartialState
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     fresh = not PartialState._shared_state
+    hidden = {k: os.environ.pop(k) for k in LAUNCHER_VARIABLES if k in os.environ} if fresh else {}
     try:
         yield
     finally:
+        os.environ.update(hidden)
         unset_hf_deepspeed_config()
         if fresh:
             AcceleratorState._reset_state(reset_partial_state=True)
+
+
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What accelerate's ``PartialState`` reads to set up a distributed state."""
 
 
 def _one_line(exc: Exception) -> str:
