@@ -835,8 +835,9 @@ def test_a_tmpdir_too_long_for_a_socket_says_so(tmp_path: Path) -> None:
     long = tmp_path / ("x" * max(1, 90 - len(str(tmp_path))))
     long.mkdir()
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-m", "commgate", "run", str(root / "scenarios" / "ddp.yaml")],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "TMPDIR": str(long)})  # fmt: skip
+    argv = [sys.executable, "-m", "commgate", "run", str(root / "scenarios" / "ddp.yaml")]
+    env = {**os.environ, "TMPDIR": str(long)}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 1, done.stdout + done.stderr
     assert f"TMPDIR ({long}: {len(str(long))} characters)" in done.stdout
     assert "set TMPDIR to a shorter directory" in done.stdout and "COMMGATE_FORKSERVER_START_S" not in done.stdout
