@@ -841,3 +841,21 @@ def test_a_tmpdir_too_long_for_a_socket_says_so(tmp_path: Path) -> None:
     assert done.returncode == 1, done.stdout + done.stderr
     assert f"TMPDIR ({long}: {len(str(long))} characters)" in done.stdout
     assert "set TMPDIR to a shorter directory" in done.stdout and "COMMGATE_FORKSERVER_START_S" not in done.stdout
+
+
+def test_no_forkserver_outlives_the_run(tmp_path: Path) -> None:
+    """The ranks' forkserver (torch and DeepSpeed imported) unwound for seconds after ``commgate run`` had
+    returned, an orphan meanwhile, 10 s and more on a busy machine (found by an adversarial pass): when the
+    command returns, no process of its is left."""
+    root = Path(__file__).resolve().parents[1]
+    argv = [sys.executable, "-m", "commgate", "run", str(root / "scenarios" / "ddp.yaml")]
+    done = subprocess.run(
+        argv, capture_output=True, text=True, timeout=600, env={**os.environ, "TMPDIR": str(tmp_path)}
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    left = []
+    for entry in Path("/proc").glob("[0-9]*"):  # every process started with this run's TMPDIR
+        with contextlib.suppress(OSError):
+            if f"TMPDIR={tmp_path}\0".encode() in (entry / "environ").read_bytes():
+                left.append((entry / "cmdline").read_bytes()[:120])
+    assert left == []

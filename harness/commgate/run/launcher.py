@@ -129,6 +129,7 @@ def _context() -> ForkServerContext:
         use_environment_dir()  # DeepSpeed's op built once per environment (commgate.run.extensions)
         os.environ[LOG_ENV] = str(forkserver_log())
         atexit.register(_remove_log)
+        atexit.register(_forkserver_at_exit)
         _quiet_resource_tracker()
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload([*(PRELOAD if gpu_visible() else PRELOAD + PRELOAD_CPU), *PRELOAD_LAST])
@@ -239,6 +240,17 @@ def _stop_forkserver() -> None:
     for pid in doomed:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
+
+
+def _forkserver_at_exit() -> None:
+    """At this process's exit its forkserver (torch and DeepSpeed imported) would take seconds to unwind after
+    it, an orphan meanwhile: it has nothing to keep, so it is killed, unless a build of its is under way (a
+    build killed halfway leaves a lock every later one waits for): then it finishes that, and says so."""
+    if not (locks := build_locks()) or not any(builder(lock) for lock in locks):
+        _stop_forkserver()
+        return
+    print("commgate: the ranks' forkserver is finishing a build of DeepSpeed's op or commgate's stamps; it exits "
+          "when that is done", file=sys.stderr)  # fmt: skip
 
 
 def _is_forkserver(pid: int) -> bool:
