@@ -157,8 +157,10 @@ def test_at_the_deadline_a_rank_outside_any_call_is_not_said_to_be_in_its_last(t
     lines = str(info.value).splitlines()
     assert lines[0] == "t: deadline of 20 s passed; the last call each rank issued:"
     assert lines[1].startswith("  rank 0: in all_reduce (group [0, 1], 16 B, step 1, ")
-    assert lines[2].startswith("  rank 1: in no call; the last it issued, all_reduce (group [0, 1], 16 B, step 0, ")
-    assert lines[2].endswith("), had completed")
+    assert lines[2].startswith(
+        "  rank 1: in no call (steps); the last it issued, all_reduce (group [0, 1], 16 B, step 0, "
+    )
+    assert lines[2].split(" (as of ")[0].endswith("), had completed")  # (its status's age, on a busy machine)
 
 
 def test_a_rank_killed_by_a_signal_is_named(tmp_path: Path) -> None:
@@ -859,3 +861,26 @@ def test_no_forkserver_outlives_the_run(tmp_path: Path) -> None:
             if f"TMPDIR={tmp_path}\0".encode() in (entry / "environ").read_bytes():
                 left.append((entry / "cmdline").read_bytes()[:120])
     assert left == []
+
+
+def test_at_the_deadline_a_rank_outside_calls_is_named_by_its_phase_and_a_stale_status_by_its_age(
+    tmp_path: Path,
+) -> None:
+    """At a short deadline every rank was "no call issued yet", though the run knew each one's phase; a status
+    its heartbeat had not refreshed for seconds (a busy machine) was given as the present, so that one rank
+    seemed past a call its peer had not issued (found by an adversarial pass)."""
+    import json
+
+    from commgate.run.diagnose import hang_report
+
+    (tmp_path / "rank0.phase.json").write_text(json.dumps({"phase": "entry"}))
+    (tmp_path / "rank1.phase.json").write_text(json.dumps({"phase": "built"}))
+    (tmp_path / "rank1.status").write_text("all_reduce (group [0, 1], 16 B, step 0, backward)")
+    (tmp_path / "rank1.beat").write_text(json.dumps({"issued": 3, "completed": 3, "open": 0}))
+    old = time.time() - 5
+    for f in ("rank1.status", "rank1.beat"):
+        os.utime(tmp_path / f, (old, old))
+    lines = hang_report("t", tmp_path, [0, 1], 1.0).splitlines()
+    assert lines[1] == "  rank 0: no call issued yet (joining the process group)"
+    assert lines[2].startswith("  rank 1: in no call (steps); the last it issued, all_reduce (group [0, 1], 16 B")
+    assert " (as of 5." in lines[2] and lines[2].endswith("s before: its heartbeat lagged, the machine busy)")

@@ -220,6 +220,28 @@ PHASES = {
 """What a rank is doing after each mark of ``commgate.run.rank`` (its heartbeat's ``phase``)."""
 
 
+def _phase_of(tmp: Path, rank: int) -> str:
+    """What ``rank`` is doing by its last mark (``PHASES``)."""
+    try:
+        mark = json.loads((tmp / f"rank{rank}.phase.json").read_text())["phase"]
+    except (OSError, ValueError, KeyError, TypeError):
+        mark = ""
+    return PHASES.get(mark, PHASES[""])
+
+
+LAG_S = 1.0
+"""A rank's status older than this at the deadline is said to be (its heartbeat writes it every 0.2 s)."""
+
+
+def _lag(tmp: Path, rank: int) -> str:
+    """``" (as of N s before: its heartbeat lagged)"`` where the rank's status is older than ``LAG_S``."""
+    times = [f.stat().st_mtime for k in ("beat", "status") if (f := tmp / f"rank{rank}.{k}").exists()]
+    if not times:
+        return ""
+    age = time.time() - max(times)
+    return f" (as of {age:.1f} s before: its heartbeat lagged, the machine busy)" if age > LAG_S else ""
+
+
 def phase(tmp: Path, ranks: Sequence[int], steps: int) -> str:
     """What the slowest of ``ranks`` is doing, from their phase files and heartbeats: ``building the
     model and the framework``, ``step 3 of 5``, ..."""
@@ -320,17 +342,18 @@ def _status(tmp: Path, rank: int) -> str:
 
 
 def hang_report(scenario_id: str, tmp: Path, ranks: Sequence[int], waited: float) -> str:
-    """The deadline passed: the call each of ``ranks`` issued last, and any stale build lock of torch's
-    C++ extensions where a rank issued none."""
+    """The deadline passed: the call each of ``ranks`` issued last (or, outside calls, what it was doing: its
+    phase), how old that word is where the rank's heartbeat lagged (a busy machine), and any stale build lock
+    of torch's C++ extensions where a rank issued none."""
     lines = [f"{scenario_id}: deadline of {waited:g} s passed; the last call each rank issued:"]
     idle = 0
     for r in ranks:
-        text, beat = _status(tmp, r), _beat(tmp, r)
+        text, beat, doing = _status(tmp, r), _beat(tmp, r), _phase_of(tmp, r)
         if text and beat.get("issued") is not None and not _in_call(beat):  # computing, or stuck outside calls
-            text = f"in no call; the last it issued, {text}, had completed"
+            text = f"in no call ({doing}); the last it issued, {text}, had completed"
         elif text:
             text = f"in {text}"
-        lines.append(f"  rank {r}: {text or 'no call issued yet'}")
+        lines.append(f"  rank {r}: {text or f'no call issued yet ({doing})'}{_lag(tmp, r)}")
         idle += not text
     if idle:
         lines += [
