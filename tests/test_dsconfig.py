@@ -36,7 +36,21 @@ def test_mapped_keys_set_the_scenario() -> None:
 @pytest.mark.parametrize(
     ("par", "block", "message"),
     [
-        ("{scheme: zero3, dp: 2}", "{zero_optimization: {stage: 2}}", r"stage: 2 contradicts scheme 'zero3'"),
+        (
+            "{scheme: zero3, dp: 2}",
+            "{zero_optimization: {stage: 2}}",
+            r"stage: 2 contradicts scheme 'zero3' \(ZeRO stage 3\); use scheme zero2$",
+        ),
+        (  # GPT-NeoX's usual pipeline with ZeRO-1 (found by an adversarial pass: the message named no fix)
+            "{scheme: pp, pp: 2}",
+            "{zero_optimization: {stage: 1}}",
+            r"stage: 1 contradicts scheme 'pp' \(ZeRO stage 0\); set parallelism.zero.stage: 1 \(the pipeline",
+        ),
+        (
+            "{scheme: zero1, dp: 2}",
+            "{zero_optimization: {stage: '1'}}",
+            r"stage: '1' is a string; write it as a number$",
+        ),
         (
             "{scheme: zero2, dp: 2, micro_batches: 2}",
             "{gradient_accumulation_steps: 4}",

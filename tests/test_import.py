@@ -426,3 +426,15 @@ def test_neox_pads_its_vocabulary_by_the_model_parallel_size_and_a_second_config
         f"{neox} and {hf} describe different models (L 2 vs 22, h 64 vs 2048, a 4 vs 32); give the config of the "
         "model you train (--neox or --hf), not both"
     )
+
+
+def test_a_neox_pipeline_with_zero1_is_imported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """GPT-NeoX's usual setup, pipe-parallel-size 2 with ZeRO stage 1, was refused: "stage: 1 contradicts
+    scheme 'pp' (ZeRO stage 0)" (found by an adversarial pass): DeepSpeed's pipeline engine runs ZeRO-1."""
+    from commgate.model.loader import load_file
+
+    neox, out = tmp_path / "n.yml", tmp_path / "x.yaml"
+    neox.write_text(NEOX_SMALL + "pipe-parallel-size: 2\nzero_optimization: {stage: 1}\n")
+    assert main(["import", "--neox", str(neox), "--dp", "2", "-o", str(out)]) == 0, capsys.readouterr().err
+    (s,) = load_file(out)
+    assert (s.parallelism.scheme, s.parallelism.pp, s.parallelism.zero.stage) == ("pp", 2, 1)

@@ -155,6 +155,8 @@ def build(
         raise UsageError(f"{deepspeed}: a DeepSpeed config has no model dimensions: give --neox or --hf too")
     stage = _stage(ds, str(stage_file))
     par["scheme"] = _scheme(par, stage)
+    if par["scheme"] in ("pp", "3d") and stage == 1:  # GPT-NeoX's usual pipeline: ZeRO-1 in DeepSpeed's engine
+        par["zero"] = {"stage": 1}
     for key in ("bf16", "fp16"):
         if dsconfig.enabled(ds, key):
             model["dtype"] = key

@@ -784,10 +784,19 @@ def _from_deepspeed(
     if dsconfig.given(zo.get("stage", "auto")):
         implied = SCHEMES[par["scheme"]].zero_stage if par.get("scheme") in SCHEMES else None
         stage = zero.get("stage", implied if implied is not None else 0)
-        if zo["stage"] != stage:
+        if isinstance(zo["stage"], str):  # "1": DeepSpeed's pydantic config would read it as 1
+            bad(["deepspeed", "zero_optimization", "stage"], f"{zo['stage']!r} is a string; write it as a number")
+        elif zo["stage"] != stage:
+            fix = (
+                f"set parallelism.zero.stage: {zo['stage']} (the pipeline engine runs stage 0 or 1)"
+                if par.get("scheme") in ("pp", "3d")
+                else f"use scheme zero{zo['stage']}"
+                if zo["stage"] in (1, 2, 3)
+                else "make the two agree"
+            )
             bad(
                 ["deepspeed", "zero_optimization", "stage"],
-                f"{zo['stage']} contradicts scheme {par.get('scheme')!r} (ZeRO stage {stage})",
+                f"{zo['stage']} contradicts scheme {par.get('scheme')!r} (ZeRO stage {stage}); {fix}",
             )
     enabled = [key for key in ("bf16", "fp16") if dsconfig.enabled(ds, key)]
     if len(enabled) > 1:  # DeepSpeedConfig asserts it: "bfloat16 and fp16 modes cannot be simultaneously enabled"
