@@ -159,7 +159,8 @@ def _describe(err: jsonschema.ValidationError) -> Iterator[tuple[list[Any], str]
         for key in sorted(set(inst) - set(allowed), key=str):
             close = difflib.get_close_matches(str(key), allowed, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            yield [*path, key], f"unknown field {key!r}; {hint}expected one of: {', '.join(allowed)}"
+            shown = "null" if key is None else key  # YAML reads a key `null:` (or `~:`) as no key at all
+            yield [*path, shown], f"unknown field {shown!r}; {hint}expected one of: {', '.join(allowed)}"
     elif kind == "type":
         wanted = [want] if isinstance(want, str) else want
         yield (
@@ -174,6 +175,12 @@ def _describe(err: jsonschema.ValidationError) -> Iterator[tuple[list[Any], str]
     elif kind in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
         relation = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}[kind]
         yield path, f"{_show(inst)} is out of range, expected a value {relation} {want}"
+    elif kind in ("maxLength", "minLength"):
+        yield (
+            path,
+            f"{_show(inst)} is too {'long' if kind == 'maxLength' else 'short'}: {len(inst)} characters, "
+            + (f"at most {want}" if kind == "maxLength" else f"at least {want}"),
+        )
     elif kind == "pattern" and "propertyNames" not in err.schema_path:
         yield path, f"{_show(inst)} is malformed; {sub.get('description', 'expected pattern ' + want)}"
     elif kind in ("propertyNames", "pattern"):
