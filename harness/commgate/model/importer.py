@@ -36,6 +36,7 @@ import yaml
 from commgate.core.errors import UsageError
 from commgate.core.fsutil import CONFIG_BYTES, json_once, read_text
 from commgate.model import dsconfig
+from commgate.model.schemes import SCHEMES
 
 NEOX_USED = {
     "num-layers", "hidden-size", "num-attention-heads", "seq-length", "max-position-embeddings", "pos-emb",
@@ -155,7 +156,7 @@ def build(
         raise UsageError(f"{deepspeed}: a DeepSpeed config has no model dimensions: give --neox or --hf too")
     stage = _stage(ds, str(stage_file))
     par["scheme"] = _scheme(par, stage)
-    if par["scheme"] in ("pp", "3d") and stage == 1:  # GPT-NeoX's usual pipeline: ZeRO-1 in DeepSpeed's engine
+    if SCHEMES[par["scheme"]].pipeline and stage == 1:  # GPT-NeoX's usual pipeline: ZeRO-1 in DeepSpeed's engine
         par["zero"] = {"stage": 1}
     for key in ("bf16", "fp16"):
         if dsconfig.enabled(ds, key):

@@ -794,11 +794,12 @@ def _from_deepspeed(
         if isinstance(zo["stage"], str):  # "1": DeepSpeed's pydantic config would read it as 1
             bad(["deepspeed", "zero_optimization", "stage"], f"{zo['stage']!r} is a string; write it as a number")
         elif zo["stage"] != stage:
+            named = [s.name for s in SCHEMES.values() if s.zero_stage == zo["stage"] and s.deepspeed]
             fix = (
                 f"set parallelism.zero.stage: {zo['stage']} (the pipeline engine runs stage 0 or 1)"
-                if par.get("scheme") in ("pp", "3d")
-                else f"use scheme zero{zo['stage']}"
-                if zo["stage"] in (1, 2, 3)
+                if par.get("scheme") in SCHEMES and SCHEMES[par["scheme"]].pipeline
+                else f"use scheme {named[0]}"
+                if named
                 else "make the two agree"
             )
             bad(
