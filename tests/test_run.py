@@ -85,7 +85,8 @@ def test_capture_sees_every_path(tmp_path: Path) -> None:
     calls = [c for c in cap.calls if c.step == 1]
     ops = {c.op for c in calls}
     assert ops >= {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv", "scatter"}
-    assert all(c.duration_ns is not None and c.duration_ns >= 0 for c in cap.calls)
+    unended = [c for c in cap.calls if c.duration_ns is None or c.duration_ns < 0]
+    assert unended == [], f"calls without an end (1 fresh clone of 1bbbe1c under load): {unended[:4]}"
     sends = {(c.rank, c.peer, c.elements) for c in calls if c.op == "send"}
     assert sends >= {(0, 1, 5), (1, 0, 5), (0, 1, 7)}  # batched isend ring and the plain send
     assert {(c.rank, c.peer, c.elements) for c in calls if c.op == "recv"} >= {(1, 0, 7), (0, 1, 5)}
