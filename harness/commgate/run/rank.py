@@ -193,8 +193,6 @@ def _interruptible(connect: Callable[[], Any], what: str) -> Any:
     """``connect()`` (which blocks in C++, where no signal handler runs) on a thread, this one waiting on it:
     Ctrl-C and SIGTERM stop the wait at once, and a wait past 15 s says what it waits for, and how the
     variables that made this a torchrun rank may have been left over from another job."""
-    import threading
-
     box: dict[str, Any] = {}
 
     def run() -> None:
