@@ -11,6 +11,9 @@ torch adds later fails the last test until it is bound or said not to be a colle
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -60,6 +63,38 @@ def test_the_coalescing_manager_s_calls_are_recorded(world: interpose.Recorder) 
     group.reduce_scatter_single_coalesced(outs, ins, c10d.ReduceScatterOptions()).wait()
     assert [o.tolist() for o in outs] == [[1.0, 1.0], [2.0, 2.0, 2.0]]
     assert _calls(world) == [("all_gather", 20, 2), ("reduce_scatter", 20, 2)]
+
+
+@pytest.mark.parametrize("world", ["stamps"], indirect=True)
+def test_a_call_posted_as_several_works_is_waited_until_its_end_is_stamped(world: interpose.Recorder) -> None:  # noqa: F811
+    """DTensor's all-gather reaches the group as ``allgather_into_tensor_coalesced``, which gloo lacks: the
+    group posts one work per tensor and joins them. Waiting on the joined work must return only after the
+    callbacks of its future have run, the C++ stamp of the call's end among them: else a call the caller has
+    waited on reads as still running when the capture is gathered (``duration_ns`` null; 1 run in 3 to 9 of
+    ``test_run.py::test_capture_sees_every_path``). A slow callback is added to the call's future while the
+    call runs (64 MiB copied: the call outlasts adding it); ``wait`` must not return before it has run."""
+    c10d = torch._C._distributed_c10d
+    group, main = dist.group.WORLD, threading.get_ident()
+    for _ in range(20):
+        out, inp = torch.empty(1 << 24), torch.ones(1 << 24)
+        work = group.allgather_into_tensor_coalesced([out], [inp], c10d.AllgatherOptions())
+        ran: list[int] = []
+
+        def slow(_: object, ran: list[int] = ran) -> None:
+            if threading.get_ident() != main:
+                time.sleep(0.05)  # on the thread that completed the call: the waiter must still be waiting
+            ran.append(threading.get_ident())
+
+        work.get_future().add_done_callback(slow)
+        work.wait()
+        assert ran, "wait() returned before the call's future had run its callbacks"
+        if ran[0] != main:
+            break  # the callback ran on the completing thread: the case that matters was seen
+    else:
+        pytest.fail("each call had ended before its callback was added (20 tries): the race was never set up")
+    assert work.is_completed() and out[:4].tolist() == [1.0] * 4
+    calls = [c for c in world.drain() if c.op == "all_gather"]
+    assert calls and all(c.duration_ns is not None for c in calls)
 
 
 NOT_COLLECTIVES = frozenset(
