@@ -13,7 +13,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -238,32 +238,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         session = Session(options=checked, runner=runner, report_dir=a.report_dir if lead else None)
         session.check_writable()  # before any rank starts: a path that cannot be written is one line
         if session.report_dir is not None:
-            stack.enter_context(_only_run(session.report_dir))
+            stack.enter_context(session.only_writer())
         return _run_all(session, scenarios, how, live, whole=whole) if lead else _run_rank(session, scenarios)
-
-
-@contextlib.contextmanager
-def _only_run(report_dir: Path) -> Iterator[None]:
-    """This run alone writes into ``report_dir`` while it lasts (an exclusive lock on a file there): two runs
-    into one directory left one report saying "1 passed" where the other had failed."""
-    import fcntl
-
-    report_dir.mkdir(parents=True, exist_ok=True)
-    with open(report_dir / ".commgate.lock", "a+") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            holder = lock.read().strip() or "?"
-            raise UsageError(
-                f"--report-dir {report_dir}: another commgate run (pid {holder}) is writing its report there; give "
-                "another --report-dir, or wait for it"
-            ) from None
-        lock.seek(0)
-        lock.truncate()
-        lock.write(str(os.getpid()))
-        lock.flush()
-        yield
 
 
 def _run_all(session: Session, scenarios: list[Scenario], how: str, live: LiveLine, *, whole: bool) -> int:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from commgate.core.errors import UsageError
 from commgate.session import MARKERS, PYTEST_OPTIONS, Session, sigterm_as_interrupt
 
 if TYPE_CHECKING:
@@ -44,7 +45,13 @@ def pytest_configure(config: pytest.Config) -> None:
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
     progress = _Progress(config)
-    config.stash[SESSION] = Session.for_pytest(config, progress)
+    config.stash[SESSION] = state = Session.for_pytest(config, progress)
+    writing = contextlib.ExitStack()
+    try:  # this session alone writes into its report directory (a pytest-xdist worker writes none)
+        writing.enter_context(state.only_writer())
+    except UsageError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    config.add_cleanup(writing.close)
     config.pluginmanager.register(progress, "commgate-progress")
     config.pluginmanager.register(_OnInterrupt(config.stash[SESSION]), "commgate-interrupt")
     config.add_cleanup(sigterm_as_interrupt())  # SIGTERM unwinds as Ctrl-C does until the session ends

@@ -12,8 +12,10 @@ to the controller's (``part``, ``merge``).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +34,8 @@ from commgate.run.runners import LocalRanks, Runner
 if TYPE_CHECKING:
     import pytest
 
+LOCK_FILE = ".commgate.lock"
+"""In a report directory: the lock of the session writing there (``Session.only_writer``), with its pid."""
 
 # the pytest plugin's markers and options (``commgate.plugin`` registers them)
 MARKERS: dict[str, str] = {
@@ -205,6 +209,33 @@ class Session:
             fix = f"give another {self.flag('baseline-dir')}"
             check_writable_dir(self.options.baseline_dir, what="baselines", fix=fix)
         self._writable = baselines
+
+    @contextlib.contextmanager
+    def only_writer(self) -> Iterator[None]:
+        """This session alone writes into its report directory while it lasts (an exclusive lock on a file
+        there; nothing without one): two runs into one directory left one report saying "1 passed" where the
+        other had failed. A one-line ``UsageError`` naming the holder's pid while another session holds it."""
+        import fcntl
+
+        if self.report_dir is None:
+            yield
+            return
+        self.report_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.report_dir / LOCK_FILE, "a+") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.seek(0)
+                holder = lock.read().strip() or "?"
+                raise UsageError(
+                    f"{self.flag('report-dir')} {self.report_dir}: another commgate run (pid {holder}) is writing its "
+                    f"report there; give another {self.flag('report-dir')}, or wait for it"
+                ) from None
+            lock.seek(0)
+            lock.truncate()
+            lock.write(str(os.getpid()))
+            lock.flush()
+            yield
 
     def run(self, scenario: Scenario) -> ScenarioResult | None:
         """Run ``scenario`` and record its result (None: a torchrun rank that does not report)."""

@@ -88,3 +88,32 @@ def test_sigterm_mid_suite_keeps_the_report_of_what_finished(
     assert [s["name"] for s in doc["scenarios"]] == ["a"]
     assert doc["interrupted"] == "SIGTERM during the session; 1 scenario(s) had finished"
     validate(doc)
+
+
+def test_a_report_dir_another_session_writes_into_is_a_usage_error(
+    pytester: pytest.Pytester, scenario_file: Callable[..., Path]
+) -> None:
+    """Two sessions into one ``--commgate-report-dir`` (two CI jobs on one runner, a run beside a rerun): the
+    second is refused before it runs anything, naming the first's pid, as ``commgate run --report-dir`` is. The
+    lock is held here as a running session holds it; released, the same command goes on."""
+    import fcntl
+    import os
+
+    from commgate.session import LOCK_FILE
+
+    scenario_file("g", tail="markers: [gpu]\n")  # skipped here, quickly: the report still has it
+    out = pytester.path / "out"
+    out.mkdir()
+    with open(out / LOCK_FILE, "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write(str(os.getpid()))
+        held.flush()
+        refused = pytester.runpytest_subprocess("--commgate-report-dir", str(out))
+    assert refused.ret == pytest.ExitCode.USAGE_ERROR
+    says = (f"ERROR: --commgate-report-dir {out}: another commgate run (pid {os.getpid()}) is writing its report "
+            "there; give another --commgate-report-dir, or wait for it")  # fmt: skip
+    refused.stderr.fnmatch_lines([says])
+    assert not (out / "report.json").exists()
+    after = pytester.runpytest_subprocess("--commgate-report-dir", str(out))
+    after.assert_outcomes(skipped=1)
+    assert (out / "report.json").exists()

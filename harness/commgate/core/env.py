@@ -39,6 +39,13 @@ VARIABLES = (
 checks where they are read (``COMMGATE_LINK``, ``COMMGATE_NETNS``: a link or a namespace)."""
 
 
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""The variables torchrun (or srun + torchrun, or a launcher like them) sets in every rank: all of them set
+make this process one rank of a job (``commgate.run.runners.under_torchrun``)."""
+LAUNCHER_VARIABLES = (*TORCHRUN_VARIABLES, "LOCAL_WORLD_SIZE")
+"""Those and ``LOCAL_WORLD_SIZE``: what accelerate's ``PartialState`` reads to set up a distributed state."""
+
+
 def switch(name: str, default: bool) -> bool:
     """The switch ``name``: ``default`` when unset or empty; ``UsageError`` naming it when it is neither on nor
     off."""

@@ -246,6 +246,7 @@ def _check_types(file: Path, doc: dict[str, Any]) -> None:
             raise _bad(
                 file, f"ranks {ranks!r}: not a list of ranks (not as torch writes a dump)", f"$.pg_config.{name}.ranks"
             )
+        cfg["ranks"] = listed  # read once: ``_groups`` takes the list
 
 
 def read(path: Path) -> Dumps:
@@ -302,15 +303,13 @@ def _count(items: Iterable[str]) -> dict[str, int]:
     return out
 
 
-def _pg_name(e: dict[str, Any]) -> str:
-    """The entry's group's name (``process_group`` is ``(name, description)``), which keys ``pg_config``."""
+def _pg(e: dict[str, Any]) -> tuple[str, str]:
+    """The entry's group's (name, description): ``process_group`` is ``(name, description)``, or a name alone;
+    the name keys ``pg_config``."""
     pg = e["process_group"]
-    return str(pg[0] if isinstance(pg, (list, tuple)) else pg)
-
-
-def _pg_desc(e: dict[str, Any]) -> str:
-    pg = e["process_group"]
-    return str(pg[1] if isinstance(pg, (list, tuple)) and len(pg) > 1 else pg)
+    if isinstance(pg, (list, tuple)):
+        return str(pg[0]), str(pg[1] if len(pg) > 1 else pg[0])
+    return str(pg), str(pg)
 
 
 def _groups(docs: dict[int, dict[str, Any]], notes: list[str]) -> dict[str, tuple[int, ...]]:
@@ -319,16 +318,16 @@ def _groups(docs: dict[int, dict[str, Any]], notes: list[str]) -> dict[str, tupl
     listed: dict[str, tuple[int, ...]] = {}
     for d in docs.values():
         for name, cfg in (d.get("pg_config") or {}).items():
-            ranks = cfg.get("ranks") if isinstance(cfg, dict) else None
-            ranks = json.loads(ranks) if isinstance(ranks, str) else ranks
+            ranks = cfg.get("ranks") if isinstance(cfg, dict) else None  # a list: ``_load`` read it
             if name and ranks:
                 listed[str(name)] = tuple(int(x) for x in ranks)
     seen: dict[str, set[int]] = {}
     desc: dict[str, str] = {}
     for r, d in docs.items():
         for e in d["entries"]:
-            seen.setdefault(_pg_name(e), set()).add(r)
-            desc[_pg_name(e)] = _pg_desc(e)
+            name, description = _pg(e)
+            seen.setdefault(name, set()).add(r)
+            desc[name] = description
     out: dict[str, tuple[int, ...]] = {}
     for name, ranks in seen.items():
         if name in listed:
@@ -384,7 +383,7 @@ def _call(
         step=0,
         phase="forward",
         op=op,
-        group=groups[_pg_name(e)],
+        group=groups[_pg(e)[0]],
         peer=None,
         dtype=dtype,
         elements=elements,

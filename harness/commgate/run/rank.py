@@ -21,6 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from commgate.core import env
 from commgate.core.errors import CommgateError
 from commgate.core.fsutil import atomic_write_json
 from commgate.model.scenario import Scenario
@@ -187,11 +188,13 @@ def torchrun_store(scenario_index: int) -> Any:
 
 STORE_WAIT_S = 300
 """How long a torchrun rank waits for the job's other ranks to meet at the store."""
+STORE_SILENT_S = 15
+"""How long it waits before it says what it waits for (a rank of a real job meets its peers well within it)."""
 
 
 def _interruptible(connect: Callable[[], Any], what: str) -> Any:
     """``connect()`` (which blocks in C++, where no signal handler runs) on a thread, this one waiting on it:
-    Ctrl-C and SIGTERM stop the wait at once, and a wait past 15 s says what it waits for, and how the
+    Ctrl-C and SIGTERM stop the wait at once, and a wait past ``STORE_SILENT_S`` says what it waits for, and how the
     variables that made this a torchrun rank may have been left over from another job."""
     box: dict[str, Any] = {}
 
@@ -203,11 +206,11 @@ def _interruptible(connect: Callable[[], Any], what: str) -> Any:
 
     worker = threading.Thread(target=run, name="commgate-store", daemon=True)
     worker.start()
-    worker.join(15)
+    worker.join(STORE_SILENT_S)
     if worker.is_alive():
         print(
-            f"commgate: waiting for {what} (at most {STORE_WAIT_S} s): RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR "
-            "and MASTER_PORT are set, which makes this a torchrun rank; if no launcher started it, unset them",
+            f"commgate: waiting for {what} (at most {STORE_WAIT_S} s): {_VARIABLES} are set, which makes this a "
+            "torchrun rank; if no launcher started it, unset them",
             file=sys.stderr,
             flush=True,
         )
@@ -216,10 +219,12 @@ def _interruptible(connect: Callable[[], Any], what: str) -> Any:
     if "error" in box:
         raise CommgateError(
             f"{what} did not all meet within {STORE_WAIT_S} s ({str(box['error']).splitlines()[0]}); if no launcher "
-            "started this process, unset RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT"
+            f"started this process, unset {_VARIABLES}"
         )
     return box["store"]
 
+
+_VARIABLES = ", ".join(env.TORCHRUN_VARIABLES[:-1]) + " and " + env.TORCHRUN_VARIABLES[-1]
 
 _BASE_STORE: Any = None
 

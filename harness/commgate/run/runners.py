@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from commgate.core import env
 from commgate.core.errors import UsageError
 from commgate.model.scenario import Scenario
 from commgate.run.capture import Capture, timeline
@@ -127,4 +128,4 @@ def env_int(name: str) -> int:
 
 def under_torchrun() -> bool:
     """Started by torchrun (or srun + torchrun): every process is one rank of the job."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+    return all(k in os.environ for k in env.TORCHRUN_VARIABLES)

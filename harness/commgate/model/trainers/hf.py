@@ -41,6 +41,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from commgate.core import env
 from commgate.core.errors import CommgateError
 from commgate.core.fsutil import beside, read_json_object
 from commgate.model.collectives import Op
@@ -249,7 +250,7 @@ def _quiet() -> Iterator[None]:
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     fresh = not PartialState._shared_state
-    hidden = {k: os.environ.pop(k) for k in LAUNCHER_VARIABLES if k in os.environ} if fresh else {}
+    hidden = {k: os.environ.pop(k) for k in env.LAUNCHER_VARIABLES if k in os.environ} if fresh else {}
     try:
         yield
     finally:
@@ -257,10 +258,6 @@ def _quiet() -> Iterator[None]:
         unset_hf_deepspeed_config()
         if fresh:
             AcceleratorState._reset_state(reset_partial_state=True)
-
-
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-"""What accelerate's ``PartialState`` reads to set up a distributed state."""
 
 
 def _one_line(exc: Exception) -> str:
