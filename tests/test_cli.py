@@ -411,3 +411,87 @@ def test_two_runs_into_one_report_directory_are_refused(tmp_path: Path) -> None:
             first.communicate(timeout=300)
     assert second.returncode == 2 and second.stdout == "", second.stdout + second.stderr
     assert f"--report-dir out: another commgate run (pid {first.pid}) is writing its report there" in second.stderr
+
+
+def test_a_reader_that_goes_away_leaves_the_run_whole_and_its_status_true(tmp_path: Path) -> None:
+    """``commgate run a.yaml b.yaml --report-dir out | head -1``: the broken pipe at the second line ended the
+    run there, with exit 0, b never run and the report missing or saying "1 passed" (found by an adversarial
+    pass). The run goes on to its end; only its output is dropped."""
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.yaml").write_text(SMALL.format(name=name))
+    argv = [sys.executable, "-m", "commgate", "run", "a.yaml", "b.yaml", "--report-dir", "out"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    with subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.readline().startswith(b"[1/2] a:")
+        proc.stdout.close()  # as head does after its line
+        err = proc.stderr.read().decode()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    doc = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [s["name"] for s in doc["scenarios"]] == ["a", "b"] and doc["summary"]["passed"] == 2
+    assert (tmp_path / "out" / "index.html").exists()
+
+
+@pytest.mark.parametrize("where", ["a pipe its reader closed", "/dev/full", "a closed descriptor"])
+def test_output_that_cannot_be_written_is_one_line_and_the_status_says_so(where: str) -> None:
+    """``commgate presets | true`` (buffered output: the write fails at exit) was exit 120 with "Exception
+    ignored ... BrokenPipeError"; ``> /dev/full`` a traceback, exit 1; ``>&-`` exit 0 with the output lost in
+    silence. A reader that left wanted no more: exit 0, nothing said. Otherwise one line, exit 2."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    argv = [sys.executable, "-m", "commgate", "presets"]
+    if where == "a pipe its reader closed":
+        read, write = os.pipe()
+        os.close(read)
+        try:
+            proc = subprocess.run(argv, stdout=write, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        finally:
+            os.close(write)
+        assert (proc.returncode, proc.stderr) == (0, "")
+        return
+    if where == "/dev/full":
+        if not Path("/dev/full").exists():
+            pytest.skip("no /dev/full on this system")
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        says = "commgate: cannot write to standard output (No space left on device); the output was lost"
+    else:
+        proc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                              preexec_fn=lambda: os.close(1))  # fmt: skip
+        says = "commgate: standard output is closed; the output was lost"
+    assert proc.returncode == 2 and proc.stderr.startswith(says), proc.stderr
+    assert len(proc.stderr.splitlines()) == 1
+
+
+def test_a_working_directory_that_was_removed_is_one_line(tmp_path: Path) -> None:
+    """``validate`` with no argument, run from a directory deleted meanwhile: a FileNotFoundError traceback."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    script = (
+        f"import os, sys; os.chdir({str(gone)!r}); os.rmdir({str(gone)!r}); "
+        "from commgate.cli import main; sys.exit(main(['validate']))"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
+    assert (
+        proc.returncode == 2
+        and proc.stderr == "commgate: error: the working directory no longer exists; cd into one that does\n"
+    )
+
+
+def test_a_dumb_terminal_gets_no_line_rewritten_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On ``TERM=dumb`` (Emacs' shell, some CI consoles) the live line's ``\\r\\033[K`` showed as garbage."""
+    import io
+
+    from commgate.report.liveline import LiveLine
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setenv("TERM", "dumb")
+    out = Terminal()
+    LiveLine(out)("step 1 of 3")
+    assert "\033" not in out.getvalue() and "\r" not in out.getvalue()
+    monkeypatch.setenv("TERM", "xterm")
+    LiveLine(out)("step 1 of 3")
+    assert "\r\033[K" in out.getvalue()

@@ -851,6 +851,30 @@ COMMANDS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command's exit status. Its output may go away while it runs (``commgate run | head -1``, a full
+    disk): the command goes on to its end, its report and its true status (``commgate.core.stdout``)."""
+    from commgate.core.stdout import Stdout, exit_status
+
+    before = sys.stdout
+    out = sys.stdout = Stdout(before)
+    try:
+        try:
+            status = _command(argv)
+        except SystemExit as exc:  # argparse's --help, --version and usage errors
+            if exc.code is not None and not isinstance(exc.code, int):
+                print(exc.code, file=sys.stderr)
+            status = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+        return exit_status(out, status)
+    finally:
+        sys.stdout = before
+
+
+def _command(argv: Sequence[str] | None) -> int:
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        print("commgate: error: the working directory no longer exists; cd into one that does", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         env.check()
@@ -858,9 +882,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommgateError as exc:
         print(f"commgate: error: {exc}" if isinstance(exc, UsageError) else str(exc), file=sys.stderr)
         return 2
-    except BrokenPipeError:  # e.g. `commgate predict | head`
-        sys.stderr.close()
-        return 0
     except KeyboardInterrupt:
         print("commgate: interrupted", file=sys.stderr)
         return 130

@@ -2,12 +2,14 @@
 
 The launcher tells its ``progress`` callback several times a second (the forkserver's start, the ranks'
 phase, step k of n; ``commgate.run.launcher``). On a terminal that is one line below the scenario's,
-rewritten in place and cleared before its result; elsewhere (a CI log) a line is printed only after
-``QUIET_S`` without one, so that a short run prints nothing more and a long one is never silent.
+rewritten in place and cleared before its result (not on ``TERM=dumb``); elsewhere (a CI log) a line is
+printed only after ``QUIET_S`` without one, so that a short run prints nothing more and a long one is never
+silent.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from typing import TextIO
@@ -18,7 +20,7 @@ QUIET_S = 15.0
 class LiveLine:
     def __init__(self, stream: TextIO) -> None:
         self.stream = stream
-        self.tty = stream.isatty()
+        self.tty = stream.isatty() and os.environ.get("TERM") != "dumb"  # a dumb terminal cannot rewrite a line
         self.scenario = ""
         self.shown = ""
         self.last = time.monotonic()
