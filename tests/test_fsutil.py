@@ -87,3 +87,28 @@ def test_a_read_only_directory_is_refused_before_a_run(tmp_path: Path) -> None:
     ro.mkdir(mode=0o500)
     with pytest.raises(WriteError, match=r"/ro/baselines: cannot write baselines there \(Permission denied\); fix$"):
         check_writable_dir(ro / "baselines", what="baselines", fix="fix")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "link to a fifo"])
+def test_a_device_or_fifo_is_never_replaced_by_a_file(tmp_path: Path, kind: str) -> None:
+    """``commgate import ... -o /dev/null --force`` (the message for an existing output says to give
+    ``--force``): the atomic write renamed a regular file over the device node, as root ``/dev/null`` itself
+    (found by an adversarial pass, on a copy of it). A FIFO likewise, its reader left blocked."""
+    target = tmp_path / "out"
+    if kind == "device":
+        if os.geteuid() != 0:
+            pytest.skip("making a device node needs root")
+        os.mknod(target, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null's numbers
+    else:
+        os.mkfifo(tmp_path / "fifo")
+        if kind == "fifo":
+            (tmp_path / "fifo").rename(target)
+        else:
+            target.symlink_to(tmp_path / "fifo")
+    before = os.stat(target).st_mode
+    with pytest.raises(WriteError) as info:
+        atomic_write_text(target, "scenario\n")
+    assert str(info.value).startswith(f"{target}: a ") and "not a file; commgate writes files only" in str(info.value)
+    assert os.stat(target).st_mode == before and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        {"out"} | ({"fifo"} if kind == "link to a fifo" else set())
+    )

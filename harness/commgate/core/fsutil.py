@@ -3,6 +3,7 @@ documents so that a bad one is a one-line error naming the file and the place.""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -27,13 +28,17 @@ def read_bytes(path: Path, *, limit: int, what: str) -> bytes:
     line as they print a missing file's)."""
     mode = os.stat(path).st_mode
     if not stat.S_ISREG(mode):
-        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
-        raise OSError(errno.EINVAL, f"{kind}, not a file; a {what} is a file")
+        raise OSError(errno.EINVAL, f"{_kind(mode)}, not a file; a {what} is a file")
     with open(path, "rb") as f:
         data = f.read(limit + 1)
     if len(data) > limit:
         raise OSError(errno.EFBIG, f"over {limit:,} bytes: larger than a {what} can be")
     return data
+
+
+def _kind(mode: int) -> str:
+    """What a path that is not a regular file is, in words."""
+    return "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
 
 
 def read_text(path: Path, *, limit: int, what: str) -> str:
@@ -178,7 +183,12 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     is a one-line ``WriteError`` naming ``path``."""
     path = Path(path)
     try:
-        _replace_atomically(path.resolve() if path.is_symlink() else path, data)
+        target = path.resolve() if path.is_symlink() else path
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISREG(mode := os.stat(target).st_mode) and not stat.S_ISDIR(mode):
+                # replacing it would put a regular file where a device or a FIFO was (``-o /dev/null --force``)
+                raise WriteError(f"{path}: {_kind(mode)}, not a file; commgate writes files only, give a file's path")
+        _replace_atomically(target, data)
     except OSError as exc:
         raise WriteError(_cannot_write(path, exc)) from None
     return path
