@@ -126,6 +126,10 @@ def test_predict_matrix_in_json() -> None:
         (["predict", "scenarios", "--model", "13B", "--scheme", "ddp"], "not both"),
         (["predict", "scenarios/ddp.yaml", "--dp", "8", "--checkpointing"], "(--dp, --checkpointing), not both"),
         (["predict", "--dp", "8"], "a scenario by flags needs --model PRESET"),
+        # a flag given at its default value was taken as not given, and silently ignored (an adversarial pass)
+        (["predict", "scenarios/ddp.yaml", "--dp", "1"], "(--dp), not both"),
+        (["predict", "scenarios/ddp.yaml", "--micro-batches", "1"], "(--micro-batches), not both"),
+        (["predict", "--model", "19M", "--scheme", "zero3", "--dp", "2", "--ep", "4"], "--ep needs --experts N"),
         (["predict", "--report-dir", ""], "argument --report-dir: an empty path (an unset variable?)"),
         (["run", "scenarios/ddp.yaml", "--report-dir", ""], "argument --report-dir: an empty path"),
         (["run", "scenarios/ddp.yaml", "--deadline", "nan"], "--deadline nan: expected a positive, finite number"),

@@ -78,17 +78,17 @@ def _add_predict(sub: argparse._SubParsersAction[_Parser]) -> None:
     g = p.add_argument_group("a scenario from flags (instead of files)")
     g.add_argument("--model", metavar="PRESET", help="model preset, e.g. 13B or 19M-cpu (see `commgate presets`)")
     g.add_argument("--scheme", choices=list(SCHEMES), help="; ".join(f"{n}: {s.summary}" for n, s in SCHEMES.items()))
-    g.add_argument("--dp", type=int, default=1)
-    g.add_argument("--tp", type=int, default=1)
-    g.add_argument("--pp", type=int, default=1)
+    g.add_argument("--dp", type=int, help="data-parallel degree (default 1)")
+    g.add_argument("--tp", type=int, help="tensor-parallel degree (default 1)")
+    g.add_argument("--pp", type=int, help="pipeline stages (default 1)")
     g.add_argument("--seq", type=int, help="sequence length s (default: the preset's)")
-    g.add_argument("--micro-batch", type=int, default=1, help="micro-batch size b")
-    g.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step m")
+    g.add_argument("--micro-batch", type=int, help="micro-batch size b (default 1)")
+    g.add_argument("--micro-batches", type=int, help="micro-batches per step m (default 1)")
     g.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="default: the preset's")
     g.add_argument("--checkpointing", action="store_true", help="activation checkpointing (Eq. 5's assumption)")
     g.add_argument("--tied", action="store_true", help="tied input/output embeddings")
     g.add_argument("--experts", type=int, help="MoE experts per layer (scheme moe)")
-    g.add_argument("--ep", type=int, default=1, help="MoE expert-parallel size")
+    g.add_argument("--ep", type=int, help="MoE expert-parallel size (default 1; with --experts)")
     g.add_argument("--hpz", type=int, help="ZeRO++ hpZ partition size")
     g.add_argument("--qwz", action="store_true", help="ZeRO++ quantized weights")
     g.add_argument("--qgz", action="store_true", help="ZeRO++ quantized gradients")
@@ -122,20 +122,23 @@ def _flags_document(a: argparse.Namespace) -> dict[str, Any]:
         model["dtype"] = a.dtype
     if a.tied:
         model["tied_embeddings"] = True
+    if a.ep is not None and a.experts is None:
+        raise UsageError("--ep needs --experts N (the experts per layer it places; scheme moe)")
+    dp, tp, pp = (1 if v is None else v for v in (a.dp, a.tp, a.pp))  # unset, not given: every flag given counts
     par: dict[str, Any] = {
         "scheme": a.scheme,
-        "dp": a.dp,
-        "tp": a.tp,
-        "pp": a.pp,
-        "micro_batch": a.micro_batch,
-        "micro_batches": a.micro_batches,
+        "dp": dp,
+        "tp": tp,
+        "pp": pp,
+        "micro_batch": 1 if a.micro_batch is None else a.micro_batch,
+        "micro_batches": 1 if a.micro_batches is None else a.micro_batches,
         "activation_checkpointing": a.checkpointing,
     }
     zero = {k: v for k, v in (("hpz", a.hpz), ("qwz", a.qwz or None), ("qgz", a.qgz or None)) if v is not None}
     if zero:
         par["zero"] = zero
     if a.experts is not None:
-        par["moe"] = {"experts": a.experts, "ep": a.ep}
+        par["moe"] = {"experts": a.experts, "ep": 1 if a.ep is None else a.ep}
     if a.dp_replicate is not None:
         par["dp_replicate"] = a.dp_replicate
     if a.cp is not None:
@@ -145,7 +148,7 @@ def _flags_document(a: argparse.Namespace) -> dict[str, Any]:
         fsdp["reshard_after_forward"] = a.reshard_after_forward == "true"
     if fsdp := {k: v for k, v in fsdp.items() if v is not None}:
         par["fsdp"] = fsdp
-    name = f"{a.model}-{a.scheme}-dp{a.dp}-tp{a.tp}-pp{a.pp}".replace("+", "p")
+    name = f"{a.model}-{a.scheme}-dp{dp}-tp{tp}-pp{pp}".replace("+", "p")
     return {"schema_version": 1, "name": name, "model": model, "parallelism": par}
 
 
