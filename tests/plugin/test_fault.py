@@ -186,13 +186,17 @@ def test_the_docs_list_every_fault() -> None:
         assert [s for s in SPECS if f"`{s}`" not in row] == [], doc
 
 
-@pytest.mark.parametrize("fault", ["delay-first-recv=-500", "late-rank=nan", "ddp-bucket-mb=0", "slow=all_reduce:inf"])
+@pytest.mark.parametrize(
+    "fault",
+    ["delay-first-recv=-500", "late-rank=nan", "ddp-bucket-mb=0", "slow=all_reduce:inf", "late-rank=1e300"],
+)
 def test_a_fault_that_would_plant_nothing_is_a_usage_error(fault: str, pytester: pytest.Pytester) -> None:
     """A delay of -500 ms or nan planted nothing, and the gate "proved" itself on an unfaulted run (found by an
-    adversarial pass)."""
+    adversarial pass); 1e300 ms was accepted, then overflowed ``time.sleep`` in a rank (a traceback; another)."""
     result = pytester.runpytest("--commgate-fault", fault)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines([f"*--commgate-fault {fault!r}: expected one of *(MS, MB and FACTOR positive numbers)"])
+    says = f"*--commgate-fault {fault!r}: expected one of *(MS a positive number up to 3,600,000, MB up to 1,048,576, "
+    result.stderr.fnmatch_lines([says + "FACTOR from 1 to 100)"])
 
 
 def test_the_fault_options_help_names_every_fault(pytester: pytest.Pytester) -> None:

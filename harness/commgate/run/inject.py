@@ -85,9 +85,9 @@ def parse(specs: list[str]) -> Faults:
         name, _, value = spec.partition("=")
         try:
             if name == "delay-first-recv":
-                faults = replace(faults, delay_first_recv_ms=_positive(value) if value else 2000.0)
+                faults = replace(faults, delay_first_recv_ms=_positive(value, MAX_MS) if value else 2000.0)
             elif name == "late-rank":
-                faults = replace(faults, late_rank_ms=_positive(value) if value else 400.0)
+                faults = replace(faults, late_rank_ms=_positive(value, MAX_MS) if value else 400.0)
             elif name == "extra-collective" and not value:
                 faults = replace(faults, extra_collective=True)
             elif name == "slow" and value:
@@ -96,7 +96,7 @@ def parse(specs: list[str]) -> Faults:
                     raise ValueError
                 faults = replace(faults, slow=(*faults.slow, (op, float(factor) if factor else 2.0)))
             elif name == "ddp-bucket-mb" and value:
-                faults = replace(faults, ddp_bucket_mb=_positive(value))
+                faults = replace(faults, ddp_bucket_mb=_positive(value, MAX_MB))
             elif name == "zero-stage" and value in ("1", "2", "3"):
                 faults = replace(faults, zero_stage=int(value))
             elif name == "env" and (var := value.partition("=")[0]).isidentifier() and "=" in value:
@@ -105,14 +105,22 @@ def parse(specs: list[str]) -> Faults:
                 raise ValueError
         except ValueError:
             raise UsageError(
-                f"--commgate-fault {spec!r}: expected one of {', '.join(SPECS)} (MS, MB and FACTOR positive numbers)"
+                f"--commgate-fault {spec!r}: expected one of {', '.join(SPECS)} (MS a positive number up to "
+                f"{MAX_MS:,.0f}, MB up to {MAX_MB:,.0f}, FACTOR from 1 to 100)"
             ) from None
     return faults
 
 
-def _positive(value: str) -> float:
-    """A fault's size: a positive, finite number (a delay of 0 or -500 ms, or nan, plants nothing)."""
+MAX_MS = 3_600_000.0
+"""The longest planted delay, an hour (1e300 ms was accepted, and overflowed ``time.sleep`` in a rank)."""
+MAX_MB = 1_048_576.0
+"""The largest planted bucket, a TiB."""
+
+
+def _positive(value: str, at_most: float) -> float:
+    """A fault's size: a positive, finite number up to ``at_most`` (a delay of 0 or -500 ms, or nan, plants
+    nothing)."""
     number = float(value)
-    if not math.isfinite(number) or number <= 0:
+    if not math.isfinite(number) or not 0 < number <= at_most:
         raise ValueError(value)
     return number
