@@ -499,3 +499,20 @@ def test_a_dumb_terminal_gets_no_line_rewritten_in_place(monkeypatch: pytest.Mon
     monkeypatch.setenv("TERM", "xterm")
     LiveLine(out)("step 1 of 3")
     assert "\r\033[K" in out.getvalue()
+
+
+def test_a_forkserver_that_raises_at_its_start_is_named_by_what_it_raised(tmp_path: Path) -> None:
+    """A cache directory the forkserver cannot create (``~/.cache/commgate`` a file; a read-only HOME;
+    ``PYTHONWARNINGS=error``) said "set COMMGATE_FORKSERVER_START_S to wait longer", the real cause only in
+    its log (found by an adversarial pass). The error names what it raised."""
+    home = tmp_path / "home"
+    (home / ".cache").mkdir(parents=True)
+    (home / ".cache" / "commgate").write_text("a file where commgate keeps its cache\n")
+    (tmp_path / "a.yaml").write_text(SMALL.format(name="a"))
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_CACHE_HOME", "TORCH_EXTENSIONS_DIR")}
+    env["HOME"] = str(home)  # the environment's build directory under it: ~/.cache/commgate/torch_extensions
+    proc = subprocess.run([sys.executable, "-m", "commgate", "run", "a.yaml"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "the ranks' forkserver exited while starting" in proc.stdout
+    assert "it raised NotADirectoryError" in proc.stdout and "wait longer" not in proc.stdout, proc.stdout

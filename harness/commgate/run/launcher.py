@@ -193,13 +193,32 @@ def _forkserver_ready(ctx: ForkServerContext, progress: Callable[[str], None] | 
         )
         raise RunError(_START_FAILED[0])
     if errors:
-        _START_FAILED.append(_start_report(f"exited while starting ({type(errors[0]).__name__})"))
+        what = f"exited while starting ({type(errors[0]).__name__})"
+        raised = _raised(forkserver_log())
+        _START_FAILED.append(_start_report(what, raised))
         raise RunError(_START_FAILED[0])
 
 
-def _start_report(what: str) -> str:
+def _raised(log: Path) -> str:
+    """The exception a forkserver that died at its start wrote last in its output (``log``), or ''."""
+    from commgate.run.diagnose import _exception_line
+
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 65536))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return _exception_line(text).strip() if "Traceback" in text else ""
+
+
+def _start_report(what: str, raised: str = "") -> str:
+    """Why the forkserver did not start, and the fix: what it raised (a cache directory it cannot create, a
+    warning made an error), a build lock's meaning, or else more time."""
     start = "it imports torch and DeepSpeed and, on a first run, builds DeepSpeed's CPU comm op and commgate's "
     start += f"completion stamps; its output: {forkserver_log()}"
+    if raised:
+        return f"the ranks' forkserver {what}: it raised {raised} ({start}); fix that and run again"
     locks = build_locks()
     fix = _lock_words(locks) if locks else "set COMMGATE_FORKSERVER_START_S (seconds) to wait longer"
     return f"the ranks' forkserver {what} ({start}); {fix}"
