@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from subprocess import PIPE
@@ -605,3 +606,35 @@ def test_a_job_that_leaves_no_capture_says_why(work: Path, flag: str, says: str)
     assert says in judged.stderr and "\n" not in judged.stderr.strip(), judged.stderr
     if flag == "--os-exit":
         assert says in done.stderr
+
+
+def test_a_process_a_rank_starts_leaves_the_rank_s_capture_alone(work: Path) -> None:
+    """Rank 1 starts a Python process that outlives it (a DataLoader worker, a ``subprocess``). It inherits
+    ``RANK`` and ``COMMGATE_CAPTURE``, and its capture, written as it ended, replaced rank 1's: "the rank never
+    set up a process group" (found by an adversarial pass). Once it has ended, rank 1's capture is the rank's."""
+    out, ended = work / "child", work / "child-ended"
+    done = capture(out, "--spawn-child", str(ended))
+    assert done.returncode == 0, done.stderr
+    deadline = time.monotonic() + BOUND_S
+    while not (ended.exists() and ended.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = Path(f"/proc/{ended.read_text()}/stat")
+    while child.exists() and ") Z " not in child.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)  # until it has exited, its exit handlers run
+    assert not child.exists() or ") Z " in child.read_text(), f"the rank's child did not end within {BOUND_S} s"
+    calls = json.loads((out / "rank1.json").read_text())["calls"]
+    assert any(c["op"] == "all_reduce" for c in calls)
+    assert json.loads((out / "rank1.meta.json").read_text()).get("not_captured") is None
+
+
+def test_a_relative_capture_directory_stays_where_the_job_started(work: Path) -> None:
+    """``COMMGATE_CAPTURE=relcap`` and a job that changes directory after it starts: the capture went to
+    ``/relcap`` (found by an adversarial pass). It goes where the job was started, as the user meant."""
+    started = work / "relative"
+    started.mkdir()
+    env = dict(os.environ, **{CAPTURE_ENV: "relcap", "PYTHONPATH": str(BOOTSTRAP)})
+    cmd = [*TORCHRUN, str(JOBS / "ddp_train.py"), "--steps", "2", "--chdir", str(work)]
+    done = bounded(cmd, cwd=started, env=env)
+    assert done.returncode == 0, done.stderr
+    assert {p.name for p in (started / "relcap").iterdir()} >= {"rank0.json", "rank1.json"}
+    assert not (work / "relcap").exists()

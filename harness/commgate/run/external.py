@@ -44,6 +44,8 @@ JOB_ENV = "COMMGATE_CAPTURE_JOB"
 """The job's identity, the same in every rank (``commgate capture`` sets it; else read off the launcher)."""
 COMMAND_ENV = "COMMGATE_CAPTURE_COMMAND"
 """The command ``commgate capture`` ran (provenance)."""
+OWNER_ENV = "COMMGATE_CAPTURE_OWNER"
+"""Set by a rank's capture to ``<pid>:<rank>``: a process it starts, which inherits ``RANK``, is not that rank."""
 META_VERSION = 1
 BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
 """The directory holding the ``sitecustomize`` that calls ``activate``."""
@@ -101,12 +103,18 @@ STATE: _State | None = None
 
 
 def activate() -> None:
-    """Set up this process's capture when it is a rank of a captured job (``RANK`` and ``COMMGATE_CAPTURE``)."""
+    """Set up this process's capture when it is a rank of a captured job (``RANK`` and ``COMMGATE_CAPTURE``),
+    not a process a rank started (a DataLoader worker, a ``subprocess``): it inherits the rank's variables,
+    and its capture, written when it ended, replaced the rank's (found by an adversarial pass)."""
     global STATE
     out, rank = os.environ.get(CAPTURE_ENV), os.environ.get("RANK")
     if not out or rank is None or STATE is not None:
         return
-    STATE = _State(out=Path(out), rank=int(rank))
+    if os.environ.get(OWNER_ENV, "").partition(":")[2] == rank:  # this rank's process is another, an ancestor
+        return
+    os.environ[OWNER_ENV] = f"{os.getpid()}:{rank}"
+    # where the job was started: the job may change its working directory later, and a relative DIR with it
+    STATE = _State(out=Path(out).absolute(), rank=int(rank))
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 

@@ -15,11 +15,15 @@ launched by torchrun.
   gloo has none), rank 1 dumps and waits for rank 0's dump, then the job is ended (exit status 3);
 * ``--linger DIR``: after the steps each rank touches ``DIR/ready<rank>`` and waits for a signal (a job
   interrupted mid-run); ``--os-exit``: each rank ends by ``os._exit(0)``; ``--no-init``: the script ends
-  before ``init_process_group`` (a job that never sets up a group).
+  before ``init_process_group`` (a job that never sets up a group);
+* ``--spawn-child FILE``: rank 1 starts a Python process that outlives it and writes its pid to FILE as it ends;
+  ``--chdir DIR``: the ranks change their working directory after ``init_process_group``.
 """
 
 import argparse
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -56,6 +60,8 @@ def main() -> None:
     )
     p.add_argument("--os-exit", action="store_true", help="end each rank with os._exit(0) after the steps")
     p.add_argument("--no-init", action="store_true", help="end before init_process_group")
+    p.add_argument("--spawn-child", type=Path, help="rank 1 starts a Python process that outlives it, writing its pid")
+    p.add_argument("--chdir", type=Path, help="change the working directory to DIR after init_process_group")
     a = p.parse_args()
     if a.no_init:
         return
@@ -67,6 +73,8 @@ def main() -> None:
         kw["device_ids"] = [device.index]
     dist.init_process_group(a.backend)
     rank = dist.get_rank()
+    if a.chdir:
+        os.chdir(a.chdir)
     torch.manual_seed(0)
     model = DistributedDataParallel(MLP().to(device), **kw)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -97,6 +105,9 @@ def main() -> None:
     if a.dump_fr:
         torch.cuda.synchronize() if a.backend == "nccl" else None
         dump_fr(rank, nccl=a.backend == "nccl")
+    if a.spawn_child and rank == 1:  # it inherits the rank's environment, as a DataLoader worker does
+        code = "import os, pathlib, sys, time; time.sleep(2); pathlib.Path(sys.argv[1]).write_text(str(os.getpid()))"
+        subprocess.Popen([sys.executable, "-c", code, str(a.spawn_child)])
     print(f"rank {rank} of {os.environ['WORLD_SIZE']}: {a.steps} steps, loss {loss.item():.4f}", flush=True)
     dist.destroy_process_group()
 
