@@ -638,3 +638,18 @@ def test_a_relative_capture_directory_stays_where_the_job_started(work: Path) ->
     assert done.returncode == 0, done.stderr
     assert {p.name for p in (started / "relcap").iterdir()} >= {"rank0.json", "rank1.json"}
     assert not (work / "relcap").exists()
+
+
+def test_a_capture_directory_a_rank_cannot_write_is_said_as_it_starts(work: Path) -> None:
+    """``COMMGATE_CAPTURE`` where nothing can be written: the job ran to its end, then each rank printed an
+    ``OSError`` traceback at exit and the capture was lost (found by an adversarial pass). Each rank says so
+    in one line as it starts, and the job runs as it would uncaptured."""
+    blocked = work / "a-file"
+    blocked.write_text("")
+    env = dict(os.environ, **{CAPTURE_ENV: str(blocked / "cap"), "PYTHONPATH": str(BOOTSTRAP)})
+    done = bounded([*TORCHRUN, "ddp_train.py", "--steps", "2"], cwd=JOBS, env=env)
+    assert done.returncode == 0, done.stderr
+    for rank in (0, 1):
+        says = f"commgate: {blocked / 'cap'}: cannot write rank {rank}'s capture there: {blocked} is not a directory"
+        assert says in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "this rank runs uncaptured" in done.stderr

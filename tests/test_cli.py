@@ -136,6 +136,10 @@ def test_predict_matrix_in_json() -> None:
         (["html", "README.md", "--out", ""], "argument --out: an empty path"),
         (["capture", "-o", "", "--", "true"], "argument -o/--out: an empty path"),
         (["capture", "-o", "scenarios", "--", "true"], "capture: scenarios is a directory that is not empty"),
+        (
+            ["capture", "-o", "README.md/cap", "--", "true"],
+            "README.md/cap: cannot write the capture there: README.md is not a directory; give another -o",
+        ),  # a traceback (an adversarial pass)
         (["init", "--preset", "19M-cpu", "--schemes", ","], "--schemes ',': name one scheme or more"),
         (["init", "--preset", "13b"], "--preset '13b': not a model preset; did you mean '13B'?"),
         (["import", "--neox", "tests/data/neox/13B.yml", "-o", "tests/data/neox/13B.yml"], "is the --neox input"),

@@ -51,7 +51,13 @@ def launch(out: Path, command: list[str]) -> int:
     if out.exists() and any(out.iterdir()):  # its files could be the user's: job.json would be written over
         raise UsageError(f"capture: {out} is a directory that is not empty; a capture goes to a new directory")
     new = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    from commgate.core.fsutil import check_writable_dir
+
+    check_writable_dir(out, what="the capture", fix="give another -o")  # before the job, not after it
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"capture: cannot make {out} ({exc.strerror or exc}); give another -o") from None
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOTSTRAP), env.get("PYTHONPATH")]))
     env[CAPTURE_ENV] = str(out.resolve())

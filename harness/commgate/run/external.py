@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from commgate.core.errors import CommgateError
 from commgate.core.fsutil import atomic_write_json
 from commgate.run.capture import StepWindow, write_rank_calls
 
@@ -113,8 +114,15 @@ def activate() -> None:
     if os.environ.get(OWNER_ENV, "").partition(":")[2] == rank:  # this rank's process is another, an ancestor
         return
     os.environ[OWNER_ENV] = f"{os.getpid()}:{rank}"
-    # where the job was started: the job may change its working directory later, and a relative DIR with it
-    STATE = _State(out=Path(out).absolute(), rank=int(rank))
+    where = Path(out).absolute()  # where the job started: it may change its working directory later
+    try:  # said as the rank starts, not found when it ends (its calls then lost)
+        from commgate.core.fsutil import check_writable_dir
+
+        check_writable_dir(where, what=f"rank {rank}'s capture", fix=f"set {CAPTURE_ENV} to a writable directory")
+    except CommgateError as exc:
+        print(f"commgate: {exc}; this rank runs uncaptured", file=sys.stderr, flush=True)
+        return
+    STATE = _State(out=where, rank=int(rank))
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
@@ -333,9 +341,13 @@ def finish(how: str) -> None:
     calls = rec.drain() if rec is not None else []
     windows = list(rec.windows) if rec is not None else []
     meta = _meta(state, how, len(windows))
-    state.out.mkdir(parents=True, exist_ok=True)
-    write_rank_calls(state.out / f"rank{state.rank}.json", calls, windows, rec.clock() if rec is not None else None)
-    atomic_write_json(state.out / f"rank{state.rank}.meta.json", meta)
+    try:
+        state.out.mkdir(parents=True, exist_ok=True)
+        clock = rec.clock() if rec is not None else None
+        write_rank_calls(state.out / f"rank{state.rank}.json", calls, windows, clock)
+        atomic_write_json(state.out / f"rank{state.rank}.meta.json", meta)
+    except (OSError, CommgateError) as exc:  # the directory went away or became read-only as the job ran
+        print(f"commgate: rank {state.rank}'s capture was not written: {exc}", file=sys.stderr, flush=True)
     state.done = True
     if state.pending is not None:
         _die(state.pending)
