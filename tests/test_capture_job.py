@@ -360,16 +360,43 @@ def _fr_diverge(d: Path) -> None:
     (d / "fr_1").write_bytes(pickle.dumps(doc))
 
 
+def _fr_infinite(d: Path) -> None:
+    import pickle
+
+    doc = pickle.loads((d / "fr_1").read_bytes())
+    doc["entries"][0]["duration_ms"] = float("inf")
+    (d / "fr_1").write_bytes(pickle.dumps(doc))
+
+
+def _fr_nested(d: Path) -> None:
+    import pickle
+
+    doc = pickle.loads((d / "fr_0").read_bytes())
+    deep: list[Any] = [1]
+    for _ in range(5000):
+        deep = [deep]
+    doc["entries"][0]["input_sizes"] = deep
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(50_000)
+    try:
+        (d / "fr_0").write_bytes(pickle.dumps(doc))
+    finally:
+        sys.setrecursionlimit(limit)
+
+
 @pytest.mark.parametrize(
     ("spoil", "file", "says", "status"),
     [
         (lambda d: (d / "fr_0").unlink(), "", "ranks [0] have no dump", 2),
+        # tracebacks (found by an adversarial pass): OverflowError, RecursionError
+        (_fr_infinite, "fr_1", "duration_ms inf: not a duration (not as torch writes a dump)", 2),
+        (_fr_nested, "fr_0", "not as torch writes a dump (RecursionError: values beyond any dump's)", 2),
         (_fr_version, "fr_1", "dump version '9.9' is not one commgate reads", 2),
         (_fr_truncate, "fr_0", "not a complete Flight Recorder dump (pickle", 2),
         (lambda d: [p.unlink() for p in d.iterdir()], "", "no Flight Recorder dump here", 2),
         (_fr_diverge, None, "the ranks' calls part: in step 0, call #8 on group [0, 1]", 1),
     ],
-    ids=["rank-missing", "version", "truncated", "empty", "diverged"],
+    ids=["rank-missing", "infinite", "nested", "version", "truncated", "empty", "diverged"],
 )
 def test_bad_flight_recorder_dumps_are_one_line_naming_the_file(
     spoil: Callable[[Path], object],
@@ -390,6 +417,21 @@ def test_bad_flight_recorder_dumps_are_one_line_naming_the_file(
         assert says in done.stdout
         return
     assert_one_line(done, d / file, says)
+
+
+def test_dumps_of_some_ranks_in_one_form_and_some_in_the_other_are_refused(
+    work: Path, tmp_path: Path, ddp: tuple[Path, subprocess.CompletedProcess[str]]
+) -> None:
+    """Rank 0's dump as a pickle alone and rank 1's as JSON alone: rank 1 was left out and the verdict was
+    "the ranks agree" on rank 0's calls (found by an adversarial pass)."""
+    d = _copy(work / "fr", tmp_path / "fr")
+    (d / "fr_0.json").unlink()
+    (d / "fr_1").unlink()
+    done = commgate("check", "--flight-recorder", d)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "dumps of some ranks in one form and some in the other (ranks [0] as pickle; ranks [1] as JSON)" in (
+        done.stderr
+    )
 
 
 def test_gloos_reduce_scatter_in_a_dump_is_the_captured_one(work: Path) -> None:

@@ -115,12 +115,18 @@ def dump_files(path: Path) -> dict[int, Path]:
     for p in found:
         if m := DUMP_NAME.fullmatch(p.name):
             by_form[m.group(3) is not None].setdefault(m.group(1), {})[int(m.group(2))] = p
+    every = {r for prefixes in by_form.values() for ranks in prefixes.values() for r in ranks}
     for form in (False, True):  # the pickle form first: it is what the watchdog writes
         prefixes = by_form[form]
         if len(prefixes) > 1:
             raise _bad(path, f"dumps of {len(prefixes)} prefixes ({', '.join(sorted(prefixes))}): one job's a time")
-        if prefixes:
-            return next(iter(prefixes.values()))
+        if prefixes and (ranks := next(iter(prefixes.values()))).keys() == every:
+            return ranks
+    if any(by_form.values()):  # each form lacks a rank the other has: neither is the job's whole
+        have = {("JSON" if form else "pickle"): sorted(next(iter(by_form[form].values()))) for form in (False, True)
+                if by_form[form]}  # fmt: skip
+        said = "; ".join(f"ranks {ranks} as {form}" for form, ranks in have.items())
+        raise _bad(path, f"dumps of some ranks in one form and some in the other ({said}): give every rank's in one")
     raise _bad(path, "no Flight Recorder dump here (files named <prefix><rank>, as TORCH_FR_DUMP_TEMP_FILE names them)")
 
 
@@ -234,7 +240,13 @@ def _check_types(file: Path, doc: dict[str, Any]) -> None:
     try:
         _validator().validate(plain({k: doc[k] for k in ("pg_config", "entries") if k in doc}))
     except jsonschema.ValidationError as exc:
-        raise _bad(file, f"{exc.message} (not as torch writes a dump)", json_path(exc.absolute_path)) from None
+        message = exc.message if len(exc.message) <= 200 else exc.message[:200] + "..."
+        raise _bad(file, f"{message} (not as torch writes a dump)", json_path(exc.absolute_path)) from None
+    except (RecursionError, ValueError) as exc:  # nested thousands deep; an integer of 100,000 digits
+        raise _bad(file, f"not as torch writes a dump ({type(exc).__name__}: values beyond any dump's)") from None
+    for i, e in enumerate(doc["entries"]):
+        if (ms := e.get("duration_ms")) is not None and not math.isfinite(ms):
+            raise _bad(file, f"duration_ms {ms}: not a duration (not as torch writes a dump)", f"$.entries[{i}]")
     for name, cfg in (doc.get("pg_config") or {}).items():
         ranks = cfg.get("ranks", [])
         try:
