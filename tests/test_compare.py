@@ -307,3 +307,22 @@ def test_a_truncated_baseline_says_what_writes_it_anew(tmp_path: Path, capsys: p
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith(f"{a / 'gloo' / 'ddp-19m-dp4.json'}:")
     assert err.endswith("; delete it: the next gated run (pytest, commgate run --gate, commgate check) writes it anew")
+
+
+def test_a_baseline_directory_of_two_backends_matches_one_of_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The repository's ``baselines/`` holds gloo's and the emulated runs' baselines, so it names each
+    scenario with its backend; a report or a one-backend directory names it alone. Nothing matched: every
+    scenario was "only in" one side, and ``commgate compare baselines out`` said all had changed (found by an
+    adversarial pass)."""
+    both, one = baseline_dir(tmp_path, "both", "ddp.json"), baseline_dir(tmp_path, "one", "ddp.json")
+    emulated = next((Path(__file__).parents[1] / "baselines" / "emulated").glob("*.json"))
+    (both / "emulated").mkdir()
+    shutil.copy(emulated, both / "emulated" / emulated.name)
+    assert main(["compare", str(both), str(one)]) == 1  # the emulated baseline is only in before
+    out = capsys.readouterr().out
+    assert "ddp-19m-dp4 (gloo): unchanged" in out and "ddp-19m-dp4: only in" not in out
+    assert "1 of 2 scenario(s) changed (1 only in before)" in out
+    assert main(["compare", str(one), str(both)]) == 1
+    assert "ddp-19m-dp4 (gloo): unchanged" in capsys.readouterr().out

@@ -182,7 +182,29 @@ class ScenarioChange:
         return out
 
 
+def _by_backend(side: Side) -> bool:
+    """Whether ``side`` names its scenarios with their backend (a baseline directory of several backends)."""
+    return any(isinstance(v, bl.Baseline) and k != v.scenario for k, v in side.items())
+
+
+def _named_as(side: Side, other: Side) -> Side:
+    """``side`` keyed as ``other`` is, where ``other`` names its scenarios with their backend and ``side`` does
+    not (``compare baselines/ out/``: the repository's baselines hold gloo's and the emulated ones; a report,
+    one run's): else nothing would match, and every scenario would be "only in" one side."""
+    if not _by_backend(other) or _by_backend(side):
+        return side
+    out: Side = {}
+    for name, v in side.items():
+        if isinstance(v, bl.Baseline):
+            out[f"{v.scenario} ({v.backend})"] = v
+        else:  # a scenario that did not run has no backend: the other side's one of that name, if one
+            alike = [k for k in other if k.startswith(f"{name} (")]
+            out[alike[0] if len(alike) == 1 else name] = v
+    return out
+
+
 def compare(before: Side, after: Side, rule: LatencyRule) -> list[ScenarioChange]:
+    before, after = _named_as(before, after), _named_as(after, before)
     out = []
     for name in sorted(set(before) | set(after)):
         if name not in after:
