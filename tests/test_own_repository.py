@@ -249,3 +249,21 @@ def test_init_writes_what_it_offers_and_refuses_what_it_cannot_run(tmp_path: Pat
     python = next(line for line in ok.stdout.splitlines() if line.startswith("next: ")).split()[1]
     version = subprocess.run([python, "-c", "import commgate"], cwd=tmp_path, capture_output=True, text=True)
     assert version.returncode == 0, (python, version.stderr)
+
+
+@pytest.mark.parametrize(
+    "toml",
+    [
+        'commgate_scenario_dirs = [\n    "comm",\n]\n',  # the array over several lines, as formatters write it
+        'commgate_scenario_dirs = ["comm"]  # the CI\'s "gate" suite\n',  # quotes in a comment
+        'commgate_scenario_dirs = "comm"\n',  # a string of names, as pytest also reads it
+    ],
+    ids=["multi-line", "comment", "string"],
+)
+def test_the_scenario_folders_are_read_from_pyproject_as_pytest_reads_them(tmp_path: Path, toml: str) -> None:
+    """pytest collected ``comm/`` while ``commgate validate`` said "./scenarios not found" (or read a folder
+    named in a comment): the CLI read pyproject.toml by a regular expression (an adversarial pass)."""
+    from commgate.model.starter import scenario_dirs
+
+    (tmp_path / "pyproject.toml").write_text(f"[tool.pytest.ini_options]\n{toml}\n[tool.other]\nx = 1\n")
+    assert scenario_dirs(tmp_path / "pyproject.toml") == [str(tmp_path / "comm")]

@@ -91,18 +91,21 @@ def scenario_dirs(config: Path) -> list[str]:
     """The ``commgate_scenario_dirs`` a pytest configuration file sets (pytest's linelist: whitespace
     separated), as paths from the current directory; [] where it sets none or cannot be read."""
     try:
-        if config.name == "pyproject.toml":  # its [tool.pytest.ini_options] line (tomllib is 3.11's; we run on 3.10)
-            text = config.read_text()
-            body = text.split("[tool.pytest.ini_options]", 1)[1]
-            body = re.split(r"^\[", body, maxsplit=1, flags=re.M)[0]  # up to the next table
-            line = re.search(r"^commgate_scenario_dirs\s*=\s*(.+)$", body, re.M)
-            names = re.findall(r"[\"']([^\"']*)[\"']", line.group(1)) if line else []
+        if config.name == "pyproject.toml":  # read as pytest reads it: a TOML array, or a string of names
+            import importlib
+            import sys
+
+            tomllib = importlib.import_module("tomllib" if sys.version_info >= (3, 11) else "tomli")  # 3.10: pytest's
+            with open(config, "rb") as f:
+                value = tomllib.load(f).get("tool", {}).get("pytest", {}).get("ini_options", {})
+            value = value.get("commgate_scenario_dirs", []) if isinstance(value, dict) else []
+            names = value.split() if isinstance(value, str) else [str(v) for v in value if isinstance(v, str)]
         else:
             parser = configparser.ConfigParser()
             parser.read(config)
             section = {"setup.cfg": "tool:pytest"}.get(config.name, "pytest")
             names = parser.get(section, "commgate_scenario_dirs", fallback="").split()
-    except (OSError, UnicodeDecodeError, IndexError, configparser.Error):
+    except (OSError, UnicodeDecodeError, ValueError, configparser.Error):  # tomllib's errors are ValueErrors
         return []
     here = config.parent.resolve() == Path.cwd().resolve()
     return names if here else [str(config.parent / n) for n in names]
