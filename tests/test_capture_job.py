@@ -695,3 +695,11 @@ def test_a_capture_directory_a_rank_cannot_write_is_said_as_it_starts(work: Path
         says = f"commgate: {blocked / 'cap'}: cannot write rank {rank}'s capture there: {blocked} is not a directory"
         assert says in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and "this rank runs uncaptured" in done.stderr
+
+
+def test_the_job_sees_its_own_backend_s_name(work: Path) -> None:
+    """Under capture ``dist.get_backend()`` said ``commgate``, and ``monitored_barrier`` (gloo's alone: torch
+    checks the name) failed every rank (found by an adversarial pass). The job sees the backend it asked for."""
+    done = capture(work / "monitored", "--monitored-barrier")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rank 0: backend gloo" in done.stdout and "rank 1: backend gloo" in done.stdout

@@ -77,6 +77,8 @@ class _State:
     rank: int
     requested: str | None = None
     inner: str | None = None
+    shown: str | None = None
+    """The backend's name ``dist.get_backend`` gives the job: what torch would give for the one it asked for."""
     not_captured: str | None = None
     """Why nothing is recorded (a backend commgate does not interpose), or None."""
     recorder: Any = None
@@ -126,7 +128,7 @@ def activate() -> None:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    init, new_group = c10d.init_process_group, c10d.new_group
+    init, new_group, get_backend = c10d.init_process_group, c10d.new_group, c10d.get_backend
 
     def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
         return _init(init, backend, args, kwargs)
@@ -137,9 +139,21 @@ def activate() -> None:
             kwargs["backend"] = None  # the default (capturing) backend over the same real one
         return new_group(*args, **kwargs)
 
+    def get_backend_(*args: Any, **kwargs: Any) -> Any:
+        """The backend's name as the job would see it uncaptured (code branches on it; ``monitored_barrier``
+        refuses any but gloo), not the capturing backend's."""
+        name = get_backend(*args, **kwargs)
+        state = STATE
+        if name == interpose.BACKEND_NAME and state is not None and state.shown is not None:
+            return state.shown
+        return name
+
+    from commgate.run import interpose
+
     for module in (dist, c10d):
         setattr(module, "init_process_group", init_process_group)  # noqa: B010 - mypy sees no such attribute
         setattr(module, "new_group", new_group_)  # noqa: B010
+        setattr(module, "get_backend", get_backend_)  # noqa: B010
     atexit.register(finish, "exited")
     hook = sys.excepthook
 
@@ -188,6 +202,9 @@ def _init(init: Any, backend: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
         state.not_captured = f"the job asked for backend {backend!r}; commgate interposes gloo and nccl"
         return init(backend, *args, **kwargs)
     state.inner = inner
+    from torch.distributed import Backend
+
+    state.shown = str(Backend(backend)) if backend is not None else "undefined"  # as torch names it
     state.recorder = interpose.install(inner, state.rank, cpu_too=_cpu_too(backend))
     done = init(interpose.BACKEND_NAME, *args, **kwargs)
     import torch.distributed as dist

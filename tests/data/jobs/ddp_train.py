@@ -17,7 +17,8 @@ launched by torchrun.
   interrupted mid-run); ``--os-exit``: each rank ends by ``os._exit(0)``; ``--no-init``: the script ends
   before ``init_process_group`` (a job that never sets up a group);
 * ``--spawn-child FILE``: rank 1 starts a Python process that outlives it and writes its pid to FILE as it ends;
-  ``--chdir DIR``: the ranks change their working directory after ``init_process_group``.
+  ``--chdir DIR``: the ranks change their working directory after ``init_process_group``;
+  ``--monitored-barrier``: gloo's ``monitored_barrier`` after ``init_process_group``, and the backend's name said.
 """
 
 import argparse
@@ -62,6 +63,7 @@ def main() -> None:
     p.add_argument("--no-init", action="store_true", help="end before init_process_group")
     p.add_argument("--spawn-child", type=Path, help="rank 1 starts a Python process that outlives it, writing its pid")
     p.add_argument("--chdir", type=Path, help="change the working directory to DIR after init_process_group")
+    p.add_argument("--monitored-barrier", action="store_true", help="gloo's monitored_barrier after init; say backend")
     a = p.parse_args()
     if a.no_init:
         return
@@ -75,6 +77,11 @@ def main() -> None:
     rank = dist.get_rank()
     if a.chdir:
         os.chdir(a.chdir)
+    if a.monitored_barrier:  # gloo's alone: torch refuses it on any other backend, by the backend's name
+        import datetime
+
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=300))
+        print(f"rank {rank}: backend {dist.get_backend()}", flush=True)
     torch.manual_seed(0)
     model = DistributedDataParallel(MLP().to(device), **kw)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
