@@ -520,3 +520,34 @@ def test_a_forkserver_that_raises_at_its_start_is_named_by_what_it_raised(tmp_pa
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "the ranks' forkserver exited while starting" in proc.stdout
     assert "it raised NotADirectoryError" in proc.stdout and "wait longer" not in proc.stdout, proc.stdout
+
+
+def test_predict_at_the_largest_world_lists_each_row_s_group_in_brief_and_sums_rows_per_group() -> None:
+    """13B ZeRO-3 at the schema's largest dp, 1,048,576: ``predict --json`` took 59 s and 8.5 GB for a 7.6 KB
+    document, each of its thousand rows listing a million ranks (found by an adversarial pass); a row's
+    ``first_group`` lists at most 64 ranks now, its ``group_size`` saying how many. The traffic matrix sums the
+    rows of one op and group before spreading them over the pairs: the same matrix, pair for pair, as the rows
+    spread one by one."""
+    from fractions import Fraction
+
+    from commgate.model.collectives import add_traffic
+    from commgate.model.loader import load_document
+    from commgate.model.predict import predict
+    from commgate.report.render import FIRST_GROUP_RANKS, prediction_document
+
+    doc = {
+        "schema_version": 1,
+        "name": "big",
+        "model": {"preset": "13B"},
+        "parallelism": {"scheme": "zero3", "dp": 4096},
+    }
+    (s,) = load_document(doc, file="<test>")
+    p = predict(s)
+    rows = prediction_document(p)["collectives"]
+    assert rows and all(len(r["first_group"]) == min(r["group_size"], FIRST_GROUP_RANKS) for r in rows)
+    assert any(r["group_size"] == 4096 for r in rows)
+    one_by_one: dict[tuple[int, int], Fraction] = {}
+    for c in p.steady:
+        for g in c.groups if c.wire_bytes_per_step else ():
+            add_traffic(c.op, g, c.wire_bytes_per_step, one_by_one)
+    assert p.traffic_matrix() == one_by_one and list(p.traffic_matrix()) == list(one_by_one)

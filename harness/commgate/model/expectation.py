@@ -362,9 +362,12 @@ class Prediction:
 
     def traffic_matrix(self) -> dict[tuple[int, int], Fraction]:
         """Bytes per step rank -> rank (sparse), by the traffic model of ``commgate.model.collectives``."""
-        out: dict[tuple[int, int], Fraction] = {}
-        for c in self.steady:
+        wire: dict[tuple[Op, tuple[int, ...]], Fraction] = {}  # each traffic pattern is linear in the bytes:
+        for c in self.steady:  # the rows of one op and group summed first (ZeRO-3's thousand, over one group)
             if c.wire_bytes_per_step:
                 for g in c.groups:
-                    add_traffic(c.op, g, c.wire_bytes_per_step, out)
+                    wire[(c.op, g)] = wire.get((c.op, g), Fraction(0)) + c.wire_bytes_per_step
+        out: dict[tuple[int, int], Fraction] = {}
+        for (op, g), nbytes in wire.items():
+            add_traffic(op, g, nbytes, out)
         return out
