@@ -703,3 +703,20 @@ def test_the_job_sees_its_own_backend_s_name(work: Path) -> None:
     done = capture(work / "monitored", "--monitored-barrier")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "rank 0: backend gloo" in done.stdout and "rank 1: backend gloo" in done.stdout
+
+
+def test_the_bootstrap_says_a_failing_sitecustomize_of_the_user_s_as_python_does(tmp_path: Path) -> None:
+    """The capture's bootstrap (a ``sitecustomize`` first on the path) runs the next one down; a user's that
+    failed to import was silenced (``except ImportError: pass``; found by an adversarial pass). Python's own
+    line is said; a missing one still says nothing."""
+    (tmp_path / "sitecustomize.py").write_text("import nonexistent_mod_xyz\n")
+    env = dict(os.environ, PYTHONPATH=f"{BOOTSTRAP}{os.pathsep}{tmp_path}")
+    done = subprocess.run([sys.executable, "-c", "print('ran')"], env=env, capture_output=True, text=True)
+    assert done.stdout == "ran\n"
+    assert done.stderr == (
+        "Error in sitecustomize; set PYTHONVERBOSE for traceback:\n"
+        "ModuleNotFoundError: No module named 'nonexistent_mod_xyz'\n"
+    )
+    env["PYTHONPATH"] = str(BOOTSTRAP)
+    done = subprocess.run([sys.executable, "-c", "print('ran')"], env=env, capture_output=True, text=True)
+    assert (done.stdout, done.stderr) == ("ran\n", "")

@@ -20,8 +20,10 @@ def _chain() -> None:
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     try:
         importlib.import_module("sitecustomize")
-    except ImportError:
-        pass
+    except Exception as exc:  # as Python's site.py says a failing sitecustomize, not a missing one
+        if not (isinstance(exc, ImportError) and exc.name == "sitecustomize"):
+            said = f"{type(exc).__name__}: {exc}"
+            print(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{said}", file=sys.stderr)
     finally:
         sys.path[:] = saved
         if mine is not None:
