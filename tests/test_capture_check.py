@@ -339,3 +339,29 @@ def test_a_malformed_job_file_is_one_line(
     (cap / "job.json").write_text(json.dumps({"command": "x", "exit_status": "0"}))
     status, _, err = check_in_process(cap, tmp_path / "b", capsys)
     assert status == 2 and err == f"{cap / 'job.json'}: $.exit_status: '0' is not of type 'integer'{FIX}"
+
+
+@pytest.mark.parametrize(
+    ("command", "name"),
+    [
+        ("torchrun --nproc-per-node 2 train.py --config cfg.py", "train"),
+        # a module run with a .py argument was named after the argument: two jobs would share a baseline
+        ("python -m torch.distributed.run --nproc-per-node 2 -m mypkg.train --config cfg.py", "train"),
+        ("srun python -m mypkg.pretrain", "pretrain"),
+    ],
+)
+def test_a_capture_s_baseline_is_named_after_the_job_s_script_or_module(command: str, name: str) -> None:
+    from types import SimpleNamespace
+
+    from commgate.run.captured import job_name
+
+    captured = SimpleNamespace(capture=SimpleNamespace(stack={"command": command}), directory=Path("cap"))
+    assert job_name(captured) == name  # type: ignore[arg-type]
+
+
+def test_a_name_too_long_for_a_baseline_says_the_limit() -> None:
+    from commgate.core.errors import UsageError
+    from commgate.run.captured import unscripted
+
+    with pytest.raises(UsageError, match=r"--name 'aaaa.*'\.\.\.: at most 100 letters, digits"):
+        unscripted(None, "a" * 120)  # type: ignore[arg-type]

@@ -356,10 +356,11 @@ def job_name(captured: Captured) -> str:
     for ``torchrun ... train.py``) or module (``-m pkg.train``), from the command the ranks recorded."""
     command = str(captured.capture.stack.get("command", ""))
     words = shlex.split(command) if command else []
-    scripts = [Path(w).stem for w in words if w.endswith(".py")]
-    modules = [words[i + 1].rsplit(".", 1)[-1] for i, w in enumerate(words[:-1]) if w == "-m"]
-    modules = [m for m in modules if m not in ("torch", "run", "torchrun")]  # python -m torch.distributed.run
-    name = (scripts or modules or [""])[0]
+    # the first script or module the command names: the job's (a .py after it is an argument of the job's)
+    named = [(i, Path(w).stem) for i, w in enumerate(words) if w.endswith(".py")]
+    modules = [(i + 1, words[i + 1].rsplit(".", 1)[-1]) for i, w in enumerate(words[:-1]) if w == "-m"]
+    named += [(i, m) for i, m in modules if m not in ("torch", "run", "torchrun")]  # python -m torch.distributed.run
+    name = min(named)[1] if named else ""
     if not NAME.fullmatch(name):
         where = captured.directory / "rank0.meta.json"
         raise _bad(
@@ -373,7 +374,10 @@ def unscripted(captured: Captured, name: str) -> Scenario:
     and steps the captured ones, judged against its baseline and the drift rules only. Its model is a
     stand-in the pipeline needs and neither checks nor shows (``Expectations.model_known``)."""
     if not NAME.fullmatch(name):
-        raise UsageError(f"check: --name {name!r}: letters, digits, '_', '.', '-', starting with a letter or digit")
+        raise UsageError(
+            f"check: --name {name[:40]!r}{'...' if len(name) > 40 else ''}: at most 100 letters, digits, '_', '.', "
+            "'-', starting with a letter or digit"
+        )
     world = captured.capture.world_size
     return Scenario(
         id=name,
