@@ -427,3 +427,27 @@ def test_a_cpu_variant_that_computes_long_is_written_with_a_deadline_that_holds_
     assert f"# deadline_s {doc['deadline_s']}: --cpu keeps every layer" in text
     doc, _ = imported(tmp_path, str(DATA / "debug_model.toml"), "--dp", "2", "--cpu")
     assert "deadline_s" not in doc
+
+
+def test_the_gathers_precision_is_kept_and_a_bad_one_refused(tmp_path: Path) -> None:
+    """training.mixed_precision_param: FSDP2 gathers in it. It was noted "ignored" and the scenario said
+    bfloat16 whatever the TOML said (found by an adversarial pass)."""
+    toml = edited(tmp_path, "llama3_8b.toml", "[training]", '[training]\nmixed_precision_param = "float32"')
+    doc, _ = imported(tmp_path, toml, "--dp", "8")
+    assert isinstance(doc["torchtitan"], dict) and doc["torchtitan"]["mixed_precision_param"] == "float32"
+    assert not any("mixed_precision_param" in n for n in doc["notes"])  # type: ignore[attr-defined]
+    bad = edited(tmp_path, "llama3_8b.toml", "[training]", '[training]\nmixed_precision_param = "fp8"')
+    assert main(["import", "--torchtitan", bad, "--dp", "8", "-o", str(tmp_path / "bad.yaml")]) == 2
+    assert not (tmp_path / "bad.yaml").exists()
+
+
+def test_a_degree_the_toml_sets_and_a_flag_changes_is_noted(tmp_path: Path) -> None:
+    """``data_parallel_shard_degree = 3`` with ``--dp 2``: the scenario said dp 2 without a word (an
+    adversarial pass). The flag wins, and the notes say it."""
+    toml = edited(tmp_path, "llama3_8b.toml", "data_parallel_shard_degree = -1", "data_parallel_shard_degree = 4")
+    doc, _ = imported(tmp_path, toml, "--dp", "8")
+    assert isinstance(doc["parallelism"], dict) and doc["parallelism"]["dp"] == 8
+    assert f"{toml}: --dp 8 in place of the config's data_parallel_shard_degree = 4" in doc["notes"]  # type: ignore[operator]
+    doc, _ = imported(tmp_path, toml)
+    assert isinstance(doc["parallelism"], dict) and doc["parallelism"]["dp"] == 4
+    assert not any("in place of" in n for n in doc["notes"])  # type: ignore[attr-defined]

@@ -27,7 +27,7 @@ import copy
 import importlib
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -575,6 +575,7 @@ def torchtitan_toml(path: Path) -> TitanJob:
         ("training", "local_batch_size"),
         ("training", "global_batch_size"),
         ("training", "enable_cpu_offload"),
+        ("training", "mixed_precision_param"),
         ("training", "seq_len"),
         ("metrics", "log_freq"),
         ("compile", "enable"),
@@ -582,6 +583,9 @@ def torchtitan_toml(path: Path) -> TitanJob:
     used |= {("activation_checkpoint", "mode"), ("activation_checkpoint", "selective_ac_option")}
     used |= {("quantize.linear.float8", "enable_fsdp_float8_all_gather")}
     float8_block = doc.get("quantize", {}).get("linear", {}).get("float8", {})
+    precision = get("training", "mixed_precision_param", "bfloat16")
+    if precision not in ("bfloat16", "float32"):  # FSDP2 gathers in it: it was read as bfloat16 whatever it said
+        raise UsageError(f"{f}: training.mixed_precision_param = {precision!r}: torchtitan takes bfloat16 or float32")
     for section, block in _toml_sections(doc):
         notes += [f"{f}: [{section}] {k} ignored" for k in block if (section, k) not in used]
     return TitanJob(
@@ -604,6 +608,7 @@ def torchtitan_toml(path: Path) -> TitanJob:
         log_freq=_whole(get("metrics", "log_freq", 10), f"{f}: metrics.log_freq"),
         reshard=str(par["fsdp_reshard_after_forward"]),
         cpu_offload=bool(get("training", "enable_cpu_offload", False)),
+        mixed_precision_param=str(precision),
         compile=bool(get("compile", "enable", False)),
         async_tp=bool(par["enable_async_tensor_parallel"]),
         float8=float8,
@@ -644,6 +649,11 @@ def torchtitan(
     What the job does that a CPU run cannot is named in ``torchtitan.left_off`` and in the scenario's first
     lines; what the model cannot hold turns the model check off (baseline-only), saying why."""
     f = job.source
+    degrees = (("dp", dp, job.dp, "data_parallel_shard_degree"), ("tp", tp, job.tp, "tensor_parallel_degree"),
+               ("pp", pp, job.pp, "pipeline_parallel_degree"))  # fmt: skip
+    for flag, given, own, key in degrees:  # a degree the config sets, changed by a flag: said, not silent
+        if given is not None and given != own and own != _TOML_PARALLELISM[key]:
+            job = replace(job, notes=(*job.notes, f"{f}: --{flag} {given} in place of the config's {key} = {own}"))
     dp = dp if dp is not None else job.dp
     if dp < 1:
         raise UsageError(f"{f}: data_parallel_shard_degree = {job.dp} (the rest of the ranks): give --dp")
