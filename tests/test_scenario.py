@@ -86,6 +86,14 @@ def test_duplicate_ids_across_files_are_an_error(tmp_path: Path) -> None:
         load_paths([tmp_path])
 
 
+def test_a_file_named_twice_or_with_its_folder_is_one_file(tmp_path: Path) -> None:
+    """``validate a.yaml a.yaml`` (or ``a.yaml`` and its folder) said the file's scenario "is also defined in"
+    the file itself (found by an adversarial pass)."""
+    (tmp_path / "a.yaml").write_text(BASE)
+    for paths in ([tmp_path / "a.yaml", tmp_path / "a.yaml"], [tmp_path / "a.yaml", tmp_path]):
+        assert [s.id for s in load_paths(paths)] == ["s"]
+
+
 def test_an_empty_directory_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ScenarioError, match="no scenario files"):
         load_paths([tmp_path])

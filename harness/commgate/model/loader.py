@@ -427,7 +427,8 @@ def not_a_scenario(path: Path) -> str | None:
 
 def scenario_files(paths: Iterable[str | Path]) -> list[Path]:
     """The scenario files named by ``paths`` (directories are searched recursively; a link to a missing
-    file is one, whose loading says so)."""
+    file is one, whose loading says so), each once: a file named twice, or with its folder, is one file, not
+    a second scenario of the same name."""
     out: list[Path] = []
     for raw in paths:
         p = Path(raw)
@@ -435,7 +436,10 @@ def scenario_files(paths: Iterable[str | Path]) -> list[Path]:
             out += sorted(f for f in _walk(p) if f.suffix in SCENARIO_SUFFIXES and (f.is_file() or not f.exists()))
         else:
             out.append(p)
-    return out
+    once: dict[Path, Path] = {}
+    for f in out:
+        once.setdefault(f.absolute(), f)
+    return list(once.values())
 
 
 def _walk(root: Path) -> Iterator[Path]:
