@@ -191,6 +191,9 @@ class Session:
             session.check_writable(baselines=False)
         except CommgateError as exc:
             raise pytest.UsageError(str(exc)) from None
+        where = checked.baseline_dir
+        if where.exists() and not where.is_dir():  # every scenario failed on it, as if the gate had found something
+            raise pytest.UsageError(f"--commgate-baseline-dir {where}: not a directory; give a directory of baselines")
         return session
 
     def check_writable(self, *, baselines: bool = True) -> None:

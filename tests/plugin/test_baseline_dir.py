@@ -52,3 +52,16 @@ def test_a_baseline_dir_that_cannot_be_written_fails_in_one_line_before_the_run(
                                  "does not exist; give another --commgate-baseline-dir"])  # fmt: skip
     out = result.stdout.str()
     assert "Traceback" not in out and "CallInfo" not in out and "2 ranks" not in out
+
+
+def test_a_baseline_dir_that_is_a_file_is_a_usage_error(
+    pytester: pytest.Pytester, scenario_file: Callable[..., Path]
+) -> None:
+    """Every scenario FAILED on it, as if the gate had found a regression in each (an adversarial pass); a
+    report directory that is a file was already a usage error."""
+    scenario_file("g")
+    (pytester.path / "baselines.json").write_text("{}\n")
+    result = pytester.runpytest("--commgate-baseline-dir", str(pytester.path / "baselines.json"))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: --commgate-baseline-dir {pytester.path}/baselines.json: not a directory; "
+                                 "give a directory of baselines"])  # fmt: skip
