@@ -69,8 +69,9 @@ class Recorder:
         self._works: dict[int, tuple[Any, int]] = {}
         """seq -> (the backend's work, its issue time): what the poller watches."""
         self._stamps = stamps.loaded()
-        self._stamped: dict[int, int] = {}
-        """seq -> its token in the C++ stamps (``commgate.run.stamps``), until the recorder reads the stamp."""
+        self._stamped: dict[int, tuple[int, Any]] = {}
+        """seq -> (its token in the C++ stamps (``commgate.run.stamps``), its work), until the recorder reads the
+        stamp."""
         self._done: list[tuple[tuple[Any, ...], int]] = []
         self.calls: list[CapturedCall] = []
         self.last: tuple[Any, ...] | None = None
@@ -122,8 +123,8 @@ class Recorder:
     def complete(self, seq: int, end: int | None = None) -> tuple[tuple[Any, ...], int] | None:
         """Stamp ``seq`` completed at ``end`` (now by default), unless it already was. Returns (its open
         record, its end) when this stamped it, None when it already was."""
-        token = self._stamped.get(seq)  # read, not popped, first: a thread completing it beside reads the same
-        if end is None and token is not None and (stamp := self._stamps.stamp(token)) >= 0:  # type: ignore[union-attr]
+        entry = self._stamped.get(seq)  # read, not popped, first: a thread completing it beside reads the same
+        if end is None and entry is not None and (stamp := self._stamps.stamp(entry[0])) >= 0:  # type: ignore[union-attr]
             end = stamp - self._t0
         rec = self._open.pop(seq, None)
         self._works.pop(seq, None)
@@ -144,7 +145,7 @@ class Recorder:
         if future and rec is not None and self._stamps is not None:
             token = stamps.watch(self._stamps, work)
             if token is not None:
-                self._stamped[seq] = token
+                self._stamped[seq] = (token, work)
                 return True
         if rec is not None:
             self._works[seq] = (work, rec[_START])
@@ -154,7 +155,7 @@ class Recorder:
 
     def harvest(self) -> None:
         """Complete the calls whose C++ stamp is in, at that stamp."""
-        for seq, token in list(self._stamped.items()):
+        for seq, (token, _) in list(self._stamped.items()):
             stamp = self._stamps.stamp(token)  # type: ignore[union-attr]
             if stamp >= 0:
                 self.complete(seq)
@@ -189,13 +190,36 @@ class Recorder:
         return done
 
     def drain(self) -> list[CapturedCall]:
-        """All calls, the never-completed ones with ``duration_ns=None``, in issue order."""
+        """All calls, the never-completed ones with ``duration_ns=None``, in issue order, each once."""
         self.poller.stop()
         # before the open ones are listed: a call stamped in C++, or whose work has completed though the poller
         # (starved of a core on a loaded machine) had not looked at it yet, is completed, not pending
+        self._settle()
         self.poll()
+        done = self._completed()  # first: it moves what it completes out of the open calls
         pending = [_call(self.rank, rec, None) for rec in list(self._open.values())]
-        return sorted(self._completed() + pending, key=lambda c: c.seq)
+        return sorted(done + pending, key=lambda c: c.seq)
+
+    SETTLE_S = 60.0
+    """The most ``drain`` waits for the C++ stamps of calls whose future has completed."""
+
+    def _settle(self) -> None:
+        """Wait for the C++ stamp of each call whose future has completed: whoever waits on a future (DDP's
+        reducer does, on its buckets') returns once it is marked completed, before the thread that marked it
+        has run its callbacks, the stamp among them, which it does next. Unwaited for, such a call was listed
+        as never completed, and once its stamp landed, completed as well: twice, in the capture of a run on a
+        loaded machine (a DDP bucket's all-reduce counted 7 times where 6 were issued). A call whose future
+        has not completed is pending, not waited for."""
+        if not self._stamped or self._stamps is None:
+            return
+        until = time.monotonic() + self.SETTLE_S
+        for token, work in list(self._stamped.values()):
+            try:
+                ended = work.get_future().done()
+            except RuntimeError:
+                continue
+            while ended and self._stamps.stamp(token) == stamps.RUNNING and time.monotonic() < until:
+                time.sleep(0.001)
 
     def progress(self) -> tuple[int, int, int]:
         """(issued, completed, open) calls so far: the launcher's stall watchdog reads them."""
