@@ -85,6 +85,8 @@ def baselines(work: Path, ddp: tuple[Path, subprocess.CompletedProcess[str]]) ->
     store = work / "baselines"
     done = check(ddp[0], store, "--update-baselines")
     assert (store / "gloo" / "captured-ddp-mlp.json").is_file(), done.stdout + done.stderr
+    # said, as pytest's "commgate baselines" section says it (check wrote it in silence: an adversarial pass)
+    assert "baselines written:\n    captured-ddp-mlp: " in done.stdout, done.stdout
     return store
 
 

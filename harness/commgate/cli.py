@@ -277,6 +277,8 @@ def _run_rank(session: Session, scenarios: list[Scenario]) -> int:
 def _finish(session: Session, *, whole: bool) -> int:
     """The baselines a ``whole`` suite did not use, the HTML page beside report.json, the time model's
     accuracy, the summary line, and the exit status."""
+    if session.updated:  # as pytest's "commgate baselines" section says them: a rewrite is never silent
+        print("baselines written:", *session.updated, sep="\n    ")
     if whole and (unused := session.unused_baselines()):
         print("baselines no scenario used:", *unused, sep="\n    ")
     if session.report.path is not None:
