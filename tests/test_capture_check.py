@@ -80,7 +80,7 @@ def test_name_keys_the_baseline_and_bad_names_are_one_line(jobs: dict[str, Path]
     planted = commgate("check", jobs["planted"], "--name", "nightly.ddp", "--baseline-dir", store)
     assert planted.returncode == 1 and PLANTED_ALL in planted.stdout
     for args, says in (
-        (("--name", "../x"), "--name '../x': letters, digits"),
+        (("--name", "../x"), "--name '../x': at most 100 letters, digits"),
         (("--name", "x", "--scenario", "ddp-mlp.yaml"), "--scenario names it already"),
     ):
         done = commgate("check", jobs["plain"], *args, "--baseline-dir", store)

@@ -334,7 +334,21 @@ def cmd_check(a: argparse.Namespace) -> int:
         print(f"    every one of the dumps' {len(dumps.calls)} calls is a captured call; judged in the capture's steps")
         captured = dataclasses.replace(captured, capture=placed)
     session = Session(options=checked, runner=FromCapture(captured=captured), report_dir=a.report_dir)
-    return _run_all(session, scenarios, " (captured)", LiveLine(sys.stdout), whole=False)
+    status = _run_all(session, scenarios, " (captured)", LiveLine(sys.stdout), whole=False)
+    if split := _parted(captured.capture):  # a job whose ranks disagree passed (found by an adversarial pass)
+        print(f"FAILED  the ranks' calls part: {split}")
+        return 1
+    return status
+
+
+def _parted(capture: Any) -> str | None:
+    """Where the capture's ranks' calls first part (a call one rank issued that its group's others never
+    did), as the stall watchdog and the Flight Recorder's check name it; None where they agree."""
+    from commgate.run.diagnose import divergence
+
+    keys = ("step", "op", "group", "peer", "bytes")
+    ranks = sorted({c.rank for c in capture.calls})
+    return divergence({r: [{k: getattr(c, k) for k in keys} for c in capture.calls if c.rank == r] for r in ranks})
 
 
 def _check_scenario(a: argparse.Namespace, captured: Any) -> list[Scenario]:

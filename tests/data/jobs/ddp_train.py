@@ -18,7 +18,8 @@ launched by torchrun.
   before ``init_process_group`` (a job that never sets up a group);
 * ``--spawn-child FILE``: rank 1 starts a Python process that outlives it and writes its pid to FILE as it ends;
   ``--chdir DIR``: the ranks change their working directory after ``init_process_group``;
-  ``--monitored-barrier``: gloo's ``monitored_barrier`` after ``init_process_group``, and the backend's name said.
+  ``--monitored-barrier``: gloo's ``monitored_barrier`` after ``init_process_group``, and the backend's name said;
+  ``--part``: after the steps rank 0 issues an all_reduce rank 1 never does (rank 1 ends; rank 0's call fails).
 """
 
 import argparse
@@ -64,6 +65,7 @@ def main() -> None:
     p.add_argument("--spawn-child", type=Path, help="rank 1 starts a Python process that outlives it, writing its pid")
     p.add_argument("--chdir", type=Path, help="change the working directory to DIR after init_process_group")
     p.add_argument("--monitored-barrier", action="store_true", help="gloo's monitored_barrier after init; say backend")
+    p.add_argument("--part", action="store_true", help="after the steps rank 0 all-reduces alone; rank 1 just ends")
     a = p.parse_args()
     if a.no_init:
         return
@@ -104,6 +106,10 @@ def main() -> None:
         opt.zero_grad()
     if a.hang_at_end:
         hang(rank)
+    if a.part:  # rank 1's end fails rank 0's call, which raises: the job fails, each rank's capture written
+        if rank == 0:
+            dist.all_reduce(torch.ones(3))
+        return
     if a.os_exit:
         os._exit(0)
     if a.linger:
