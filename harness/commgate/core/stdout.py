@@ -58,6 +58,11 @@ class Stdout(io.TextIOBase):
     def writable(self) -> bool:
         return True
 
+    def fileno(self) -> int:  # io.TextIOBase's own would refuse, and shadow __getattr__
+        if self._inner is None:
+            raise io.UnsupportedOperation("standard output is gone")
+        return self._inner.fileno()
+
     @property
     def encoding(self) -> str:  # type: ignore[override]
         return getattr(self._inner, "encoding", None) or "utf-8"
