@@ -335,20 +335,20 @@ def cmd_check(a: argparse.Namespace) -> int:
         captured = dataclasses.replace(captured, capture=placed)
     session = Session(options=checked, runner=FromCapture(captured=captured), report_dir=a.report_dir)
     status = _run_all(session, scenarios, " (captured)", LiveLine(sys.stdout), whole=False)
-    if split := _parted(captured.capture):  # a job whose ranks disagree passed (found by an adversarial pass)
+    calls = captured.capture.calls  # a job whose ranks disagree passed (found by an adversarial pass)
+    if split := _parted(calls, sorted({c.rank for c in calls})):
         print(f"FAILED  the ranks' calls part: {split}")
         return 1
     return status
 
 
-def _parted(capture: Any) -> str | None:
-    """Where the capture's ranks' calls first part (a call one rank issued that its group's others never
-    did), as the stall watchdog and the Flight Recorder's check name it; None where they agree."""
+def _parted(calls: Sequence[Any], ranks: Sequence[int]) -> str | None:
+    """Where the ranks' ``calls`` (a capture's, or Flight Recorder dumps') first part (a call one rank issued
+    that its group's others never did), as the stall watchdog names it; None where they agree."""
     from commgate.run.diagnose import divergence
 
     keys = ("step", "op", "group", "peer", "bytes")
-    ranks = sorted({c.rank for c in capture.calls})
-    return divergence({r: [{k: getattr(c, k) for k in keys} for c in capture.calls if c.rank == r] for r in ranks})
+    return divergence({r: [{k: getattr(c, k) for k in keys} for c in calls if c.rank == r] for r in ranks})
 
 
 def _check_scenario(a: argparse.Namespace, captured: Any) -> list[Scenario]:
@@ -383,7 +383,6 @@ def _print_dumps(dumps: Any) -> None:
 def _flight_recorder_alone(a: argparse.Namespace) -> int:
     """Dumps without their job's capture: what they hold, and where the ranks' calls first part (as the stall
     watchdog names it); the model and the baseline need the steps, which only a capture holds."""
-    from commgate.run.diagnose import divergence
     from commgate.run.flightrec import read
 
     if a.scenario is not None or a.update_baselines:
@@ -396,9 +395,7 @@ def _flight_recorder_alone(a: argparse.Namespace) -> int:
     if not dumps.calls:  # nothing to judge is not "the ranks agree"
         print("no call to judge: the dumps hold none (what the dumps cannot tell says why)")
         return 1
-    keys = ("step", "op", "group", "peer", "bytes")
-    calls = {r: [{k: getattr(c, k) for k in keys} for c in dumps.calls if c.rank == r] for r in dumps.ranks}
-    if parted := divergence(calls):
+    if parted := _parted(dumps.calls, dumps.ranks):
         print(f"the ranks' calls part: {parted}")
         return 1
     print(f"the ranks agree on every call the dumps hold ({len(dumps.calls)} calls)")

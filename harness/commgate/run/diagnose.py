@@ -52,7 +52,7 @@ def failure(scenario_id: str, exits: Exits, tmp: Path) -> str | None:
         return None
     paths = {r: e for r in exits if (e := tmp / f"rank{r}.err").exists()}
     errors = {r: e.read_text(errors="replace").rstrip() for r, e in paths.items()}
-    last = {r: _exception_line(text) for r, text in errors.items()}
+    last = {r: exception_line(text) for r, text in errors.items()}
     if silent := [(rank, code) for rank, code in failed if rank not in errors]:
         cause, head = _silent_cause(scenario_id, silent, tmp)
     else:
@@ -87,7 +87,7 @@ def _first_raised(paths: dict[int, Path], errors: dict[int, str]) -> int:
 _HEADER = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)\b.*")
 
 
-def _exception_line(traceback_text: str) -> str:
+def exception_line(traceback_text: str) -> str:
     """The exception's own line of a traceback ("ValueError: ..."), which a multi-line message (pydantic's,
     say) would leave far from the last line; else the last line."""
     lines = traceback_text.rstrip().splitlines() or [""]

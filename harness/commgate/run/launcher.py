@@ -201,7 +201,7 @@ def _forkserver_ready(ctx: ForkServerContext, progress: Callable[[str], None] | 
 
 def _raised(log: Path) -> str:
     """The exception a forkserver that died at its start wrote last in its output (``log``), or ''."""
-    from commgate.run.diagnose import _exception_line
+    from commgate.run.diagnose import exception_line
 
     try:
         with open(log, "rb") as f:
@@ -209,7 +209,7 @@ def _raised(log: Path) -> str:
             text = f.read().decode(errors="replace")
     except OSError:
         return ""
-    return _exception_line(text).strip() if "Traceback" in text else ""
+    return exception_line(text).strip() if "Traceback" in text else ""
 
 
 def _start_report(what: str, raised: str = "") -> str:
