@@ -703,11 +703,27 @@ def test_a_capture_directory_a_rank_cannot_write_is_said_as_it_starts(work: Path
     blocked.write_text("")
     env = dict(os.environ, **{CAPTURE_ENV: str(blocked / "cap"), "PYTHONPATH": str(BOOTSTRAP)})
     done = bounded([*TORCHRUN, "ddp_train.py", "--steps", "2"], cwd=JOBS, env=env)
-    assert done.returncode == 0, done.stderr
     for rank in (0, 1):
         says = f"commgate: {blocked / 'cap'}: cannot write rank {rank}'s capture there: {blocked} is not a directory"
         assert says in done.stderr, done.stderr
-    assert "Traceback" not in done.stderr and "this rank runs uncaptured" in done.stderr
+        assert f"rank {rank} of 2: 2 steps" in done.stdout, done.stdout + done.stderr
+    assert "OSError" not in done.stderr and "commgate/run/" not in done.stderr, done.stderr
+    if not torch_s_own_abort_at_exit(done):
+        assert done.returncode == 0, done.stderr
+        assert "Traceback" not in done.stderr
+
+
+def torch_s_own_abort_at_exit(done: subprocess.CompletedProcess[str]) -> bool:
+    """Whether an *uncaptured* rank of ``ddp_train.py`` ended in torch 2.13's own abort at exit, which is not
+    commgate's to judge: the job ran as it does without commgate. torch's backward stashes a Python
+    ``contextvars`` context in the thread's state (``torch/autograd/graph.py``, ``_engine_run_backward``), each
+    gloo work DDP issues from the backward copies that state, and gloo's worker thread drops the work after
+    its future completes; when the rank has already begun to exit, the decref of that context aborts the
+    process ("terminate called without an active exception", found with gdb: ``pt_gloo_runloop`` in
+    ``take_gil`` from ``~AsyncWork``). A plain two-rank DDP script on this machine ended so in 5 to 8 runs of
+    30; under capture in 0 of 30 (the capture holds each work until it reads the work's end, on the rank's
+    own thread, which then frees it)."""
+    return done.returncode != 0 and "terminate called without an active exception" in done.stderr
 
 
 def test_the_job_sees_its_own_backend_s_name(work: Path) -> None:
