@@ -713,6 +713,39 @@ def test_a_capture_directory_a_rank_cannot_write_is_said_as_it_starts(work: Path
         assert "Traceback" not in done.stderr
 
 
+def test_a_job_that_sets_up_its_group_again_keeps_the_first_group_s_calls(work: Path) -> None:
+    """``init`` -> ``destroy`` -> ``init``: each ``init_process_group`` installed a fresh recorder, so the
+    capture held the second group's calls alone and the first's were lost (found by an adversarial pass).
+    The capture now holds both groups' calls, numbered in one sequence, and the steps once."""
+    out = work / "reinit"
+    done = capture(out, "--reinit")
+    assert done.returncode == 0, done.stderr
+    for rank in (0, 1):
+        calls = json.loads((out / f"rank{rank}.json").read_text())["calls"]
+        ops = [(c["op"], c["bytes"]) for c in calls]
+        assert ops.count(("all_reduce", 12)) == 1, ops  # the second group's
+        assert sum(op == "all_reduce" for op, _ in ops) == 4, ops  # and the first group's 3 steps' buckets
+        assert [c["seq"] for c in calls] == sorted({c["seq"] for c in calls}), "one sequence, no number twice"
+        assert json.loads((out / f"rank{rank}.meta.json").read_text())["steps"] == 3
+
+
+def test_a_second_group_over_another_backend_fails_the_capture_rather_than_drop_its_calls(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The capturing backend is registered over one real backend per process; a job whose second group asks
+    for another one runs it uncaptured, and its capture says so (``check`` fails it) instead of holding only
+    part of the job's calls."""
+    from commgate.run import external
+
+    state = external._State(out=tmp_path, rank=0, inner="nccl", recorder=object())
+    monkeypatch.setattr(external, "STATE", state)
+    asked: list[object] = []
+    assert external._init(lambda backend, *a, **k: asked.append(backend) or "group", "gloo", (), {}) == "group"
+    assert asked == ["gloo"]
+    said = "the job set up a group over 'gloo' after one over nccl; commgate captures one backend a job"
+    assert state.not_captured == said
+
+
 def torch_s_own_abort_at_exit(done: subprocess.CompletedProcess[str]) -> bool:
     """Whether an *uncaptured* rank of ``ddp_train.py`` ended in torch 2.13's own abort at exit, which is not
     commgate's to judge: the job ran as it does without commgate. torch's backward stashes a Python

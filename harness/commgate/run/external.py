@@ -196,20 +196,29 @@ def _init(init: Any, backend: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     state = STATE
     if state is None:  # not reached: activate set it before installing this wrapper
         return init(backend, *args, **kwargs)
-    state.requested = None if backend is None else str(backend)
     inner = _resolve(backend)
-    if inner is None:
-        state.not_captured = f"the job asked for backend {backend!r}; commgate interposes gloo and nccl"
+    again = state.recorder is not None  # the job destroyed its group and sets up another (found by an adversarial pass)
+    if inner is None or (again and inner != state.inner):
+        state.not_captured = (
+            f"the job set up a group over {backend!r} after one over {state.inner}; commgate captures one backend a job"
+            if again and inner is not None
+            else f"the job asked for backend {backend!r}; commgate interposes gloo and nccl"
+        )
         return init(backend, *args, **kwargs)
+    state.requested = None if backend is None else str(backend)
     state.inner = inner
     from torch.distributed import Backend
 
     state.shown = str(Backend(backend)) if backend is not None else "undefined"  # as torch names it
-    state.recorder = interpose.install(inner, state.rank, cpu_too=_cpu_too(backend))
+    kept = state.recorder  # the calls of the groups destroyed so far stay in the capture
+    made = interpose.install(inner, state.rank, cpu_too=_cpu_too(backend), recorder=lambda _: kept) if again else None
+    state.recorder = made or interpose.install(inner, state.rank, cpu_too=_cpu_too(backend))
     done = init(interpose.BACKEND_NAME, *args, **kwargs)
     import torch.distributed as dist
 
     state.recorder.rank = state.rank = dist.get_rank()
+    if again:  # the hooks and the meta's parts are the first group's
+        return done
     state.fixed = _fixed(state)
     _engine_phases()
     if not state.explicit:

@@ -19,7 +19,9 @@ launched by torchrun.
 * ``--spawn-child FILE``: rank 1 starts a Python process that outlives it and writes its pid to FILE as it ends;
   ``--chdir DIR``: the ranks change their working directory after ``init_process_group``;
   ``--monitored-barrier``: gloo's ``monitored_barrier`` after ``init_process_group``, and the backend's name said;
-  ``--part``: after the steps rank 0 issues an all_reduce rank 1 never does (rank 1 ends; rank 0's call fails).
+  ``--part``: after the steps rank 0 issues an all_reduce rank 1 never does (rank 1 ends; rank 0's call fails);
+  ``--reinit``: after the steps the job destroys its group, sets up another (on a store of its own: torch's
+  rendezvous keys of the first group would be read again) and all-reduces 3 floats in it.
 """
 
 import argparse
@@ -66,6 +68,7 @@ def main() -> None:
     p.add_argument("--chdir", type=Path, help="change the working directory to DIR after init_process_group")
     p.add_argument("--monitored-barrier", action="store_true", help="gloo's monitored_barrier after init; say backend")
     p.add_argument("--part", action="store_true", help="after the steps rank 0 all-reduces alone; rank 1 just ends")
+    p.add_argument("--reinit", action="store_true", help="destroy the group after the steps; all-reduce in a new one")
     a = p.parse_args()
     if a.no_init:
         return
@@ -110,6 +113,8 @@ def main() -> None:
         if rank == 0:
             dist.all_reduce(torch.ones(3))
         return
+    if a.reinit:
+        reinit(a.backend, rank)
     if a.os_exit:
         os._exit(0)
     if a.linger:
@@ -123,6 +128,16 @@ def main() -> None:
         subprocess.Popen([sys.executable, "-c", code, str(a.spawn_child)])
     print(f"rank {rank} of {os.environ['WORLD_SIZE']}: {a.steps} steps, loss {loss.item():.4f}", flush=True)
     dist.destroy_process_group()
+
+
+def reinit(backend: str, rank: int) -> None:
+    """Destroy the group and set up a second one, as a job that re-initialises does, on a prefix of the
+    launcher's store of its own: the second group's rendezvous then cannot read the first's addresses."""
+    dist.destroy_process_group()
+    world = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
+    dist.init_process_group(backend, store=dist.PrefixStore("second/", store), rank=rank, world_size=world)
+    dist.all_reduce(torch.ones(3))
 
 
 def dump_fr(rank: int, *, nccl: bool = False) -> None:
