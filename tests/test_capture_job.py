@@ -239,6 +239,18 @@ def _bad_op(d: Path) -> None:
     (d / "rank1.json").write_text(json.dumps(doc))
 
 
+def _edit_call(**changes: object) -> Callable[[Path], None]:
+    """A hand edit of rank 1's first call (``seq`` copied from its second call where given as "next")."""
+
+    def spoil(d: Path) -> None:
+        doc = json.loads((d / "rank1.json").read_text())
+        call = doc["calls"][0]
+        call.update({k: doc["calls"][1][k] if v == "next" else v for k, v in changes.items()})
+        (d / "rank1.json").write_text(json.dumps(doc))
+
+    return spoil
+
+
 @pytest.mark.parametrize(
     ("spoil", "file", "says"),
     [
@@ -248,8 +260,18 @@ def _bad_op(d: Path) -> None:
         (_mix_jobs, "rank1.meta.json", "two jobs' captures in one directory"),
         (_truncate, "rank0.json", "not valid JSON"),
         (_bad_op, "rank1.json", "$.calls[0].op"),
+        (_edit_call(bytes=1e308), "rank1.json", "$.calls[0].bytes"),
+        (_edit_call(bytes=10**30), "rank1.json", "$.calls[0].bytes"),
+        (_edit_call(seq="next"), "rank1.json", "$.calls[1].seq: sequence number 1 a second time"),
+        (_edit_call(rank=0), "rank1.json", "$.calls[0].rank: a call of rank 0 in rank 1's file"),
+        (_edit_call(group=[1, 5]), "rank1.json", "$.calls[0].group: group [1, 5]: not distinct ranks of a world of 2"),
+        (_edit_call(peer=7), "rank1.json", "$.calls[0].peer: peer 7: not another rank"),
+        (_edit_call(step=99), "rank1.json", "$.calls[0].step: step 99, past the rank's last step window (2)"),
     ],
-    ids=["missing", "empty", "rank-missing", "two-jobs", "truncated", "bad-op"],
+    ids=[
+        *("missing", "empty", "rank-missing", "two-jobs", "truncated", "bad-op"),
+        *("bytes-float", "bytes-huge", "seq-twice", "other-rank", "group-outside", "peer-outside", "step-past"),
+    ],
 )
 def test_bad_capture_directories_are_one_line_naming_the_file(
     spoil: Callable[[Path], object],
@@ -258,6 +280,9 @@ def test_bad_capture_directories_are_one_line_naming_the_file(
     ddp: tuple[Path, subprocess.CompletedProcess[str]],
     tmp_path: Path,
 ) -> None:
+    """The last seven were found by an adversarial pass: a byte count of 1e308 was a traceback, one of 10**30
+    was judged, and a call another rank issued, numbered twice, of a group outside the world or of step 99
+    (left out in silence) was taken as the rank's own."""
     d = _copy(ddp[0], tmp_path / "cap")
     spoil(d)
     done = check(d, tmp_path / "baselines")

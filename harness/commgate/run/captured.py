@@ -280,7 +280,43 @@ def load(directory: Path) -> Captured:
         ranks = ", ".join(map(str, shown)) + (", ..." if more else "")
         raise _bad(directory, f"ranks [{ranks}] of a world of {world} are missing ({names}{more}){hint}")
     docs = {r: read_json(f, _check_rank_file, hint=hint) for r, f in sorted(files.items())}
+    for r, doc in docs.items():
+        _as_its_rank_wrote_it(files[r], r, doc, world)
     return _merge(directory, docs, metas)
+
+
+def _as_its_rank_wrote_it(path: Path, r: int, doc: dict[str, Any], world: int) -> None:
+    """A rank file that holds what its rank could have written: its own calls and windows, each sequence
+    number once, groups of ranks of the world that hold the rank, peers and roots in the call's group, steps
+    within the rank's windows. A file edited or put together by hand is refused here, not judged (found by an
+    adversarial pass: a call of step 99 was left out in silence, another rank's call counted as this one's)."""
+    steps = {w["step"] for w in doc["step_windows"]}
+    for i, w in enumerate(doc["step_windows"]):
+        if w["rank"] != r:
+            raise _bad(
+                path, f"a step window of rank {w['rank']} in rank {r}'s file{RECAPTURE}", f"$.step_windows[{i}].rank"
+            )
+    last = max(steps, default=-1) + 1  # the calls after the last window ends belong to none (as written)
+    seen: set[int] = set()
+    for i, c in enumerate(doc["calls"]):
+        at = f"$.calls[{i}]"
+        group = c["group"]
+        why, key = "", ""
+        if c["rank"] != r:
+            why, key = f"a call of rank {c['rank']} in rank {r}'s file", "rank"
+        elif c["seq"] in seen:
+            why, key = f"sequence number {c['seq']} a second time", "seq"
+        elif r not in group or max(group) >= world or len(set(group)) != len(group):
+            why, key = f"group {group}: not distinct ranks of a world of {world} that include rank {r}", "group"
+        elif c["peer"] is not None and (c["peer"] not in group or c["peer"] == r):
+            why, key = f"peer {c['peer']}: not another rank of the call's group {group}", "peer"
+        elif c.get("root") is not None and c["root"] not in group:
+            why, key = f"root {c['root']}: not a rank of the call's group {group}", "root"
+        elif c["step"] > last:
+            why, key = f"step {c['step']}, past the rank's last step window ({last - 1})", "step"
+        if why:
+            raise _bad(path, f"{why}: not what a rank writes{RECAPTURE}", f"{at}.{key}")
+        seen.add(c["seq"])
 
 
 def _merge(directory: Path, docs: dict[int, dict[str, Any]], metas: dict[int, dict[str, Any]]) -> Captured:

@@ -29,13 +29,12 @@ def load(name: str) -> dict[str, Any]:
 
 @functools.cache
 def validator(name: str) -> jsonschema.protocols.Validator:
-    import jsonschema
     from referencing import Registry, Resource
 
     registry: Registry[Any] = Registry().with_resources(
         (load(n)["$id"], Resource.from_contents(load(n))) for n in NAMES if n != name
     )
-    return jsonschema.Draft202012Validator(load(name), registry=registry)
+    return strict()(load(name), registry=registry)
 
 
 def _whole(checker: Any, instance: Any) -> bool:
