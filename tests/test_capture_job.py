@@ -489,10 +489,14 @@ def test_a_hung_jobs_dumps_name_the_call_one_rank_never_issued(work: Path) -> No
 
 def test_a_capture_whose_ranks_part_fails_check(work: Path) -> None:
     """Rank 0 issues an all_reduce rank 1 never does (rank 1 ends, and rank 0's call fails): judged against
-    its own baseline, the capture passed (found by an adversarial pass). check names where the ranks part."""
+    its own baseline, the capture passed (found by an adversarial pass). check names where the ranks part.
+    The failed call is in rank 0's capture as never completed; it was recorded as completed, with the time
+    it took to fail (found by the same pass)."""
     out = work / "part"
     job = capture(out, "--part")
     assert job.returncode != 0 and (out / "rank0.json").is_file() and (out / "rank1.json").is_file(), job.stderr
+    last = json.loads((out / "rank0.json").read_text())["calls"][-1]
+    assert (last["op"], last["bytes"], last["duration_ns"]) == ("all_reduce", 12, None)
     judged = commgate("check", out, "--name", "part", "--baseline-dir", work / "part-baselines", "--update-baselines")
     assert judged.returncode == 1, judged.stdout + judged.stderr
     assert "FAILED  the ranks' calls part: " in judged.stdout and "rank 1 never issued all_reduce" in judged.stdout

@@ -72,6 +72,8 @@ class Recorder:
         self._stamped: dict[int, tuple[int, Any]] = {}
         """seq -> (its token in the C++ stamps (``commgate.run.stamps``), its work), until the recorder reads the
         stamp."""
+        self._failed: set[int] = set()
+        """The calls whose work completed with an error (stamped in C++): they are listed as never completed."""
         self._done: list[tuple[tuple[Any, ...], int]] = []
         self.calls: list[CapturedCall] = []
         self.last: tuple[Any, ...] | None = None
@@ -123,8 +125,15 @@ class Recorder:
     def complete(self, seq: int, end: int | None = None) -> tuple[tuple[Any, ...], int] | None:
         """Stamp ``seq`` completed at ``end`` (now by default), unless it already was. Returns (its open
         record, its end) when this stamped it, None when it already was."""
+        if seq in self._failed:  # its work completed with an error: it stays open, never completed
+            return None
         entry = self._stamped.get(seq)  # read, not popped, first: a thread completing it beside reads the same
-        if end is None and entry is not None and (stamp := self._stamps.stamp(entry[0])) >= 0:  # type: ignore[union-attr]
+        stamp = self._stamps.stamp(entry[0]) if entry is not None else stamps.RUNNING  # type: ignore[union-attr]
+        if stamp == stamps.FAILED:
+            self._failed.add(seq)
+            self._stamped.pop(seq, None)
+            return None
+        if end is None and stamp >= 0:
             end = stamp - self._t0
         rec = self._open.pop(seq, None)
         self._works.pop(seq, None)
@@ -157,7 +166,7 @@ class Recorder:
         """Complete the calls whose C++ stamp is in, at that stamp."""
         for seq, (token, _) in list(self._stamped.items()):
             stamp = self._stamps.stamp(token)  # type: ignore[union-attr]
-            if stamp >= 0:
+            if stamp >= 0 or stamp == stamps.FAILED:
                 self.complete(seq)
             elif stamp == stamps.REUSED:  # its slot went to a call 65,536 later: ended by now, at the latest
                 self.complete(seq, time.perf_counter_ns() - self._t0)

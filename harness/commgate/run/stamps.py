@@ -47,8 +47,8 @@ int64_t now_ns() {
 }
 }  // namespace
 
-// Stamp `token` when `work`'s future completes (at once if it has), on the thread that completes it.
-// False when the work has no future.
+// Stamp `token` when `work`'s future completes (at once if it has), on the thread that completes it; -3
+// where it completes with an error (a failed call did not complete). False when the work has no future.
 bool watch(c10d::Work& work, int64_t token) {
   c10::intrusive_ptr<c10::ivalue::Future> future;
   try {
@@ -60,13 +60,15 @@ bool watch(c10d::Work& work, int64_t token) {
   const int64_t slot = token & (kSlots - 1);
   stamps[slot].store(-1, std::memory_order_relaxed);
   owners[slot].store(token, std::memory_order_release);
-  future->addCallback([token, slot](c10::ivalue::Future&) {
-    if (owners[slot].load(std::memory_order_acquire) == token) stamps[slot].store(now_ns(), std::memory_order_release);
+  future->addCallback([token, slot](c10::ivalue::Future& done) {
+    const int64_t at = done.hasError() ? -3 : now_ns();
+    if (owners[slot].load(std::memory_order_acquire) == token) stamps[slot].store(at, std::memory_order_release);
   });
   return true;
 }
 
-// `token`'s completion (CLOCK_MONOTONIC ns); -1 while its call runs; -2 once its slot went to a later call.
+// `token`'s completion (CLOCK_MONOTONIC ns); -1 while its call runs; -2 once its slot went to a later call;
+// -3 when its call failed.
 int64_t stamp(int64_t token) {
   const int64_t slot = token & (kSlots - 1);
   if (owners[slot].load(std::memory_order_acquire) != token) return -2;
@@ -78,7 +80,7 @@ OFF = "COMMGATE_STAMPS"
 """``COMMGATE_STAMPS=0`` (or false, no, off): neither build nor load the extension (the poller stamps every
 call)."""
 
-RUNNING, REUSED = -1, -2
+RUNNING, REUSED, FAILED = -1, -2, -3
 """``stamp``'s answers other than a time."""
 
 NAME = "commgate_stamps_" + hashlib.sha256((SOURCE + torch.__version__).encode()).hexdigest()[:10]
