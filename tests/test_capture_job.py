@@ -568,6 +568,9 @@ def test_a_real_nccl_dump_is_read_with_its_groups_and_gpu_durations(work: Path) 
         ("input_sizes", 5, "$.entries[0].input_sizes: 5 is not of type 'array'"),
         ("process_group", None, "$.entries[0].process_group: None is not valid under any of the given schemas"),
         ("ranks", "garbage", "$.pg_config.0.ranks: ranks 'garbage': not a list of ranks"),
+        # read in silence before (found by an adversarial pass): the shapes past the shorter list were dropped
+        ("input_dtypes", [], "$.entries[0]: 1 shape(s) but 0 dtype(s): one a tensor"),
+        ("input_sizes", [[4], [4]], "$.entries[0]: 2 shape(s) but 1 dtype(s): one a tensor"),
     ],
 )
 def test_a_dump_with_a_field_torch_never_writes_is_one_line(
@@ -589,6 +592,35 @@ def test_a_dump_with_a_field_torch_never_writes_is_one_line(
     with pytest.raises(DocumentError) as exc:
         read(tmp_path)
     assert str(exc.value) == f"{tmp_path / 'fr_0'}: {says} (not as torch writes a dump)"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("input_dtypes", ["Float", "Bogus"], "$.entries[0]: dtype 'Bogus' is not one commgate reads"),
+        ("ranks", "[0, 5, 6]", "$.pg_config.0.ranks: group '0' holds ranks [5, 6], which have no dump (found 1: ranks"),
+    ],
+    ids=["second-dtype-unknown", "group-past-the-dumps"],
+)
+def test_a_dump_that_names_what_commgate_cannot_see_is_one_line(
+    tmp_path: Path, field: str, value: object, says: str
+) -> None:
+    """An unknown dtype on a call's second tensor was counted at the first's size, and a group holding ranks
+    no dump came from was judged as if they had issued nothing (found by an adversarial pass)."""
+    import pickle
+
+    from commgate.core.errors import DocumentError
+    from commgate.run.flightrec import read
+
+    doc = pickle.loads((NCCL_DUMP / "pickle" / "fr_0").read_bytes())
+    if field == "ranks":
+        doc["pg_config"]["0"]["ranks"] = value
+    else:
+        doc["entries"][0] |= {"input_sizes": [[4], [4]], field: value}
+    (tmp_path / "fr_0").write_bytes(pickle.dumps(doc))
+    with pytest.raises(DocumentError) as exc:
+        read(tmp_path)
+    assert str(exc.value).startswith(f"{tmp_path / 'fr_0'}: {says}"), str(exc.value)
 
 
 def test_the_fixtures_script_records_the_same_calls_under_this_torch(tmp_path: Path) -> None:

@@ -271,7 +271,7 @@ def read(path: Path) -> Dumps:
     if len(versions) > 1:
         raise _bad(path, f"dumps of versions {sorted(versions)}: not one job's")
     notes: list[str] = ["steps: a dump holds no step boundaries; its calls are in issue order, in one window"]
-    groups = _groups(docs, notes)
+    groups = _groups(docs, files, notes)
     calls: list[CapturedCall] = []
     timed = 0
     for r, doc in docs.items():
@@ -324,15 +324,21 @@ def _pg(e: dict[str, Any]) -> tuple[str, str]:
     return str(pg), str(pg)
 
 
-def _groups(docs: dict[int, dict[str, Any]], notes: list[str]) -> dict[str, tuple[int, ...]]:
+def _groups(docs: dict[int, dict[str, Any]], files: dict[int, Path], notes: list[str]) -> dict[str, tuple[int, ...]]:
     """Each process group's ranks: from ``pg_config`` where it lists them; else the default group is every
     rank dumped and another group the ranks whose dumps hold calls on it (said in ``notes``)."""
     listed: dict[str, tuple[int, ...]] = {}
-    for d in docs.values():
+    for r, d in docs.items():
         for name, cfg in (d.get("pg_config") or {}).items():
             ranks = cfg.get("ranks") if isinstance(cfg, dict) else None  # a list: ``_load`` read it
             if name and ranks:
                 listed[str(name)] = tuple(int(x) for x in ranks)
+                if undumped := sorted(set(listed[str(name)]) - docs.keys()):
+                    shown = ", ".join(map(str, undumped[:8])) + (", ..." if len(undumped) > 8 else "")
+                    why = f"group {name!r} holds ranks [{shown}], which have no dump (found {len(docs)}: ranks 0 to"
+                    raise _bad(
+                        files[r], f"{why} {len(docs) - 1}); dump every rank of the job", f"$.pg_config.{name}.ranks"
+                    )
     seen: dict[str, set[int]] = {}
     desc: dict[str, str] = {}
     for r, d in docs.items():
@@ -361,18 +367,17 @@ def _groups(docs: dict[int, dict[str, Any]], notes: list[str]) -> dict[str, tupl
 def _size(file: Path, sizes: Any, dtypes: Any, where: str) -> tuple[int, str, int]:
     """(elements, commgate dtype, bytes) of one side of a call; a dtype the dump names that commgate does not
     know is a one-line error."""
+    if len(dtypes) != len(sizes):  # zipped, the shapes past the shorter list were left out in silence
+        why = f"{len(sizes)} shape(s) but {len(dtypes)} dtype(s): one a tensor (not as torch writes a dump)"
+        raise _bad(file, why, where)
     elements = sum(math.prod(s) for s in sizes)
     if not dtypes:
         return elements, "none", 0
-    name = str(dtypes[0])
-    if name not in DTYPES:
-        raise _bad(file, f"dtype {name!r} is not one commgate reads ({', '.join(DTYPES)})", where)
-    dtype, itemsize = DTYPES[name]
-    return (
-        elements,
-        dtype,
-        sum(math.prod(s) * DTYPES.get(str(d), (dtype, itemsize))[1] for s, d in zip(sizes, dtypes, strict=False)),
-    )
+    for name in map(str, dtypes):  # every tensor's, not the first alone
+        if name not in DTYPES:
+            raise _bad(file, f"dtype {name!r} is not one commgate reads ({', '.join(DTYPES)})", where)
+    nbytes = sum(math.prod(s) * DTYPES[str(d)][1] for s, d in zip(sizes, dtypes, strict=True))
+    return elements, DTYPES[str(dtypes[0])][0], nbytes
 
 
 def _call(
