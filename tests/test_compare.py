@@ -72,6 +72,30 @@ def test_reports_of_real_runs(tmp_path: Path) -> None:
     assert main(["compare", str(before), str(after)]) == 1
 
 
+def test_reports_of_jobs_no_scenario_describes_compare_their_calls(tmp_path: Path) -> None:
+    """``commgate check`` of a job without ``--scenario`` reports no per-key table (its model is a stand-in's):
+    two such reports compared said "not compared (passed on both sides)" and "nothing compared, no scenario
+    ran on both sides" (found by an adversarial pass). Their calls are counted from the capture, as the
+    reconciliation counts them: the same table a report with a scenario lists."""
+    from commgate.judge.compare import _from_report_entry
+
+    doc = json.loads(_report_of_a_real_run(tmp_path).read_text())
+    listed = _from_report_entry(doc["scenarios"][0])
+    for key in ("calls", "collectives", "traffic_matrix"):  # what a report of a job no scenario describes lacks
+        del doc["scenarios"][0][key]
+    counted = _from_report_entry(doc["scenarios"][0])
+    assert listed is not None and counted is not None and counted.calls == listed.calls
+    before = tmp_path / "before.json"
+    before.write_text(json.dumps(doc))
+    assert main(["compare", str(before), str(before)]) == 0
+    calls = doc["scenarios"][0]["capture"]["calls"]
+    extra = max(calls, key=lambda c: c["step"]) | {"seq": 10**6}  # one more call in the last step, on one rank
+    calls.append(extra)
+    after = tmp_path / "after.json"
+    after.write_text(json.dumps(doc))
+    assert main(["compare", str(before), str(after)]) == 1
+
+
 def _slowed(doc: dict[str, object], op: str, factor: float) -> dict[str, object]:
     out = json.loads(json.dumps(doc))
     for c in out["scenarios"][0]["capture"]["calls"]:  # type: ignore[index]

@@ -27,6 +27,7 @@ from commgate.judge import baseline as bl
 from commgate.judge.causes import Cause, recognise
 from commgate.judge.drift import Assessment, shifts
 from commgate.judge.finding import Difference
+from commgate.judge.reconcile import measured_calls
 from commgate.judge.store import BaselineStore
 from commgate.model.scenario import LatencyRule, Tolerance
 from commgate.run.capture import Capture
@@ -35,14 +36,19 @@ EXACT = Tolerance()
 
 
 def _from_report_entry(sc: dict[str, Any]) -> bl.Baseline | None:
-    """A report's scenario as a baseline (None when it did not run: skipped, or an error)."""
-    if "calls" not in sc or "capture" not in sc:
+    """A report's scenario as a baseline (None when it did not run: skipped, or an error). A run no scenario
+    describes (``commgate check`` of a job without ``--scenario``) lists no per-key table, its model being a
+    stand-in's: its calls are counted from its capture, as the reconciliation counts them."""
+    if "capture" not in sc:
         return None
     capture = Capture.from_json(sc["capture"])
-    calls = {
-        (k["window"], k["op"], tuple(k["group"]), k["dtype"], k["bytes_per_call"], k["phase"]): k["measured_calls"]
-        for k in sc["calls"]
-    }
+    if "calls" in sc:
+        calls = {
+            (k["window"], k["op"], tuple(k["group"]), k["dtype"], k["bytes_per_call"], k["phase"]): k["measured_calls"]
+            for k in sc["calls"]
+        }
+    else:
+        calls = {(w, *key): n for w, counted in measured_calls(capture).items() for key, n in counted.items()}
     # bytes per step derived from the integer counts, exactly (the report's measured_bytes are floats)
     return bl.Baseline.of(capture, calls, {"hardware": capture.stack.get("hardware") or ""})
 

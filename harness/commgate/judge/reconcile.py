@@ -105,6 +105,20 @@ def _row_keys(row: ExpectedCollective, ran: frozenset[int]) -> list[tuple[Key, i
     return out
 
 
+def measured_calls(capture: Capture) -> dict[str, Counter[Key]]:
+    """The calls the ranks issued, counted by key, in initialisation (``init``) and in the measured steps
+    (``steps``; the warm-up's are counted in neither)."""
+    steps = range(capture.warmup_steps, capture.warmup_steps + capture.steps)
+    measured: dict[str, Counter[Key]] = {"init": Counter(), "steps": Counter()}
+    for c in capture.calls:
+        which = "init" if c.step == INIT_STEP else ("steps" if c.step in steps else None)
+        if which is None:
+            continue
+        group = (c.rank, c.peer) if c.peer is not None else c.rooted_group
+        measured[which][(str(c.op), group, c.dtype, c.bytes, c.phase)] += 1
+    return measured
+
+
 def reconcile(prediction: Prediction, capture: Capture) -> Reconciliation:
     """Every rank's calls against the model's; for an emulated run (``capture.ranks``), the calls of the
     ranks that ran against the rows they issue, each call standing for its whole group's (the job seen from
@@ -113,13 +127,7 @@ def reconcile(prediction: Prediction, capture: Capture) -> Reconciliation:
     steps = range(capture.warmup_steps, capture.warmup_steps + capture.steps)
     n_steps = max(len(steps), 1)
     windows: dict[str, range | None] = {"init": None, "steps": steps}
-    measured: dict[str, Counter[Key]] = {w: Counter() for w in windows}
-    for c in capture.calls:
-        which = "init" if c.step == INIT_STEP else ("steps" if c.step in steps else None)
-        if which is None:
-            continue
-        group = (c.rank, c.peer) if c.peer is not None else c.rooted_group
-        measured[which][(str(c.op), group, c.dtype, c.bytes, c.phase)] += 1
+    measured = measured_calls(capture)
 
     keys: list[KeyCount] = []
     predicted_bytes: dict[str, Fraction] = defaultdict(Fraction)
