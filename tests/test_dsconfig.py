@@ -272,6 +272,24 @@ def test_a_block_under_a_scheme_without_deepspeed_says_what_does_nothing() -> No
     assert not [w for w in load("{scheme: zero2, dp: 2}", block).warnings if "no DeepSpeed engine" in w]
 
 
+def test_parameter_offload_below_zero3_is_said_to_offload_nothing() -> None:
+    """``offload_param`` at ZeRO-2 was taken in silence (found by an adversarial pass): DeepSpeed's stage 1-2
+    optimizer reads no parameter offload, so the job offloads nothing whatever the config says."""
+    block = "{zero_optimization: {offload_param: {device: cpu}, cpu_offload_param: true}}"
+    said = [w for w in load("{scheme: zero2, dp: 2}", block).warnings if "parameter offload is ZeRO-3's" in w]
+    assert [w.split(":")[0] for w in said] == [
+        "deepspeed.zero_optimization.offload_param",
+        "deepspeed.zero_optimization.cpu_offload_param",
+    ]
+    assert "at stage 2 DeepSpeed does not read it" in said[0]
+    for quiet in (
+        "{zero_optimization: {offload_param: {device: none}}}",
+        "{zero_optimization: {cpu_offload_param: false}}",
+    ):
+        assert not [w for w in load("{scheme: zero2, dp: 2}", quiet).warnings if "ZeRO-3's" in w]
+    assert not [w for w in load("{scheme: zero3, dp: 2}", block).warnings if "ZeRO-3's" in w]
+
+
 def test_a_dtype_the_block_sets_is_not_called_the_presets() -> None:
     """A rule's problem with a model field the file does not write names the preset it comes from; the dtype
     the block's bf16 switch sets is the block's, not the preset's."""

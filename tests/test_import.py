@@ -127,6 +127,20 @@ def test_a_value_that_is_not_a_number_is_one_line(tmp_path: Path, capsys: pytest
     assert not out.exists()
 
 
+def test_import_says_the_warnings_validate_would(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A DeepSpeed key DeepSpeed does not know, or a parameter offload at ZeRO-2, was written into the scenario
+    without a word from ``import`` (``validate`` warned of them later; found by an adversarial pass)."""
+    ds, out = tmp_path / "ds.json", tmp_path / "s.yaml"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}, "not_a_key": 3}))
+    assert (
+        main(["import", "--hf", str(HF / "tinyllama-1.1b.json"), "--deepspeed", str(ds), "--dp", "2", "-o", str(out)])
+        == 0
+    )
+    err = capsys.readouterr().err
+    assert "warning: deepspeed.not_a_key: DeepSpeed has no such key (it would be ignored)" in err
+    assert "warning: deepspeed.zero_optimization.offload_param: parameter offload is ZeRO-3's" in err
+
+
 def test_nothing_imported_is_silent(tmp_path: Path) -> None:
     """What the configs set that the scenario does not take as such is in the written file (its ``notes``
     field), in the loaded scenario's remarks and in a run's findings; a DeepSpeed key the model does not

@@ -776,6 +776,8 @@ def cmd_import(a: argparse.Namespace) -> int:
         raise UsageError(f"{a.out} not written: the imported scenario is refused: {what}") from None
     for s in scenarios:
         predict(s)  # ... and predicts
+    for w in scenarios[0].warnings:  # what validate would warn of, said as it is written (the notes are above)
+        print(f"warning: {w}", file=sys.stderr)
     if a.cpu and (need := _cpu_deadline(scenarios[0])):
         deadline, estimate = need
         line = (

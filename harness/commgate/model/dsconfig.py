@@ -203,6 +203,28 @@ def unknown_keys(cfg: Mapping[str, Any]) -> list[str]:
     ]
 
 
+PARAM_OFFLOAD = ("offload_param", "cpu_offload_param")
+"""``zero_optimization`` keys only ZeRO-3 reads: stages 1 and 2 (``stage_1_and_2.py``) take no parameter
+offload, and the engine hands its config to the ZeRO-3 optimizer alone (and, with ``compile.deepcompile``,
+to DeepCompile's offload pass, ``runtime/engine.py``)."""
+
+
+def inert_keys(cfg: Mapping[str, Any], stage: int) -> list[str]:
+    """One warning per parameter-offload key set at a stage that does not read it: the job offloads nothing,
+    whatever the config says (found by an adversarial pass: taken in silence at ZeRO-2)."""
+    zo, compiled = cfg.get("zero_optimization"), cfg.get("compile")
+    if isinstance(compiled, Mapping) and compiled.get("deepcompile"):  # DeepCompile offloads them at stages 1-2
+        return []
+    if stage >= 3 or not isinstance(zo, Mapping):
+        return []
+    return [
+        f"deepspeed.zero_optimization.{k}: parameter offload is ZeRO-3's; at stage {stage} DeepSpeed does not read "
+        "it, and offloads no parameter"
+        for k in PARAM_OFFLOAD
+        if zo.get(k) not in (None, False) and not (isinstance(zo.get(k), Mapping) and zo[k].get("device") == "none")
+    ]
+
+
 REMOVED = frozenset(
     {
         "amp", "compression_training", "curriculum_learning", "eigenvalue", "elasticity", "graph_harvesting",

@@ -656,6 +656,7 @@ def _scenario(
         deepspeed=json.dumps(ds, sort_keys=True),
         warnings=(
             *dsconfig.unknown_keys(ds),
+            *dsconfig.inert_keys(ds, par.zero.stage),
             *_trainer_warnings(doc),
             *_filled(ds, model, par, doc.get("trainer", "commgate")),
             *(_client_optimizer(ds) if doc.get("trainer", "commgate") == "commgate" else ()),  # commgate's own
