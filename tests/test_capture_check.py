@@ -348,6 +348,10 @@ def test_a_malformed_job_file_is_one_line(
         # a module run with a .py argument was named after the argument: two jobs would share a baseline
         ("python -m torch.distributed.run --nproc-per-node 2 -m mypkg.train --config cfg.py", "train"),
         ("srun python -m mypkg.pretrain", "pretrain"),
+        # found by an adversarial pass: a path with a space was "no job name in the command"
+        ("torchrun --nproc-per-node 2 'my jobs/my train.py' --lr 1", "my-train"),
+        # a command recorded unquoted (an older commgate) with an apostrophe in an argument: a traceback
+        ("python train.py --note it's", "train"),
     ],
 )
 def test_a_capture_s_baseline_is_named_after_the_job_s_script_or_module(command: str, name: str) -> None:

@@ -391,12 +391,16 @@ def job_name(captured: Captured) -> str:
     """The name a capture's baseline is kept under when no scenario names it: the job's script (``train``
     for ``torchrun ... train.py``) or module (``-m pkg.train``), from the command the ranks recorded."""
     command = str(captured.capture.stack.get("command", ""))
-    words = shlex.split(command) if command else []
+    try:
+        words = shlex.split(command)
+    except ValueError:  # an unbalanced quote: recorded unquoted by an older commgate (``" ".join(argv)``)
+        words = command.split()
     # the first script or module the command names: the job's (a .py after it is an argument of the job's)
     named = [(i, Path(w).stem) for i, w in enumerate(words) if w.endswith(".py")]
     modules = [(i + 1, words[i + 1].rsplit(".", 1)[-1]) for i, w in enumerate(words[:-1]) if w == "-m"]
     named += [(i, m) for i, m in modules if m not in ("torch", "run", "torchrun")]  # python -m torch.distributed.run
-    name = min(named)[1] if named else ""
+    # a script named "my train.py" keeps its baseline as my-train: a name of the characters a file name takes
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", min(named)[1]).strip("-._")[:100] if named else ""
     if not NAME.fullmatch(name):
         where = captured.directory / "rank0.meta.json"
         raise _bad(

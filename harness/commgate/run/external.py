@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -399,7 +400,7 @@ def _meta(state: _State, how: str, steps: int) -> dict[str, Any]:
         "local_world_size": local,
         "host": socket.gethostname(),
         "launcher": launcher(),
-        "command": os.environ.get(COMMAND_ENV) or " ".join(sys.argv),
+        "command": os.environ.get(COMMAND_ENV) or shlex.join(sys.argv),
         "requested_backend": state.requested,
         "backend": state.inner,
         "not_captured": state.not_captured
