@@ -108,6 +108,21 @@ def test_commgate_html_re_renders_a_saved_report(out: Path, tmp_path: Path, caps
     assert main(["html", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"{bad}: $: ") and "required property" in err and "\n" not in err
+
+
+def test_commgate_html_keeps_out_of_another_report_s_directory(
+    out: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--out`` naming another run's report directory replaced its index.html with this report's, beside the
+    report.json it no longer described (found by an adversarial pass); the report's own directory is fine."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "report.json").write_text("{}")
+    (other / "index.html").write_text("the other run's page")
+    assert main(["html", str(out / "report.json"), "--out", str(other)]) == 2
+    assert "holds another report (report.json)" in capsys.readouterr().err
+    assert (other / "index.html").read_text() == "the other run's page"
+    assert main(["html", str(out / "report.json"), "--out", str(out)]) == 0
     assert main(["html", str(tmp_path / "missing.json")]) == 2
 
 

@@ -409,6 +409,12 @@ def cmd_html(a: argparse.Namespace) -> int:
     out = a.out or a.report.parent
     check_writable_dir(out, what="the HTML page", fix="give another --out")
     check_outputs(out, fix="give another --out")
+    beside = out / "report.json"  # another run's report there: its page would describe this one (adversarial pass)
+    if beside.exists() and not (a.report.exists() and beside.samefile(a.report)):
+        raise UsageError(
+            f"--out {out} holds another report (report.json): its index.html would describe {a.report}; give a "
+            "directory of its own"
+        )
     print(write(out, _load_report(a.report)))
     return 0
 
