@@ -210,10 +210,12 @@ def _init(init: Any, backend: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     state.inner = inner
     from torch.distributed import Backend
 
+    from commgate.run.recorder import Recorder
+
     state.shown = str(Backend(backend)) if backend is not None else "undefined"  # as torch names it
     kept = state.recorder  # the calls of the groups destroyed so far stay in the capture
-    made = interpose.install(inner, state.rank, cpu_too=_cpu_too(backend), recorder=lambda _: kept) if again else None
-    state.recorder = made or interpose.install(inner, state.rank, cpu_too=_cpu_too(backend))
+    recorder = (lambda _: kept) if again else Recorder
+    state.recorder = interpose.install(inner, state.rank, cpu_too=_cpu_too(backend), recorder=recorder)
     done = init(interpose.BACKEND_NAME, *args, **kwargs)
     import torch.distributed as dist
 
