@@ -497,9 +497,17 @@ def test_a_capture_whose_ranks_part_fails_check(work: Path) -> None:
     assert job.returncode != 0 and (out / "rank0.json").is_file() and (out / "rank1.json").is_file(), job.stderr
     last = json.loads((out / "rank0.json").read_text())["calls"][-1]
     assert (last["op"], last["bytes"], last["duration_ns"]) == ("all_reduce", 12, None)
-    judged = commgate("check", out, "--name", "part", "--baseline-dir", work / "part-baselines", "--update-baselines")
+    report = work / "part-report"
+    judged = commgate(
+        "check", out, "--name", "part", "--baseline-dir", work / "part-baselines", "--update-baselines",
+        "--report-dir", report,
+    )  # fmt: skip
     assert judged.returncode == 1, judged.stdout + judged.stderr
-    assert "FAILED  the ranks' calls part: " in judged.stdout and "rank 1 never issued all_reduce" in judged.stdout
+    assert "the ranks' calls part: " in judged.stdout and "rank 1 never issued all_reduce" in judged.stdout
+    # the report says what the exit status does (it said passed while check exited 1: found by a review)
+    (scenario,) = json.loads((report / "report.json").read_text())["scenarios"]
+    assert scenario["status"] == "error" and "rank 1 never issued all_reduce" in scenario["reason"], scenario
+    assert not (work / "part-baselines").exists() or not any((work / "part-baselines").rglob("*.json"))
 
 
 FR_VERSIONS = Path(__file__).parent / "data" / "flight_recorder"

@@ -334,21 +334,7 @@ def cmd_check(a: argparse.Namespace) -> int:
         print(f"    every one of the dumps' {len(dumps.calls)} calls is a captured call; judged in the capture's steps")
         captured = dataclasses.replace(captured, capture=placed)
     session = Session(options=checked, runner=FromCapture(captured=captured), report_dir=a.report_dir)
-    status = _run_all(session, scenarios, " (captured)", LiveLine(sys.stdout), whole=False)
-    calls = captured.capture.calls  # a job whose ranks disagree passed (found by an adversarial pass)
-    if split := _parted(calls, sorted({c.rank for c in calls})):
-        print(f"FAILED  the ranks' calls part: {split}")
-        return 1
-    return status
-
-
-def _parted(calls: Sequence[Any], ranks: Sequence[int]) -> str | None:
-    """Where the ranks' ``calls`` (a capture's, or Flight Recorder dumps') first part (a call one rank issued
-    that its group's others never did), as the stall watchdog names it; None where they agree."""
-    from commgate.run.diagnose import divergence
-
-    keys = ("step", "op", "group", "peer", "bytes")
-    return divergence({r: [{k: getattr(c, k) for k in keys} for c in calls if c.rank == r] for r in ranks})
+    return _run_all(session, scenarios, " (captured)", LiveLine(sys.stdout), whole=False)
 
 
 def _check_scenario(a: argparse.Namespace, captured: Any) -> list[Scenario]:
@@ -383,6 +369,7 @@ def _print_dumps(dumps: Any) -> None:
 def _flight_recorder_alone(a: argparse.Namespace) -> int:
     """Dumps without their job's capture: what they hold, and where the ranks' calls first part (as the stall
     watchdog names it); the model and the baseline need the steps, which only a capture holds."""
+    from commgate.run.captured import parted
     from commgate.run.flightrec import read
 
     if a.scenario is not None or a.update_baselines:
@@ -395,8 +382,8 @@ def _flight_recorder_alone(a: argparse.Namespace) -> int:
     if not dumps.calls:  # nothing to judge is not "the ranks agree"
         print("no call to judge: the dumps hold none (what the dumps cannot tell says why)")
         return 1
-    if parted := _parted(dumps.calls, dumps.ranks):
-        print(f"the ranks' calls part: {parted}")
+    if split := parted(dumps.calls, dumps.ranks):
+        print(f"the ranks' calls part: {split}")
         return 1
     print(f"the ranks agree on every call the dumps hold ({len(dumps.calls)} calls)")
     return 0

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -380,7 +381,20 @@ class FromCapture:
                 f"{scenario.file}: warmup_steps {scenario.warmup_steps} + steps {scenario.steps} = {total}, but "
                 f"{where} holds {cap.steps} step(s); set them to add up to the captured job's steps"
             )
+        if split := parted(cap.calls, sorted({c.rank for c in cap.calls})):  # the job, not the gate, failed
+            raise RunError(f"{where}: the ranks' calls part: {split}")
         return replace(cap, scenario=scenario.id, warmup_steps=scenario.warmup_steps, steps=scenario.steps)
+
+
+def parted(calls: Sequence[Any], ranks: Sequence[int]) -> str | None:
+    """Where the ranks' ``calls`` (a capture's, or Flight Recorder dumps') first part (a call one rank issued
+    that its group's others never did), as the stall watchdog names it; None where they agree. A live run
+    whose ranks part hangs, and the watchdog fails it; a capture of such a job is failed here, as its run
+    (a capture that passed against its own baseline while its ranks parted was found by an adversarial pass)."""
+    from commgate.run.diagnose import divergence
+
+    keys = ("step", "op", "group", "peer", "bytes")
+    return divergence({r: [{k: getattr(c, k) for k in keys} for c in calls if c.rank == r] for r in ranks})
 
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
