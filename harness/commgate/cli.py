@@ -188,7 +188,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     this process as one rank of the job (rank 0 reports)."""
     import signal
 
-    from commgate.model.loader import load_paths
+    from commgate.model.loader import load_paths, trainers_named
     from commgate.report.liveline import LiveLine
     from commgate.run import links
     from commgate.run.runners import LocalRanks, TorchrunRank, under_torchrun
@@ -215,7 +215,12 @@ def cmd_run(a: argparse.Namespace) -> int:
             f"--emulate with --link {a.link}: a shaped link joins two halves of the started ranks, and an emulated "
             "run starts one; give one of the two"
         )
-    scenarios = load_paths(default_paths(a.paths))
+    paths = default_paths(a.paths)
+    if not under_torchrun():  # the ranks' forkserver imports torch, DeepSpeed and the trainers meanwhile
+        from commgate.run.launcher import start_forkserver
+
+        start_forkserver(trainers_named(paths))
+    scenarios = load_paths(paths)
     if a.select:
         scenarios = [s for s in scenarios if any(k in s.id for k in a.select)]
         if not scenarios:
@@ -239,6 +244,7 @@ def cmd_run(a: argparse.Namespace) -> int:
             runner = LocalRanks(deadline_s=a.deadline, network=shaped, progress=live)
             how = f" over a {link} link"
         session = Session(options=checked, runner=runner, report_dir=a.report_dir if lead else None)
+        session.expect(scenarios)
         session.check_writable()  # before any rank starts: a path that cannot be written is one line
         if session.report_dir is not None:
             stack.enter_context(session.only_writer())

@@ -145,10 +145,11 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Col
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """A scenario-named link to a missing file under the ini's ``commgate_scenario_dirs`` or a directory
-    named on the command line (pytest's walk passes over it: the gate would stay green without it) is a
-    usage error naming it."""
+    """The session told the scenarios it will run (``Session.expect``). A scenario-named link to a missing
+    file under the ini's ``commgate_scenario_dirs`` or a directory named on the command line (pytest's walk
+    passes over it: the gate would stay green without it) is a usage error naming it."""
     config = session.config
+    config.stash[SESSION].expect(i.scenario for i in session.items if isinstance(i, ScenarioItem))
     dirs = [(config.rootpath / d).resolve() for d in config.getini("commgate_scenario_dirs")]
     if config.args_source == pytest.Config.ArgsSource.ARGS:
         dirs += [Path(config.invocation_params.dir, a.split("::")[0]) for a in config.args]

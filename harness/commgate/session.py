@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -239,6 +239,12 @@ class Session:
             lock.write(str(os.getpid()))
             lock.flush()
             yield
+
+    def expect(self, scenarios: Iterable[Scenario]) -> None:
+        """The scenarios this session will run: on local ranks, their trainers are imported once, by the
+        ranks' forkserver, rather than by every rank of every scenario."""
+        if isinstance(self.runner, LocalRanks):
+            self.runner = replace(self.runner, trainers=frozenset(s.trainer for s in scenarios))
 
     def run(self, scenario: Scenario) -> ScenarioResult | None:
         """Run ``scenario`` and record its result (None: a torchrun rank that does not report)."""

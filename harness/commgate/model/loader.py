@@ -455,6 +455,23 @@ def dangling(dirs: Iterable[Path]) -> list[Path]:
     return sorted({f for d in dirs if d.is_dir() for f in _walk(d) if f.suffix in SCENARIO_SUFFIXES and not f.exists()})
 
 
+def trainers_named(paths: Iterable[str | Path]) -> frozenset[str]:
+    """The trainers the scenario files under ``paths`` name at their top level (``trainer:``), read without
+    loading them (no alias expanded, nothing validated): what to start before they load (the ranks'
+    forkserver, ``commgate run``), never what runs. A file that cannot be read or parsed names none."""
+    from commgate.core.fsutil import text_head
+
+    named: set[str] = set()
+    for f in scenario_files(paths):
+        try:
+            node = yaml.compose(text_head(f, 1 << 20) or "", Loader=yaml.SafeLoader)
+        except (yaml.YAMLError, RecursionError, ValueError):
+            continue
+        if isinstance(node, yaml.MappingNode):
+            named |= {v.value for k, v in node.value if k.value == "trainer" and isinstance(v, yaml.ScalarNode)}
+    return frozenset(named)
+
+
 def load_paths(paths: Iterable[str | Path]) -> list[Scenario]:
     """Scenarios of every file under ``paths``; all problems of all files are raised together."""
     files = scenario_files(paths)

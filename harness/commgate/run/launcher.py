@@ -28,7 +28,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from multiprocessing import connection
 from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -45,6 +46,7 @@ from commgate.run.extensions import build_locks, builder, use_environment_dir
 from commgate.run.inject import Faults
 from commgate.run.links import Network
 from commgate.run.rank import child
+from commgate.run.workloads import PRELOADS
 
 
 class RunError(CommgateError):
@@ -122,8 +124,13 @@ def _quiet_resource_tracker() -> None:
         os.close(log)
 
 
-def _context() -> ForkServerContext:
-    """The forkserver every rank is forked from, started on first use with torch preloaded."""
+PRELOAD_ENV = "COMMGATE_PRELOAD"
+"""The trainers ``commgate.run.preload`` imports in the forkserver, comma-separated."""
+
+
+def _context(trainers: Iterable[str] = ()) -> ForkServerContext:
+    """The forkserver every rank is forked from, started on first use with torch preloaded, and, where no
+    GPU is visible, DeepSpeed and the ``trainers`` of the scenarios to run (``commgate.run.preload``)."""
     global _CONTEXT
     if _CONTEXT is None:
         use_environment_dir()  # DeepSpeed's op built once per environment (commgate.run.extensions)
@@ -132,9 +139,30 @@ def _context() -> ForkServerContext:
         atexit.register(_forkserver_at_exit)
         _quiet_resource_tracker()
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload([*(PRELOAD if gpu_visible() else PRELOAD + PRELOAD_CPU), *PRELOAD_LAST])
+        if gpu_visible():  # what imports probe the accelerator: a process forked after CUDA's start cannot use it
+            ctx.set_forkserver_preload([*PRELOAD, *PRELOAD_LAST])
+        else:
+            os.environ[PRELOAD_ENV] = ",".join(sorted(set(trainers) & PRELOADS.keys()))
+            ctx.set_forkserver_preload([*PRELOAD, *PRELOAD_CPU, *PRELOAD_LAST, "commgate.run.preload"])
         _CONTEXT = ctx
     return _CONTEXT
+
+
+def start_forkserver(trainers: Iterable[str]) -> None:
+    """Start the ranks' forkserver now, with the ``trainers`` preloaded, and return: its imports (seconds)
+    overlap what the caller does before its first run (``commgate run`` loading the scenarios). The first run
+    waits for it, bounded, as it waits for one it starts (``_forkserver_ready``), and says why it failed."""
+    ctx = _context(trainers)
+    if _START_FAILED:
+        return
+
+    def start() -> None:
+        with contextlib.suppress(OSError, EOFError):  # the first run's own start says what failed
+            probe = ctx.Process(target=os.getpid, name="commgate-forkserver-probe", daemon=True)
+            probe.start()
+            probe.join()
+
+    threading.Thread(target=start, name="commgate-forkserver-start", daemon=True).start()
 
 
 FORKSERVER_START_S = 600.0
@@ -316,6 +344,11 @@ def _kill(procs: list[BaseProcess]) -> None:
         p.join(timeout=10)
 
 
+WAKE_S = 0.1
+"""How often the launcher looks at its running ranks (the stall and hang watchdogs) when none exits: a rank's
+exit wakes it at once."""
+PROGRESS_S = 0.25
+"""How often the live line's phase is read from the ranks' phase files and heartbeats."""
 GRACE_S = 1.0
 """After the first failure, how long the launcher lets the others settle before it names the cause (the
 rank that died can be reaped a moment after its peers have raised)."""
@@ -380,12 +413,14 @@ def launch_local(
     workdir: Path | None = None,
     faults: Faults | None = None,
     network: Network | None = None,
+    trainers: Iterable[str] = (),
 ) -> Capture:
     """Run ``scenario`` on ``world_size`` local processes and return the merged capture.
 
     The ranks' private directory (store, status, logs) is made under ``workdir`` (default: the system's
     temporary directory) and removed afterwards. With ``network`` (``commgate.run.links.shaped``) the
-    ranks run in its two namespaces, half on each side of its shaped link.
+    ranks run in its two namespaces, half on each side of its shaped link. ``trainers``: those of the
+    scenarios the process will run, preloaded with this one's by the forkserver the first run starts.
     """
     # an emulated run starts rank 0 alone, or one rank per pipeline stage and tensor shard, at the declared
     # world size (commgate.run.emulate)
@@ -396,7 +431,7 @@ def launch_local(
     tmp = _private_dir(workdir)
     procs: list[BaseProcess] = []
     try:
-        _forkserver_ready(_context(), progress)
+        _forkserver_ready(_context((*trainers, scenario.trainer)), progress)
         launched = time.monotonic()
         _start(scenario, ran, tmp, procs, launched=launched, faults=faults or Faults(), network=network)
         # the deadline runs from here: the forkserver's start has its own bound (_forkserver_ready)
@@ -480,6 +515,7 @@ def _wait(
     once a rank has failed (after GRACE_S for its peers to settle), when the ranks stall, or ``deadline``
     seconds after ``started``."""
     watchdog = Watchdog(tmp, ran, scenario.stall_s)
+    shown = 0.0
     while any(p.exitcode is None for p in procs):
         if failure(scenario.id, _exits(procs), tmp):  # let the others settle, then name the cause
             settle = time.monotonic() + GRACE_S
@@ -490,9 +526,13 @@ def _wait(
             raise RunError(hang_report(scenario.id, tmp, ran, deadline))
         if (stalled := watchdog.stalled([p.exitcode is None for p in procs])) is not None:
             raise RunError(stall_report(scenario.id, tmp, _exits(procs), stalled))
-        if progress:
-            progress(f"{phase(tmp, ran, scenario.warmup_steps + scenario.steps)}, {time.monotonic() - started:.0f} s")
-        time.sleep(POLL_S)
+        if progress and time.monotonic() - shown > PROGRESS_S:  # the phase files read a few times a second
+            shown = time.monotonic()
+            progress(f"{phase(tmp, ran, scenario.warmup_steps + scenario.steps)}, {shown - started:.0f} s")
+        # back at once when a rank exits, and at the deadline itself: the ranks' own timeout (gloo's, the same
+        # length, from their first call) must not pass before the deadline's report names each rank's call
+        wake = min(WAKE_S, max(0.0, started + deadline - time.monotonic()) + 0.001)
+        connection.wait([p.sentinel for p in procs if p.exitcode is None], wake)
     if reason := failure(scenario.id, _exits(procs), tmp):
         raise RunError(reason)
 

@@ -43,6 +43,9 @@ class LocalRanks:
     """Run the ranks on the two sides of this shaped link (``commgate.run.links.shaped``)."""
     progress: Callable[[str], None] | None = None
     """Told what the run is doing (forkserver start, phase, step k of n), several times a second."""
+    trainers: frozenset[str] = frozenset()
+    """The trainers of the scenarios it will run, whose imports the ranks' forkserver does once
+    (``commgate.run.preload``; ``Session.expect``)."""
 
     def skip_reason(self, scenario: Scenario) -> str | None:
         from commgate.run.launcher import gpu_visible
@@ -55,7 +58,12 @@ class LocalRanks:
         from commgate.run.launcher import launch_local
 
         return launch_local(
-            scenario, deadline_s=self.deadline_s, faults=self.faults, network=self.network, progress=self.progress
+            scenario,
+            deadline_s=self.deadline_s,
+            faults=self.faults,
+            network=self.network,
+            progress=self.progress,
+            trainers=self.trainers,
         )
 
 

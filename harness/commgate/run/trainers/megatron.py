@@ -126,6 +126,17 @@ def _patches() -> list[tuple[Any, str, Any, str]]:
     ]
 
 
+def preload() -> None:
+    """What ``_build`` imports, imported in the ranks' forkserver (``commgate.run.preload``): Megatron-core's
+    model, DDP, optimizer and schedules (and what they import: wandb). No workaround is applied: each is a
+    patch of a run."""
+    import megatron.core.distributed
+    import megatron.core.models.gpt.gpt_layer_specs
+    import megatron.core.optimizer
+    import megatron.core.pipeline_parallel
+    import megatron.core.tensor_parallel  # noqa: F401
+
+
 _ABSENT = object()
 
 

@@ -141,6 +141,32 @@ TRAINER_WORKLOADS: dict[str, Callable[[Scenario], WorkloadFactory]] = {
 """What runs a scenario of each trainer (every ``TRAINERS`` record has one)."""
 
 
+def _preload_torchtitan() -> None:
+    from commgate.run.trainers.torchtitan import preload
+
+    preload()
+
+
+def _preload_hf() -> None:
+    import commgate.run.trainers.hf  # noqa: F401  (transformers' Trainer, imported by the adapter)
+
+
+def _preload_megatron() -> None:
+    from commgate.run.trainers.megatron import preload
+
+    preload()
+
+
+PRELOADS: dict[str, Callable[[], None]] = {
+    "torchtitan": _preload_torchtitan,
+    "hf": _preload_hf,
+    "megatron": _preload_megatron,
+}
+"""What a CPU rank of each trainer's job imports for a second or more, imported once in the ranks' forkserver
+(``commgate.run.preload``) when the scenarios to run name the trainer; commgate's own workloads are preloaded
+always (``commgate.run.launcher.PRELOAD``)."""
+
+
 def resolve(scenario: Scenario) -> WorkloadFactory:
     """What builds and steps ``scenario`` on a rank: the user's ``workload:`` function, or its trainer's
     workload for its scheme."""
