@@ -631,6 +631,26 @@ def test_a_dump_that_names_what_commgate_cannot_see_is_one_line(
     assert str(exc.value).startswith(f"{tmp_path / 'fr_0'}: {says}"), str(exc.value)
 
 
+def test_two_dumps_that_disagree_on_a_groups_ranks_are_one_line(tmp_path: Path) -> None:
+    """Each dump lists the job's groups (``pg_config``); the last one read decided a group's ranks, and the
+    others were not looked at (found by a review). Two jobs' dumps in one folder disagree: one line."""
+    import pickle
+
+    from commgate.core.errors import DocumentError
+    from commgate.run.flightrec import read
+
+    for rank, ranks in ((0, "[0, 1]"), (1, "[1]")):
+        doc = pickle.loads((FR_VERSIONS / "torch-2.12.1" / "pickle" / f"fr_{rank}").read_bytes())
+        doc["pg_config"]["7"] = {"name": "7", "desc": "tp", "ranks": ranks}
+        (tmp_path / f"fr_{rank}").write_bytes(pickle.dumps(doc))
+    with pytest.raises(DocumentError) as exc:
+        read(tmp_path)
+    assert str(exc.value) == (
+        f"{tmp_path / 'fr_1'}: $.pg_config.7.ranks: group '7' holds ranks [1], but {tmp_path / 'fr_0'} lists [0, 1]; "
+        "the dumps are of two jobs: dump one job's ranks into one folder"
+    )
+
+
 def test_the_fixtures_script_records_the_same_calls_under_this_torch(tmp_path: Path) -> None:
     """The script that made the fixtures (``make_dump.py``), run fresh under the installed torch: its dumps
     hold the very calls torch 2.8's and 2.12's hold, op for op."""

@@ -328,17 +328,24 @@ def _groups(docs: dict[int, dict[str, Any]], files: dict[int, Path], notes: list
     """Each process group's ranks: from ``pg_config`` where it lists them; else the default group is every
     rank dumped and another group the ranks whose dumps hold calls on it (said in ``notes``)."""
     listed: dict[str, tuple[int, ...]] = {}
+    lister: dict[str, int] = {}  # the rank whose dump listed the group first
     for r, d in docs.items():
         for name, cfg in (d.get("pg_config") or {}).items():
             ranks = cfg.get("ranks") if isinstance(cfg, dict) else None  # a list: ``_load`` read it
-            if name and ranks:
-                listed[str(name)] = tuple(int(x) for x in ranks)
-                if undumped := sorted(set(listed[str(name)]) - docs.keys()):
-                    shown = ", ".join(map(str, undumped[:8])) + (", ..." if len(undumped) > 8 else "")
-                    why = f"group {name!r} holds ranks [{shown}], which have no dump (found {len(docs)}: ranks 0 to"
-                    raise _bad(
-                        files[r], f"{why} {len(docs) - 1}); dump every rank of the job", f"$.pg_config.{name}.ranks"
-                    )
+            if not (name and ranks):
+                continue
+            key, members = str(name), tuple(int(x) for x in ranks)
+            if key in listed:  # each group's ranks checked once; two dumps must agree on them
+                if members != listed[key]:
+                    why = f"group {key!r} holds ranks {list(members)}, but {files[lister[key]]} lists "
+                    why += f"{list(listed[key])}; the dumps are of two jobs: dump one job's ranks into one folder"
+                    raise _bad(files[r], why, f"$.pg_config.{key}.ranks")
+                continue
+            listed[key], lister[key] = members, r
+            if undumped := sorted(set(members) - docs.keys()):
+                shown = ", ".join(map(str, undumped[:8])) + (", ..." if len(undumped) > 8 else "")
+                why = f"group {key!r} holds ranks [{shown}], which have no dump (found {len(docs)}: ranks 0 to"
+                raise _bad(files[r], f"{why} {len(docs) - 1}); dump every rank of the job", f"$.pg_config.{key}.ranks")
     seen: dict[str, set[int]] = {}
     desc: dict[str, str] = {}
     for r, d in docs.items():
