@@ -147,3 +147,20 @@ def test_a_directory_that_disappears_during_the_walk_is_passed_over(
 
     monkeypatch.setattr(os, "scandir", vanishing)
     assert scenario_files([tmp_path]) == [tmp_path / "a.yaml"]
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("1.0e+400", "$.model.h: 1.0e+400 is not a finite number (YAML reads it as infinity)"),
+        ("-.inf", "$.model.h: -.inf is not a finite number (YAML reads it as infinity)"),
+        (".NaN", "$.model.h: .NaN is not a finite number (YAML reads it as NaN)"),
+    ],
+)
+def test_a_number_past_a_floats_range_is_one_line_as_written(value: str, says: str) -> None:
+    """``h: 1.0e+400`` was three lines, each echoing it as ``Infinity`` ("a number, expected integer", "out of
+    range", "not a finite number"; found by an adversarial pass): one line, in the file's own spelling."""
+    text = f"schema_version: 1\nname: x\nmodel: {{preset: 19M-cpu, h: {value}}}\nparallelism: {{scheme: ddp, dp: 2}}\n"
+    with pytest.raises(ScenarioError) as info:
+        load_text(text, file="s.yaml")
+    assert [str(p) for p in info.value.problems] == [f"s.yaml:3: {says}"]

@@ -96,6 +96,19 @@ class _Located:
         self.node = node
 
     def line(self, parts: Sequence[Any]) -> int | None:
+        found = self._find(parts)
+        return found[1] if found is not None else None
+
+    def text(self, parts: Sequence[Any]) -> str | None:
+        """The scalar at ``parts`` as the file spells it (``1e400``, not the infinity YAML reads), or None."""
+        found = self._find(parts)
+        if found is None or not found[2] or not isinstance(found[0], yaml.ScalarNode):
+            return None
+        return str(found[0].value)
+
+    def _find(self, parts: Sequence[Any]) -> tuple[yaml.Node, int, bool] | None:
+        """(the node at ``parts``, else the deepest one on the way; the line of its key; whether it is the
+        node at ``parts``)."""
         node = self.node
         if node is None:
             return None
@@ -112,9 +125,9 @@ class _Located:
                 nxt = node.value[part]
                 best = nxt.start_mark.line + 1
             if nxt is None:
-                break
+                return node, best, False
             node = nxt
-        return best
+        return node, best, True
 
 
 def _non_finite(doc: Any, path: list[Any]) -> Iterator[list[Any]]:
@@ -130,17 +143,27 @@ def _non_finite(doc: Any, path: list[Any]) -> Iterator[list[Any]]:
 
 
 def _schema_problems(doc: Any, file: str, where: _Located, context: str = "") -> list[Problem]:
+    infinite = {json_path(parts): parts for parts in _non_finite(doc, [])}
     problems = [
-        Problem(file=file, path=json_path(parts), message="not a finite number" + context, line=where.line(parts))
-        for parts in _non_finite(doc, [])
+        Problem(file=file, path=path, message=_not_finite(where.text(parts)) + context, line=where.line(parts))
+        for path, parts in infinite.items()
     ]
     for err in _validator().iter_errors(doc):
         for parts, message in _describe(err):
+            if json_path(parts) in infinite:  # said once, as written ("Infinity is out of range" said it again)
+                continue
             problems.append(
                 Problem(file=file, path=json_path(parts), message=message + context, line=where.line(parts))
             )
     # each "required" error is described with every field the object lacks: one line per problem
     return list(dict.fromkeys(problems))
+
+
+def _not_finite(written: str | None) -> str:
+    """What a NaN or infinite number is, with the text YAML read it from (``1e400``: past a float's range)."""
+    if written is None:
+        return "not a finite number"
+    return f"{written} is not a finite number (YAML reads it as {'NaN' if 'nan' in written.lower() else 'infinity'})"
 
 
 def _describe(err: jsonschema.ValidationError) -> Iterator[tuple[list[Any], str]]:
