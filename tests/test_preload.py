@@ -24,10 +24,11 @@ TRAINER_MODULES = {
 """A module each trainer's ranks import for seconds (the adapters' ``preload``), by trainer."""
 
 PROBE = """
-import sys
+import os, sys
 
 def loaded(conn, modules):
-    conn.send(sorted(m for m in modules if m in sys.modules))
+    threads = len(os.listdir(f"/proc/{os.getppid()}/task"))  # the forkserver's, as it forked this process
+    conn.send([sorted(m for m in modules if m in sys.modules), threads])
 """
 
 FORKED = """
@@ -48,12 +49,15 @@ print(json.dumps(found))
 
 def loaded_in_a_rank(tmp_path: Path, trainers: list[str]) -> list[str]:
     """The trainers' modules a process forked from the forkserver of a fresh process finds imported, the
-    forkserver started for ``trainers``."""
+    forkserver started for ``trainers``; the forkserver forked it with one thread (pyarrow, imported with the
+    trainers, starts its allocator's background thread unless told not to: ``preload.ONE_THREAD``)."""
     (tmp_path / "probe.py").write_text(PROBE)
     code = FORKED.format(here=str(tmp_path), trainers=trainers, modules=sorted(TRAINER_MODULES.values()))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    return list(json.loads(done.stdout.strip().splitlines()[-1]))
+    found, threads = json.loads(done.stdout.strip().splitlines()[-1])
+    assert threads == 1, f"the forkserver forked with {threads} threads"
+    return list(found)
 
 
 @pytest.mark.skipif(

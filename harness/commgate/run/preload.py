@@ -16,18 +16,30 @@ import traceback
 from commgate.run.launcher import PRELOAD_ENV
 from commgate.run.workloads import PRELOADS
 
+ONE_THREAD = {"JE_ARROW_MALLOC_CONF": "background_thread:false"}
+"""Set while the trainers import, where unset: pyarrow (imported by transformers' Trainer and torchtitan's,
+through Hugging Face ``datasets``) otherwise starts its jemalloc's background thread at import, and every
+rank would be forked from a process with two threads. Without it the forkserver forks with one, as without
+the preload; the ranks' Arrow allocator then frees its memory on its own calls instead of on that thread."""
+
 
 def preload(names: str) -> list[str]:
     """Each trainer of ``names`` preloaded; the ones whose preload raised, said on stdout (the forkserver's
     log)."""
     failed = []
-    for name in filter(None, names.split(",")):
-        try:
-            PRELOADS[name]()
-        except Exception:  # its ranks import it themselves: a failure there is theirs to report
-            failed.append(name)
-            print(f"commgate: preloading trainer {name!r} failed; its ranks import it themselves:", flush=True)
-            traceback.print_exc(file=sys.stdout)
+    unset = [k for k in ONE_THREAD if k not in os.environ]
+    os.environ.update({k: ONE_THREAD[k] for k in unset})
+    try:
+        for name in filter(None, names.split(",")):
+            try:
+                PRELOADS[name]()
+            except Exception:  # its ranks import it themselves: a failure there is theirs to report
+                failed.append(name)
+                print(f"commgate: preloading trainer {name!r} failed; its ranks import it themselves:", flush=True)
+                traceback.print_exc(file=sys.stdout)
+    finally:
+        for k in unset:
+            os.environ.pop(k, None)
     return failed
 
 
