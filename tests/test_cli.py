@@ -166,6 +166,11 @@ def test_validate_and_presets() -> None:
     assert proc.returncode == 0 and "scenario(s) valid" in proc.stdout
     proc = commgate("presets")
     assert proc.returncode == 0 and "13,111,183,360" in proc.stdout and "19M-cpu" in proc.stdout
+    # a column a row: each value ends where its header does (llama3.2-1B pushed its row off by one)
+    head, *rows = proc.stdout.splitlines()
+    ends = [head.index(name) + len(name) for name in (" L", " h", " a", " V", " s", "parameters")]
+    for row in rows:
+        assert all(row[end - 1] != " " and (end == len(row) or row[end] == " ") for end in ends), row
 
 
 SMALL = "schema_version: 1\nname: {name}\nmodel: {{preset: 19M-cpu}}\nparallelism: {{scheme: ddp, dp: 2}}\nsteps: 2\n"

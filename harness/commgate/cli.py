@@ -467,9 +467,10 @@ def cmd_validate(a: argparse.Namespace) -> int:
 def cmd_presets(a: argparse.Namespace) -> int:
     from commgate.model.transformer import PRESETS, param_count
 
-    print(f"{'preset':<10} {'L':>3} {'h':>5} {'a':>3} {'V':>6} {'s':>5} {'dtype':<5} {'parameters':>15}")
+    w = max(len("preset"), *map(len, PRESETS))  # the columns stay aligned whatever a preset is named
+    print(f"{'preset':<{w}} {'L':>3} {'h':>5} {'a':>3} {'V':>6} {'s':>5} {'dtype':<5} {'parameters':>15}")
     for name, m in PRESETS.items():
-        print(f"{name:<10} {m.L:>3} {m.h:>5} {m.a:>3} {m.V:>6} {m.s:>5} {m.dtype:<5} {param_count(m):>15,}")
+        print(f"{name:<{w}} {m.L:>3} {m.h:>5} {m.a:>3} {m.V:>6} {m.s:>5} {m.dtype:<5} {param_count(m):>15,}")
     return 0
 
 
