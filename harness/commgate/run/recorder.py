@@ -148,14 +148,18 @@ class Recorder:
 
     def watch(self, seq: int, work: Any, *, future: bool = False) -> bool:
         """Have ``work``'s completion stamped: in C++ where ``future`` (the backend completes the work's future
-        when the call ends: gloo) and the work has one (True: the caller's wait need not be timed), else by
-        the poller, unless the caller's wait does it first (False)."""
+        when the call ends: gloo) and the work has one (True: the caller's wait need not be timed); at the
+        caller's wait alone where ``future`` and the work has none (gloo's send, recv and reduce-scatter
+        complete in their ``wait()``, never before it: a poller would look in vain, and, once a failed wait
+        had marked the work completed, stamp the failed call as ended); else by the poller, unless the
+        caller's wait does it first (False)."""
         rec = self._open.get(seq)
         if future and rec is not None and self._stamps is not None:
             token = stamps.watch(self._stamps, work)
             if token is not None:
                 self._stamped[seq] = (token, work)
                 return True
+            return False  # the caller's wait (``_TimedWork``) stamps it, or it stays open
         if rec is not None:
             self._works[seq] = (work, rec[_START])
             if not self.poller.awake.is_set():
