@@ -114,14 +114,10 @@ def test_gloo_s_collectives_are_stamped_in_cpp_and_wake_no_thread(world: interpo
     assert world.poller._thread is None, "a stamped call woke the poller"
 
 
-def test_gloo_completes_a_work_s_future_when_the_call_ends() -> None:
-    """What the stamps rest on (torch 2.13): gloo marks a collective's future complete when the call has
-    run, not when it is enqueued (NCCL's is). Two gloo groups of one process, one per thread: rank 1 joins
-    the all-reduce 0.2 s after rank 0 issued it, so rank 0's stamp is at least that late."""
-    ext = stamps.build()
-    assert ext is not None, "the completion-stamps extension did not build (stderr says why)"
+def two_gloo_groups() -> list[Any]:
+    """Ranks 0 and 1 of one gloo group, both in this process (each set up on a thread of its own)."""
     store = dist.HashStore()
-    groups: list[object] = [None, None]
+    groups: list[Any] = [None, None]
 
     def make(r: int) -> None:
         groups[r] = dist.ProcessGroupGloo(store, r, 2, dist.default_pg_timeout)
@@ -132,6 +128,16 @@ def test_gloo_completes_a_work_s_future_when_the_call_ends() -> None:
     for t in makers:
         t.join(120)
     assert all(groups), "the two gloo groups did not connect"
+    return groups
+
+
+def test_gloo_completes_a_work_s_future_when_the_call_ends() -> None:
+    """What the stamps rest on (torch 2.13): gloo marks a collective's future complete when the call has
+    run, not when it is enqueued (NCCL's is). Two gloo groups of one process, one per thread: rank 1 joins
+    the all-reduce 0.2 s after rank 0 issued it, so rank 0's stamp is at least that late."""
+    ext = stamps.build()
+    assert ext is not None, "the completion-stamps extension did not build (stderr says why)"
+    groups = two_gloo_groups()
     late = threading.Timer(0.2, lambda: groups[1].allreduce([torch.ones(4)]).wait())  # type: ignore[attr-defined]
     issued = time.perf_counter_ns()
     work = groups[0].allreduce([torch.ones(4)])  # type: ignore[attr-defined]
@@ -171,18 +177,7 @@ def test_gloo_completes_point_to_point_and_reduce_scatter_works_only_in_their_wa
     works have no future and do not say they completed before ``wait()``, however long the call has been
     over. Should a torch release complete them earlier, this fails, and the poller (or a future) is worth
     having for them again. Two gloo groups of one process, one per thread."""
-    store = dist.HashStore()
-    groups: list[Any] = [None, None]
-
-    def make(r: int) -> None:
-        groups[r] = dist.ProcessGroupGloo(store, r, 2, dist.default_pg_timeout)
-
-    makers = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
-    for t in makers:
-        t.start()
-    for t in makers:
-        t.join(120)
-    assert all(groups), "the two gloo groups did not connect"
+    groups = two_gloo_groups()
     received = torch.zeros(4)
     recv = groups[1].recv([received], 0, 0)
     send = groups[0].send([torch.ones(4)], 1, 0)
