@@ -150,7 +150,9 @@ def test_gloo_completes_a_work_s_future_when_the_call_ends() -> None:
 
 
 @pytest.mark.parametrize("world", ["stamps"], indirect=True)
-def test_a_work_without_a_future_is_timed_at_its_wait_and_wakes_no_thread(world: interpose.Recorder) -> None:
+def test_a_work_without_a_future_is_timed_at_its_wait_and_wakes_no_thread(
+    world: interpose.Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Gloo's reduce-scatter work has no future (torch 2.13): ``stamps.watch`` says so, and the call is still
     recorded once, ended by its wait; it is not handed to the poller (which cost a reduce-scatter x1.6-2.0
     of its bare host time, and could never see it complete before the wait)."""
@@ -170,6 +172,13 @@ def test_a_work_without_a_future_is_timed_at_its_wait_and_wakes_no_thread(world:
     (call,) = world.take()
     assert call.op == "reduce_scatter" and call.duration_ns is not None
     assert world.poller._thread is None, "the poller thread was started for a call it could not stamp"
+    # the extension is not asked again for that method's works (it learns "no future" from an exception, 7 us)
+    assert world._futureless == {"_reduce_scatter_base"}
+    asked: list[object] = []
+    monkeypatch.setattr(stamps, "watch", lambda ext, work: asked.append(work))
+    dist.reduce_scatter_single(out, inp, async_op=True).wait()
+    dist.all_reduce(torch.ones(4))
+    assert len(asked) == 1 and [c.op for c in world.take()] == ["reduce_scatter", "all_reduce"]
 
 
 def test_gloo_completes_point_to_point_and_reduce_scatter_works_only_in_their_wait() -> None:

@@ -214,6 +214,7 @@ class CapturingProcessGroup(ProcessGroup):
         post: Callable[[Any], Any],
         peer: int | None = None,
         root: int | None = None,
+        method: str = "",
     ) -> Any:
         """Record the call, post it on its real backend (``post(backend)``), and hand back its work: as it is
         where its end is stamped in C++ (``commgate.run.stamps``), else timed at the caller's wait."""
@@ -229,7 +230,7 @@ class CapturingProcessGroup(ProcessGroup):
             else:
                 rec.complete(seq)
             return None
-        if rec.watch(seq, work, future=self._futures or real is self._cpu):
+        if rec.watch(seq, work, future=self._futures or real is self._cpu, method=method):
             return work
         return _TimedWork(work, rec, seq)
 
@@ -250,10 +251,14 @@ class CapturingProcessGroup(ProcessGroup):
         return _Joined(works, future)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
-        return self._recorded(Op.SEND, tensors, lambda b: b.send(tensors, dst, tag), self.global_ranks[dst])
+        return self._recorded(
+            Op.SEND, tensors, lambda b: b.send(tensors, dst, tag), self.global_ranks[dst], method="send"
+        )
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
-        return self._recorded(Op.RECV, tensors, lambda b: b.recv(tensors, src, tag), self.global_ranks[src])
+        return self._recorded(
+            Op.RECV, tensors, lambda b: b.recv(tensors, src, tag), self.global_ranks[src], method="recv"
+        )
 
     def barrier(self, opts: Any = None) -> Any:
         return self._recorded(Op.BARRIER, [], lambda b: b.barrier() if opts is None else b.barrier(opts))
@@ -273,7 +278,7 @@ def _make_collective(name: str, op: Op, arg: int, method: str) -> Callable[..., 
         if RECORDER is None:
             return self._run(self._backend(tensors), method, args)
         root = self.global_ranks[args[-1].rootRank] if rooted else None  # the options come last
-        return self._recorded(op, tensors, lambda b: self._run(b, method, args), root=root)
+        return self._recorded(op, tensors, lambda b: self._run(b, method, args), root=root, method=method)
 
     collective.__name__ = collective.__qualname__ = name
     return collective
