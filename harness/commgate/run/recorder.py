@@ -67,9 +67,9 @@ class Recorder:
         self._wall0 = time.time_ns()
         self._open: dict[int, tuple[Any, ...]] = {}
         self._works: dict[int, tuple[Any, int]] = {}
+        """seq -> (the backend's work, its issue time): what the poller watches."""
         self._futureless: set[str] = set()
         """The gloo methods whose works have no future (``watch``): each method makes one kind of work."""
-        """seq -> (the backend's work, its issue time): what the poller watches."""
         self._stamps = stamps.loaded()
         self._stamped: dict[int, tuple[int, Any]] = {}
         """seq -> (its token in the C++ stamps (``commgate.run.stamps``), its work), until the recorder reads the
