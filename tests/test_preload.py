@@ -67,7 +67,6 @@ def test_a_rank_finds_the_trainers_of_the_scenarios_to_run_imported_and_no_other
     installed = [t for t, m in TRAINER_MODULES.items() if importlib.util.find_spec(m.split(".")[0]) is not None]
     if not installed:
         pytest.skip("no trainer installed (pip install 'commgate[trainers]')")
-    assert loaded_in_a_rank(tmp_path, installed[:1]) == [TRAINER_MODULES[installed[0]]]
     assert loaded_in_a_rank(tmp_path, installed) == sorted(TRAINER_MODULES[t] for t in installed)
     assert loaded_in_a_rank(tmp_path, ["commgate"]) == []  # commgate's own workloads' runs pay for none
 
