@@ -9,8 +9,10 @@ runs, not a traceback minutes later in a forkserver.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +46,19 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER
 make this process one rank of a job (``commgate.run.runners.under_torchrun``)."""
 LAUNCHER_VARIABLES = (*TORCHRUN_VARIABLES, "LOCAL_WORLD_SIZE")
 """Those and ``LOCAL_WORLD_SIZE``: what accelerate's ``PartialState`` reads to set up a distributed state."""
+
+
+@contextlib.contextmanager
+def defaults(values: Mapping[str, str]) -> Iterator[None]:
+    """While it lasts, each variable of ``values`` the environment does not set is set to its value (one the
+    user set is kept); put back after."""
+    unset = [k for k in values if k not in os.environ]
+    os.environ.update({k: values[k] for k in unset})
+    try:
+        yield
+    finally:
+        for k in unset:
+            os.environ.pop(k, None)
 
 
 def switch(name: str, default: bool) -> bool:

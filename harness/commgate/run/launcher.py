@@ -156,13 +156,19 @@ def start_forkserver(trainers: Iterable[str]) -> None:
     if _START_FAILED:
         return
 
-    def start() -> None:
-        with contextlib.suppress(OSError, EOFError):  # the first run's own start says what failed
-            probe = ctx.Process(target=os.getpid, name="commgate-forkserver-probe", daemon=True)
-            probe.start()
-            probe.join()
+    # what failed is said by the first run's own start (_forkserver_ready)
+    threading.Thread(target=_probe, args=(ctx, []), name="commgate-forkserver-start", daemon=True).start()
 
-    threading.Thread(target=start, name="commgate-forkserver-start", daemon=True).start()
+
+def _probe(ctx: ForkServerContext, errors: list[BaseException]) -> None:
+    """Fork one process that does nothing from the forkserver (starting it if it is not running), and wait
+    for it; what stopped it (the forkserver died, or was stopped) goes to ``errors``."""
+    try:
+        probe = ctx.Process(target=os.getpid, name="commgate-forkserver-probe", daemon=True)
+        probe.start()
+        probe.join()
+    except (OSError, EOFError) as e:
+        errors.append(e)
 
 
 FORKSERVER_START_S = 600.0
@@ -182,17 +188,8 @@ def _forkserver_ready(ctx: ForkServerContext, progress: Callable[[str], None] | 
     if _START_FAILED:
         raise RunError(_START_FAILED[0])
     bound = env.seconds("COMMGATE_FORKSERVER_START_S", FORKSERVER_START_S)
-    probe = ctx.Process(target=os.getpid, name="commgate-forkserver-probe", daemon=True)
     errors: list[BaseException] = []
-
-    def start() -> None:
-        try:
-            probe.start()
-            probe.join()
-        except (OSError, EOFError) as e:  # the forkserver died, or was stopped below
-            errors.append(e)
-
-    waiter = threading.Thread(target=start, daemon=True)
+    waiter = threading.Thread(target=_probe, args=(ctx, errors), daemon=True)
     waiter.start()
     begun, told = time.monotonic(), False
     while waiter.is_alive():

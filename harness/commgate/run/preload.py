@@ -13,6 +13,7 @@ import os
 import sys
 import traceback
 
+from commgate.core import env
 from commgate.run.launcher import PRELOAD_ENV
 from commgate.run.workloads import PRELOADS
 
@@ -27,9 +28,7 @@ def preload(names: str) -> list[str]:
     """Each trainer of ``names`` preloaded; the ones whose preload raised, said on stdout (the forkserver's
     log)."""
     failed = []
-    unset = [k for k in ONE_THREAD if k not in os.environ]
-    os.environ.update({k: ONE_THREAD[k] for k in unset})
-    try:
+    with env.defaults(ONE_THREAD):
         for name in filter(None, names.split(",")):
             try:
                 PRELOADS[name]()
@@ -37,9 +36,6 @@ def preload(names: str) -> list[str]:
                 failed.append(name)
                 print(f"commgate: preloading trainer {name!r} failed; its ranks import it themselves:", flush=True)
                 traceback.print_exc(file=sys.stdout)
-    finally:
-        for k in unset:
-            os.environ.pop(k, None)
     return failed
 
 

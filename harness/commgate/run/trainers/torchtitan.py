@@ -261,29 +261,28 @@ def optimizer_phase() -> None:
     utils.clip_grad_norm_ = labelled
 
 
+OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+"""The environment a CPU rank's torchtitan imports its Hugging Face libraries in: nothing fetched."""
+
+
 def preload() -> None:
     """What a CPU rank's config parse imports for seconds (torchtitan's trainer, its Hugging Face datasets, Llama
     3's models and config registry), imported in the ranks' forkserver (``commgate.run.preload``) as a rank
     imports them: offline (``prepare``'s environment, put back after: a rank of another job is forked from the
     same process), P2 and P1 for the CPU first. The patches ``prepare`` applies to a run are not applied."""
-    offline = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    before = {k: os.environ.get(k) for k in offline}
-    os.environ.update({k: v for k, v in offline.items() if before[k] is None})
-    try:
+    from commgate.core import env
+
+    with env.defaults(OFFLINE):
         without_triton()
         device_type("cpu")
         importlib.import_module("torchtitan.trainer")
         importlib.import_module("torchtitan.models.llama3.config_registry")  # its datasets, through validate.py
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
 
 
 def prepare(device: str) -> None:
     """Everything before torchtitan's config is parsed, each workaround where it is needed."""
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    for k, v in OFFLINE.items():
+        os.environ.setdefault(k, v)
     without_triton()
     device_type(device)
     if device == "cpu":
