@@ -1,6 +1,6 @@
 """The capture's cost per call: host time it adds on the calling thread, by op and message size.
 
-    .venv/bin/python benchmarks/capture_cost.py [--calls 3000] [--backend gloo]
+    .venv/bin/python benchmarks/capture_cost.py [--calls 3000] [--backend gloo] [--no-p2p]
 
 One process (world size 1; the cost is the calling thread's, not the wire's), the same op on a bare
 process group and on commgate's capturing group, alternated call for call. The capture stamps gloo's
@@ -11,12 +11,15 @@ call's host time is its issue (``async_op=True`` returning a work) plus its ``wa
 completed (the test spins on the backend's own ``is_completed`` first), so the op's own duration and the
 wake-up of a sleeping thread, which dominate and scatter a blocking call's wall time on a loaded machine, are
 out of it. Prints the medians, their difference and ratio (goal: <= x1.1), and the wall time of the blocking
-form, bare and captured, for comparison.
+form, bare and captured, for comparison. Then, on gloo, send and recv: two processes (rank 0 sends, rank 1
+receives), each call waited on at once, bare and captured alternated; their host time holds the transfer
+(gloo completes them only in their wait), so the ratio is against the whole call.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import tempfile
 import time
@@ -61,11 +64,55 @@ def wall_ns(op: Callable[[Any, bool], Any], group: Any) -> int:
     return time.perf_counter_ns() - t0
 
 
+def _p2p_rank(rank: int, store: str, sizes: list[int], calls: int, out: Any) -> None:
+    """One rank of the send/recv pair: rank 0 sends, rank 1 receives, each call waited on at once (gloo's
+    point-to-point works complete only in their wait, so the host time holds the transfer, bare or
+    captured); bare and captured alternated call for call. Puts (rank, [(bytes, bare us, captured us)])."""
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    rec = interpose.install("gloo", rank)
+    dist.init_process_group(interpose.BACKEND_NAME, init_method=f"file://{store}", rank=rank, world_size=2)
+    bare = dist.new_group([0, 1], backend="gloo")
+    rows = []
+    for nbytes in sizes:
+        t = torch.zeros(max(nbytes // 4, 1))
+        host: dict[str, list[int]] = {"bare": [], "capture": []}
+        for k in range(calls if nbytes <= 64 << 10 else calls // 10):
+            pair = (("bare", bare), ("capture", dist.group.WORLD))
+            for path, g in pair if k % 2 else pair[::-1]:
+                t0 = time.perf_counter_ns()
+                work = dist.isend(t, 1, group=g) if rank == 0 else dist.irecv(t, 0, group=g)
+                work.wait()  # type: ignore[union-attr]
+                host[path].append(time.perf_counter_ns() - t0)
+            rec.take()
+        rows.append((nbytes, statistics.median(host["bare"]) / 1e3, statistics.median(host["capture"]) / 1e3))
+    out.put((rank, rows))
+    dist.destroy_process_group()
+    interpose.release_backends()
+
+
+def p2p(sizes: list[int], calls: int) -> None:
+    """Send and recv on gloo, two processes (world size 2): printed as the collectives are."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:  # the store's file: gloo's FileStore removes it at the end
+        procs = [ctx.Process(target=_p2p_rank, args=(r, f"{d}/store", sizes, calls, out)) for r in (0, 1)]
+        for proc in procs:
+            proc.start()
+        got = dict(out.get(timeout=600) for _ in procs)
+        for proc in procs:
+            proc.join()
+    for rank, name in ((0, "send"), (1, "recv")):
+        for nbytes, b, c in got[rank]:
+            print(f"{name:<24} {nbytes:>8} {b:7.1f} {c:8.1f} {c - b:6.1f} {c / b:7.2f}  (two ranks, waited at once)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="message sizes in bytes, comma-separated")
+    ap.add_argument("--no-p2p", action="store_true", help="leave out send and recv (two processes, gloo only)")
     a = ap.parse_args(argv)
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -104,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
         dist.destroy_process_group()
     interpose.release_backends()
+    if a.backend == "gloo" and not a.no_p2p:
+        p2p([int(x) for x in a.sizes.split(",")], a.calls)
     return 0
 
 

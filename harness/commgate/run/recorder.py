@@ -45,6 +45,8 @@ FIELDS = ("seq", "step", "phase", "op", "group", "peer", "dtype", "elements", "b
 _SEQ, _STEP, _PHASE, _OP, _GROUP, _PEER, _DTYPE, _ELEMENTS, _BYTES, _TENSORS, _START, _ROOT = range(len(FIELDS))
 
 _graph_task_id = torch._C._current_graph_task_id
+_clock = time.perf_counter_ns
+_TOKENS = stamps.TOKENS
 
 
 def _call(rank: int, rec: tuple[Any, ...], duration_ns: int | None) -> CapturedCall:
@@ -74,6 +76,8 @@ class Recorder:
         self._stamped: dict[int, tuple[int, Any]] = {}
         """seq -> (its token in the C++ stamps (``commgate.run.stamps``), its work), until the recorder reads the
         stamp."""
+        self._plain = type(self).complete is Recorder.complete
+        """Whether ``harvest`` may complete a stamped call itself (a subclass's ``complete`` sees every call)."""
         self._failed: set[int] = set()
         """The calls whose work completed with an error (stamped in C++): they are listed as never completed."""
         self._done: list[tuple[tuple[Any, ...], int]] = []
@@ -97,14 +101,14 @@ class Recorder:
     def issue(
         self, op: Op, group: tuple[int, ...], tensors: Sequence[torch.Tensor], peer: int | None, root: int | None
     ) -> int:
-        start = time.perf_counter_ns() - self._t0
+        start = _clock() - self._t0
         if self._stamped:
             self.harvest()
         if len(tensors) == 1:
             t = tensors[0]
             elements = t.numel()
-            nbytes = elements * t.element_size()
-            dtype = _dtype(t.dtype)
+            nbytes = elements * t.element_size()  # not ``nbytes``: a sparse tensor has none
+            dtype = _DTYPE_NAMES.get(t.dtype) or _dtype(t.dtype)
         else:
             elements = sum(t.numel() for t in tensors)
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -127,28 +131,27 @@ class Recorder:
     def complete(self, seq: int, end: int | None = None) -> tuple[tuple[Any, ...], int] | None:
         """Stamp ``seq`` completed at ``end`` (now by default), unless it already was. Returns (its open
         record, its end) when this stamped it, None when it already was."""
-        if seq in self._failed:  # its work completed with an error: it stays open, never completed
-            return None
         entry = self._stamped.get(seq)  # read, not popped, first: a thread completing it beside reads the same
-        stamp = self._stamps.stamp(entry[0]) if entry is not None else stamps.RUNNING  # type: ignore[union-attr]
-        if stamp == stamps.FAILED:
-            self._failed.add(seq)
+        if entry is not None:
+            stamp = self._stamps.stamp(entry[0])  # type: ignore[union-attr]
+            if stamp == stamps.FAILED:
+                self._failed.add(seq)
+                self._stamped.pop(seq, None)
+                return None
+            if end is None and stamp >= 0:
+                end = stamp - self._t0
             self._stamped.pop(seq, None)
+        elif seq in self._failed:  # its work completed with an error: it stays open, never completed
             return None
-        if end is None and stamp >= 0:
-            end = stamp - self._t0
         rec = self._open.pop(seq, None)
-        self._works.pop(seq, None)
-        self._stamped.pop(seq, None)
         if rec is None:
             return None
-        if end is None:
-            end = time.perf_counter_ns() - self._t0
-        done = (rec, end)
+        self._works.pop(seq, None)
+        done = (rec, _clock() - self._t0 if end is None else end)
         self._done.append(done)
         return done
 
-    def watch(self, seq: int, work: Any, *, future: bool = False, method: str = "") -> bool:
+    def watch(self, seq: int, work: Any, future: bool = False, method: str = "") -> bool:
         """Have ``work``'s completion stamped: in C++ where ``future`` (the backend completes the work's future
         when the call ends: gloo) and the work has one (True: the caller's wait need not be timed); at the
         caller's wait alone where ``future`` and the work has none (gloo's send, recv and reduce-scatter
@@ -157,17 +160,18 @@ class Recorder:
         caller's wait does it first (False). ``method``: the backend's method that made ``work``; once one of
         its works had no future, the next are not asked (the extension learns it from an exception: 7 us a
         call, which made a captured gloo reduce-scatter cost x1.6-1.7 of the bare one)."""
-        rec = self._open.get(seq)
-        if future and rec is not None and self._stamps is not None:
-            if method and method in self._futureless:
+        ext = self._stamps
+        if future and ext is not None:  # (a call just issued: still open, whoever else looks at it)
+            if method in self._futureless:
                 return False
-            token = stamps.watch(self._stamps, work)
-            if token is not None:
+            token = next(_TOKENS)  # ``stamps.watch``, without its call
+            if ext.watch(work, token):
                 self._stamped[seq] = (token, work)
                 return True
             if method:
                 self._futureless.add(method)
             return False  # the caller's wait (``_TimedWork``) stamps it, or it stays open
+        rec = self._open.get(seq)
         if rec is not None:
             self._works[seq] = (work, rec[_START])
             if not self.poller.awake.is_set():
@@ -175,13 +179,23 @@ class Recorder:
         return False
 
     def harvest(self) -> None:
-        """Complete the calls whose C++ stamp is in, at that stamp."""
-        for seq, (token, _) in list(self._stamped.items()):
-            stamp = self._stamps.stamp(token)  # type: ignore[union-attr]
-            if stamp >= 0 or stamp == stamps.FAILED:
+        """Complete the calls whose C++ stamp is in, at that stamp (the poller's thread may harvest beside the
+        issuing one: a call's record is popped once, by whichever pops it first)."""
+        stamped = self._stamped
+        if not stamped:
+            return
+        stamp_of, plain = self._stamps.stamp, self._plain  # type: ignore[union-attr]
+        for seq, (token, _) in list(stamped.items()):
+            stamp = stamp_of(token)
+            if stamp >= 0 and plain:  # the usual case, kept short: ``complete`` with the stamp read once
+                stamped.pop(seq, None)
+                rec = self._open.pop(seq, None)
+                if rec is not None:
+                    self._done.append((rec, stamp - self._t0))
+            elif stamp >= 0 or stamp == stamps.FAILED:
                 self.complete(seq)
             elif stamp == stamps.REUSED:  # its slot went to a call 65,536 later: ended by now, at the latest
-                self.complete(seq, time.perf_counter_ns() - self._t0)
+                self.complete(seq, _clock() - self._t0)
 
     def poll(self) -> int:
         """Stamp the watched calls whose work has completed (the poller does this on its own; the runner

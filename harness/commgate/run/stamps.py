@@ -87,7 +87,7 @@ NAME = "commgate_stamps_" + hashlib.sha256((SOURCE + torch.__version__).encode()
 """The extension's name: a new source or torch is a new build, never an old one loaded."""
 
 _MODULE: ModuleType | None = None
-_TOKENS = itertools.count()
+TOKENS = itertools.count()
 """One sequence for the whole process: several recorders (tests, benchmarks) share the extension's slots."""
 
 
@@ -151,5 +151,5 @@ def _load(so: Path) -> ModuleType | None:
 
 def watch(ext: Any, work: Any) -> int | None:
     """Have ``ext`` stamp ``work``'s completion: its token, or None when the work has no future."""
-    token = next(_TOKENS)
+    token = next(TOKENS)
     return token if ext.watch(work, token) else None
