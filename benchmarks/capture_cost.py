@@ -99,9 +99,13 @@ def p2p(sizes: list[int], calls: int) -> None:
         procs = [ctx.Process(target=_p2p_rank, args=(r, f"{d}/store", sizes, calls, out)) for r in (0, 1)]
         for proc in procs:
             proc.start()
-        got = dict(out.get(timeout=600) for _ in procs)
-        for proc in procs:
-            proc.join()
+        try:
+            got = dict(out.get(timeout=600) for _ in procs)  # a rank that failed said why on stderr
+        finally:
+            for proc in procs:
+                proc.join(timeout=30)
+                if proc.is_alive():
+                    proc.kill()
     for rank, name in ((0, "send"), (1, "recv")):
         for nbytes, b, c in got[rank]:
             print(f"{name:<24} {nbytes:>8} {b:7.1f} {c:8.1f} {c - b:6.1f} {c / b:7.2f}  (two ranks, waited at once)")
