@@ -142,8 +142,8 @@ def test_gloo_completes_a_work_s_future_when_the_call_ends() -> None:
     issued = time.perf_counter_ns()
     work = groups[0].allreduce([torch.ones(4)])  # type: ignore[attr-defined]
     late.start()
-    token = stamps.watch(ext, work)
-    assert token is not None
+    token = next(stamps.TOKENS)
+    assert ext.watch(work, token)
     work.wait()
     late.join(120)
     assert ext.stamp(token) - issued >= 0.2e9, "gloo completed the future before the call ended"
@@ -153,17 +153,17 @@ def test_gloo_completes_a_work_s_future_when_the_call_ends() -> None:
 def test_a_work_without_a_future_is_timed_at_its_wait_and_wakes_no_thread(
     world: interpose.Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Gloo's reduce-scatter work has no future (torch 2.13): ``stamps.watch`` says so, and the call is still
+    """Gloo's reduce-scatter work has no future (torch 2.13): the extension's ``watch`` says so, and the call is still
     recorded once, ended by its wait; it is not handed to the poller (which cost a reduce-scatter x1.6-2.0
     of its bare host time, and could never see it complete before the wait)."""
     bare = dist.new_group([0], backend="gloo")
     out, inp = torch.empty(4), torch.ones(4)
     work = dist.reduce_scatter_single(out, inp, group=bare, async_op=True)
-    assert stamps.watch(world._stamps, work) is None
+    assert not world._stamps.watch(work, next(stamps.TOKENS))
     work.wait()
     done = dist.all_reduce(torch.ones(4), group=bare, async_op=True)
-    token = stamps.watch(world._stamps, done)
-    assert token is not None
+    token = next(stamps.TOKENS)
+    assert world._stamps.watch(done, token)
     done.wait()
     assert world._stamps.stamp(token) > 0
     captured = dist.reduce_scatter_single(out, inp, async_op=True)  # through the capture

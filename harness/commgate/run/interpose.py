@@ -17,6 +17,7 @@ What the capture costs a call: ``benchmarks/capture_cost.py`` (docs/speed.md).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -226,12 +227,12 @@ class CapturingProcessGroup(ProcessGroup):
         issue path of every captured call: kept to what it must do (``benchmarks/capture_cost.py``)."""
         cpu = self._cpu
         real = cpu if cpu is not None and tensors and not tensors[0].is_cuda else self._real
+        post = getattr(real, method, None) or functools.partial(self._per_tensor, real, method)
         rec = RECORDER
         if rec is None:
-            return self._run(real, method, args)
+            return post(*args)
         seq = rec.issue(op, self.global_ranks, tensors, peer, root)
-        post = getattr(real, method, None)
-        work = post(*args) if post is not None else self._run(real, method, args)
+        work = post(*args)
         if work is None:  # a synchronous call: NCCL's with async_op=False posts on the caller's stream, no work
             if tensors and tensors[0].is_cuda:
                 rec.watch(seq, _StreamDone(tensors))
@@ -242,10 +243,8 @@ class CapturingProcessGroup(ProcessGroup):
             return work
         return _timed(work, rec, seq)
 
-    def _run(self, backend: Any, method: str, args: tuple[Any, ...]) -> Any:
-        real = getattr(backend, method, None)
-        if real is not None:
-            return real(*args)
+    def _per_tensor(self, backend: Any, method: str, *args: Any) -> Any:
+        """A coalesced ``method`` the backend lacks (``_PER_TENSOR``), posted one call per tensor and joined."""
         outputs, inputs, opts = args
         works = [getattr(backend, _PER_TENSOR[method])(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
         try:

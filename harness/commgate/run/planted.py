@@ -96,8 +96,8 @@ class DelayingRecorder(Recorder):
         if wait:
             self._hold(wait / 1e9)
 
-    def complete(self, seq: int, end: int | None = None) -> tuple[tuple[Any, ...], int] | None:
-        done = super().complete(seq, end)
+    def _close(self, seq: int, end: int) -> tuple[tuple[Any, ...], int] | None:
+        done = super()._close(seq, end)
         if done is not None and seq in self._waits:
             key, wait = self._waits.pop(seq)
             rec, stamped = done

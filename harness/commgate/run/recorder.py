@@ -76,8 +76,6 @@ class Recorder:
         self._stamped: dict[int, tuple[int, Any]] = {}
         """seq -> (its token in the C++ stamps (``commgate.run.stamps``), its work), until the recorder reads the
         stamp."""
-        self._plain = type(self).complete is Recorder.complete
-        """Whether ``harvest`` may complete a stamped call itself (a subclass's ``complete`` sees every call)."""
         self._failed: set[int] = set()
         """The calls whose work completed with an error (stamped in C++): they are listed as never completed."""
         self._done: list[tuple[tuple[Any, ...], int]] = []
@@ -143,11 +141,16 @@ class Recorder:
             self._stamped.pop(seq, None)
         elif seq in self._failed:  # its work completed with an error: it stays open, never completed
             return None
+        return self._close(seq, _clock() - self._t0 if end is None else end)
+
+    def _close(self, seq: int, end: int) -> tuple[tuple[Any, ...], int] | None:
+        """Where every call is completed, once (``complete``, and ``harvest`` for a stamped call): its open record
+        moved to the completed ones with its end. Returns (the record, its end), None when it already was."""
         rec = self._open.pop(seq, None)
         if rec is None:
             return None
         self._works.pop(seq, None)
-        done = (rec, _clock() - self._t0 if end is None else end)
+        done = (rec, end)
         self._done.append(done)
         return done
 
@@ -164,7 +167,7 @@ class Recorder:
         if future and ext is not None:  # (a call just issued: still open, whoever else looks at it)
             if method in self._futureless:
                 return False
-            token = next(_TOKENS)  # ``stamps.watch``, without its call
+            token = next(_TOKENS)
             if ext.watch(work, token):
                 self._stamped[seq] = (token, work)
                 return True
@@ -184,15 +187,13 @@ class Recorder:
         stamped = self._stamped
         if not stamped:
             return
-        stamp_of, plain = self._stamps.stamp, self._plain  # type: ignore[union-attr]
+        stamp_of = self._stamps.stamp  # type: ignore[union-attr]
         for seq, (token, _) in list(stamped.items()):
             stamp = stamp_of(token)
-            if stamp >= 0 and plain:  # the usual case, kept short: ``complete`` with the stamp read once
+            if stamp >= 0:  # the usual case, kept short: ``complete`` with the stamp read once
                 stamped.pop(seq, None)
-                rec = self._open.pop(seq, None)
-                if rec is not None:
-                    self._done.append((rec, stamp - self._t0))
-            elif stamp >= 0 or stamp == stamps.FAILED:
+                self._close(seq, stamp - self._t0)
+            elif stamp == stamps.FAILED:
                 self.complete(seq)
             elif stamp == stamps.REUSED:  # its slot went to a call 65,536 later: ended by now, at the latest
                 self.complete(seq, _clock() - self._t0)

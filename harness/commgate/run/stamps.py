@@ -24,7 +24,6 @@ import os
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import torch
 
@@ -88,7 +87,8 @@ NAME = "commgate_stamps_" + hashlib.sha256((SOURCE + torch.__version__).encode()
 
 _MODULE: ModuleType | None = None
 TOKENS = itertools.count()
-"""One sequence for the whole process: several recorders (tests, benchmarks) share the extension's slots."""
+"""The tokens the extension's ``watch`` is given (``commgate.run.recorder``): one sequence for the whole process,
+so that several recorders (tests, benchmarks) share the extension's slots."""
 
 
 def _built(root: Path) -> Path | None:
@@ -147,9 +147,3 @@ def _load(so: Path) -> ModuleType | None:
         print(f"commgate: {so} does not load ({exc}); the poller stamps every call", file=sys.stderr)
         return None
     return module
-
-
-def watch(ext: Any, work: Any) -> int | None:
-    """Have ``ext`` stamp ``work``'s completion: its token, or None when the work has no future."""
-    token = next(TOKENS)
-    return token if ext.watch(work, token) else None
