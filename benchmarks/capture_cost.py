@@ -1,19 +1,21 @@
 """The capture's cost per call: host time it adds on the calling thread, by op and message size.
 
-    .venv/bin/python benchmarks/capture_cost.py [--calls 3000] [--backend gloo] [--no-p2p]
+    .venv/bin/python benchmarks/capture_cost.py [--calls 3000] [--backend gloo] [--no-p2p] [--gap-us 200]
 
 One process (world size 1; the cost is the calling thread's, not the wire's), the same op on a bare
 process group and on commgate's capturing group, alternated call for call. The capture stamps gloo's
 collectives in C++ (``commgate.run.stamps``, what a run uses); ``COMMGATE_STAMPS=0`` measures its other form,
-every completion left to the recorder's poller thread (NCCL's calls, gloo's point-to-point and
-reduce-scatter): one form per process, so that one's poller thread does not disturb the other's figures. A
-call's host time is its issue (``async_op=True`` returning a work) plus its ``wait()`` once the work has
-completed (the test spins on the backend's own ``is_completed`` first), so the op's own duration and the
+every completion left to the recorder's poller thread (as NCCL's calls are): one form per process, so that
+one's poller thread does not disturb the other's figures. A call's host time is its issue (``async_op=True``
+returning a work) plus its ``wait()``, ``--gap-us`` after the issue for every op alike, or later, once the
+work has completed (the test spins on the backend's own ``is_completed``), so the op's own duration and the
 wake-up of a sleeping thread, which dominate and scatter a blocking call's wall time on a loaded machine, are
-out of it. Prints the medians, their difference and ratio (goal: <= x1.1), and the wall time of the blocking
-form, bare and captured, for comparison. Then, on gloo, send and recv: two processes (rank 0 sends, rank 1
-receives), each call waited on at once, bare and captured alternated; their host time holds the transfer
-(gloo completes them only in their wait), so the ratio is against the whole call.
+out of it. The gap matters: the capture's issue path costs more when calls come far apart (``--gap-us 5000``,
+as between a training step's calls) than back to back. Prints the medians, their difference and ratio (goal:
+<= x1.1), and the wall time of the blocking form, bare and captured, for comparison. Then, on gloo, send and
+recv: two processes (rank 0 sends, rank 1 receives), each call waited on at once, bare and captured
+alternated; their host time holds the transfer (gloo completes them only in their wait), so the ratio is
+against the whole call.
 """
 
 from __future__ import annotations
@@ -45,17 +47,32 @@ def _ops(t: torch.Tensor) -> dict[str, Callable[[Any, bool], Any]]:
     }
 
 
-def host_ns(op: Callable[[Any, bool], Any], group: Any) -> int:
+SLOW_NS = 5_000_000
+"""The most a call's wait is put off for a work that has not said it completed at the gap."""
+
+
+def host_ns(op: Callable[[Any, bool], Any], group: Any, gap_ns: int, silent: set[str], name: str) -> int:
+    """The calling thread's time in one call: its issue, and its ``wait()`` ``gap_ns`` after it (the same gap for
+    every op, bare or captured: the time between two calls decides how much of the capture's issue path is still
+    in the caches), or once the work says it completed if that is later (at most ``SLOW_NS``). A work that does
+    not say it completed even once waited on (gloo's reduce-scatter: its op runs in the issue) is put in
+    ``silent`` by its op's ``name`` on its first call, and waited on at the gap from then on."""
     t0 = time.perf_counter_ns()
     work = op(group, True)
     t1 = time.perf_counter_ns()
     inner = getattr(work, "_inner", work)
-    deadline = t1 + 5_000_000
-    while not inner.is_completed() and time.perf_counter_ns() < deadline:
-        pass  # gloo's reduce-scatter work never says it completed: its wait() then holds the op too
+    until, limit = t1 + gap_ns, t1 + max(gap_ns, SLOW_NS)
+    while time.perf_counter_ns() < until:
+        pass
+    if name not in silent:
+        while not inner.is_completed() and time.perf_counter_ns() < limit:
+            pass
     t2 = time.perf_counter_ns()
     work.wait()
-    return t1 - t0 + time.perf_counter_ns() - t2
+    t3 = time.perf_counter_ns()
+    if not inner.is_completed():
+        silent.add(name)
+    return t1 - t0 + t3 - t2
 
 
 def wall_ns(op: Callable[[Any, bool], Any], group: Any) -> int:
@@ -117,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="message sizes in bytes, comma-separated")
     ap.add_argument("--no-p2p", action="store_true", help="leave out send and recv (two processes, gloo only)")
+    ap.add_argument(
+        "--gap-us", type=int, default=200, help="from each call's issue to its wait, every op alike (5000: calls apart)"
+    )
     a = ap.parse_args(argv)
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -129,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group(interpose.BACKEND_NAME, init_method=f"file://{f.name}", rank=0, world_size=1)
         bare = dist.new_group([0], backend=a.backend)
         captured = dist.group.WORLD
-        print(f"capture: {form} (COMMGATE_STAMPS=0 for the poller's form)")
+        print(f"capture: {form} (COMMGATE_STAMPS=0 for the poller's form); wait {a.gap_us} us after the issue")
+        silent: set[str] = set()
         print(
             f"{'op':<24} {'bytes':>8} {'bare':>7} {'capture':>8} {'cost':>6} {'x bare':>7}"
             f"  {'wall bare':>9} {'wall cap':>8}  (medians, us)"
@@ -143,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 for k in range(calls):
                     pair = (("bare", bare), ("capture", captured))
                     for path, g in pair if k % 2 else pair[::-1]:
-                        host[path].append(host_ns(op, g))
+                        host[path].append(host_ns(op, g, a.gap_us * 1000, silent, name))
                         wall[path].append(wall_ns(op, g))
                     rec.take()
                 h = {p: statistics.median(v) / 1e3 for p, v in host.items()}

@@ -168,7 +168,12 @@ def test_a_work_without_a_future_is_timed_at_its_wait_and_wakes_no_thread(
     assert world._stamps.stamp(token) > 0
     captured = dist.reduce_scatter_single(out, inp, async_op=True)  # through the capture
     assert not world._works and not world.poller.awake.is_set()
+    # handed back in the extension's C++ wrapper, whose wait stamps it (no Python subclass, no Python in the wait)
+    assert type(captured) is dist.Work
+    ((token, _),) = world._stamped.values()
+    assert world._stamps.stamp(token) == stamps.RUNNING
     captured.wait()
+    assert world._stamps.stamp(token) > 0
     (call,) = world.take()
     assert call.op == "reduce_scatter" and call.duration_ns is not None
     assert world.poller._thread is None, "the poller thread was started for a call it could not stamp"
@@ -180,6 +185,35 @@ def test_a_work_without_a_future_is_timed_at_its_wait_and_wakes_no_thread(
     dist.reduce_scatter_single(out, inp, async_op=True).wait()
     dist.all_reduce(torch.ones(4))
     assert len(asked) == 1 and [c.op for c in world.take()] == ["reduce_scatter", "all_reduce"]
+
+
+def test_the_wrapper_of_a_work_without_a_future_stamps_its_first_successful_end_only() -> None:
+    """The extension's wrapper (``stamped``) stamps its token when the wait returns, or when the work says it
+    completed, once: a later wait does not move the stamp. A wait that raises (the call failed, its peer gone)
+    stamps nothing, so the call stays open and is listed as never completed; everything else is the inner
+    work's."""
+    ext = stamps.build()
+    assert ext is not None, "the completion-stamps extension did not build (stderr says why)"
+    ok: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+    token = next(stamps.TOKENS)
+    work = ext.stamped(torch._C._distributed_c10d._create_work_from_future(ok), token)  # type: ignore[attr-defined]
+    assert not work.is_completed() and ext.stamp(token) == stamps.RUNNING
+    ok.set_result([torch.ones(2)])
+    assert work.is_completed() and work.is_success()
+    first = ext.stamp(token)
+    assert first > 0
+    work.wait()
+    assert ext.stamp(token) == first and work.get_future().value()[0].tolist() == [1.0, 1.0]
+
+    class Failing(dist.Work):
+        def wait(self, timeout: object = None) -> bool:
+            raise RuntimeError("peer gone")
+
+    failing, token = Failing(), next(stamps.TOKENS)  # held: its Python override is looked up on the object
+    work = ext.stamped(failing, token)
+    with pytest.raises(RuntimeError, match="peer gone"):
+        work.wait()
+    assert ext.stamp(token) == stamps.RUNNING
 
 
 def test_gloo_completes_point_to_point_and_reduce_scatter_works_only_in_their_wait() -> None:

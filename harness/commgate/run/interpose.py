@@ -62,8 +62,10 @@ class _TimedWork(dist.Work):
     """The backend's work, passed through, stamping the call's completion when the caller waits on it
     or asks whether it completed (the poller stamps it otherwise). No Python runs on the backend's
     threads (a ``future.then`` callback would, and would hold a gloo worker until it has the GIL).
-    Made by ``_timed``: on the issue path of gloo's send, recv and reduce-scatter, whose works have no future
-    (an ``__init__`` of its own, calling ``dist.Work``'s, cost 0.3 us more a call)."""
+    Made by ``_timed`` where the completion-stamps extension does not stamp the call (``Recorder.watch``: the
+    poller's form, and gloo's futureless works when the extension is not loaded; an ``__init__`` of its own,
+    calling ``dist.Work``'s, cost 0.3 us more a call). With the extension, gloo's send, recv and reduce-scatter
+    go back in its C++ wrapper instead, whose wait stamps them with no Python (``commgate.run.stamps``)."""
 
     __slots__ = ("_inner", "_rec", "_seq")
     _inner: dist.Work
@@ -239,9 +241,8 @@ class CapturingProcessGroup(ProcessGroup):
             else:
                 rec.complete(seq)
             return None
-        if rec.watch(seq, work, self._futures or real is cpu, method):
-            return work
-        return _timed(work, rec, seq)
+        handed = rec.watch(seq, work, self._futures or real is cpu, method)
+        return handed if handed is not None else _timed(work, rec, seq)
 
     def _per_tensor(self, backend: Any, method: str, *args: Any) -> Any:
         """A coalesced ``method`` the backend lacks (``_PER_TENSOR``), posted one call per tensor and joined."""

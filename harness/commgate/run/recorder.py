@@ -154,32 +154,34 @@ class Recorder:
         self._done.append(done)
         return done
 
-    def watch(self, seq: int, work: Any, future: bool = False, method: str = "") -> bool:
-        """Have ``work``'s completion stamped: in C++ where ``future`` (the backend completes the work's future
-        when the call ends: gloo) and the work has one (True: the caller's wait need not be timed); at the
-        caller's wait alone where ``future`` and the work has none (gloo's send, recv and reduce-scatter
-        complete in their ``wait()``, never before it: a poller would look in vain, and, once a failed wait
-        had marked the work completed, stamp the failed call as ended); else by the poller, unless the
-        caller's wait does it first (False). ``method``: the backend's method that made ``work``; once one of
-        its works had no future, the next are not asked (the extension learns it from an exception: 7 us a
-        call, which made a captured gloo reduce-scatter cost x1.6-1.7 of the bare one)."""
+    def watch(self, seq: int, work: Any, future: bool = False, method: str = "") -> Any:
+        """Have ``work``'s completion stamped, and return the work to hand back to the caller. Where ``future``
+        (the backend completes a work's future when the call ends: gloo) and the extension is loaded: stamped
+        in C++ when its future completes (``work`` itself is handed back), or, for a work without a future
+        (gloo's send, recv and reduce-scatter complete in their ``wait()``, never before it), when its wait
+        returns, through the extension's wrapper of it (handed back instead). Else by the poller, unless the
+        caller's wait does it first: None, the caller times its wait (``commgate.run.interpose._TimedWork``).
+        ``method``: the backend's method that made ``work``; once one of its works had no future, the next are
+        not asked (the extension learns it from an exception: 7 us a call, which made a captured gloo
+        reduce-scatter cost x1.6-1.7 of the bare one)."""
         ext = self._stamps
         if future and ext is not None:  # (a call just issued: still open, whoever else looks at it)
-            if method in self._futureless:
-                return False
             token = next(_TOKENS)
-            if ext.watch(work, token):
-                self._stamped[seq] = (token, work)
-                return True
-            if method:
-                self._futureless.add(method)
-            return False  # the caller's wait (``_TimedWork``) stamps it, or it stays open
+            if method not in self._futureless:
+                if ext.watch(work, token):
+                    self._stamped[seq] = (token, work)
+                    return work
+                if method:
+                    self._futureless.add(method)
+            work = ext.stamped(work, token)
+            self._stamped[seq] = (token, work)
+            return work
         rec = self._open.get(seq)
         if rec is not None:
             self._works[seq] = (work, rec[_START])
             if not self.poller.awake.is_set():
                 self.poller.wake()
-        return False
+        return None
 
     def harvest(self) -> None:
         """Complete the calls whose C++ stamp is in, at that stamp (the poller's thread may harvest beside the

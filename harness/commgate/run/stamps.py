@@ -6,8 +6,11 @@ busy cores that wake, and the poller's turn on the GIL, cost a gloo all-reduce a
 call itself (``benchmarks/capture_cost.py``). Gloo completes a work's future on its own worker thread, so a
 C++ callback on that future (``watch``) stamps the end exactly, with no Python and no GIL; the recorder
 reads the stamp (``stamp``) when it next looks, and wakes no thread. Gloo's point-to-point and
-reduce-scatter works have no future (torch 2.13): ``watch`` says so and those stay with the poller. NCCL's
-future completes when the call is enqueued, not when it ends: the interposer watches only gloo's works here.
+reduce-scatter works have no future (torch 2.13) and complete in their ``wait()``: ``watch`` says so, and the
+recorder hands such a work back in the extension's wrapper (``stamped``), whose wait stamps the end in C++ as it
+returns (a Python subclass of ``Work`` cost a reduce-scatter x1.08-1.14 of its bare host time with calls 5 ms
+apart, the wrapper x1.00-1.07: ``benchmarks/capture_cost.py --gap-us 5000``). NCCL's future completes when the
+call is enqueued, not when it ends: the interposer watches only gloo's works here.
 
 The extension is built with torch's own JIT build, once per environment, into commgate's extension
 directory (``commgate.run.extensions``), by the ranks' forkserver as it starts (``build``; every rank
@@ -66,6 +69,55 @@ bool watch(c10d::Work& work, int64_t token) {
   return true;
 }
 
+namespace {
+// A work without a future (gloo's send, recv and reduce-scatter, which complete in their wait), passed through,
+// `token` stamped when its wait returns or it says it completed: the first time, on the thread that sees it. A
+// wait that throws (a failed call) stamps nothing: the call stays open.
+class Stamped : public c10d::Work {
+ public:
+  Stamped(c10::intrusive_ptr<c10d::Work> inner, int64_t token)
+      : c10d::Work(-1, inner->retrieveOpType()), inner_(std::move(inner)), token_(token), slot_(token & (kSlots - 1)) {}
+  bool wait(std::chrono::milliseconds timeout) override {
+    const bool ok = inner_->wait(timeout);
+    mark();
+    return ok;
+  }
+  bool isCompleted() override {
+    const bool done = inner_->isCompleted();
+    if (done) mark();
+    return done;
+  }
+  bool isSuccess() const override { return inner_->isSuccess(); }
+  std::exception_ptr exception() const override { return inner_->exception(); }
+  int sourceRank() const override { return inner_->sourceRank(); }
+  std::vector<at::Tensor> result() override { return inner_->result(); }
+  void synchronize() override { inner_->synchronize(); }
+  void blockCurrentStream() override { inner_->blockCurrentStream(); }
+  void abort() override { inner_->abort(); }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return inner_->getFuture(); }
+  c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override { return inner_->getFutureResult(); }
+  float getDuration() const override { return inner_->getDuration(); }
+  uint64_t getSequencenumber() const override { return inner_->getSequencenumber(); }
+
+ private:
+  void mark() {
+    int64_t running = -1;
+    if (owners[slot_].load(std::memory_order_acquire) == token_)
+      stamps[slot_].compare_exchange_strong(running, now_ns(), std::memory_order_acq_rel);
+  }
+  c10::intrusive_ptr<c10d::Work> inner_;
+  const int64_t token_, slot_;
+};
+}  // namespace
+
+// `work` (one without a future) handed back wrapped, so that its wait stamps `token` (see Stamped).
+c10::intrusive_ptr<c10d::Work> stamped(const c10::intrusive_ptr<c10d::Work>& work, int64_t token) {
+  const int64_t slot = token & (kSlots - 1);
+  stamps[slot].store(-1, std::memory_order_relaxed);
+  owners[slot].store(token, std::memory_order_release);
+  return c10::make_intrusive<Stamped>(work, token);
+}
+
 // `token`'s completion (CLOCK_MONOTONIC ns); -1 while its call runs; -2 once its slot went to a later call;
 // -3 when its call failed.
 int64_t stamp(int64_t token) {
@@ -111,7 +163,7 @@ def build() -> ModuleType | None:
         from torch.utils.cpp_extension import load_inline
 
         _MODULE = load_inline(  # type: ignore[no-untyped-call]
-            NAME, cpp_sources=[SOURCE], functions=["watch", "stamp"], extra_cflags=["-O2"]
+            NAME, cpp_sources=[SOURCE], functions=["watch", "stamped", "stamp"], extra_cflags=["-O2"]
         )
     except Exception as exc:  # a missing compiler or a failed build: the capture works without it
         why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
