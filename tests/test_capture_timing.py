@@ -187,6 +187,22 @@ def test_a_work_without_a_future_is_timed_at_its_wait_and_wakes_no_thread(
     assert len(asked) == 1 and [c.op for c in world.take()] == ["reduce_scatter", "all_reduce"]
 
 
+@pytest.mark.parametrize("world", ["stamps"], indirect=True)
+def test_a_work_without_a_future_never_waited_on_stays_open_when_its_stamp_s_slot_goes_to_a_later_call(
+    world: interpose.Recorder,
+) -> None:
+    """A call whose work has a future has completed by the time its stamp's slot goes to a call 65,536 later; one
+    whose work has none completes in its wait alone, and one never waited on is listed as never completed, not
+    as ended when its slot was reused."""
+    dist.reduce_scatter_single(torch.empty(4), torch.ones(4), async_op=True)  # never waited on
+    ((token, _),) = world._stamped.values()
+    later: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+    world._stamps.watch(torch._C._distributed_c10d._create_work_from_future(later), token + (1 << 16))  # kSlots
+    assert world._stamps.stamp(token) == stamps.REUSED
+    (call,) = world.drain()
+    assert call.op == "reduce_scatter" and call.duration_ns is None
+
+
 def test_the_wrapper_of_a_work_without_a_future_stamps_its_first_successful_end_only() -> None:
     """The extension's wrapper (``stamped``) stamps its token when the wait returns, or when the work says it
     completed, once: a later wait does not move the stamp. A wait that raises (the call failed, its peer gone)

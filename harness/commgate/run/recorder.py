@@ -53,6 +53,14 @@ def _call(rank: int, rec: tuple[Any, ...], duration_ns: int | None) -> CapturedC
     return CapturedCall(rank=rank, duration_ns=duration_ns, **dict(zip(FIELDS, rec, strict=True)))
 
 
+def _has_future(work: Any) -> bool:
+    try:
+        work.get_future()
+    except RuntimeError:  # gloo's send, recv and reduce-scatter: "Work::getFuture not implemented"
+        return False
+    return True
+
+
 class Recorder:
     """The calls of this process, with the step and phase the runner is in.
 
@@ -190,15 +198,18 @@ class Recorder:
         if not stamped:
             return
         stamp_of = self._stamps.stamp  # type: ignore[union-attr]
-        for seq, (token, _) in list(stamped.items()):
+        for seq, (token, work) in list(stamped.items()):
             stamp = stamp_of(token)
             if stamp >= 0:  # the usual case, kept short: ``complete`` with the stamp read once
                 stamped.pop(seq, None)
                 self._close(seq, stamp - self._t0)
             elif stamp == stamps.FAILED:
                 self.complete(seq)
-            elif stamp == stamps.REUSED:  # its slot went to a call 65,536 later: ended by now, at the latest
-                self.complete(seq, _clock() - self._t0)
+            elif stamp == stamps.REUSED:  # its slot went to a call 65,536 later
+                if _has_future(work):  # its future has completed by now, at the latest
+                    self.complete(seq, _clock() - self._t0)
+                else:  # the extension's wrapper, not waited on since (its wait would have stamped it): it stays open
+                    stamped.pop(seq, None)
 
     def poll(self) -> int:
         """Stamp the watched calls whose work has completed (the poller does this on its own; the runner
