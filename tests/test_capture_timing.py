@@ -203,6 +203,27 @@ def test_a_work_without_a_future_never_waited_on_stays_open_when_its_stamp_s_slo
     assert call.op == "reduce_scatter" and call.duration_ns is None
 
 
+@pytest.mark.parametrize("world", ["stamps"], indirect=True)
+def test_a_python_work_without_a_future_is_not_put_in_the_cpp_wrapper(world: interpose.Recorder) -> None:
+    """The wrapper holds a work's C++ half alone: a ``Work`` subclass made in Python would lose its overrides with
+    its Python half (its wait would then be c10d's own, which waits forever). Such a work is timed at its wait in
+    Python (None: the caller wraps it)."""
+    from commgate.model.collectives import Op
+
+    class Silent(dist.Work):
+        def wait(self, timeout: object = None) -> bool:
+            return True
+
+    seq = world.issue(Op.REDUCE_SCATTER, (0,), [torch.ones(4)], None, None)
+    assert world.watch(seq, Silent(), future=True, method="silent") is None
+    gloo = dist.new_group([0], backend="gloo")
+    seq = world.issue(Op.REDUCE_SCATTER, (0,), [torch.ones(4)], None, None)
+    made_in_cpp = dist.reduce_scatter_single(torch.empty(4), torch.ones(4), group=gloo, async_op=True)
+    handed = world.watch(seq, made_in_cpp, future=True, method="_reduce_scatter_base")
+    assert handed is not None and handed is not made_in_cpp
+    handed.wait()
+
+
 def test_the_wrapper_of_a_work_without_a_future_stamps_its_first_successful_end_only() -> None:
     """The extension's wrapper (``stamped``) stamps its token when the wait returns, or when the work says it
     completed, once: a later wait does not move the stamp. A wait that raises (the call failed, its peer gone)

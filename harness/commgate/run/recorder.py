@@ -47,6 +47,9 @@ _SEQ, _STEP, _PHASE, _OP, _GROUP, _PEER, _DTYPE, _ELEMENTS, _BYTES, _TENSORS, _S
 _graph_task_id = torch._C._current_graph_task_id
 _clock = time.perf_counter_ns
 _TOKENS = stamps.TOKENS
+_WORK = torch._C._distributed_c10d.Work if torch.distributed.is_available() else None
+"""c10d's ``Work`` as Python sees a work made in C++ (gloo's): only such a work goes into the extension's wrapper,
+which holds its C++ half alone (a Python subclass's overrides would be lost with its Python half)."""
 
 
 def _call(rank: int, rec: tuple[Any, ...], duration_ns: int | None) -> CapturedCall:
@@ -181,6 +184,8 @@ class Recorder:
                     return work
                 if method:
                     self._futureless.add(method)
+            if type(work) is not _WORK:
+                return None
             work = ext.stamped(work, token)
             self._stamped[seq] = (token, work)
             return work
