@@ -54,18 +54,32 @@ NODES=(node0 node1)
 CPUS=$(nproc)
 export SLURM_CONF="$BOX/slurm.conf"
 
+gone() {  # wait, at most 10 s, until the processes $@ have exited (zombies count as exited): a killed process
+  # can take a while to go on a loaded machine, and the box is torn down only once its daemons are gone
+  local pid i
+  for pid in "$@"; do
+    for i in $(seq 200); do
+      [ -e "/proc/$pid" ] || break
+      [ "$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null | cut -d' ' -f1)" = Z ] && break
+      sleep 0.05
+    done
+  done
+}
+
 teardown() {
   local status=$?
   trap - EXIT INT TERM
+  local killed=()
   for pidfile in "$BOX"/slurmd-node*.pid "$BOX"/slurmctld.pid "$BOX"/munged.pid; do
-    [ -f "$pidfile" ] && kill "$(cat "$pidfile")" 2>/dev/null || true
+    [ -f "$pidfile" ] && killed+=("$(cat "$pidfile")") && kill "${killed[-1]}" 2>/dev/null || true
   done
   for ns in "${NS[@]}"; do
     pids=$(ip netns pids "$ns" 2>/dev/null || true)
-    [ -n "$pids" ] && kill -9 $pids 2>/dev/null || true
+    [ -n "$pids" ] && kill -9 $pids 2>/dev/null && killed+=($pids) || true
     ip netns del "$ns" 2>/dev/null || true
   done
   [ -f "$BOX/munged.pid" ] && kill -9 "$(cat "$BOX/munged.pid")" 2>/dev/null || true
+  gone "${killed[@]}"
   if [ "${KEEP_BOX:-0}" = 1 ]; then echo "slurm-in-a-box: logs kept in $BOX" >&2; else rm -rf "$BOX"; fi
   exit "$status"
 }
