@@ -47,6 +47,14 @@ int64_t now_ns() {
   clock_gettime(CLOCK_MONOTONIC, &ts);  // Python's perf_counter_ns on Linux
   return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
+
+// `token`'s slot, made its own and marked running (a later call's token takes it over: `stamp` then says so).
+int64_t claim(int64_t token) {
+  const int64_t slot = token & (kSlots - 1);
+  stamps[slot].store(-1, std::memory_order_relaxed);
+  owners[slot].store(token, std::memory_order_release);
+  return slot;
+}
 }  // namespace
 
 // Stamp `token` when `work`'s future completes (at once if it has), on the thread that completes it; -3
@@ -59,9 +67,7 @@ bool watch(c10d::Work& work, int64_t token) {
     return false;
   }
   if (!future) return false;
-  const int64_t slot = token & (kSlots - 1);
-  stamps[slot].store(-1, std::memory_order_relaxed);
-  owners[slot].store(token, std::memory_order_release);
+  const int64_t slot = claim(token);
   future->addCallback([token, slot](c10::ivalue::Future& done) {
     const int64_t at = done.hasError() ? -3 : now_ns();
     if (owners[slot].load(std::memory_order_acquire) == token) stamps[slot].store(at, std::memory_order_release);
@@ -76,7 +82,7 @@ namespace {
 class Stamped : public c10d::Work {
  public:
   Stamped(c10::intrusive_ptr<c10d::Work> inner, int64_t token)
-      : c10d::Work(-1, inner->retrieveOpType()), inner_(std::move(inner)), token_(token), slot_(token & (kSlots - 1)) {}
+      : c10d::Work(-1, inner->retrieveOpType()), inner_(std::move(inner)), token_(token), slot_(claim(token)) {}
   bool wait(std::chrono::milliseconds timeout) override {
     const bool ok = inner_->wait(timeout);
     mark();
@@ -112,9 +118,6 @@ class Stamped : public c10d::Work {
 
 // `work` (one without a future) handed back wrapped, so that its wait stamps `token` (see Stamped).
 c10::intrusive_ptr<c10d::Work> stamped(const c10::intrusive_ptr<c10d::Work>& work, int64_t token) {
-  const int64_t slot = token & (kSlots - 1);
-  stamps[slot].store(-1, std::memory_order_relaxed);
-  owners[slot].store(token, std::memory_order_release);
   return c10::make_intrusive<Stamped>(work, token);
 }
 
