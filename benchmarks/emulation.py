@@ -4,7 +4,8 @@ the job, each run reconciled with the model from rank 0's view.
     .venv/bin/python benchmarks/emulation.py [--only NAME] [--fits]
 
 Targets (issue 15): the 1.3B preset under ZeRO-3 at dp = 256 (s = 16) in <= 5 min and <= 8 GB; 350M DDP at
-dp = 1024 in <= 5 min; 13B ZeRO-3 at dp = 1024 in <= 15 min. Peak memory is the largest sum of the resident
+dp = 1024 in <= 5 min; 13B ZeRO-3 at dp = 1024 in <= 15 min. Issue 31: 13B in <= 120 s and <= 8 GiB; Llama-3
+70B under FSDP2 at dp = 512 x tp = 8 in <= 15 min. Peak memory is the largest sum of the resident
 sets of this process and the rank processes it starts (sampled every 0.2 s). Prints one line per run; exits
 1 if a run does not reconcile to 0 unexplained bytes.
 """
@@ -26,6 +27,10 @@ RUNS = {
     # partitioned as it is built (deepspeed.zero.Init): the 52 GB of parameters never exist whole; fp32, since
     # bf16 matrix products are ~20x slower on this CPU (a bf16 first step took 8 min)
     "zero3-13B-dp1024": "model: {preset: 13B, s: 16, dtype: fp32}\nparallelism: {scheme: zero3, dp: 1024}",
+    # torchtitan's 2-D at 4,096 ranks: built on the meta device, TP and FSDP2 sharded there; rank 0's tensor
+    # shard computes 1/8 of the layers' width, its tensor- and data-parallel peers emulated
+    "fsdp-tp-llama3-70B-dp512-tp8": "model: {preset: llama3-70B, s: 16, dtype: fp32}\n"
+    "parallelism: {scheme: fsdp, dp: 512, tp: 8}",
 }
 
 

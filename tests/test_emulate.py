@@ -51,6 +51,7 @@ def test_calls_complete_at_once_with_the_peers_holding_what_this_rank_holds() ->
         ("{scheme: pp, pp: 2, dp: 32, micro_batches: 4, zero: {stage: 1}}", 64),
         ("{scheme: 3d, pp: 2, tp: 2, dp: 16, micro_batches: 2}", 64),
         ("{scheme: fsdp, dp: 256, fsdp: {param_dtype: bf16}}", 256),
+        ("{scheme: fsdp, dp: 16, tp: 4}", 64),
         ("{scheme: tp, tp: 4, dp: 16}", 64),
         ("{scheme: cp, cp: 4, dp: 16}", 64),
     ],
@@ -63,6 +64,7 @@ def test_calls_complete_at_once_with_the_peers_holding_what_this_rank_holds() ->
         "deepspeed-pp2-dp32",
         "deepspeed-3d-64",
         "fsdp-256",
+        "fsdp-tp4-dp16",
         "tp4-dp16",
         "cp4-dp16",
     ],
@@ -168,3 +170,18 @@ def test_the_memory_estimate_follows_how_the_model_is_built() -> None:
     (emulated,) = load_text(text)
     (real,) = load_text(text.replace("emulate: true\n", ""))
     assert per_rank(emulated, 0).total < 2 * GIB < 24 * GIB < per_rank(real, 0).params
+
+
+def test_fsdp_with_tensor_parallelism_emulated_is_built_on_the_meta_device_too() -> None:
+    """torchtitan's 2-D (Llama 3 70B, dp 512 x tp 8): emulated, no tensor shard of it is built, let alone the
+    whole model (280 GB), which a run that is not emulated builds before DTensor and FSDP2 keep their shards."""
+    from commgate.model.schemes.fsdp import built_on_meta
+    from commgate.run.budget import GIB, per_rank
+
+    text = scenario("{scheme: fsdp, dp: 512, tp: 8}", "{preset: llama3-70B, s: 16, dtype: fp32}")
+    (emulated,) = load_text(text)
+    (real,) = load_text(text.replace("emulate: true\n", ""))
+    (staged,) = load_text(text.replace("tp: 8", "tp: 8, pp: 2, micro_batches: 2, pipeline: {engine: torch}"))
+    assert built_on_meta(emulated) and not built_on_meta(real) and not built_on_meta(staged)
+    assert per_rank(emulated, 0).total < 2 * GIB
+    assert per_rank(real, 0).params >= 70e9 * 4 and per_rank(staged, 0).params >= 70e9 * 4

@@ -30,6 +30,7 @@ from commgate.core import env
 from commgate.model.expectation import Context
 from commgate.model.scenario import Scenario
 from commgate.model.schemes import SCHEMES
+from commgate.model.schemes.fsdp import built_on_meta
 from commgate.model.transformer import step_flops
 from commgate.run.emulate import started_ranks
 
@@ -65,8 +66,8 @@ def per_rank(scenario: Scenario, runtime: int) -> Estimate:
     n = max(ctx.rank_params(k) for k in range(par.pp)) if even else ctx.param_count
     layer = n // max(1, m.L // par.pp) if not m.module else n
     params = (n // d + layer) * isz if stage >= 3 else n * isz
-    if fsdp and not (scenario.emulate and par.tp == 1):  # built whole before fully_shard keeps a shard
-        params = max(params, n * isz)
+    if fsdp and not built_on_meta(scenario):  # built whole (every tensor shard) before fully_shard keeps a shard
+        params = max(params, ctx.param_count * isz)
     grads = n * isz // (d if stage >= 2 else 1)
     if not SCHEMES[par.scheme].deepspeed and not fsdp and par.dp * par.dp_replicate * par.cp > 1:
         grads *= 2  # torch DDP's reducer copies the gradients into its flat buckets (gradient_as_bucket_view off)

@@ -7,6 +7,9 @@
   (``foreach_all_gather``, ``foreach_reduce``), every parameter padded on dim 0 to a multiple of d
   (``_get_dim0_padded_size``): message m = d * sum(ceil(dim0 / d) * rest) elements.
 * Construction communicates nothing: every rank keeps its own dim-0 shard of the same initial weights.
+  Emulated (without pipeline stages), the decoder is built on the meta device and sharded there
+  (``built_on_meta``), as torchtitan builds it: tensor parallelism's ``distribute_tensor`` then moves no
+  data either (built whole, it scatters each sharded parameter from the group's first rank).
 * Forward: each group is all-gathered before its forward. After it, a group with
   ``reshard_after_forward`` frees the gathered parameters and all-gathers them again for its backward.
   Left unset, torch reshards the blocks but not the root (``FSDPState._lazy_init``: "the parameters
@@ -36,10 +39,19 @@ from typing import Any
 
 from commgate.model.collectives import Op
 from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
+from commgate.model.scenario import Scenario
 from commgate.model.schemes._common import beyond_eq1, sharding
 from commgate.model.schemes.scheme import Check, Rule
 from commgate.model.schemes.zero3 import TERM, eq3_term
 from commgate.model.transformer import WIRE_ITEMSIZE, ParamTensor, Shard
+
+
+def built_on_meta(s: Scenario) -> bool:
+    """Whether the FSDP2 workload builds the decoder on the meta device, shards it there (tensor parallelism
+    and FSDP2) and fills each rank's own shards: in emulated runs without pipeline stages, so that a
+    full-size model never exists whole on the one machine. DTensor's ``distribute_tensor`` of a meta
+    parameter communicates nothing (``TensorParallel`` predicts no scatter at construction)."""
+    return s.emulate and s.parallelism.pp == 1 and not s.model.module
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from commgate.model.collectives import Op
 from commgate.model.expectation import Context, ExpectedCollective, PaperTerm, Phase, Residual
 from commgate.model.paper import eq5_tensor
 from commgate.model.schemes._common import micro_batches, rank0_term
+from commgate.model.schemes.fsdp import built_on_meta
 from commgate.model.schemes.scheme import Check, Rule
 from commgate.model.transformer import WIRE_ITEMSIZE, Shard
 
@@ -55,7 +56,8 @@ class TensorParallel:
                 source="",
                 paper_term=TERM,
             )
-            rows += _distribute(ctx, base, stage)  # the parameters, in their dtype
+            if not (self.fsdp and built_on_meta(ctx.scenario)):  # the parameters, in their dtype
+                rows += _distribute(ctx, base, stage)
             act = activation_dtype(ctx)
             base = replace(base, dtype=act)
 

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from commgate.model.scenario import Scenario
+from commgate.model.schemes.fsdp import built_on_meta
 from commgate.run.interpose import optimizer_phase
 from commgate.run.workloads.cp import sequence_split, use_ring
 from commgate.run.workloads.gpt import DTYPES, GPT, batch, build
@@ -31,7 +32,7 @@ class FSDPWorkload:
         torch.manual_seed(0)  # the same initial weights everywhere: fully_shard keeps each rank's own shard
         par = scenario.parallelism
         # emulated: built on the meta device and sharded there, so that a full-size model never exists whole
-        meta = scenario.emulate and par.tp == 1
+        meta = built_on_meta(scenario)
         model: torch.nn.Module
         self.inputs: Callable[[int], tuple[torch.Tensor, ...]]
         if meta:
