@@ -216,10 +216,21 @@ def test_commgate_calibrate_fits_u_host_times_and_the_lag_from_a_report(
 ) -> None:
     """The report's two kinds (ddp, pp) each get a host time per layer pass; u and the lag are stored
     with the curve of this machine, the other machines' curves untouched."""
+    import dataclasses
+
     from commgate.report import bandwidth
 
-    (tmp_path / "bandwidth-gloo.json").write_bytes((ROOT / "baselines" / "bandwidth-gloo.json").read_bytes())
-    before = bandwidth.load_all(tmp_path / "bandwidth-gloo.json")
+    path = tmp_path / "bandwidth-gloo.json"
+    path.write_bytes((ROOT / "baselines" / "bandwidth-gloo.json").read_bytes())
+    # calibrate needs this machine's curve: the repository's is another machine's wherever the tests run on
+    # other hardware, so this machine's stands in for one a sweep would have stored (a copy of it)
+    hardware = json.loads((out / "report.json").read_text())["scenarios"][0]["capture"]["stack"]["hardware"]
+    stored = bandwidth.load_all(path)
+    if hardware not in stored:
+        shipped = next(iter(stored.values()))
+        blank = dataclasses.replace(shipped, hardware=hardware, utilization=1.0, calibrated=None, lag={}, host_s={})
+        bandwidth.store(path, blank)
+    before = bandwidth.load_all(path)
     assert main(["calibrate", str(out / "report.json"), "--baseline-dir", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "calibrated on: d, p[s=32], p[s=64]" in text and "host time per layer pass, ddp" in text
