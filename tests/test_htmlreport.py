@@ -242,6 +242,15 @@ def test_commgate_calibrate_fits_u_host_times_and_the_lag_from_a_report(
     assert "fitted to 3 scenarios" in (curve.calibrated or "")
 
 
+def test_calibrate_without_this_machines_curve_names_the_command_that_measures_it(
+    out: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["calibrate", str(out / "report.json"), "--baseline-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no bandwidth curve for" in err and "Traceback" not in err
+    assert f"benchmarks/test_collectives.py -p no:cacheprovider --commgate-curve-dir {tmp_path.resolve()}`" in err
+
+
 def test_the_paper_bar_is_drawn_over_the_ranks_measured_not_per_rank(out: Path) -> None:
     """The paper's equations give one rank's (Eq. 2) or one pipeline's (Eq. 4) bytes; the figure's axis is
     "all ranks". Drawn per rank, the paper bar looked dp times off (issue 29 item 9): it is now scaled to

@@ -268,7 +268,10 @@ def calibrate(
 
     curves = load_all(path)
     if hardware not in curves:
-        raise CommgateError(f"{path}: no bandwidth curve for {hardware!r} to calibrate; run the microbenchmarks first")
+        raise CommgateError(
+            f"{path}: no bandwidth curve for {hardware!r} to calibrate; "
+            f"measure it first: `{sweep_command(path.parent)}`"
+        )
     if not 0 < utilization <= 10:
         raise CommgateError(f"calibration: u = {utilization:g} is implausible (expected within (0, 10])")
     curve = dataclasses.replace(
