@@ -7,7 +7,8 @@ Per rank (the largest pipeline stage; a tensor-parallel rank's shard; DeepSpeed'
 accounting, as the scenario would run):
 
 * parameters in their dtype; ZeRO-3 and FSDP2 keep 1/dp of them (plus what they gather: counted as one
-  layer), FSDP2 after building the model whole (on the meta device when emulated);
+  layer), FSDP2 after building the whole model, every tensor shard of it (on the meta device when emulated
+  without pipeline stages: ``built_on_meta``);
 * gradients in the parameters' dtype; ZeRO-2/3 and FSDP2 keep 1/dp; torch DDP twice (its buckets hold a
   copy: an HF Trainer job of Llama 3.2 1B on two ranks was killed by the OOM killer when this was left out);
 * optimizer: AdamW's two moments, in fp32 on fp32 master weights under DeepSpeed (a copy for 16-bit
