@@ -174,7 +174,8 @@ def test_the_memory_estimate_follows_how_the_model_is_built() -> None:
 
 def test_fsdp_with_tensor_parallelism_emulated_is_built_on_the_meta_device_too() -> None:
     """torchtitan's 2-D (Llama 3 70B, dp 512 x tp 8): emulated, no tensor shard of it is built, let alone the
-    whole model (280 GB), which a run that is not emulated builds before DTensor and FSDP2 keep their shards."""
+    whole model (280 GB), which a run that is not emulated builds before DTensor and FSDP2 keep their shards;
+    the memory estimate counts what each way builds."""
     from commgate.model.schemes.fsdp import built_on_meta
     from commgate.run.budget import GIB, per_rank
 
@@ -185,3 +186,6 @@ def test_fsdp_with_tensor_parallelism_emulated_is_built_on_the_meta_device_too()
     assert built_on_meta(emulated) and not built_on_meta(real) and not built_on_meta(staged)
     assert per_rank(emulated, 0).total < 2 * GIB
     assert per_rank(real, 0).params >= 70e9 * 4 and per_rank(staged, 0).params >= 70e9 * 4
+    # DDP with tensor parallelism (scheme tp) builds the whole model first, emulated or not
+    (ddp_tp,) = load_text(text.replace("scheme: fsdp", "scheme: tp"))
+    assert per_rank(ddp_tp, 0).params >= 70e9 * 4

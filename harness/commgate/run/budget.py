@@ -7,8 +7,10 @@ Per rank (the largest pipeline stage; a tensor-parallel rank's shard; DeepSpeed'
 accounting, as the scenario would run):
 
 * parameters in their dtype; ZeRO-3 and FSDP2 keep 1/dp of them (plus what they gather: counted as one
-  layer), FSDP2 after building the whole model, every tensor shard of it (on the meta device when emulated
-  without pipeline stages: ``built_on_meta``);
+  layer), a tensor-parallel rank its shard, a pipeline rank its stage; but commgate's own workloads build
+  the whole model first (every tensor shard, every stage), except ZeRO-3 emulated (``deepspeed.zero.Init``:
+  ``built_partitioned``) and FSDP2 emulated without pipeline stages (the meta device: ``built_on_meta``); a
+  trainer's FSDP2 job is counted built whole (Hugging Face's, on every rank), its other jobs as kept;
 * gradients in the parameters' dtype; ZeRO-2/3 and FSDP2 keep 1/dp; torch DDP twice (its buckets hold a
   copy: an HF Trainer job of Llama 3.2 1B on two ranks was killed by the OOM killer when this was left out);
 * optimizer: AdamW's two moments, in fp32 on fp32 master weights under DeepSpeed (a copy for 16-bit
@@ -31,6 +33,7 @@ from commgate.core import env
 from commgate.model.expectation import Context
 from commgate.model.scenario import Scenario
 from commgate.model.schemes import SCHEMES
+from commgate.model.schemes.deepspeed_zero import built_partitioned
 from commgate.model.schemes.fsdp import built_on_meta
 from commgate.model.transformer import step_flops
 from commgate.run.emulate import started_ranks
@@ -67,8 +70,13 @@ def per_rank(scenario: Scenario, runtime: int) -> Estimate:
     n = max(ctx.rank_params(k) for k in range(par.pp)) if even else ctx.param_count
     layer = n // max(1, m.L // par.pp) if not m.module else n
     params = (n // d + layer) * isz if stage >= 3 else n * isz
-    if fsdp and not built_on_meta(scenario):  # built whole (every tensor shard) before fully_shard keeps a shard
-        params = max(params, ctx.param_count * isz)
+    # built whole (every tensor shard, every stage) before DTensor, a pipeline, ZeRO or FSDP2 keeps its share
+    # (an MoE rank builds its own experts only)
+    own = scenario.trainer == "commgate"
+    meta = fsdp and built_on_meta(scenario)
+    if (own and not (meta or built_partitioned(scenario))) or (fsdp and not own):
+        experts = ctx.expert_param_count
+        params = max(params, (ctx.param_count - experts + experts // par.ep) * isz)
     grads = n * isz // (d if stage >= 2 else 1)
     if not SCHEMES[par.scheme].deepspeed and not fsdp and par.dp * par.dp_replicate * par.cp > 1:
         grads *= 2  # torch DDP's reducer copies the gradients into its flat buckets (gradient_as_bucket_view off)

@@ -47,10 +47,11 @@ from commgate.model.transformer import WIRE_ITEMSIZE, ParamTensor, Shard
 
 
 def built_on_meta(s: Scenario) -> bool:
-    """Whether the FSDP2 workload builds the decoder on the meta device, shards it there (tensor parallelism
-    and FSDP2) and fills each rank's own shards: in emulated runs without pipeline stages, so that a
-    full-size model never exists whole on the one machine. DTensor's ``distribute_tensor`` of a meta
-    parameter communicates nothing (``TensorParallel`` predicts no scatter at construction)."""
+    """Of a scenario whose scheme is FSDP2's (``Scheme.fsdp``: callers check that first): whether its workload
+    builds the decoder on the meta device, shards it there (tensor parallelism and FSDP2) and fills each
+    rank's own shards: in emulated runs without pipeline stages, so that a full-size model never exists whole
+    on the one machine. DTensor's ``distribute_tensor`` of a meta parameter communicates nothing
+    (``TensorParallel`` predicts no scatter at construction)."""
     return s.emulate and s.parallelism.pp == 1 and not s.model.module
 
 
