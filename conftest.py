@@ -26,6 +26,7 @@ def pytest_configure(config: pytest.Config) -> None:
     set is left as it is."""
     global TEST_BOUND_S
     TEST_BOUND_S = _bound_s()  # a usage error here is one line; at import, a traceback
+    _own_tmpdir(config)
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return
     from commgate.run.extensions import environment_dir
@@ -51,6 +52,18 @@ def pytest_configure(config: pytest.Config) -> None:
     if where == built and built.is_dir():
         shutil.copytree(built, own, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"), symlinks=True)
     os.environ["TORCH_EXTENSIONS_DIR"] = str(own)
+
+
+def _own_tmpdir(config: pytest.Config) -> None:
+    """The processes the tests start write their temporary files in a directory of the session's, removed at its
+    end: a process a test kills on purpose (SIGKILL) leaves its forkserver's log and multiprocessing's
+    ``pymp-*`` directory behind, as does a run whose forkserver a test makes fail (its log is kept for the
+    user), and four runs of the suite had left 13 of them in ``/tmp``. This process keeps the directory it had
+    (``tempfile`` reads ``TMPDIR`` once), so its own runs' temporary files are where they always were."""
+    base = Path(tempfile.gettempdir())  # read, and kept, before TMPDIR changes
+    own = Path(tempfile.mkdtemp(prefix="commgate-tests-tmp-", dir=base))
+    config.add_cleanup(lambda: shutil.rmtree(own, ignore_errors=True))
+    os.environ["TMPDIR"] = str(own)
 
 
 def _build(where: Path, what: str, code: str, otherwise: str) -> None:

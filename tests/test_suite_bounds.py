@@ -45,3 +45,16 @@ def test_the_tests_build_torch_extensions_in_a_directory_of_their_own() -> None:
         pytest.skip("TORCH_EXTENSIONS_DIR was set before the session: the tests use it as it is")
     assert own.parent == Path(tempfile.gettempdir()) and own.is_dir()
     assert not list(own.glob("*/*/lock")), "a lock copied in from the user's directory"
+
+
+def test_the_processes_the_tests_start_keep_their_temporary_files_in_the_sessions_directory() -> None:
+    """A process a test kills outright leaves its temporary files (the forkserver's log, multiprocessing's
+    ``pymp-*``): they land in a directory the session removes, not in the machine's ``/tmp``."""
+    import subprocess
+    import sys
+
+    own = Path(os.environ["TMPDIR"])
+    assert own.name.startswith("commgate-tests-tmp-") and own.is_dir()
+    code = "import tempfile; print(tempfile.gettempdir())"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert Path(child.stdout.strip()) == own
