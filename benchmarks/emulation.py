@@ -5,9 +5,10 @@ the job, each run reconciled with the model from rank 0's view.
 
 Targets (issue 15): the 1.3B preset under ZeRO-3 at dp = 256 (s = 16) in <= 5 min and <= 8 GB; 350M DDP at
 dp = 1024 in <= 5 min; 13B ZeRO-3 at dp = 1024 in <= 15 min. Issue 31: 13B in <= 120 s and <= 8 GiB; Llama-3
-70B under FSDP2 at dp = 512 x tp = 8 in <= 15 min. Peak memory is the largest sum of the resident
-sets of this process and the rank processes it starts (sampled every 0.2 s). Prints one line per run; exits
-1 if a run does not reconcile to 0 unexplained bytes.
+70B under FSDP2 at dp = 512 x tp = 8 in <= 15 min. Peak memory is the largest sum of the resident sets of this
+process and the rank processes it starts (sampled every 0.2 s), beside the largest of those processes alone and
+the memory check's estimate for a rank (``commgate.run.budget``). Prints one line per run; exits 1 if a run does
+not reconcile to 0 unexplained bytes.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def main() -> int:
     from commgate.judge.reconcile import reconcile
     from commgate.model.loader import load_text
     from commgate.model.predict import predict
-    from commgate.run.launcher import launch_local
+    from commgate.run import budget
+    from commgate.run.launcher import RANK_MEMORY, launch_local
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=sorted(RUNS | FITS))
@@ -84,11 +86,13 @@ def main() -> int:
             continue
         text = f"schema_version: 1\nname: {name}\n{body}\nemulate: true\nsteps: 2\nwarmup_steps: 1\ndeadline_s: 1800\n"
         (s,) = load_text(text)
-        peak, done = [0], threading.Event()
+        peak, largest, done = [0], [0], threading.Event()
 
-        def sample(peak: list[int] = peak, done: threading.Event = done) -> None:
+        def sample(peak: list[int] = peak, largest: list[int] = largest, done: threading.Event = done) -> None:
             while not done.wait(0.2):
-                peak[0] = max(peak[0], sum(_rss_kib(p) for p in _ours()))
+                sizes = [_rss_kib(p) for p in _ours()[1:]]
+                peak[0] = max(peak[0], _rss_kib(os.getpid()) + sum(sizes))
+                largest[0] = max(largest[0], *sizes, 0)
 
         watcher = threading.Thread(target=sample, daemon=True)
         watcher.start()
@@ -104,7 +108,9 @@ def main() -> int:
         t = capture.timeline
         print(
             f"{name}: world {capture.world_size}, rank 0 run; wall {wall:.1f} s (build {t.get('build', 0):.1f} s, "
-            f"steps {t.get('steps', 0):.1f} s for {s.warmup_steps + s.steps}), peak RSS {peak[0] / 2**20:.2f} GiB, "
+            f"steps {t.get('steps', 0):.1f} s for {s.warmup_steps + s.steps}), peak RSS {peak[0] / 2**20:.2f} GiB "
+            f"(its largest process {largest[0] / 2**20:.2f} GiB; estimated a rank "
+            f"{budget.per_rank(s, RANK_MEMORY).total / 2**30:.2f} GiB), "
             f"{len(capture.calls)} calls captured, {'0 unexplained bytes' if exact else 'NOT reconciled'}",
             flush=True,
         )

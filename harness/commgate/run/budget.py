@@ -6,13 +6,17 @@ instead of running into it (``slow``).
 Per rank (the largest pipeline stage; a tensor-parallel rank's shard; DeepSpeed's and torch's own
 accounting, as the scenario would run):
 
-* parameters in their dtype; ZeRO-3 and FSDP2 keep 1/dp of them (plus what they gather: counted as one
-  layer), a tensor-parallel rank its shard, a pipeline rank its stage; but commgate's own workloads build
+* parameters in their dtype; ZeRO-3 and FSDP2 keep 1/dp of them, plus what they hold gathered
+  (``zero3_unsharded``: what DeepSpeed's coordinator keeps for reuse or prefetches, by its knobs;
+  ``fsdp_unsharded``: the root group through the pass, two blocks and an all-gather output; a user's module
+  whole), a tensor-parallel rank its shard, a pipeline rank its stage; but commgate's own workloads build
   the whole model first (every tensor shard, every stage), except ZeRO-3 emulated (``deepspeed.zero.Init``:
   ``built_partitioned``) and FSDP2 emulated without pipeline stages (the meta device: ``built_on_meta``); a
   trainer's FSDP2 job is counted built whole (Hugging Face's, on every rank), its other jobs as kept;
-* gradients in the parameters' dtype; ZeRO-2/3 and FSDP2 keep 1/dp; torch DDP twice (its buckets hold a
-  copy: an HF Trainer job of Llama 3.2 1B on two ranks was killed by the OOM killer when this was left out);
+* gradients in the parameters' dtype; ZeRO-2/3 and FSDP2 keep 1/dp, plus, unsharded, ZeRO-3's reduce bucket
+  twice (laid out again for the reduce-scatter) and FSDP2's as much as it holds gathered; torch DDP twice
+  (its buckets hold a copy: an HF Trainer job of Llama 3.2 1B on two ranks was killed by the OOM killer
+  when this was left out);
 * optimizer: AdamW's two moments, in fp32 on fp32 master weights under DeepSpeed (a copy for 16-bit
   parameters), in the parameters' dtype under torch; ZeRO-1/2/3 and FSDP2 keep 1/dp;
 * activations of one micro-batch: 34·b·s·h bytes per layer at 16 bits (Korthikanti et al., "Reducing
@@ -28,14 +32,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from fractions import Fraction
 
 from commgate.core import env
 from commgate.model.expectation import Context
 from commgate.model.scenario import Scenario
-from commgate.model.schemes import SCHEMES
+from commgate.model.schemes import SCHEMES, deepspeed_zero, zero3_fetch
 from commgate.model.schemes.deepspeed_zero import built_partitioned
-from commgate.model.schemes.fsdp import built_on_meta
-from commgate.model.transformer import step_flops
+from commgate.model.schemes.fsdp import built_on_meta, dtypes, groups
+from commgate.model.transformer import WIRE_ITEMSIZE, step_flops
 from commgate.run.emulate import started_ranks
 
 GIB = 1 << 30
@@ -68,8 +73,16 @@ def per_rank(scenario: Scenario, runtime: int) -> Estimate:
     # counts the whole model: an upper bound
     even = not m.module and m.L % par.pp == 0
     n = max(ctx.rank_params(k) for k in range(par.pp)) if even else ctx.param_count
-    layer = n // max(1, m.L // par.pp) if not m.module else n
-    params = (n // d + layer) * isz if stage >= 3 else n * isz
+    params, unsharded_grads = n * isz, 0
+    if stage >= 3 and m.module:
+        params = (n // d + n) * isz  # a user's module: gathered whole at once, an upper bound
+    elif fsdp:
+        unsharded, unsharded_grads = fsdp_unsharded(ctx)
+        params = n // d * isz + unsharded
+    elif stage >= 3:
+        gathered, reducing = zero3_unsharded(ctx, n)
+        params = (n // d + gathered) * isz
+        unsharded_grads = int(reducing * max(Fraction(isz), WIRE_ITEMSIZE[deepspeed_zero.grad_dtype(ctx)]))
     # built whole (every tensor shard, every stage) before DTensor, a pipeline, ZeRO or FSDP2 keeps its share
     # (an MoE rank builds its own experts only)
     own = scenario.trainer == "commgate"
@@ -77,7 +90,7 @@ def per_rank(scenario: Scenario, runtime: int) -> Estimate:
     if (own and not (meta or built_partitioned(scenario))) or (fsdp and not own):
         experts = ctx.expert_param_count
         params = max(params, (ctx.param_count - experts + experts // par.ep) * isz)
-    grads = n * isz // (d if stage >= 2 else 1)
+    grads = n * isz // (d if stage >= 2 else 1) + unsharded_grads
     if not SCHEMES[par.scheme].deepspeed and not fsdp and par.dp * par.dp_replicate * par.cp > 1:
         grads *= 2  # torch DDP's reducer copies the gradients into its flat buckets (gradient_as_bucket_view off)
     # DeepSpeed: fp32 moments on fp32 master weights (a copy for 16-bit parameters); torch's AdamW keeps
@@ -91,6 +104,46 @@ def per_rank(scenario: Scenario, runtime: int) -> Estimate:
     else:
         activations = 17 * bsh * isz * layers // par.tp
     return Estimate(params=params, grads=grads, optimizer=optimizer, activations=activations, runtime=runtime)
+
+
+def fsdp_unsharded(ctx: Context) -> tuple[int, int]:
+    """(parameters, gradients) in bytes that FSDP2 holds unsharded at once on one rank, at most. Parameters: its
+    root group (the embeddings, final norm and head: ``fsdp.groups``), kept gathered from the forward through
+    the backward; two blocks (the one running and the next, prefetched); and the largest group's all-gather
+    output beside the parameters it is copied out to (``foreach_all_gather_copy_out``). Gradients: as much as
+    the root group and two blocks (in the backward, or a group's gradients and its reduce-scatter input at the
+    root's), in the larger of the parameters' and the reduction's dtype. Emulated, an 8B Llama 3 of 4 layers at
+    dp 8 held 12.5 GiB in its rank (8.2 GiB at tp 2), most of it its root group's 4.2 GB gathered and its
+    gradients, where one block counted as gathered had estimated 5.9 GiB."""
+    gather, reduce = (WIRE_ITEMSIZE[t] for t in dtypes(ctx))
+    params = grads = 0
+    for stage in range(ctx.scenario.parallelism.pp):
+        sizes = groups(ctx, stage)
+        root = sum(g.padded for g in sizes if g.root)
+        blocks = sorted((g.padded for g in sizes if not g.root), reverse=True)[:2]
+        params = max(params, root + sum(blocks) + max([root, *blocks]))
+        grads = max(grads, root + sum(blocks))
+    return int(params * gather), int(grads * max(gather, reduce))
+
+
+def zero3_unsharded(ctx: Context, n: int) -> tuple[int, int]:
+    """(parameters, gradients) in elements that ZeRO-3 holds unsharded at once on one rank, at most, of ``n``
+    elements per rank. Parameters: what DeepSpeed's coordinator keeps gathered for reuse within
+    ``stage3_max_reuse_distance`` or prefetches within ``stage3_max_live_parameters`` (the larger), with the
+    module it fetches (``zero3_fetch.knobs``, ``module_tree``); and one gather being put together (its flat
+    buffer beside each parameter's ``torch.cat``: the larger of a module and ``stage3_prefetch_bucket_size``).
+    Gradients: the largest reduce bucket (``reduce_bucket_size``) twice (the bucket, and its partitions laid out
+    padded for the reduce-scatter: ``coalesced_collectives.py``'s ``torch.cat``) and a module's gradients beside
+    it. Emulated, an 8B Llama 3 of 4 layers at dp 8 held 12.7 GiB in its rank and the 1.3B preset at dp 256 in
+    bf16 4.5 GiB, where one layer counted as gathered had estimated 5.9 and 0.8 GiB."""
+    k, tp = zero3_fetch.knobs(ctx), ctx.scenario.parallelism.tp
+    todo, largest = [zero3_fetch.module_tree(ctx.params)], 0
+    while todo:
+        mod = todo.pop()
+        largest = max(largest, sum(p.numel_per_tp_rank(tp) for p in mod.params))
+        todo.extend(mod.children)
+    params = min(n, max(k.max_live, k.reuse) + largest) + min(n, max(largest, k.prefetch))
+    return params, 2 * max(deepspeed_zero.gradient_buckets(ctx), default=0) + largest
 
 
 CORE_FLOPS = 50e9

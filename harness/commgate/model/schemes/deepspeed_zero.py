@@ -335,7 +335,7 @@ def _ready_order_of(trainable: tuple[ParamTensor, ...], ready: tuple[ParamTensor
     return tuple(p for owner in sorted(owners, key=lambda o: first[o]) for p in owners[owner])
 
 
-def _gradient_buckets(ctx: Context, over: int = 1) -> list[int]:
+def gradient_buckets(ctx: Context, over: int = 1) -> list[int]:
     """Elements of each gradient reduction, in gradient-ready order (``_ready_order``). ZeRO-1/2: as
     ``reduction_buckets``. ZeRO-3: a bucket is flushed before a gradient whose own (unpadded) size would
     take it past ``reduce_bucket_size``, and each gradient is sent padded to a multiple of ``over``."""
@@ -358,7 +358,7 @@ def _gradient_buckets(ctx: Context, over: int = 1) -> list[int]:
 
 @functools.lru_cache(maxsize=16)
 def _zero3_buckets(order: tuple[ParamTensor, ...], limit: int, over: int) -> tuple[int, ...]:
-    """ZeRO-3's reductions of ``_gradient_buckets``, once per parameter order, bucket size and padding."""
+    """ZeRO-3's reductions of ``gradient_buckets``, once per parameter order, bucket size and padding."""
     out, current, sent = [], 0, 0
     for p in order:
         if current and current + p.numel > limit:
@@ -406,7 +406,7 @@ class DeepSpeedZero12(DataParallel):
         if ctx.optimizer == "BF16_Optimizer":
             return rows + _bf16_optimizer(ctx, step, pad=pad)
         per_step = ctx.scenario.parallelism.micro_batches if zs >= 2 else 1  # ZeRO-1: at the boundary only
-        for i, b in enumerate(buckets := _gradient_buckets(ctx)):
+        for i, b in enumerate(buckets := gradient_buckets(ctx)):
             rows.append(
                 replace(
                     step,
@@ -569,7 +569,7 @@ class DeepSpeedZero3(Zero3):
         ]
         step = replace(base, once=False, phase=Phase.FORWARD, paper_term="Eq. 3", calls=m)
         rows += _coordinator_gathers(ctx, step, over)
-        for i, b in enumerate(buckets := _gradient_buckets(ctx, over)):
+        for i, b in enumerate(buckets := gradient_buckets(ctx, over)):
             rows.append(
                 replace(
                     step,

@@ -65,6 +65,9 @@ class Group:
     unpadded: int
     forward: int
     backward: int
+    root: bool = False
+    """The root module's group (the embeddings, final norm and head; a pipeline stage's own): never resharded
+    after the forward unless ``reshard_after_forward`` says so."""
 
 
 def groups(ctx: Context, stage: int = 0) -> list[Group]:
@@ -94,6 +97,7 @@ def groups(ctx: Context, stage: int = 0) -> list[Group]:
                 unpadded=sum(p.numel_per_tp_rank(par.tp) for p in params),
                 forward=gathers[0],
                 backward=gathers[1],
+                root=root,
             )
         )
     return out
@@ -168,7 +172,7 @@ def _padded(p: ParamTensor, d: int, t: int) -> int:
     return -(-dim0 // d) * d * (local // dim0)
 
 
-def _dtypes(ctx: Context) -> tuple[str, str]:
+def dtypes(ctx: Context) -> tuple[str, str]:
     """(all-gather dtype, reduce-scatter dtype) by the mixed-precision policy."""
     f, dtype = ctx.scenario.parallelism.fsdp, ctx.scenario.model.dtype
     gather = f.compute_dtype(dtype)
@@ -191,7 +195,7 @@ class FullyShard:
         where = f", stage {stage}" if pp > 1 else ""
         # in torch's pipeline schedule, outside autograd: the forwards and the step's final reduce-scatter
         outside = Phase.PIPELINE if pp > 1 else Phase.FORWARD
-        gather, reduce = _dtypes(ctx)
+        gather, reduce = dtypes(ctx)
         rows = []
         for g in groups(ctx, stage):
             base = ExpectedCollective(
@@ -256,7 +260,7 @@ class FullyShard:
         d, m, isz = par.data_ranks, par.micro_batches, model.itemsize
         share = Fraction(d - 1, d)
         gs = groups(ctx)
-        gather, reduce = _dtypes(ctx)
+        gather, reduce = dtypes(ctx)
         g_isz, r_isz = WIRE_ITEMSIZE[gather], WIRE_ITEMSIZE[reduce]
         unpadded, padded = sum(g.unpadded for g in gs), sum(g.padded for g in gs)
         full = sum(p.numel for p in ctx.params)
