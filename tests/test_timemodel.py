@@ -172,6 +172,25 @@ def test_calibration_recovers_u_and_each_kinds_host_time() -> None:
     assert calibrate([doc(1.0, 0.1, 4, "ddp", domain="out")]) is None
 
 
+def test_a_host_time_the_runs_cannot_tell_from_u_is_said_to_be_undetermined() -> None:
+    """One scenario, or runs of one size (FLOPs and layer passes in one proportion), fit u and a host time
+    equally well in any mix: ``commgate calibrate`` printed "host time per layer pass, ddp 0.000 ms" as if
+    measured. The kind is named undetermined, its host time 0 and u fitted without it. Beside runs of other
+    sizes that fix u, the same runs do determine it."""
+    from commgate.report.timemodel import calibrate
+
+    one = calibrate([doc(0.05 / 0.25 + 12 * 1e-3, 0.05, 12, "ddp")])
+    assert one is not None and one.undetermined == ("ddp",) and one.host_s == {"ddp": 0.0}
+    assert one.utilization == pytest.approx(0.05 / (0.05 / 0.25 + 12e-3))
+    same_size = [doc(0.05 / 0.25 + 12e-3, 0.05, 12, "ddp") for _ in range(3)]
+    sized = [doc(f / 0.25 + n * 4e-3, f, n, "tp") for f, n in ((0.01, 8), (0.2, 16), (0.4, 8))]
+    alone = calibrate(same_size)
+    assert alone is not None and alone.undetermined == ("ddp",)
+    mixed = calibrate(same_size + sized)
+    assert mixed is not None and mixed.undetermined == () and mixed.utilization == pytest.approx(0.25, rel=0.05)
+    assert mixed.host_s == pytest.approx({"ddp": 1e-3, "tp": 4e-3}, rel=0.1)
+
+
 def test_an_uncalibrated_kind_takes_the_median_host_time() -> None:
     import dataclasses
 

@@ -442,7 +442,14 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
         names = ", ".join(s["name"] for s in rows if not s["time_model"].get("domain"))
         print(f"  calibrated on: {names}")
         for key, seconds in sorted(fit.host_s.items()):
-            print(f"  host time per layer pass, {key:<12} {seconds * 1e3:8.3f} ms")
+            if key in fit.undetermined:
+                print(
+                    f"  host time per layer pass, {key:<12} not determined: its runs' FLOPs and layer passes are "
+                    "in one proportion (one scenario, or one size), so their compute time cannot tell it from u; "
+                    f"taken as 0 (calibrate on a report with {key} scenarios of other sizes to fit it)"
+                )
+            else:
+                print(f"  host time per layer pass, {key:<12} {seconds * 1e3:8.3f} ms")
         how = f"fitted to {fit.scenarios} scenarios of the report created {doc['created']}"
         path = BaselineStore(a.baseline_dir).curve_path(backend)
         bandwidth.calibrate(path, hardware, fit.utilization, how, fit.host_s, fit.lag)

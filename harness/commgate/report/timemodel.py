@@ -337,6 +337,9 @@ class Calibration:
     scenarios: int
     lag: dict[str, float] = field(default_factory=dict)
     """In-flight time beyond the curve per second of compute, by workload kind (``PredictedTime.t_lag``)."""
+    undetermined: tuple[str, ...] = ()
+    """Workload kinds whose host time the runs cannot tell from compute (their FLOPs and layer passes in one
+    proportion: one scenario, or one size): fixed at 0, u fitted without it."""
 
 
 def calibrate(docs: list[dict[str, object]]) -> Calibration | None:
@@ -356,16 +359,18 @@ def calibrate(docs: list[dict[str, object]]) -> Calibration | None:
     ]
     if not rows:
         return None
-    inv_u, host = _fit(rows)
+    inv_u, host, undetermined = _fit(rows)
     residuals = [abs((inv_u * f + host[k] * n) / c - 1) for c, f, n, k in rows]
     # a run more than half off, and beyond 3 median deviations, stalled or was disturbed: refit without it
     limit = max(0.5, 3 * statistics.median(residuals))
     kept = [r for r, e in zip(rows, residuals, strict=True) if e <= limit]
     if len(kept) < len(rows) and kept:
-        inv_u, fitted = _fit(kept)
+        inv_u, fitted, undetermined = _fit(kept)
         host = {k: fitted.get(k, v) for k, v in host.items()}
     u = 1 / max(inv_u, 0.1)
-    return Calibration(utilization=u, host_s=host, scenarios=len(rows), lag=_lag(docs, u, host))
+    return Calibration(
+        utilization=u, host_s=host, scenarios=len(rows), lag=_lag(docs, u, host), undetermined=undetermined
+    )
 
 
 def _lag(docs: list[dict[str, object]], u: float, host: dict[str, float]) -> dict[str, float]:
@@ -394,12 +399,12 @@ def _calibration_runs(docs: list[dict[str, object]]) -> Iterator[tuple[dict[str,
             yield p, m, compute
 
 
-def _fit(rows: list[tuple[float, float, int, str]]) -> tuple[float, dict[str, float]]:
+def _fit(rows: list[tuple[float, float, int, str]]) -> tuple[float, dict[str, float], tuple[str, ...]]:
     """Least squares of ``compute / compute = (inv_u x flops + host[kind] x passes) / compute`` over the
-    rows, by the normal equations; a kind whose host time comes out negative is fixed at 0 and the rest
-    refitted."""
+    rows, by the normal equations; a kind whose host time comes out negative, or that the rows do not
+    determine (returned), is fixed at 0 and the rest refitted."""
     kinds = sorted({k for *_, k in rows})
-    free = list(kinds)
+    free, undetermined = list(kinds), []
     while True:
         cols = 1 + len(free)
         ata = [[0.0] * cols for _ in range(cols)]
@@ -410,28 +415,36 @@ def _fit(rows: list[tuple[float, float, int, str]]) -> tuple[float, dict[str, fl
                 atb[i] += x[i]
                 for j in range(cols):
                     ata[i][j] += x[i] * x[j]
-        solution = _solve(ata, atb)
+        solution, singular = _solve(ata, atb)
+        if lost := [free[i - 1] for i in singular if i > 0]:
+            undetermined += lost
+            free = [k for k in free if k not in lost]
+            continue
         host = dict.fromkeys(kinds, 0.0) | dict(zip(free, solution[1:], strict=True))
         negative = [k for k in free if host[k] < 0]
         if not negative:
-            return solution[0], host
+            return solution[0], host, tuple(sorted(undetermined))
         free = [k for k in free if k not in negative]
 
 
-def _solve(a: list[list[float]], b: list[float]) -> list[float]:
-    """``a x = b`` by Gaussian elimination with partial pivoting (a singular column solves to 0)."""
+def _solve(a: list[list[float]], b: list[float]) -> tuple[list[float], list[int]]:
+    """``a x = b`` by Gaussian elimination with partial pivoting, and the columns the system does not determine
+    (a pivot under 1e-9 of its column's diagonal: solved to 0)."""
     n = len(b)
     m = [[*row, b[i]] for i, row in enumerate(a)]
+    scale = [abs(a[i][i]) for i in range(n)]
+    singular = []
     for col in range(n):
         pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
         m[col], m[pivot] = m[pivot], m[col]
-        if abs(m[col][col]) < 1e-300:
+        if abs(m[col][col]) <= 1e-9 * scale[col] or abs(m[col][col]) < 1e-300:
+            singular.append(col)
             continue
         for r in range(n):
             if r != col:
                 k = m[r][col] / m[col][col]
                 m[r] = [x - k * y for x, y in zip(m[r], m[col], strict=True)]
-    return [m[i][n] / m[i][i] if abs(m[i][i]) >= 1e-300 else 0.0 for i in range(n)]
+    return [0.0 if i in singular else m[i][n] / m[i][i] for i in range(n)], singular
 
 
 ERROR_KEYS = ("comm_fraction", "t_iter", "t_comm", "t_exposed")
