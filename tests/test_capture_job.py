@@ -315,11 +315,13 @@ def capture_nanogpt(job: Path, **how: Any) -> None:
 def every_op_is_recorded(out: Path, torchrun: list[str], world: int, *script_args: str, rounds: int = 1) -> None:
     """``tests/data/jobs/every_op.py`` captured: each collective a job can call, async and sync, recorded once
     in the order called (``rounds`` times: once a device), ended, with its bytes (64 float32 elements a tensor;
-    an all-gather's output is the world's)."""
+    an all-gather's output is the world's, and so are a gather's and a scatter's on every rank: a gather was
+    recorded at the rank's own 256 B, its input, where a scatter was recorded whole)."""
     done = commgate("capture", "-o", out, "--", *torchrun, "every_op.py", *script_args)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    ops = ["all_reduce", "broadcast", "reduce", "all_gather", "all_gather", "reduce_scatter", "all_to_all", "barrier"]
-    size = {"all_gather": 256 * world, "barrier": 0}
+    ops = ["all_reduce", "broadcast", "reduce", "all_gather", "all_gather", "reduce_scatter", "all_to_all"]
+    ops += ["gather", "scatter", "barrier"]
+    size = {"all_gather": 256 * world, "gather": 256 * world, "scatter": 256 * world, "barrier": 0}
     for rank in range(world):
         calls = json.loads((out / f"rank{rank}.json").read_text())["calls"]
         assert [(c["op"], c["bytes"]) for c in calls] == [(op, size.get(op, 256)) for op in ops for _ in "as"] * rounds
@@ -471,6 +473,22 @@ def test_gloos_reduce_scatter_in_a_dump_is_the_captured_one(work: Path) -> None:
     assert "reduce_scatter: gloo runs, and records, its reduce_scatter as an all_reduce of the input" in done.stdout
     captured = json.loads((out / "rank0.json").read_text())["calls"]
     assert sum(c["op"] == "reduce_scatter" for c in captured) == 3
+
+
+def test_a_gather_and_a_scatter_are_the_whole_message_on_every_rank_captured_and_dumped(work: Path) -> None:
+    """A gather was recorded at the rank's own shard (its input: 1/n of the message) where a scatter was
+    recorded whole, and a dump off the root holds one side alone: found by an adversarial pass. Captured and
+    dumped, both are the world's 16 floats a rank on every rank, the dumped calls the captured ones."""
+    out = work / "gather-scatter"
+    assert capture(out, "--gather-scatter", dumps=work / "fr-gs").returncode == 0
+    for rank in range(2):
+        calls = json.loads((out / f"rank{rank}.json").read_text())["calls"]
+        rooted = [(c["op"], c["bytes"], c["root"]) for c in calls if c["op"] in ("gather", "scatter")]
+        assert rooted == [("gather", 128, 0), ("scatter", 128, 0)] * 3, rank
+    done = commgate("check", out, "--flight-recorder", work / "fr-gs", "--baseline-dir", work / "gs-baselines")
+    assert "every one of the dumps' 28 calls is a captured call" in done.stdout, done.stdout + done.stderr
+    alone = commgate("check", "--flight-recorder", work / "fr-gs")
+    assert alone.returncode == 0 and "the ranks agree on every call the dumps hold (28 calls)" in alone.stdout
 
 
 def test_a_hung_jobs_dumps_name_the_call_one_rank_never_issued(work: Path) -> None:

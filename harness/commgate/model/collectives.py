@@ -239,7 +239,7 @@ OPS: dict[Op, OpSpec] = {
             _one,
             "all_gather",
             rooted=True,
-            bindings=(_b("gather", 1),),
+            bindings=(_b("gather"),),
         ),
         OpSpec(
             Op.SCATTER,

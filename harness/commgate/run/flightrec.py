@@ -399,6 +399,10 @@ def _call(
     side_in = _size(file, e["input_sizes"], e["input_dtypes"], where)
     side_out = _size(file, e["output_sizes"], e["output_dtypes"], where)
     elements, dtype, nbytes = max(side_in, side_out)
+    group = groups[_pg(e)[0]]
+    if op in (Op.GATHER, Op.SCATTER) and not (e["input_sizes"] and e["output_sizes"]):
+        # off the root, the rank's own shard: 1/n of the message, as the capture records it (``_make_collective``)
+        elements, nbytes = elements * len(group), nbytes * len(group)
     duration_ms = e.get("duration_ms")
     created = int(e.get("time_created_ns") or 0)
     return CapturedCall(
@@ -407,7 +411,7 @@ def _call(
         step=0,
         phase="forward",
         op=op,
-        group=groups[_pg(e)[0]],
+        group=group,
         peer=None,
         dtype=dtype,
         elements=elements,

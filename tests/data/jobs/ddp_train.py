@@ -10,6 +10,7 @@ launched by torchrun.
   dump does, to ``$TORCH_FR_DUMP_TEMP_FILE<rank>`` (pickle) and ``<rank>.json`` (on NCCL, NCCL's recorder);
 * ``--reduce-scatter``: a reduce_scatter_tensor of the gradients' first layer after each step, as a sharded
   optimizer would (gloo runs, and its Flight Recorder records, it as an all_reduce);
+* ``--gather-scatter``: a gather of 16 floats a rank to rank 0 and a scatter of as many from it, each step;
 * ``--hang-at-end``: rank 0 issues one more all_reduce than rank 1, and the job hangs in it: rank 0 dumps
   its Flight Recorder from a thread once the stuck call is recorded (as the watchdog dumps a stuck NCCL job;
   gloo has none), rank 1 dumps and waits for rank 0's dump, then the job is ended (exit status 3);
@@ -58,6 +59,7 @@ def main() -> None:
     p.add_argument("--dump-fr", action="store_true", help="dump the Flight Recorder at the end, as on request")
     p.add_argument("--mark-steps", action="store_true", help="mark each step with commgate.capture.step()")
     p.add_argument("--reduce-scatter", action="store_true", help="a reduce_scatter_tensor after each step")
+    p.add_argument("--gather-scatter", action="store_true", help="a gather to rank 0, a scatter from it, each step")
     p.add_argument("--hang-at-end", action="store_true", help="rank 0 issues an all_reduce rank 1 never does")
     p.add_argument(
         "--linger", type=Path, help="after the steps, touch DIR/ready<rank> and wait (<= 300 s) for a signal"
@@ -105,6 +107,10 @@ def main() -> None:
         if a.reduce_scatter:
             grad = model.module.net[0].weight.grad.flatten()[:64].contiguous()
             dist.reduce_scatter_tensor(torch.empty(64 // dist.get_world_size(), device=device), grad)
+        if a.gather_scatter:  # rooted: the list is the root's alone
+            pieces = [torch.empty(16, device=device) for _ in range(dist.get_world_size())]
+            dist.gather(torch.ones(16, device=device), pieces if rank == 0 else None, dst=0)
+            dist.scatter(torch.empty(16, device=device), pieces if rank == 0 else None, src=0)
         opt.step()
         opt.zero_grad()
     if a.hang_at_end:

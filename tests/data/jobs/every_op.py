@@ -28,14 +28,15 @@ def main() -> None:
         every_op(device)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    print(f"rank {dist.get_rank()}: 8 ops, each async and sync, on {', '.join(map(str, devices))}", flush=True)
+    print(f"rank {dist.get_rank()}: 10 ops, each async and sync, on {', '.join(map(str, devices))}", flush=True)
     dist.destroy_process_group()
 
 
 def every_op(device: torch.device) -> None:
-    world = dist.get_world_size()
+    world, root = dist.get_world_size(), dist.get_rank() == 0
     t, out = torch.ones(N, device=device), torch.empty(N * world, device=device)
     shard = torch.empty(N // world, device=device)
+    pieces = list(torch.empty(N * world, device=device).chunk(world))  # gather's output, scatter's input (root)
     ops = {
         "all_reduce": lambda s: dist.all_reduce(t, async_op=s),
         "broadcast": lambda s: dist.broadcast(t, 0, async_op=s),
@@ -44,6 +45,8 @@ def every_op(device: torch.device) -> None:
         "all_gather_into_tensor": lambda s: dist.all_gather_into_tensor(out, t, async_op=s),
         "reduce_scatter_tensor": lambda s: dist.reduce_scatter_tensor(shard, t, async_op=s),
         "all_to_all_single": lambda s: dist.all_to_all_single(torch.empty_like(t), t, async_op=s),
+        "gather": lambda s: dist.gather(t, pieces if root else None, dst=0, async_op=s),
+        "scatter": lambda s: dist.scatter(t, pieces if root else None, src=0, async_op=s),
         "barrier": lambda s: dist.barrier(async_op=s),
     }
     for op in ops.values():
