@@ -37,7 +37,10 @@ measured on CPU gloo ranks (paths under ``megatron/core/``):
   ``sequence_parallel`` (both norms and the row-parallel biases of each layer, the final norm) all-reduced
   as one tensor over the tensor-parallel group (``distributed/finalize_model_grads.py:376``).
 * The optimizer: the gradient norm's all-reduce (one fp32, ``optimizer/clip_grads.py:130``) over the
-  model-parallel group, or with the distributed optimizer over every rank; none with ``clip_grad`` 0.
+  model-parallel group, or with the distributed optimizer over every rank, whatever ``clip_grad`` is:
+  ``get_megatron_optimizer`` returns a ``ChainedOptimizer``, whose ``step`` computes the norm before it
+  clips only above 0 (``optimizer/optimizer.py:1314``; with ``clip_grad`` 0 it was left out, 4 B a step
+  unexplained: found by an adversarial pass).
 * Construction: ``get_megatron_optimizer`` all-gathers its parameter-group keys with
   ``all_gather_object`` (``optimizer/__init__.py:181``): the pickled keys' sizes, then the keys.
 
@@ -128,7 +131,12 @@ OPTIONS: dict[str, Any] = {
         },
         "grad_reduce_in_fp32": _BOOL | {"default": False},
         "average_in_collective": _BOOL | {"default": False},
-        "clip_grad": {"type": "number", "minimum": 0, "default": 1.0, "description": "0: no gradient norm."},
+        "clip_grad": {
+            "type": "number",
+            "minimum": 0,
+            "default": 1.0,
+            "description": "0: no clipping (the gradient norm is still computed and all-reduced).",
+        },
         "seed": {"type": "integer", "minimum": 0, "default": 1234},
         "recompute_granularity": {
             "enum": ["full", "selective"],
@@ -469,21 +477,21 @@ class MegatronDDP:
                         f"all-reduced{on} (finalize_model_grads.py:376)",
                     )
                 )
-        if job.clip_grad > 0:
-            norm_groups = lay.world() if job.use_distributed_optimizer else lay.mp_groups()
-            rows.append(
-                replace(
-                    base,
-                    axis="world" if job.use_distributed_optimizer else "mp",
-                    groups=norm_groups,
-                    dtype="fp32",
-                    elements=1,
-                    phase=Phase.OPTIMIZER,
-                    paper_term=None,
-                    overlaps=False,
-                    source="gradient-norm all-reduce (clip_grads.py:130)",
-                )
+        # ChainedOptimizer.step computes the norm whatever clip_grad is (optimizer.py:1314)
+        norm_groups = lay.world() if job.use_distributed_optimizer else lay.mp_groups()
+        rows.append(
+            replace(
+                base,
+                axis="world" if job.use_distributed_optimizer else "mp",
+                groups=norm_groups,
+                dtype="fp32",
+                elements=1,
+                phase=Phase.OPTIMIZER,
+                paper_term=None,
+                overlaps=False,
+                source="gradient-norm all-reduce (clip_grads.py:130; computed whatever clip_grad is)",
             )
+        )
         return rows + _construction(ctx)
 
     def paper_terms(self, ctx: Context) -> list[PaperTerm]:
