@@ -942,9 +942,11 @@ class AccelerateFullyShard(NotInThePaper):
     the forward; its gradients reduce-scattered once a step (Trainer runs all micro-batches but the last in
     accelerate's ``no_sync``, which turns FSDP2's gradient sync off: ``trainer.py:1896-1907``,
     ``accelerator.py:1166-1171``), in the ``MixedPrecisionPolicy``'s dtypes (accelerate's for ``bf16``: both
-    bf16). Then Trainer's gradient
-    clipping (``max_grad_norm`` > 0): ``clip_grad_norm_`` over the DTensor gradients, whose stacked
-    per-parameter norms (fp32, one per parameter) are all-reduced once a step (``accelerator.py:3014-3022``)."""
+    bf16). Then Trainer's gradient norm, whatever ``max_grad_norm`` is (``trainer.py:1937-1940``:
+    ``_get_grad_norm`` clips at infinity where ``max_grad_norm`` is 0; transformers 5.23 and 5.24):
+    ``clip_grad_norm_`` over the DTensor gradients, whose stacked per-parameter norms (fp32, one per
+    parameter) are all-reduced once a step (``accelerator.py:3014-3022``; with ``max_grad_norm`` 0 it was left
+    out, 304 B a step unexplained: found by an adversarial pass)."""
 
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         s = ctx.scenario
@@ -959,9 +961,10 @@ class AccelerateFullyShard(NotInThePaper):
                 rows.append(_row(ctx, Op.ALL_GATHER, gather, u.padded(d), Phase.BACKWARD,
                                  f"{what}: all-gather (backward: resharded after forward)", calls=m))  # fmt: skip
             rows.append(_row(ctx, Op.REDUCE_SCATTER, reduce, u.padded(d), Phase.BACKWARD, f"{what}: reduce-scatter"))
-        if s.trainer_config["training_args"]["max_grad_norm"]:
-            n = sum(len(u.params) for u in units(s))
-            rows.append(_row(ctx, Op.ALL_REDUCE, "fp32", n, Phase.FORWARD, "Trainer: gradient clipping's norms"))
+        n = sum(len(u.params) for u in units(s))
+        rows.append(
+            _row(ctx, Op.ALL_REDUCE, "fp32", n, Phase.FORWARD, "Trainer: the gradient norm's per-parameter norms")
+        )
         return rows
 
 
@@ -1004,7 +1007,8 @@ def derived(scenario: Scenario) -> tuple[str, ...]:
             f"{f.reduce_dtype or f.param_dtype or scenario.model.dtype}, activation_checkpointing = "
             f"{bool(a['fsdp_config'].get('activation_checkpointing'))}, groups: "
             + ", ".join(u.name for u in units(scenario))
-            + (f"; clipping's norms all-reduced (max_grad_norm {a['max_grad_norm']})" if a["max_grad_norm"] else "")
+            + f"; the gradient norms all-reduced each step (max_grad_norm {a['max_grad_norm']}: Trainer computes "
+            "them at 0 too)"
         )
     elif r.config is None:
         lines.append(f"ddp_find_unused_parameters = {a['ddp_find_unused_parameters']} (Trainer's choice unless given)")
