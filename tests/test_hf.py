@@ -473,6 +473,15 @@ def test_a_gpu_only_deepspeed_optimizer_is_skipped_on_cpu_saying_why(tmp_path: P
     (s,) = load_text(scenario(TINY, tmp_path / "lamb.json", {"per_device_train_batch_size": 1}))
     assert "FusedLamb has no CPU kernel" in (skip_reason(s, gpus=False) or "")
     assert skip_reason(replace(s, backend="nccl"), gpus=True) is None
+    # Lion too (found by an adversarial pass), unless the optimizer is offloaded: DeepSpeedCPULion then
+    ds["optimizer"] = {"type": "Lion", "params": {"lr": "auto"}}
+    (tmp_path / "lion.json").write_text(json.dumps(ds))
+    (lion,) = load_text(scenario(TINY, tmp_path / "lion.json", {"per_device_train_batch_size": 1}))
+    assert "FusedLion has no CPU kernel" in (skip_reason(lion, gpus=False) or "")
+    ds["zero_optimization"] = ds.get("zero_optimization", {}) | {"offload_optimizer": {"device": "cpu"}}
+    (tmp_path / "lion.json").write_text(json.dumps(ds))
+    (offloaded,) = load_text(scenario(TINY, tmp_path / "lion.json", {"per_device_train_batch_size": 1}))
+    assert skip_reason(offloaded, gpus=False) is None
 
 
 def test_ddp_autocast_over_a_16_bit_model_is_refused_naming_the_trainer_fields(tmp_path: Path) -> None:

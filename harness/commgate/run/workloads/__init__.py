@@ -188,7 +188,11 @@ def skip_reason(scenario: Scenario, *, gpus: bool) -> str | None:
         return None
     section = scenario.deepspeed_config.get("optimizer")
     kind = str(section.get("type", "")) if isinstance(section, dict) else ""
-    if kind.lower() in GPU_ONLY_OPTIMIZERS and (not gpus or scenario.backend == "gloo"):
+    zo = scenario.deepspeed_config.get("zero_optimization")
+    offload = zo.get("offload_optimizer") if isinstance(zo, dict) else None
+    on_cpu = isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme")  # zero_use_cpu_optimizer
+    gpu_only = kind.lower() in GPU_ONLY_OPTIMIZERS and not (kind.lower() == "lion" and on_cpu)
+    if gpu_only and (not gpus or scenario.backend == "gloo"):
         return f"deepspeed optimizer {kind!r}: {GPU_ONLY_OPTIMIZERS[kind.lower()]} (`commgate predict` models it)"
     if scenario.model.tied_embeddings and par.pp > 1 and par.pipeline.engine == "torch":
         why = "torch.distributed.pipelining ties no weights across stages; DeepSpeed's engine does (engine: deepspeed)"
@@ -208,8 +212,12 @@ GPU_ONLY_OPTIMIZERS = {
     "onebitadam": "DeepSpeed's 1-bit Adam compresses with CUDA kernels",
     "onebitlamb": "DeepSpeed's 1-bit LAMB compresses with CUDA kernels",
     "zerooneadam": "DeepSpeed's 0/1 Adam compresses with CUDA kernels",
+    "lion": "DeepSpeed's FusedLion has no CPU kernel (DeepSpeedCPULion runs with offload_optimizer on the cpu)",
 }
-"""DeepSpeed optimizers (``optimizer.type``, lower case) that run on GPUs only: a CPU run is skipped saying so."""
+"""DeepSpeed optimizers (``optimizer.type``, lower case) that run on GPUs only: a CPU run is skipped saying so
+(Lion only without ``offload_optimizer`` on the CPU: ``engine.py``'s ``zero_use_cpu_optimizer`` takes
+``DeepSpeedCPULion`` then). Lion was missing: a CPU run raised FusedLion's error with a traceback (found by an
+adversarial pass)."""
 
 
 def _missing_schedule(schedule: str) -> str | None:
