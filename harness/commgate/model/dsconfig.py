@@ -108,8 +108,18 @@ MODELLED: dict[tuple[str, ...], tuple[Callable[[Any, int], bool], str, str]] = {
         "a count >= 1",
         "optimizer sub-groups",
     ),
-    ("zero_optimization", "zero_quantized_weights"): (_absent, "left out", "qwZ (set parallelism.zero.qwz)"),
-    ("zero_optimization", "zero_quantized_gradients"): (_absent, "left out", "qgZ (set parallelism.zero.qgz)"),
+    # DeepSpeed's default, false, is what a ZeRO++ template often writes out (found by an adversarial pass);
+    # commgate's own workloads run qwZ and qgZ from parallelism.zero (scheme zero++)
+    ("zero_optimization", "zero_quantized_weights"): (
+        _is(False),
+        "false",
+        "qwZ set in the deepspeed block (set parallelism.zero.qwz: true under scheme zero++)",
+    ),
+    ("zero_optimization", "zero_quantized_gradients"): (
+        _is(False),
+        "false",
+        "qgZ set in the deepspeed block (set parallelism.zero.qgz: true under scheme zero++)",
+    ),
     ("zero_optimization", "offload_optimizer"): (
         _cpu_offload,
         "device none or cpu, the whole of it",

@@ -833,6 +833,9 @@ def _from_deepspeed(
         take(
             zero, "hpz", zo["zero_hpz_partition_size"], "zero_optimization.zero_hpz_partition_size", "parallelism.zero"
         )
+    for key, field in (("zero_quantized_weights", "qwz"), ("zero_quantized_gradients", "qgz")):
+        if zo.get(key) is False and zero.get(field) is True:
+            bad(["deepspeed", "zero_optimization", key], f"False contradicts parallelism.zero.{field} = True")
     if dsconfig.given(zo.get("stage", "auto")):
         implied = SCHEMES[par["scheme"]].zero_stage if par.get("scheme") in SCHEMES else None
         stage = zero.get("stage", implied if implied is not None else 0)
