@@ -215,3 +215,20 @@ def test_fsdp_with_tensor_parallelism_emulated_is_built_on_the_meta_device_too()
     # DDP with tensor parallelism (scheme tp) builds the whole model first, emulated or not
     (ddp_tp,) = load_text(text.replace("scheme: fsdp", "scheme: tp"))
     assert per_rank(ddp_tp, 0).params >= 70e9 * 4
+
+
+def test_commgate_run_emulate_skips_a_trainers_scenario_whose_file_would_be_refused() -> None:
+    """``emulate: true`` in a trainer's scenario is refused at load; ``commgate run --emulate`` set it after the
+    load and ran the trainer emulated all the same (found by an adversarial pass): it is skipped saying why."""
+    import dataclasses
+
+    from commgate.run.workloads import skip_reason
+
+    text = "schema_version: 1\nname: m\ntrainer: megatron\nmodel: {L: 2, h: 32, a: 4, V: 128, s: 16}\n"
+    text += "parallelism: {scheme: ddp, dp: 2}\n"
+    (s,) = load_text(text)
+    assert skip_reason(s, gpus=False) is None
+    why = skip_reason(dataclasses.replace(s, emulate=True), gpus=False)
+    assert why == "not emulated: megatron's ranks all run (an emulated megatron run is not supported yet)"
+    with pytest.raises(ScenarioError, match=r"\$.emulate: true: megatron's ranks all run"):
+        load_text(text + "emulate: true\n")

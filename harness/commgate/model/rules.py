@@ -153,15 +153,18 @@ def user_workload(c: Check) -> None:
         c.bad(["workload"], f"{spec!r} is a {type(fn).__name__}, not a callable")
 
 
-def emulation_refusal(backend: str, workload: str | None) -> str | None:
-    """Why a scenario cannot run emulated, or None. A started rank stands for the ranks that run the same
-    code on the same shapes as it: its data-parallel peers (data, context, expert parallelism); pipeline
-    stages hold different layers and run as real processes, one per stage and tensor shard
-    (``commgate.run.emulate.started_ranks``)."""
+def emulation_refusal(backend: str, workload: str | None, trainer: str = "commgate") -> str | None:
+    """Why a scenario cannot run emulated, or None: in a file (``emulate: true``) and under ``commgate run
+    --emulate`` alike (that flag let a trainer's scenario run emulated where its file was refused: found by an
+    adversarial pass). A started rank stands for the ranks that run the same code on the same shapes as it:
+    its data-parallel peers (data, context, expert parallelism); pipeline stages hold different layers and run
+    as real processes, one per stage and tensor shard (``commgate.run.emulate.started_ranks``)."""
     if backend == "nccl":
         return "an emulated run exchanges nothing, on CPU (backend gloo or auto, not nccl)"
     if workload is not None:
         return "your own workload runs on real ranks only (its step may rely on its peers' data)"
+    if trainer != "commgate":
+        return f"{trainer}'s ranks all run (an emulated {trainer} run is not supported yet)"
     return None
 
 
@@ -169,7 +172,7 @@ def emulation(c: Check) -> None:
     if not c.doc.get("emulate"):
         return
     workload = c.doc.get("workload") if isinstance(c.doc.get("workload"), str) else None
-    if why := emulation_refusal(c.doc.get("backend", "auto"), workload):
+    if why := emulation_refusal(c.doc.get("backend", "auto"), workload, c.trainer):
         c.bad(["emulate"], f"true: {why}")
 
 

@@ -698,8 +698,6 @@ def megatrons_axes(c: Check) -> None:
             [MG, "recompute_granularity"],
             f"{block['recompute_granularity']}: parallelism.activation_checkpointing is false; set it true",
         )
-    if c.doc.get("emulate"):
-        c.bad(["emulate"], "true: Megatron's ranks all run (an emulated Megatron run is not supported)")
     if par.sequence_parallel and par.tp > 1 and c.model.s % par.tp:
         c.bad(["model", "s"], f"{c.model.s}: sequence parallelism splits the sequence over tp={par.tp}")
 

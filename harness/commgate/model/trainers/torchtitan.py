@@ -1335,8 +1335,6 @@ def torchtitans_axes(c: Check) -> None:
             "torchtitan's FSDP2 options are its own: torchtitan.fsdp_reshard_after_forward and "
             "torchtitan.mixed_precision_param (reduce is float32)",
         )
-    if c.doc.get("emulate"):
-        c.bad(["emulate"], "true: torchtitan's ranks all run (an emulated torchtitan run is not supported yet)")
     if c.scheme.tensor and par.dp > 1:
         c.bad(
             [P, "dp"],

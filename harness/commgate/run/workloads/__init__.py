@@ -180,7 +180,7 @@ def resolve(scenario: Scenario) -> WorkloadFactory:
 def skip_reason(scenario: Scenario, *, gpus: bool) -> str | None:
     """Why ``scenario`` cannot run here (``gpus``: whether this machine has any), or None."""
     par = scenario.parallelism
-    if scenario.emulate and (why := emulation_refusal(scenario.backend, scenario.workload)):
+    if scenario.emulate and (why := emulation_refusal(scenario.backend, scenario.workload, scenario.trainer)):
         return f"not emulated: {why}"
     if not gpus and ("gpu" in scenario.markers or scenario.backend == "nccl"):
         return "needs GPUs (marker gpu or backend nccl); this machine has none"
