@@ -569,6 +569,33 @@ def test_a_build_lock_whose_build_is_running_says_wait_not_delete(tmp_path: Path
     assert f"(pid {building.pid})" in words and words.endswith("waiting") and "delete" not in words
 
 
+def test_at_exit_another_processs_build_does_not_keep_this_runs_forkserver(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Any build on the machine (another run's, another job's) made a run's exit say "the ranks' forkserver is
+    finishing a build" and leave its forkserver to unwind as an orphan (found by an adversarial pass): only a
+    build under this run's own forkserver keeps it."""
+    from commgate.run import launcher
+
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    stopped: list[list[int]] = []
+    monkeypatch.setattr(launcher, "build_locks", lambda: [lock])
+    monkeypatch.setattr(launcher, "_stop_forkserver", lambda tree=None: stopped.append(tree or []))
+    building = subprocess.Popen(["sleep", "60"], cwd=lock.parent)  # another process's compiler at work
+    try:
+        monkeypatch.setattr(launcher, "_forkserver_tree", lambda: [os.getpid()])  # this run's: not building
+        launcher._forkserver_at_exit()
+        assert stopped == [[os.getpid()]] and "finishing a build" not in capsys.readouterr().err
+        monkeypatch.setattr(launcher, "_forkserver_tree", lambda: [os.getpid(), building.pid])  # its own build
+        launcher._forkserver_at_exit()
+        assert len(stopped) == 1 and "the ranks' forkserver is finishing a build" in capsys.readouterr().err
+    finally:
+        building.kill()
+        building.wait()
+
+
 def test_a_stale_lock_beside_a_running_build_is_the_one_named(tmp_path: Path) -> None:
     """The forkserver builds commgate's completion stamps, then DeepSpeed's op: with the stamps' build at work
     and a lock a killed DeepSpeed build left, the words name the stale lock to delete (waiting would not end),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 ENV = "TORCH_EXTENSIONS_DIR"
@@ -42,12 +43,13 @@ def build_locks() -> list[Path]:
     return sorted(root.glob("*/*/lock")) + sorted(root.glob("*/lock"))
 
 
-def builder(lock: Path) -> int | None:
+def builder(lock: Path, among: Iterable[int] | None = None) -> int | None:
     """The pid of a process building in ``lock``'s directory (its working directory, or the directory in its
-    command line: torch runs ninja there, and ninja the compiler), None when none is (Linux's ``/proc``;
-    elsewhere None)."""
+    command line: torch runs ninja there, and ninja the compiler), of the processes ``among`` (default every
+    one), None when none is (Linux's ``/proc``; elsewhere None)."""
     where = str(lock.parent)
-    for entry in Path("/proc").glob("[0-9]*"):
+    entries = Path("/proc").glob("[0-9]*") if among is None else (Path(f"/proc/{pid}") for pid in among)
+    for entry in entries:
         try:
             if os.readlink(entry / "cwd") == where or where.encode() in (entry / "cmdline").read_bytes():
                 return int(entry.name)

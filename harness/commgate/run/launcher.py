@@ -271,27 +271,35 @@ def _lock_words(locks: list[Path]) -> str:
     )
 
 
-def _stop_forkserver() -> None:
-    """Kill the forkserver this process started and everything it started (a build's compilers: the next
-    start begins afresh)."""
+def _forkserver_tree() -> list[int]:
+    """The forkserver this process started and every process under it (its ranks, a build's compilers)."""
     parents: dict[int, int] = {}
     for proc in Path("/proc").iterdir():
         with contextlib.suppress(OSError, ValueError, IndexError):
             parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-    doomed = [pid for pid, ppid in parents.items() if ppid == os.getpid() and _is_forkserver(pid)]
-    for pid in doomed:  # the list grows as it is walked: each doomed process's children join it
-        doomed += [child for child, ppid in parents.items() if ppid == pid]
-    for pid in doomed:
+    tree = [pid for pid, ppid in parents.items() if ppid == os.getpid() and _is_forkserver(pid)]
+    for pid in tree:  # the list grows as it is walked: each process's children join it
+        tree += [child for child, ppid in parents.items() if ppid == pid]
+    return tree
+
+
+def _stop_forkserver(tree: list[int] | None = None) -> None:
+    """Kill the forkserver this process started and everything it started (a build's compilers: the next
+    start begins afresh)."""
+    for pid in _forkserver_tree() if tree is None else tree:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
 
 
 def _forkserver_at_exit() -> None:
     """At this process's exit its forkserver (torch and DeepSpeed imported) would take seconds to unwind after
-    it, an orphan meanwhile: it has nothing to keep, so it is killed, unless a build of its is under way (a
-    build killed halfway leaves a lock every later one waits for): then it finishes that, and says so."""
-    if not (locks := build_locks()) or not any(builder(lock) for lock in locks):
-        _stop_forkserver()
+    it, an orphan meanwhile: it has nothing to keep, so it is killed, unless a build of its own is under way (a
+    build killed halfway leaves a lock every later one waits for): then it finishes that, and says so. Another
+    process's build (another run's, another job's on the machine) is not its own: that was said of it, and the
+    forkserver left to unwind as an orphan (found by an adversarial pass)."""
+    tree = _forkserver_tree()
+    if not (locks := build_locks()) or not any(builder(lock, among=tree) for lock in locks):
+        _stop_forkserver(tree)
         return
     print("commgate: the ranks' forkserver is finishing a build of DeepSpeed's op or commgate's stamps; it exits "
           "when that is done", file=sys.stderr)  # fmt: skip
