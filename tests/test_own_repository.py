@@ -175,6 +175,21 @@ def test_commands_without_paths_read_the_folder_the_pytest_configuration_names(t
         )
 
 
+def test_init_with_a_module_refuses_fsdp_naming_the_schemes_it_models(tmp_path: Path) -> None:
+    """``--module`` with ``--schemes ddp,fsdp`` was refused naming ``comm/model-fsdp.yaml``, a file never written
+    (found by an adversarial pass); the refusal names the option, and nothing is written."""
+    from commgate.core.errors import UsageError
+    from commgate.model.starter import start
+
+    with pytest.raises(UsageError) as info:
+        start(repo=tmp_path, module="model:build", schemes=("ddp", "fsdp"))
+    assert str(info.value) == (
+        "--schemes fsdp: a user's module (--module) is modelled under ddp, zero1, zero2, zero3; leave fsdp out, "
+        "or start from --preset or --hf for it"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_init_says_to_ignore_out_where_the_repository_ignores_files_already(tmp_path: Path) -> None:
     """ci.sh writes its reports to out/commgate, which showed as untracked (a newcomer's walkthrough): init
     writes a .gitignore naming out/ where there is none, and says what to add to one that lacks it."""

@@ -163,6 +163,12 @@ def start(
             "write one of those, then copy it and set the degree by hand (parallelism.tp, pp, cp, moe or "
             "zero.hpz; docs/scenarios.md)"
         )
+    if module and (others := [s for s in schemes if not SCHEMES[s].user_module]):
+        able = ", ".join(n for n in DATA_PARALLEL if SCHEMES[n].user_module)
+        raise UsageError(  # it named the file it would have written (found by an adversarial pass)
+            f"--schemes {','.join(others)}: a user's module (--module) is modelled under {able}; leave "
+            f"{','.join(others)} out, or start from --preset or --hf for it"
+        )
     model, base, notes = _model(module, preset, hf, dp, s)
     files: dict[Path, str] = {}
     for scheme in schemes:
