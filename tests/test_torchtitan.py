@@ -597,6 +597,10 @@ def test_the_adapter_builds_the_scenarios_job_through_torchtitans_config_manager
     bad = Job.from_block({"config": "no_such_config"})
     with pytest.raises(CommgateError, match=r"torchtitan could not build config llama3:no_such_config"):
         tt.parse(s, bad, tt.overrides(s, bad, tokenizer=tmp_path, data=tmp_path, dump=tmp_path))
+    # an override torchtitan's parser refuses: its words, not "SystemExit: 2" alone (found by an adversarial pass)
+    typo = Job.from_block({"config": "llama3_debugmodel", "args": ["--optimizer.lrr", "1e-4"]})
+    with pytest.raises(CommgateError, match=r"SystemExit: 2: Unrecognized options: --optimizer.lrr, 1e-4$"):
+        tt.parse(s, typo, tt.overrides(s, typo, tokenizer=tmp_path, data=tmp_path, dump=tmp_path))
 
 
 def test_a_compiled_config_runs_only_with_compile_left_off(tt: Any, tmp_path: Path) -> None:

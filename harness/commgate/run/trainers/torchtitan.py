@@ -57,6 +57,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
+import io
 import json
 import os
 import random
@@ -457,16 +458,35 @@ def read(argv: list[str], where: str) -> tuple[Any, bool]:
         warnings.simplefilter("ignore", DeprecationWarning)
         from torchtitan.config import ConfigManager
 
+    said = io.StringIO()
     try:
         with warnings.catch_warnings():
             # what torchtitan's imports warn of (deprecations in torch and its dependencies), not the job's
             warnings.simplefilter("ignore", DeprecationWarning)
             warnings.simplefilter("ignore", FutureWarning)
-            with float8_disabled() as float8:
+            with float8_disabled() as float8, contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
                 return ConfigManager().parse_args(argv), bool(float8)
-    except (Exception, SystemExit) as exc:  # tyro exits on a bad flag
+    except (Exception, SystemExit) as exc:  # tyro exits on a bad flag, having printed why
         what = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if isinstance(exc, SystemExit) and (words := _parser_said(said.getvalue())):
+            what = f"{exc.code}: {words}"  # it said "SystemExit: 2", the parser's words lost (adversarial pass)
         raise CommgateError(f"torchtitan could not build config {where}: {type(exc).__name__}: {what}") from None
+
+
+def _parser_said(text: str) -> str:
+    """What tyro printed as it refused the arguments, on one line: its box's text from its title on (what
+    torchtitan printed before it, a config's own warnings, left out), without the box drawing, separators,
+    usage lines, or a title the next line repeats (``Unrecognized options: --optimizer.lrr, 1e-4``)."""
+    lines: list[str] = []
+    for line in text.splitlines():
+        words = " ".join(line.strip(" │╭╮╰╯─━┃┏┓┗┛\t").split())
+        if not words.strip("-=─━ ") or words.startswith(("usage:", "For full helptext")) or words.endswith("--help"):
+            continue
+        lines.append(words)
+    titled = [i for i, w in enumerate(lines) if any(k in w.lower() for k in ("unrecognized", "error", "invalid"))]
+    lines = lines[titled[0] :] if titled else lines
+    kept = [w for w, after in zip(lines, [*lines[1:], ""], strict=True) if not after.startswith(w)]
+    return "; ".join(kept)[:400]
 
 
 def parse(scenario: Scenario, job: Job, argv: list[str]) -> Any:
