@@ -480,7 +480,8 @@ def _parser_said(text: str) -> str:
     lines: list[str] = []
     for line in text.splitlines():
         words = " ".join(line.strip(" │╭╮╰╯─━┃┏┓┗┛\t").split())
-        if not words.strip("-=─━ ") or words.startswith(("usage:", "For full helptext")) or words.endswith("--help"):
+        helptext = words.startswith(("usage:", "For full helptext")) or words.endswith("--help")
+        if not words.strip("-=─━ ") or helptext:
             continue
         lines.append(words)
     titled = [i for i, w in enumerate(lines) if any(k in w.lower() for k in ("unrecognized", "error", "invalid"))]
