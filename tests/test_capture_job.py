@@ -719,36 +719,59 @@ def test_a_dump_that_names_a_python_object_is_refused_unread(tmp_path: Path) -> 
     assert read(good).calls == ()  # loaded: a dump of no calls
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP, signal.SIGTERM], ids=["int", "hup", "term"])
-def test_an_interrupted_capture_waits_for_the_job_and_keeps_every_ranks_capture(work: Path, signum: int) -> None:
-    """``kill -INT`` to ``commgate capture`` left torchrun and its ranks running (orphans, no job.json); a
-    SIGHUP (a closed terminal) was passed on to ranks that died of it unwritten: 0 rank files (found by an
-    adversarial pass). Each is passed on, and the capture ends with the job, every rank's file written."""
+def signalled_when_ready(out: Path, flag: str, ready: Path, signum: int, settle_s: float = 0) -> tuple[int, str]:
+    """``ddp_train.py --steps 2 FLAG READY`` captured to ``out``; once both ranks have touched their file in
+    ``ready`` (and ``settle_s`` later), ``signum`` to ``commgate capture``: its exit status and stderr."""
     import time
 
-    name = signal.Signals(signum).name.lower()
-    out, ready = work / f"interrupted-{name}", work / f"ready-{name}"
-    ready.mkdir()
     cmd = [sys.executable, "-m", "commgate", "capture", "-o", str(out), "--", *TORCHRUN, "ddp_train.py", "--steps", "2",
-           "--linger", str(ready)]  # fmt: skip
+           flag, str(ready)]  # fmt: skip
     with subprocess.Popen(cmd, cwd=JOBS, stdout=PIPE, stderr=PIPE, text=True, start_new_session=True) as p:
         try:
             deadline = time.monotonic() + BOUND_S
             while len(list(ready.iterdir())) < 2 and p.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.1)  # both ranks past their steps, waiting for the signal
             assert len(list(ready.iterdir())) == 2, p.communicate(timeout=BOUND_S)
+            time.sleep(settle_s)
             p.send_signal(signum)
             _, err = p.communicate(timeout=BOUND_S)
         finally:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-    assert p.returncode != 0 and f"commgate capture: 2 rank file(s) in {out}" in err, err  # the job's own tracebacks
+    return p.returncode, err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP, signal.SIGTERM], ids=["int", "hup", "term"])
+def test_an_interrupted_capture_waits_for_the_job_and_keeps_every_ranks_capture(work: Path, signum: int) -> None:
+    """``kill -INT`` to ``commgate capture`` left torchrun and its ranks running (orphans, no job.json); a
+    SIGHUP (a closed terminal) was passed on to ranks that died of it unwritten: 0 rank files (found by an
+    adversarial pass). Each is passed on, and the capture ends with the job, every rank's file written."""
+
+    name = signal.Signals(signum).name.lower()
+    out, ready = work / f"interrupted-{name}", work / f"ready-{name}"
+    ready.mkdir()
+    status, err = signalled_when_ready(out, "--linger", ready, signum)
+    assert status != 0 and f"commgate capture: 2 rank file(s) in {out}" in err, err  # the job's own tracebacks
     from commgate.run.captured import load
 
     captured = load(out)  # job.json and both ranks' files
-    assert captured.exit_status == p.returncode and captured.steps == 2, err
+    assert captured.exit_status == status and captured.steps == 2, err
     left = subprocess.run(["pgrep", "-f", f"--linger {ready}"], capture_output=True, text=True).stdout.split()
     assert left == [], f"processes of the job left running: {left}"
+
+
+def test_ranks_blocked_inside_gloo_keep_their_capture_when_the_job_is_terminated(work: Path) -> None:
+    """Both ranks waiting in gloo on each other: a Python signal handler never ran in a rank blocked in a call,
+    so SIGTERM was ignored until torchrun's SIGKILL 30 s later and both captures were lost (found by an
+    adversarial pass). Each rank writes its capture as it is terminated, how it ended said."""
+    out, ready = work / "deadlock", work / "ready-deadlock"
+    ready.mkdir()
+    _, err = signalled_when_ready(out, "--deadlock", ready, signal.SIGTERM, settle_s=3)  # into the blocking call
+    assert f"commgate capture: 2 rank file(s) in {out}" in err, err
+    for rank in range(2):
+        meta = json.loads((out / f"rank{rank}.meta.json").read_text())
+        assert meta["ended"] == f"terminated by signal {int(signal.SIGTERM)}", meta["ended"]
+    assert [f.name for f in out.iterdir() if f.name.endswith(".tmp")] == []
 
 
 @pytest.mark.parametrize(
@@ -889,3 +912,28 @@ def test_the_bootstrap_says_a_failing_sitecustomize_of_the_user_s_as_python_does
     env["PYTHONPATH"] = str(BOOTSTRAP)
     done = subprocess.run([sys.executable, "-c", "print('ran')"], env=env, capture_output=True, text=True)
     assert (done.stdout, done.stderr) == ("ran\n", "")
+
+
+def test_a_job_started_by_torch_multiprocessing_spawn_is_captured(work: Path) -> None:
+    """PyTorch's tutorial DDP script: ``mp.spawn`` gives each worker its rank as an argument and the worker
+    names it to ``init_process_group``; no ``RANK`` in its environment, so nothing was captured and the
+    one line said to end the ranks normally (found by an adversarial pass). Each worker is a rank from that
+    call on: its calls, its world and how it was started are in its capture."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    out = work / "spawn"
+    done = commgate("capture", "-o", out, "--", sys.executable, "spawn_train.py", port)
+    assert done.returncode == 0 and "2 rank file(s)" in done.stdout + done.stderr, done.stdout + done.stderr
+    for rank in range(2):
+        calls = json.loads((out / f"rank{rank}.json").read_text())["calls"]
+        assert [(c["op"], c["bytes"]) for c in calls if c["op"] == "all_reduce" and c["bytes"] == 32] == [
+            ("all_reduce", 32)
+        ] * 2
+        meta = json.loads((out / f"rank{rank}.meta.json").read_text())
+        assert (meta["rank"], meta["world_size"], meta["ended"]) == (rank, 2, "exited")
+        assert meta["launcher"].startswith("a process that named its own rank")
+    checked = commgate("check", out, "--baseline-dir", work / "spawn-baselines", "--update-baselines")
+    assert checked.returncode == 0 and "2 ranks" in checked.stdout, checked.stdout + checked.stderr

@@ -209,8 +209,8 @@ JOB_SCHEMA: dict[str, Any] = {
 RECAPTURE = "; capture the job again (commgate capture -o NEW_DIR -- COMMAND)"
 NONE_WRITTEN = (
     "the job's ranks wrote no capture: a rank writes it when it ends, which os._exit and SIGKILL skip, and a "
-    "process without RANK in its environment (torchrun sets it) is not a rank; end the ranks normally (return, "
-    "sys.exit)"
+    "process is a rank with RANK in its environment (torchrun sets it) or once it names its rank to "
+    "init_process_group (torch.multiprocessing.spawn's workers); end the ranks normally (return, sys.exit)"
 )
 
 

@@ -20,7 +20,9 @@ in every Python process the launcher starts. In a rank (``RANK`` set) with ``COM
   commgate run's rank writes them) and ``DIR/rank{r}.meta.json`` (the job, the launcher, the host, the
   versions, how the process ended).
 
-Nothing of this runs, and torch is not imported, in a process without ``RANK`` (the launcher itself).
+Nothing of this runs, and torch is not imported, in a process without ``RANK`` (the launcher itself), unless
+it imports torch.distributed and calls ``init_process_group`` with a ``rank`` (a worker of
+``torch.multiprocessing.spawn``): then it is a rank from that call on (``arm``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ COMMAND_ENV = "COMMGATE_CAPTURE_COMMAND"
 """The command ``commgate capture`` ran (provenance)."""
 OWNER_ENV = "COMMGATE_CAPTURE_OWNER"
 """Set by a rank's capture to ``<pid>:<rank>``: a process it starts, which inherits ``RANK``, is not that rank."""
+ARMED_ENV = "COMMGATE_CAPTURE_RANK_FROM_INIT"
+"""Set by ``arm`` in a process whose rank came from its ``init_process_group`` call, not its environment."""
 META_VERSION = 1
 BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
 """The directory holding the ``sitecustomize`` that calls ``activate``."""
@@ -59,6 +63,8 @@ def launcher() -> str:
         return "torchrun (under srun)" if "SLURM_JOB_ID" in os.environ else "torchrun"
     if "SLURM_PROCID" in os.environ:
         return "srun"
+    if os.environ.get(ARMED_ENV):
+        return "a process that named its own rank (init_process_group(rank=...): torch.multiprocessing.spawn)"
     return "unknown (COMMGATE_CAPTURE in the environment)"
 
 
@@ -164,9 +170,93 @@ def activate() -> None:
         hook(kind, exc, tb)
 
     sys.excepthook = excepthook
+    handled = False
     for number in (signal.SIGTERM, signal.SIGHUP):  # a hang-up (torchrun passes it on) keeps the capture too
         if signal.getsignal(number) is signal.SIG_DFL:
             signal.signal(number, _terminated)
+            handled = True
+    if handled:
+        _watch_signals()
+
+
+BLOCKED_GRACE_S = 1.0
+"""How long a SIGTERM or SIGHUP waits for the rank's own thread to take it before the watcher does."""
+
+
+def _watch_signals() -> None:
+    """A Python signal handler runs in the main thread only between bytecodes: a rank blocked in a call (both
+    ranks of a job waiting in gloo on each other) never ran it, and torchrun's SIGKILL 30 s later lost the
+    capture (found by an adversarial pass). Python's C handler also writes the signal's number to the wakeup
+    fd (``signal.set_wakeup_fd``): a thread reading it writes the capture where the main thread has not begun
+    to within ``BLOCKED_GRACE_S``, then ends the rank (exit status 128 + the signal, as a shell reports a
+    death by it; a thread cannot restore the default action). Not where the program has its own wakeup fd
+    (asyncio's); a process forked from the rank (a DataLoader worker) drops it, so its signals stay its own."""
+    import threading
+
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    try:
+        previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread
+        previous = None
+    if previous != -1:
+        if previous is not None:
+            signal.set_wakeup_fd(previous)
+        os.close(read)
+        os.close(write)
+        return
+    os.register_at_fork(after_in_child=_forget_wakeup)
+
+    def watch() -> None:
+        while data := os.read(read, 64):
+            for signum in data:
+                if signum not in (signal.SIGTERM, signal.SIGHUP):
+                    continue
+                deadline = time.monotonic() + BLOCKED_GRACE_S
+                while time.monotonic() < deadline and STATE is not None and not STATE.written:
+                    time.sleep(0.02)
+                if STATE is not None and not STATE.written:  # the main thread is blocked: write it here
+                    finish(f"terminated by signal {signum}")
+                    os._exit(128 + signum)
+
+    threading.Thread(target=watch, name="commgate-signals", daemon=True).start()
+
+
+def _forget_wakeup() -> None:
+    import contextlib
+
+    with contextlib.suppress(ValueError):  # forked from another thread than the main one: not Python's to drop
+        signal.set_wakeup_fd(-1)
+
+
+def arm(c10d: Any) -> None:
+    """In a process of a captured job without ``RANK`` (``torch.multiprocessing.spawn`` passes a worker its
+    rank as an argument, which the tutorial's DDP script hands to ``init_process_group``: such a job was not
+    captured at all, found by an adversarial pass): ``init_process_group`` wrapped so that a call naming its
+    ``rank`` sets ``RANK`` to it and sets up the capture (``activate``) before the group is made. A call
+    without one (``env://`` with no ``RANK``) is torch's own error."""
+    import inspect
+
+    init = c10d.init_process_group
+    signature = inspect.signature(init)
+
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        try:
+            given = signature.bind(*args, **kwargs).arguments
+        except TypeError:  # torch says what is wrong with the call
+            given = {}
+        rank, world = given.get("rank", -1), given.get("world_size", -1)
+        if isinstance(rank, int) and rank >= 0 and "RANK" not in os.environ and STATE is None:
+            os.environ["RANK"] = str(rank)
+            os.environ[ARMED_ENV] = "1"
+            if isinstance(world, int) and world > 0 and "WORLD_SIZE" not in os.environ:
+                os.environ["WORLD_SIZE"] = str(world)  # what the capture's meta records (one host: local too)
+            c10d.init_process_group = init  # what activate wraps: torch's own
+            activate()
+            return c10d.init_process_group(*args, **kwargs)
+        return init(*args, **kwargs)
+
+    c10d.init_process_group = init_process_group
 
 
 def _resolve(backend: Any) -> str | None:

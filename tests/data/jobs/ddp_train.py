@@ -14,6 +14,8 @@ launched by torchrun.
 * ``--hang-at-end``: rank 0 issues one more all_reduce than rank 1, and the job hangs in it: rank 0 dumps
   its Flight Recorder from a thread once the stuck call is recorded (as the watchdog dumps a stuck NCCL job;
   gloo has none), rank 1 dumps and waits for rank 0's dump, then the job is ended (exit status 3);
+* ``--deadlock DIR``: after the steps each rank touches ``DIR/ready<rank>`` and blocks inside gloo for good
+  (rank 0 all-reduces on a group of both ranks, rank 1 on the default group);
 * ``--linger DIR``: after the steps each rank touches ``DIR/ready<rank>`` and waits for a signal (a job
   interrupted mid-run); ``--os-exit``: each rank ends by ``os._exit(0)``; ``--no-init``: the script ends
   before ``init_process_group`` (a job that never sets up a group);
@@ -61,6 +63,7 @@ def main() -> None:
     p.add_argument("--reduce-scatter", action="store_true", help="a reduce_scatter_tensor after each step")
     p.add_argument("--gather-scatter", action="store_true", help="a gather to rank 0, a scatter from it, each step")
     p.add_argument("--hang-at-end", action="store_true", help="rank 0 issues an all_reduce rank 1 never does")
+    p.add_argument("--deadlock", type=Path, help="after the steps, touch DIR/ready<rank> and block in gloo for good")
     p.add_argument(
         "--linger", type=Path, help="after the steps, touch DIR/ready<rank> and wait (<= 300 s) for a signal"
     )
@@ -126,6 +129,10 @@ def main() -> None:
     if a.linger:
         (a.linger / f"ready{rank}").touch()
         time.sleep(300)
+    if a.deadlock:  # both ranks blocked inside gloo, each waiting on a call the other never issues
+        pair = dist.new_group([0, 1])
+        (a.deadlock / f"ready{rank}").touch()
+        dist.all_reduce(torch.ones(4), group=pair if rank == 0 else None)
     if a.dump_fr:
         torch.cuda.synchronize() if a.backend == "nccl" else None
         dump_fr(rank, nccl=a.backend == "nccl")

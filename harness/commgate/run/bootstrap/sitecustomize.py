@@ -1,16 +1,57 @@
 """Put first on ``PYTHONPATH`` by ``commgate capture``: every Python process the job's launcher starts runs
 this at startup. A rank of a captured job (``RANK`` and ``COMMGATE_CAPTURE`` set) gets its capture set up
-(``commgate.run.external.activate``); any other process only pays for reading two variables. A
-``sitecustomize`` further down the path (a distribution's, a virtual environment's) runs after it."""
+(``commgate.run.external.activate``). A process of the job without ``RANK`` (one ``torch.multiprocessing.spawn``
+started, given its rank as an argument) is set up when it calls ``init_process_group`` with a ``rank``
+(``commgate.run.external.arm``, installed as torch's ``distributed_c10d`` is imported: nothing of commgate or
+torch is imported before that). A ``sitecustomize`` further down the path (a distribution's, a virtual
+environment's) runs after it."""
 
 import importlib
+import importlib.abc
+import importlib.util
 import os
 import sys
+from typing import Any
 
-if os.environ.get("COMMGATE_CAPTURE") and "RANK" in os.environ:
-    from commgate.run.external import activate
+C10D = "torch.distributed.distributed_c10d"
 
-    activate()
+
+class _Armed(importlib.abc.Loader):
+    """``distributed_c10d``'s own loader, with ``init_process_group`` wrapped once the module has run."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def create_module(self, spec: Any) -> Any:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.inner.exec_module(module)
+        from commgate.run.external import arm
+
+        arm(module)
+
+
+class _AtInit(importlib.abc.MetaPathFinder):
+    """Finds ``distributed_c10d`` as the other finders do, its loader wrapped (``_Armed``); then steps aside."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != C10D:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _Armed(spec.loader)
+        return spec
+
+
+if os.environ.get("COMMGATE_CAPTURE"):
+    if "RANK" in os.environ:
+        from commgate.run.external import activate
+
+        activate()
+    elif C10D not in sys.modules:
+        sys.meta_path.insert(0, _AtInit())
 
 
 def _chain() -> None:
