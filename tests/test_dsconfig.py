@@ -164,6 +164,22 @@ def test_a_json_file_next_to_the_scenario(tmp_path: Path) -> None:
         load_file(tmp_path / "t.yaml")
 
 
+def test_a_bad_key_in_the_json_file_is_named_in_that_file(tmp_path: Path) -> None:
+    """A key of ``deepspeed: ds.json`` the model does not follow was named at the scenario's line and
+    ``$.deepspeed...``, a path the scenario does not hold (found by an adversarial pass): the file and the
+    key's path in it."""
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2, "round_robin_gradients": True}}))
+    (tmp_path / "s.yaml").write_text(f"{HEAD}parallelism: {{scheme: zero2, dp: 2}}\ndeepspeed: ds.json\n")
+    with pytest.raises(ScenarioError) as info:
+        load_file(tmp_path / "s.yaml")
+    (problem,) = info.value.problems
+    assert (Path(problem.file), problem.path, problem.line) == (
+        tmp_path / "ds.json",
+        "$.zero_optimization.round_robin_gradients",
+        None,
+    )
+
+
 @pytest.mark.parametrize(
     ("target", "says"),
     [

@@ -601,9 +601,14 @@ def _build(doc: dict[str, Any], *, file: str, where: _Located, label: str) -> tu
     preset = doc["model"].get("preset") if isinstance(doc.get("model"), Mapping) else None
     written = set(doc["model"]) if preset else set()  # the model fields the file (or its deepspeed block) sets
 
+    source = _deepspeed_file(doc, file)
+
     def bad(parts: list[Any], message: str) -> None:
         if preset and len(parts) == 2 and parts[0] == "model" and parts[1] not in written:
             message += f" ({parts[1]} is preset {preset}'s)"  # a field the file does not write: say whose
+        if source is not None and len(parts) > 1 and parts[0] == "deepspeed":  # a key of the JSON file it names
+            problems.append(Problem(file=str(source), path=json_path(parts[1:]), message=message, line=None))
+            return
         problems.append(Problem(file=file, path=json_path(parts), message=message, line=where.line(parts)))
 
     ds = _deepspeed_block(doc, file, bad)
@@ -648,6 +653,18 @@ def _capture_dir(doc: dict[str, Any], file: str, bad: Bad, *, sweep: bool) -> No
     elif path is not None and not path.is_dir():
         what = "no such directory" if not path.exists() else "not a directory"
         bad(["capture"], f"{doc['capture']!r} ({path}): {what}; give the -o directory of commgate capture")
+
+
+def _deepspeed_file(doc: dict[str, Any], file: str) -> Path | None:
+    """The DeepSpeed JSON file the scenario's DeepSpeed keys come from (``deepspeed: FILE``, or a trainer's
+    ``hf.deepspeed``), or None where they are written in the scenario: a problem with one of its keys names
+    that file and the key's path in it (it named line 1 of the scenario and a ``$.deepspeed`` path the
+    scenario does not hold: found by an adversarial pass)."""
+    named = doc.get("deepspeed")
+    hf = doc.get("hf")
+    if not isinstance(named, str) and isinstance(hf, Mapping):
+        named = hf.get("deepspeed")
+    return beside(file, named) if isinstance(named, str) else None
 
 
 def _deepspeed_block(doc: dict[str, Any], file: str, bad: Bad) -> dict[str, Any] | None:
