@@ -136,6 +136,16 @@ def test_what_it_cannot_import_is_one_line(
         ('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nlocal_batch_size = 2\nglobal_batch_size = 0\n',
          "global_batch_size = 0 is not a positive multiple"),
         ("[model\n", "not a torchtitan TOML"),
+        # a key or table a letter from one commgate reads, and a count written as a string, were ignored or taken
+        # (the job imported at tp 1; found by an adversarial pass); a key torchtitan has beside them is not a typo
+        ('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ntensor_parallel_degre = 2\n',
+         "[parallelism] tensor_parallel_degre: torchtitan has no such key; did you mean tensor_parallel_degree?"),
+        ('[model]\nname = "llama3"\nflavor = "8B"\n[trainng]\nlocal_batch_size = 2\n',
+         "[trainng]: torchtitan has no such table; did you mean [training]?"),
+        ('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ntensor_parallel_degree = "2"\n',
+         "parallelism.tensor_parallel_degree = '2': a string; write the number (2)"),
+        ('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\npipeline_parallel_schedule_csv = ""\n'
+         "tensor_parallel_degre = 2\n", "did you mean tensor_parallel_degree?"),
     ],
 )  # fmt: skip
 def test_a_toml_it_cannot_import_is_one_line(

@@ -24,6 +24,7 @@ heads, MLP expansion, embeddings and positions; head dimension 8, V = 1024, s = 
 from __future__ import annotations
 
 import copy
+import difflib
 import importlib
 import json
 import sys
@@ -586,6 +587,7 @@ def torchtitan_toml(path: Path) -> TitanJob:
     precision = get("training", "mixed_precision_param", "bfloat16")
     if precision not in ("bfloat16", "float32"):  # FSDP2 gathers in it: it was read as bfloat16 whatever it said
         raise UsageError(f"{f}: training.mixed_precision_param = {precision!r}: torchtitan takes bfloat16 or float32")
+    _toml_typos(doc, used, f)
     for section, block in _toml_sections(doc):
         notes += [f"{f}: [{section}] {k} ignored" for k in block if (section, k) not in used]
     return TitanJob(
@@ -629,6 +631,67 @@ _TOML_PARALLELISM: dict[str, Any] = {
     "fsdp_reshard_after_forward": "default",
     "enable_async_tensor_parallel": False,
 }
+
+
+_TOML_TABLES = frozenset(
+    {
+        "job", "profiling", "metrics", "model", "optimizer", "lr_scheduler", "training", "parallelism", "checkpoint",
+        "activation_checkpoint", "compile", "float8", "mx", "quantize", "quantize.linear", "quantize.linear.float8",
+        "quantize.linear.mx", "quantize.grouped_mm", "quantize.grouped_mm.float8", "quantize.grouped_mm.mx",
+        "comm", "memory_estimation", "fault_tolerance", "experimental", "validation", "validation.sampler",
+    }
+)  # fmt: skip
+"""The tables of torchtitan 0.2.2's ``JobConfig`` (``torchtitan/config/job_config.py``)."""
+_TOML_KEYS = {
+    "model": {"name", "flavor", "tokenizer_path", "hf_assets_path", "converters", "print_after_conversion"},
+    "training": {
+        "dataset", "dataset_path", "local_batch_size", "global_batch_size", "seq_len", "max_norm", "steps",
+        "enable_cpu_offload", "mixed_precision_param", "mixed_precision_reduce", "compile", "gc_freq", "gc_debug",
+        "seed", "deterministic",
+    },
+    "parallelism": {
+        "data_parallel_replicate_degree", "enable_compiled_autograd", "data_parallel_shard_degree",
+        "fsdp_reshard_after_forward", "tensor_parallel_degree", "disable_loss_parallel",
+        "enable_async_tensor_parallel", "pipeline_parallel_degree", "pipeline_parallel_split_points",
+        "pipeline_parallel_layers_per_stage", "pipeline_parallel_schedule", "pipeline_parallel_schedule_csv",
+        "pipeline_parallel_microbatch_size", "pipeline_parallel_first_stage_less_layers",
+        "pipeline_parallel_last_stage_less_layers", "context_parallel_degree", "context_parallel_rotate_method",
+        "expert_parallel_degree", "expert_tensor_parallel_degree", "module_fqns_per_model_part",
+    },
+    "metrics": {
+        "log_freq", "enable_tensorboard", "disable_color_printing", "save_tb_folder", "save_for_all_ranks",
+        "enable_wandb",
+    },
+    "activation_checkpoint": {
+        "mode", "selective_ac_option", "per_op_sac_force_recompute_mm_shapes_by_fqns", "early_stop",
+        "preserve_rng_state", "determinism_check", "debug",
+    },
+    "compile": {"enable", "components", "backend"},
+}  # fmt: skip
+"""Keys of those tables that commgate reads from, as torchtitan's ``JobConfig`` has them (0.2.x): a key that is
+none of them but a letter or two from one commgate reads is a typo of it (``_toml_typos``)."""
+
+
+def _toml_typos(doc: dict[str, Any], used: set[tuple[str, str]], f: str) -> None:
+    """A key or table a letter or two from one commgate reads is a typo of it, not a key to ignore:
+    ``tensor_parallel_degre = 2`` was noted "ignored" among 38 others and the job imported at tp 1, and a
+    ``[trainng]`` table's batch and sequence length likewise; a count written as a string was taken as its
+    number (found by an adversarial pass). One line each, nothing written."""
+    tables = {section for section, _ in used}
+    for section, block in _toml_sections(doc):
+        if section not in _TOML_TABLES and (close := difflib.get_close_matches(section, sorted(tables), 1, 0.8)):
+            raise UsageError(f"{f}: [{section}]: torchtitan has no such table; did you mean [{close[0]}]?")
+        own = sorted(k for s, k in used if s == section)
+        for key, value in block.items():
+            if (section, key) in used:
+                count = section in ("parallelism", "training") and isinstance(_TOML_PARALLELISM.get(key, 0), int)
+                if count and isinstance(value, str) and value.lstrip("-").isdigit():
+                    raise UsageError(f"{f}: {section}.{key} = {value!r}: a string; write the number ({value})")
+                continue
+            if key in _TOML_KEYS.get(section, ()):
+                continue
+            if close := difflib.get_close_matches(key, own, 1, 0.9):
+                raise UsageError(f"{f}: [{section}] {key}: torchtitan has no such key; did you mean {close[0]}?")
 
 
 def _toml_sections(doc: dict[str, Any], prefix: str = "") -> list[tuple[str, dict[str, Any]]]:
