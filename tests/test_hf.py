@@ -128,6 +128,15 @@ def test_every_auto_of_hugging_faces_configs_resolves_as_the_table_says(ds: str,
     assert s.model.dtype == ("bf16" if args["bf16"] else "fp32")
 
 
+def test_the_summary_says_logging_as_trainer_does_it() -> None:
+    """``logging_strategy: "no"`` was summed up as "logging no every 500 step(s)" (found by an adversarial
+    pass)."""
+    (off,) = load_text(scenario(TINY, None, {"per_device_train_batch_size": 1, "logging_strategy": "no"}))
+    (on,) = load_text(scenario(TINY, None, {"per_device_train_batch_size": 1, "logging_steps": 3}))
+    assert "logging off (no)" in "\n".join(hf.derived(off)) and "every" not in "\n".join(hf.derived(off))
+    assert "logging every 3 step(s)" in "\n".join(hf.derived(on))
+
+
 def test_a_hidden_size_key_left_auto_in_a_zero2_config_is_filled_by_accelerate() -> None:
     """transformers fills the ZeRO-3 bucket keys for stage 3 only; accelerate fills them at any stage."""
     ds = {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto"}}

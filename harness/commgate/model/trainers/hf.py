@@ -1017,10 +1017,12 @@ def derived(scenario: Scenario) -> tuple[str, ...]:
         + ("" if _finite(c.after) else " (the run's; not in the deepspeed: block, which holds finite numbers)")
         for c in r.changes
     ]
+    logging = (
+        f"logging every {a['logging_steps']} step(s)" if a["logging_strategy"] == "steps" else "logging off (no)"
+    )  # "logging no every 500 step(s)" (found by an adversarial pass)
     lines.append(
         f"average_tokens_across_devices = {a['average_tokens_across_devices']}, include_num_input_tokens_seen = "
-        f"{a['include_num_input_tokens_seen']}, logging {a['logging_strategy']} every {a['logging_steps']} "
-        f"step(s){', first step too' if a['logging_first_step'] else ''}"
+        f"{a['include_num_input_tokens_seen']}, {logging}{', first step too' if a['logging_first_step'] else ''}"
     )
     return tuple(lines)
 
