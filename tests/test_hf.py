@@ -128,6 +128,21 @@ def test_every_auto_of_hugging_faces_configs_resolves_as_the_table_says(ds: str,
     assert s.model.dtype == ("bf16" if args["bf16"] else "fp32")
 
 
+def test_a_pinned_deepspeed_key_left_out_states_nothing() -> None:
+    """An imported scenario pins what Trainer resolves (``total_num_steps`` from its steps); with its steps
+    changed, the error said to leave the key out, and with it left out said the same of "(absent)" (found by
+    an adversarial pass). A key the block leaves out is not compared; one it states still is."""
+    resolved = {"deepspeed": {"scheduler": {"params": {"total_num_steps": 6, "warmup_num_steps": 0}}}}
+    left_out = {"deepspeed": {"scheduler": {"params": {"warmup_num_steps": 0}}}}
+    hf._agrees(left_out, resolved, {"deepspeed": "ds.json"})
+    pinned = {"deepspeed": {"scheduler": {"params": {"total_num_steps": 4, "warmup_num_steps": 0}}}}
+    with pytest.raises(CommgateError, match=r"total_num_steps is 4 in the scenario, Trainer resolves 6"):
+        hf._agrees(pinned, resolved, {"deepspeed": "ds.json"})
+    extra = {"deepspeed": {"scheduler": {"params": {"warmup_num_steps": 0, "warmup_max_lr": 1}}}}
+    with pytest.raises(CommgateError, match=r"warmup_max_lr is 1 in the scenario, Trainer resolves \(absent\)"):
+        hf._agrees(extra, resolved, {"deepspeed": "ds.json"})
+
+
 def test_the_summary_says_logging_as_trainer_does_it() -> None:
     """``logging_strategy: "no"`` was summed up as "logging no every 500 step(s)" (found by an adversarial
     pass)."""
