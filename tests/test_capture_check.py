@@ -298,7 +298,8 @@ def test_a_world_larger_than_the_ranks_present_is_told_in_bounded_words(
     names = ", ".join(f"rank{r}.json" for r in range(2, 10))
     assert status == 2 and err == (
         f"{cap}: $: ranks [2, 3, 4, 5, 6, 7, 8, 9, ...] of a world of 1048576 are missing ({names} and 1048566 "
-        "more): a rank's capture is written when the rank ends; was it killed outright (SIGKILL)?"
+        "more): a rank's capture is written when the rank ends; was it killed outright (SIGKILL) or ended by "
+        "os._exit?"
     )
 
 

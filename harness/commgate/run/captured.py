@@ -253,7 +253,7 @@ def load(directory: Path) -> Captured:
         raise _bad(directory, f"no rank<N>.json in it: {NONE_WRITTEN}")
     if not files:
         raise _bad(directory, "not a capture: no rank<N>.json in it (commgate capture -o DIR, or COMMGATE_CAPTURE=DIR)")
-    hint = ": a rank's capture is written when the rank ends; was it killed outright (SIGKILL)?"
+    hint = ": a rank's capture is written when the rank ends; was it killed outright (SIGKILL) or ended by os._exit?"
     metas: dict[int, dict[str, Any]] = {}
     for r, f in sorted(files.items()):
         meta = f.with_name(f"rank{r}.meta.json")
