@@ -158,6 +158,29 @@ def test_a_planted_change_fails_pytest_and_run_naming_it(jobs: dict[str, Path], 
     assert mismatch.returncode == 2 and "give one of them" in mismatch.stderr  # two captures named: which?
 
 
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (("dp: 2", "dp: 4"), "world size 4, but {cap} holds 2 ranks"),
+        (
+            ("steps: 2", "steps: 5"),
+            "warmup_steps 1 + steps 5 = 6, but {cap} holds 3 step(s); set them to add up to the captured job's steps",
+        ),
+    ],
+    ids=["world", "steps"],
+)
+def test_a_scenario_that_cannot_describe_the_capture_is_one_line_before_anything_is_judged(
+    jobs: dict[str, Path], tmp_path: Path, edit: tuple[str, str], says: str
+) -> None:
+    """The world size or the steps of ``--scenario`` against the capture: said after the capture's provenance
+    and the scenario's progress line, as if it had begun to judge it (found by an adversarial pass)."""
+    text = (JOBS / "ddp-mlp.yaml").read_text().replace(*edit)
+    (tmp_path / "s.yaml").write_text(text)
+    done = commgate("check", jobs["plain"], "--scenario", tmp_path / "s.yaml", "--baseline-dir", tmp_path / "b")
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    assert done.stderr == f"commgate: error: {tmp_path / 's.yaml'}: {says.format(cap=jobs['plain'])}\n"
+
+
 def test_a_missing_or_empty_capture_is_one_line_naming_the_file_and_field(tmp_path: Path) -> None:
     comm = suite(tmp_path / "missing", "no-such-capture")
     done = commgate("validate", comm / "job.yaml")

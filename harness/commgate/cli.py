@@ -325,6 +325,8 @@ def cmd_check(a: argparse.Namespace) -> int:
     checked = options(lambda name: f"--{name}", baseline_dir=a.baseline_dir, update=a.update_baselines)
     captured = load(a.capture)
     scenarios = _check_scenario(a, captured)
+    if why := next(filter(None, map(FromCapture(captured=captured).mismatch, scenarios)), None):
+        raise UsageError(why)
     print(captured.provenance(), flush=True)
     if a.scenario is None:
         print(f"    no scenario: judged against the baseline {scenarios[0].id!r} and the drift rules only", flush=True)

@@ -364,6 +364,21 @@ class FromCapture:
     def skip_reason(self, scenario: Scenario) -> str | None:
         return None
 
+    def mismatch(self, scenario: Scenario) -> str | None:
+        """Why ``scenario`` cannot describe the captured job (its world size, its steps), or None: said before
+        anything is judged (``check`` printed the scenario's progress line first: found by an adversarial
+        pass), and again where a run reaches it."""
+        cap, where = self.captured.capture, self.captured.directory
+        total = scenario.warmup_steps + scenario.steps
+        if scenario.world_size != cap.world_size:
+            return f"{scenario.file}: world size {scenario.world_size}, but {where} holds {cap.world_size} ranks"
+        if total != cap.steps:
+            return (
+                f"{scenario.file}: warmup_steps {scenario.warmup_steps} + steps {scenario.steps} = {total}, but "
+                f"{where} holds {cap.steps} step(s); set them to add up to the captured job's steps"
+            )
+        return None
+
     def run(self, scenario: Scenario) -> Capture:
         from commgate.run.launcher import RunError
 
@@ -371,16 +386,8 @@ class FromCapture:
         self.handed += 1
         if self.handed > 1:
             raise RunError(f"{where}: a captured job cannot be rerun")
-        total = scenario.warmup_steps + scenario.steps
-        if scenario.world_size != cap.world_size:
-            raise UsageError(
-                f"{scenario.file}: world size {scenario.world_size}, but {where} holds {cap.world_size} ranks"
-            )
-        if total != cap.steps:
-            raise UsageError(
-                f"{scenario.file}: warmup_steps {scenario.warmup_steps} + steps {scenario.steps} = {total}, but "
-                f"{where} holds {cap.steps} step(s); set them to add up to the captured job's steps"
-            )
+        if why := self.mismatch(scenario):
+            raise UsageError(why)
         if split := parted(cap.calls, sorted({c.rank for c in cap.calls})):  # the job, not the gate, failed
             raise RunError(f"{where}: the ranks' calls part: {split}")
         return replace(cap, scenario=scenario.id, warmup_steps=scenario.warmup_steps, steps=scenario.steps)
