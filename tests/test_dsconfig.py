@@ -142,6 +142,9 @@ def test_a_typo_names_the_closest_key() -> None:
         r"the config \(extra fields forbidden\); did you mean stage3_param_persistence_threshold\?",
     ):
         load("{scheme: zero3, dp: 2}", "{zero_optimization: {stage3_param_persitance_threshold: 0}}")
+    # a top-level key put under zero_optimization (found by an adversarial pass: no hint where it belongs)
+    with pytest.raises(ScenarioError, match=r"communication_data_type is a top-level key: move it out of zero_opt"):
+        load("{scheme: zero2, dp: 2}", "{zero_optimization: {communication_data_type: fp32}}")
 
 
 def test_deepspeed_refuses_what_the_error_says_it_refuses() -> None:

@@ -260,6 +260,10 @@ def refused_keys(cfg: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
     for k in zo:
         if k in REMOVED_ZERO:
             out.append((("zero_optimization", k), removed))
+        elif k not in ZERO and k in TOP_LEVEL:  # misplaced, a real key elsewhere (found by an adversarial pass)
+            out.append(
+                (("zero_optimization", k), f"{unknown}; {k} is a top-level key: move it out of zero_optimization")
+            )
         elif k not in ZERO:
             out.append((("zero_optimization", k), unknown + _closest(k, ZERO, "")))
     return out
