@@ -592,7 +592,7 @@ def test_the_adapter_builds_the_scenarios_job_through_torchtitans_config_manager
     assert config.loss.loss_fn.global_vocab_size == 385
     ce = Job.from_block({"config": "llama3_debugmodel_ce_loss", "log_freq": 1})
     config = tt.parse(s, ce, tt.overrides(s, ce, tokenizer=tmp_path, data=tmp_path, dump=tmp_path))
-    with pytest.raises(CommgateError, match=r"runs loss = 'CrossEntropyLoss.Config', the scenario describes 'chunked'"):
+    with pytest.raises(CommgateError, match=r"runs loss cross_entropy, the scenario describes torchtitan.loss: chu"):
         tt.check_config(config, s, job)
     bad = Job.from_block({"config": "no_such_config"})
     with pytest.raises(CommgateError, match=r"torchtitan could not build config llama3:no_such_config"):

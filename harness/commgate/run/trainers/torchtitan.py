@@ -678,6 +678,14 @@ def check_config(config: Any, scenario: Scenario, job: Job) -> None:
     }
     for key, (value, field) in want.items():
         built = got[key] if key in got else _attribute(config, key)
+        if built != value and key == "loss":  # in the scenario's words (it said 'CrossEntropyLoss.Config': found
+            # by an adversarial pass), and where the other loss is
+            runs = "chunked" if built == "chunked" else "cross_entropy"
+            raise CommgateError(
+                f"torchtitan config {job.module}:{job.config} runs loss {runs}, the scenario describes "
+                f"torchtitan.loss: {job.loss}: set torchtitan.loss: {runs}, or take a config that runs {job.loss} "
+                f"(torchtitan's {job.module} configs ending in _ce_loss run cross_entropy)"
+            )
         if built != value:
             raise CommgateError(
                 f"torchtitan config {job.module}:{job.config} runs {key} = {built!r}, the scenario describes "
