@@ -872,8 +872,9 @@ def test_a_job_other_than_the_scenarios_stops_the_run_in_one_line(tt: Any, tmp_p
         launch_local(s, workdir=tmp_path)
     head = str(err.value).splitlines()[0]
     assert re.match(
-        r"tt: rank [01] raised CommgateError: torchtitan config llama3:llama3_debugmodel_ce_loss runs loss = "
-        r"'CrossEntropyLoss.Config', the scenario describes 'chunked' \(torchtitan.loss\)",
+        r"tt: rank [01] raised CommgateError: torchtitan config llama3:llama3_debugmodel_ce_loss runs loss "
+        r"cross_entropy, the scenario describes torchtitan.loss: chunked: set torchtitan.loss: cross_entropy, or "
+        r"take a config that runs chunked",
         head,
     ), head
     assert "Traceback" not in str(err.value)
