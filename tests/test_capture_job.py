@@ -774,6 +774,18 @@ def test_ranks_blocked_inside_gloo_keep_their_capture_when_the_job_is_terminated
     assert [f.name for f in out.iterdir() if f.name.endswith(".tmp")] == []
 
 
+def test_a_jobs_own_sigterm_handler_is_left_to_finish(work: Path) -> None:
+    """The watcher that writes a blocked rank's capture acts only while commgate's handler is the rank's: a
+    job's own graceful shutdown on SIGTERM (a checkpoint on preemption) that takes longer than its grace is
+    not cut short, and the capture is written as the job exits."""
+    out, ready = work / "own-sigterm", work / "ready-own-sigterm"
+    ready.mkdir()
+    signalled_when_ready(out, "--own-sigterm", ready, signal.SIGTERM)
+    assert sorted(f.name for f in ready.iterdir()) == ["graceful0", "graceful1", "ready0", "ready1"]
+    for rank in range(2):
+        assert json.loads((out / f"rank{rank}.meta.json").read_text())["ended"] == "exited"
+
+
 @pytest.mark.parametrize(
     ("flag", "says"),
     [("--os-exit", "os._exit and SIGKILL skip"), ("--no-init", "never set up a process group")],

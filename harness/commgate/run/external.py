@@ -210,8 +210,8 @@ def _watch_signals() -> None:
     def watch() -> None:
         while data := os.read(read, 64):
             for signum in data:
-                if signum not in (signal.SIGTERM, signal.SIGHUP):
-                    continue
+                if signum not in (signal.SIGTERM, signal.SIGHUP) or signal.getsignal(signum) is not _terminated:
+                    continue  # another signal, or one the program now handles itself (its own shutdown)
                 deadline = time.monotonic() + BLOCKED_GRACE_S
                 while time.monotonic() < deadline and STATE is not None and not STATE.written:
                     time.sleep(0.02)

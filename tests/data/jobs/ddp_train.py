@@ -14,6 +14,8 @@ launched by torchrun.
 * ``--hang-at-end``: rank 0 issues one more all_reduce than rank 1, and the job hangs in it: rank 0 dumps
   its Flight Recorder from a thread once the stuck call is recorded (as the watchdog dumps a stuck NCCL job;
   gloo has none), rank 1 dumps and waits for rank 0's dump, then the job is ended (exit status 3);
+* ``--own-sigterm DIR``: after the steps each rank installs a SIGTERM handler of its own that takes 3 s, then
+  touches ``DIR/graceful<rank>`` and exits 0; it touches ``DIR/ready<rank>`` and waits for the signal;
 * ``--deadlock DIR``: after the steps each rank touches ``DIR/ready<rank>`` and blocks inside gloo for good
   (rank 0 all-reduces on a group of both ranks, rank 1 on the default group);
 * ``--linger DIR``: after the steps each rank touches ``DIR/ready<rank>`` and waits for a signal (a job
@@ -29,6 +31,7 @@ launched by torchrun.
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -63,6 +66,7 @@ def main() -> None:
     p.add_argument("--reduce-scatter", action="store_true", help="a reduce_scatter_tensor after each step")
     p.add_argument("--gather-scatter", action="store_true", help="a gather to rank 0, a scatter from it, each step")
     p.add_argument("--hang-at-end", action="store_true", help="rank 0 issues an all_reduce rank 1 never does")
+    p.add_argument("--own-sigterm", type=Path, help="after the steps, a SIGTERM handler of its own (3 s), then wait")
     p.add_argument("--deadlock", type=Path, help="after the steps, touch DIR/ready<rank> and block in gloo for good")
     p.add_argument(
         "--linger", type=Path, help="after the steps, touch DIR/ready<rank> and wait (<= 300 s) for a signal"
@@ -126,6 +130,16 @@ def main() -> None:
         reinit(a.backend, rank)
     if a.os_exit:
         os._exit(0)
+    if a.own_sigterm:  # the job's own graceful shutdown, which takes a while: commgate leaves it be
+
+        def shutdown(signum: int, frame: object) -> None:
+            time.sleep(3)
+            (a.own_sigterm / f"graceful{rank}").touch()
+            sys.exit(0)
+
+        signal.signal(signal.SIGTERM, shutdown)
+        (a.own_sigterm / f"ready{rank}").touch()
+        time.sleep(300)
     if a.linger:
         (a.linger / f"ready{rank}").touch()
         time.sleep(300)
