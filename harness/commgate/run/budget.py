@@ -30,6 +30,7 @@ memory available now (``COMMGATE_SKIP_MEMORY_CHECK=1`` turns the check off).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from fractions import Fraction
@@ -77,7 +78,7 @@ def per_rank(scenario: Scenario, runtime: int) -> Estimate:
     if stage >= 3 and m.module:
         params = (n // d + n) * isz  # a user's module: gathered whole at once, an upper bound
     elif fsdp:
-        unsharded, unsharded_grads = fsdp_unsharded(ctx)
+        unsharded, unsharded_grads = fsdp_unsharded(ctx, even=even)
         params = n // d * isz + unsharded
     elif stage >= 3:
         gathered, reducing = zero3_unsharded(ctx, n)
@@ -106,7 +107,7 @@ def per_rank(scenario: Scenario, runtime: int) -> Estimate:
     return Estimate(params=params, grads=grads, optimizer=optimizer, activations=activations, runtime=runtime)
 
 
-def fsdp_unsharded(ctx: Context) -> tuple[int, int]:
+def fsdp_unsharded(ctx: Context, *, even: bool = True) -> tuple[int, int]:
     """(parameters, gradients) in bytes that FSDP2 holds unsharded at once on one rank, at most. Parameters: its
     root group (the embeddings, final norm and head: ``fsdp.groups``), kept gathered from the forward through
     the backward; two blocks (the one running and the next, prefetched); and the largest group's all-gather
@@ -116,6 +117,9 @@ def fsdp_unsharded(ctx: Context) -> tuple[int, int]:
     dp 8 held 12.5 GiB in its rank (8.2 GiB at tp 2), most of it its root group's 4.2 GB gathered and its
     gradients, where one block counted as gathered had estimated 5.9 GiB."""
     gather, reduce = (WIRE_ITEMSIZE[t] for t in dtypes(ctx))
+    if not even:  # a trainer's uneven split of the stages (torchtitan's): the whole model's groups, an upper bound
+        par = ctx.scenario.parallelism
+        ctx = Context(scenario=dataclasses.replace(ctx.scenario, parallelism=dataclasses.replace(par, pp=1)))
     params = grads = 0
     for stage in range(ctx.scenario.parallelism.pp):
         sizes = groups(ctx, stage)
