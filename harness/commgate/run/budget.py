@@ -139,7 +139,7 @@ def zero3_unsharded(ctx: Context, n: int) -> tuple[int, int]:
     Gradients: the largest reduce bucket (``reduce_bucket_size``) twice (the bucket, and its partitions laid out
     padded for the reduce-scatter: ``coalesced_collectives.py``'s ``torch.cat``) and a module's gradients beside
     it. Emulated, an 8B Llama 3 of 4 layers at dp 8 held 12.7 GiB in its rank and the 1.3B preset at dp 256 in
-    bf16 4.5 GiB, where one layer counted as gathered had estimated 5.9 and 0.8 GiB."""
+    bf16 4.5 GiB, where one layer counted as gathered had estimated 5.9 and 0.7 GiB."""
     k, tp = zero3_fetch.knobs(ctx), ctx.scenario.parallelism.tp
     todo, largest = [zero3_fetch.module_tree(ctx.params)], 0
     while todo:
