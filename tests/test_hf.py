@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -231,6 +232,7 @@ def test_what_a_scenario_cannot_say_is_one_line_naming_it(text: str, message: st
             {
                 "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2},
                 "optimizer": {"type": "AdamW", "params": {}},
+                "train_micro_batch_size_per_gpu": "auto",  # else DeepSpeed's batch check refuses it first
             },
             TINY,
         ),
@@ -594,6 +596,63 @@ def test_zero3_with_accumulation_reconciles(tmp_path: Path) -> None:
     ds = SUITE / "hf" / "ds_zero3.json"
     args = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2, "logging_steps": 1}
     reconciled(run(scenario(TINY, ds, args), tmp_path))
+
+
+BATCHLESS = {
+    "zero_optimization": {"stage": 2},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
+}
+"""A DeepSpeed JSON as users write it for Trainer, without its batch keys (found by an adversarial pass)."""
+
+
+def batchless(tmp_path: Path, **keys: Any) -> Path:
+    (tmp_path / "ds.json").write_text(json.dumps(BATCHLESS | keys))
+    return tmp_path / "ds.json"
+
+
+def test_a_json_without_gradient_accumulation_steps_runs_at_trainers_accumulation(tmp_path: Path) -> None:
+    """accelerate's DeepSpeedPlugin sets an absent ``gradient_accumulation_steps`` to 1; Trainer still runs
+    ``training_args.gradient_accumulation_steps`` micro-batches a step and sets DeepSpeed's boundary itself.
+    commgate refused the job, saying the JSON's 1 (a key it does not hold) contradicts m = 2; the real run
+    reconciles at m = 2, its summary saying where the 1 comes from."""
+    ds = batchless(tmp_path, train_micro_batch_size_per_gpu="auto")
+    args = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2, "logging_steps": 1}
+    result = run(scenario(TINY, ds, args), tmp_path)
+    reconciled(result)
+    assert result.prediction.scenario.parallelism.micro_batches == 2
+    assert "DeepSpeed's config holds gradient_accumulation_steps 1, which sets only its batch check" in result.summary()
+
+
+@pytest.mark.parametrize(
+    ("keys", "args", "message"),
+    [
+        (
+            {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"},
+            {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2},
+            r"train_batch_size 8 != 2 \* 1 \* 2 .*DeepSpeed refuses the config Trainer hands it; gradient_accumulation_"
+            r"steps is 1 because .*ds.json leaves it out .*add \"gradient_accumulation_steps\": \"auto\" to .*ds.json$",
+        ),
+        (
+            {"train_batch_size": 6, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": "auto"},
+            {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2},
+            r"transformers or accelerate refuse it: .*ds train_batch_size=6 vs hf train_batch_size \(calculated\)=8",
+        ),
+        ({}, {"per_device_train_batch_size": 2}, r"neither train_batch_size nor train_micro_batch_size_per_gpu"),
+    ],
+    ids=["accumulation-left-out", "stated-wrong", "no-batch-key"],
+)
+def test_a_batch_deepspeed_refuses_is_one_line_naming_the_json(
+    keys: dict[str, Any], args: dict[str, Any], message: str, tmp_path: Path
+) -> None:
+    """DeepSpeed's own batch check (``_batch_assertion``), on the config Trainer hands it, before any rank
+    starts: the job would fail in ``deepspeed.initialize``. Before, the first case said the JSON's
+    ``gradient_accumulation_steps: 1`` contradicts m = 2 and, in a second line, that the batch does not
+    add up at m = 1."""
+    with pytest.raises(ScenarioError) as err:
+        load_text(scenario(TINY, batchless(tmp_path, **keys), args))
+    (problem,) = err.value.problems
+    assert problem.message.startswith(f"hf.deepspeed {tmp_path / 'ds.json'}: ")
+    assert re.search(message, problem.message), problem.message
 
 
 def test_a_planted_substitution_fails_the_run_naming_its_cause(tmp_path: Path) -> None:

@@ -617,12 +617,14 @@ def _build(doc: dict[str, Any], *, file: str, where: _Located, label: str) -> tu
     if any(dsconfig.enabled(ds, key) for key in ("bf16", "fp16")):
         written.add("dtype")  # the block's precision sets it
     _capture_dir(doc, file, bad, sweep=bool(label))
-    model_doc, par_doc = _from_deepspeed(ds, dict(doc["model"]), dict(doc["parallelism"]), bad)
+    trainer = TRAINERS[doc.get("trainer", "commgate")]
+    model_doc, par_doc = _from_deepspeed(
+        ds, dict(doc["model"]), dict(doc["parallelism"]), bad, accumulates=trainer.accumulates
+    )
     model = _build_model(model_doc, bad)
     par = _build_parallelism(par_doc, bad)
     if model is None:
         return None, problems
-    trainer = TRAINERS[doc.get("trainer", "commgate")]
     if trainer.model is not None and model.module is not None:  # the trainer builds the model it names
         model = replace(model, builder=trainer.model)
     check = Check(
@@ -813,10 +815,11 @@ def _trainer_warnings(doc: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _from_deepspeed(
-    ds: dict[str, Any], model: dict[str, Any], par: dict[str, Any], bad: Bad
+    ds: dict[str, Any], model: dict[str, Any], par: dict[str, Any], bad: Bad, *, accumulates: bool = False
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The scenario's model and parallelism with what the DeepSpeed block states filled in; a value the
-    scenario states otherwise is a problem naming both."""
+    scenario states otherwise is a problem naming both. ``accumulates``: the trainer counts the micro-batches
+    (``Trainer.accumulates``), and the block's ``gradient_accumulation_steps`` does not set them."""
     zero = dict(par.get("zero", {}))
     zo = ds.get("zero_optimization", {})
     zo = zo if isinstance(zo, Mapping) else {}
@@ -831,7 +834,7 @@ def _from_deepspeed(
             bad(["deepspeed", *key.split(".")], f"{value!r} contradicts {where}.{field} = {target[field]!r}")
         target[field] = value
 
-    if dsconfig.given(ds.get("gradient_accumulation_steps", "auto")):
+    if not accumulates and dsconfig.given(ds.get("gradient_accumulation_steps", "auto")):
         take(par, "micro_batches", ds["gradient_accumulation_steps"], "gradient_accumulation_steps", "parallelism")
     if dsconfig.given(ds.get("train_micro_batch_size_per_gpu", "auto")):
         take(par, "micro_batch", ds["train_micro_batch_size_per_gpu"], "train_micro_batch_size_per_gpu", "parallelism")

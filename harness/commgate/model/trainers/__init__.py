@@ -40,6 +40,7 @@ TRAINERS: dict[str, Trainer] = {
             derive=hf.derive,
             components=hf.components,
             model=hf.model,
+            accumulates=True,
             derived=hf.derived,
         ),
         MEGATRON,

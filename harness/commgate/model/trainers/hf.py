@@ -484,6 +484,7 @@ def derive(doc: Mapping[str, Any], file: str) -> dict[str, Any]:
         "parallelism": _parallelism(resolved),
         "model": _model(path(file, block["config"]), resolved),
     }
+    _deepspeed_batch(block, resolved, dp)  # after what the model does not follow: DeepSpeed's own check last
     if resolved.config is not None:
         filled["deepspeed"] = finite(resolved.config)
     _agrees(doc, filled, block)
@@ -589,6 +590,40 @@ def _refuse_unmodelled(block: Mapping[str, Any], r: Resolution) -> None:
             "groups (decay, no decay), which the ZeRO models do not split yet; add an optimizer section "
             '(e.g. {"type": "AdamW", "params": {"lr": "auto", "torch_adam": true}})'
         )
+
+
+def _deepspeed_batch(block: Mapping[str, Any], r: Resolution, world: int) -> None:
+    """DeepSpeed's own check of the batch keys of the config Trainer hands it (``deepspeed/runtime/config.py``,
+    ``_set_batch_related_parameters`` and ``_batch_assertion``), which fails the job in
+    ``deepspeed.initialize``. A config without ``gradient_accumulation_steps`` holds 1 there: accelerate's
+    ``DeepSpeedPlugin`` sets an absent one to 1 (``utils/dataclasses.py:1274``), whatever
+    ``training_args.gradient_accumulation_steps`` is; Trainer still accumulates that many micro-batches,
+    setting DeepSpeed's boundary itself, so only this check sees the 1."""
+    if r.config is None:
+        return
+    file, c = block["deepspeed"], r.config
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    tbs, mb, gas = (c.get(k) for k in keys)
+    if tbs is None and mb is None:
+        raise CommgateError(
+            f"hf.deepspeed {file}: neither train_batch_size nor train_micro_batch_size_per_gpu: DeepSpeed refuses the "
+            'config Trainer hands it ("Either train_batch_size or train_micro_batch_size_per_gpu needs to be '
+            f'provided"); add "train_micro_batch_size_per_gpu": "auto" to {file}'
+        )
+    if tbs is None or mb is None or tbs == mb * gas * world:
+        return
+    m = r.args["gradient_accumulation_steps"]
+    cause = (
+        f"; gradient_accumulation_steps is 1 because {file} leaves it out (accelerate's DeepSpeedPlugin sets an "
+        f"absent one to 1, not training_args.gradient_accumulation_steps {m}): add "
+        f'"gradient_accumulation_steps": "auto" to {file}'
+        if any(ch.key == "gradient_accumulation_steps" and ch.before == MISSING for ch in r.changes) and gas != m
+        else f'; make train_batch_size {mb * gas * world}, or "auto"'
+    )
+    raise CommgateError(
+        f"hf.deepspeed {file}: train_batch_size {tbs} != {mb} * {gas} * {world} (train_micro_batch_size_per_gpu * "
+        f"gradient_accumulation_steps * ranks): DeepSpeed refuses the config Trainer hands it{cause}"
+    )
 
 
 def _parallelism(r: Resolution) -> dict[str, Any]:
@@ -1000,7 +1035,13 @@ def derived(scenario: Scenario) -> tuple[str, ...]:
         f"model {scenario.model.module} from {scenario.trainer_config['config']} (hidden_size {r.hidden_size}), "
         f"{scenario.model.dtype}{f', autocast {scenario.model.autocast}' if scenario.model.autocast else ''}",
         f"scheme {par.scheme}, {par.dp} ranks, b={par.micro_batch} (per_device_train_batch_size), "
-        f"m={par.micro_batches} (gradient_accumulation_steps)",
+        f"m={par.micro_batches} (gradient_accumulation_steps)"
+        + (
+            f"; DeepSpeed's config holds gradient_accumulation_steps {gas}, which sets only its batch check: Trainer "
+            "sets the accumulation boundary itself (accelerate's DeepSpeedEngineWrapper.backward)"
+            if r.config is not None and (gas := r.config.get("gradient_accumulation_steps")) != par.micro_batches
+            else ""
+        ),
     ]
     if a["fsdp"]:
         f = par.fsdp

@@ -62,6 +62,11 @@ class Trainer:
     splits_stages: bool = False
     """It splits the model into pipeline stages itself (its components read that split): commgate's own
     rule that the layers divide evenly over the stages does not apply."""
+    accumulates: bool = False
+    """It counts a step's micro-batches itself and sets DeepSpeed's gradient-accumulation boundary on each
+    backward (transformers' Trainer, through accelerate's ``DeepSpeedEngineWrapper.backward``): the DeepSpeed
+    config's ``gradient_accumulation_steps`` then sets only DeepSpeed's batch check, not
+    ``parallelism.micro_batches``."""
     derived: Derived | None = None
     """What it decided for the scenario, shown with the prediction and the result (nothing it resolves is
     silent); None: nothing beyond the document as written."""
