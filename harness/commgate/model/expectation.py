@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, fields
 from fractions import Fraction
 from functools import cached_property
@@ -99,6 +99,12 @@ class ExpectedCollective:
             object.__setattr__(new, name, getattr(self, name))
         object.__setattr__(new, "elements", elements)
         return new
+
+    def sized_each(self, sizes: Iterable[int]) -> list[ExpectedCollective]:
+        """``[self.sized(n) for n in sizes]``, one row made per distinct size: a row is frozen, so a repeated
+        size repeats the same row (a 13B model's thousand per-parameter rows have a dozen sizes)."""
+        made: dict[int, ExpectedCollective] = {}
+        return [made.get(n) or made.setdefault(n, self.sized(n)) for n in sizes]
 
     @property
     def bytes_per_call(self) -> int:

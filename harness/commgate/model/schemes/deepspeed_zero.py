@@ -213,7 +213,7 @@ def _init_broadcasts(
         calls=times,
         source="DeepSpeed initial parameter broadcast (per parameter, as bytes)",
     )
-    return [row.sized(p.numel_per_tp_rank(tp) * isz) for p in (ctx.params if params is None else params)]
+    return row.sized_each(p.numel_per_tp_rank(tp) * isz for p in (ctx.params if params is None else params))
 
 
 def _init_row(ctx: Context, op: Op) -> ExpectedCollective:
@@ -548,7 +548,7 @@ class DeepSpeedZero3(Zero3):
         partitioned = built_partitioned(ctx.scenario) if self.built_partitioned is None else self.built_partitioned
         rows = _init_broadcasts(ctx, base, 1 if partitioned else 2) if init else []
         gather = replace(base, source="ZeRO-3 initial all-gather (per parameter)")
-        rows += [gather.sized(padded(p.numel, over)) for p in (ctx.trainable if init else ())]  # not a frozen one
+        rows += gather.sized_each(padded(p.numel, over) for p in (ctx.trainable if init else ()))  # not a frozen one
         # the rest is the same with or without the once-per-run rows above: built once per context
         return rows + ctx.once(("ZeRO-3 rows", over), lambda: self._after_init(ctx, base, over))
 
