@@ -330,6 +330,19 @@ def every_op_is_recorded(out: Path, torchrun: list[str], world: int, *script_arg
 
 def test_every_op_a_job_calls_is_recorded_once_ended(work: Path) -> None:
     every_op_is_recorded(work / "every-op", TORCHRUN, 2)
+    meta = json.loads((work / "every-op" / "rank0.meta.json").read_text())
+    assert meta["steps"] == 0 and meta["step_marks"].startswith("nothing (no module forward, no optimizer step")
+
+
+def test_a_job_without_an_optimizer_is_one_step_said_so(work: Path) -> None:
+    """No optimizer step: the first module forward began the only step, which the capture says, with the call
+    that marks steps (it said "1 step(s) by optimizer step hooks" of such a job: an adversarial pass)."""
+    done = capture(work / "no-optimizer", "--no-optimizer")
+    assert done.returncode == 0, done.stderr[-3000:]
+    meta = json.loads((work / "no-optimizer" / "rank1.meta.json").read_text())
+    assert meta["steps"] == 1, meta
+    assert meta["step_marks"].startswith("its first module forward alone (no optimizer step"), meta
+    assert "commgate.capture.step() in the job marks them" in meta["step_marks"]
 
 
 def test_nanogpt_ddp_is_captured_and_reconciled_to_zero_unexplained_bytes(work: Path) -> None:

@@ -91,6 +91,8 @@ class _State:
     recorder: Any = None
     explicit: bool = False
     """``commgate.capture.step()`` was called: the hooks no longer mark steps."""
+    optimizer_steps: int = 0
+    """Optimizer steps seen by the global step hooks (none: only the first module forward began a step)."""
     begun_ns: int | None = None
     begun_busy: int | None = None
     clock: Any = None
@@ -341,6 +343,7 @@ def _auto_steps(state: _State) -> None:
             state.recorder.phase = "optimizer"
 
     def optimizer_post(*_: Any) -> None:
+        state.optimizer_steps += 1
         if state.recorder is not None and before:
             state.recorder.phase = before.pop()
         if state.explicit:
@@ -472,6 +475,19 @@ def finish(how: str) -> None:
         _die(state.pending)
 
 
+def _step_marks(state: _State, steps: int) -> str:
+    """What marked the steps, read after "N step(s) by" (a job without an optimizer was said to be stepped "by
+    optimizer step hooks": found by an adversarial pass)."""
+    if state.explicit:
+        return "commgate.capture.step()"
+    if state.optimizer_steps:
+        return "optimizer step hooks"
+    fix = "commgate.capture.step() in the job marks them"
+    if steps:
+        return f"its first module forward alone (no optimizer step: one step to the job's end; {fix})"
+    return f"nothing (no module forward, no optimizer step: every call is the job's initialisation; {fix})"
+
+
 def _fixed(state: _State) -> dict[str, Any]:
     """What the meta says that is known once the group is up (looked up then, not on the exit path)."""
     from commgate.core.provenance import environment
@@ -498,7 +514,7 @@ def _meta(state: _State, how: str, steps: int) -> dict[str, Any]:
         "not_captured": state.not_captured
         or (None if state.inner else "the rank never set up a process group (torch.distributed.init_process_group)"),
         "steps": steps,
-        "step_marks": "commgate.capture.step()" if state.explicit else "optimizer step hooks",
+        "step_marks": _step_marks(state, steps),
         "ended": how,
         "started": state.started,
         **(state.fixed or _fixed(state)),

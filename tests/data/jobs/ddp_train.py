@@ -73,6 +73,7 @@ def main() -> None:
     )
     p.add_argument("--os-exit", action="store_true", help="end each rank with os._exit(0) after the steps")
     p.add_argument("--no-init", action="store_true", help="end before init_process_group")
+    p.add_argument("--no-optimizer", action="store_true", help="forward and backward only: no optimizer step")
     p.add_argument("--spawn-child", type=Path, help="rank 1 starts a Python process that outlives it, writing its pid")
     p.add_argument("--chdir", type=Path, help="change the working directory to DIR after init_process_group")
     p.add_argument("--monitored-barrier", action="store_true", help="gloo's monitored_barrier after init; say backend")
@@ -118,8 +119,9 @@ def main() -> None:
             pieces = [torch.empty(16, device=device) for _ in range(dist.get_world_size())]
             dist.gather(torch.ones(16, device=device), pieces if rank == 0 else None, dst=0)
             dist.scatter(torch.empty(16, device=device), pieces if rank == 0 else None, src=0)
-        opt.step()
-        opt.zero_grad()
+        if not a.no_optimizer:
+            opt.step()
+            opt.zero_grad()
     if a.hang_at_end:
         hang(rank)
     if a.part:  # rank 1's end fails rank 0's call, which raises: the job fails, each rank's capture written
