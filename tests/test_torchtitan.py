@@ -261,6 +261,28 @@ def test_what_torchtitan_refuses_is_one_line_naming_the_key(par: str, block: str
     assert all("\n" not in str(p) for p in err.value.problems)
 
 
+def test_a_config_or_model_package_torchtitan_does_not_have_is_refused_at_load() -> None:
+    """Read off the registry's source without importing it; before, validate and predict passed and the run
+    failed in torchtitan's ConfigManager after its ranks started (found by an adversarial pass)."""
+    if importlib.util.find_spec("torchtitan") is None:
+        pytest.skip("torchtitan is not installed: pip install 'commgate[torchtitan]'")
+    with pytest.raises(
+        ScenarioError,
+        match=r"torchtitan.config: 'llama3_debugmodle': torchtitan.models.llama3.config_"
+        r"registry \(.*config_registry.py\) has no such function; did you mean 'llama3_debugmodel'\?",
+    ):
+        scenario(FSDP, "config: llama3_debugmodle")
+    with pytest.raises(
+        ScenarioError,
+        match=r"torchtitan.module: 'llama4x': torchtitan has no such model package; did "
+        r"you mean 'llama3'\? its models: .*llama3",
+    ):
+        scenario(FSDP, "module: llama4x")
+    assert scenario(FSDP, "config: llama3_debugmodel_ce_loss, loss: cross_entropy").trainer_config["config"] == (
+        "llama3_debugmodel_ce_loss"
+    )
+
+
 def test_an_emulated_torchtitan_run_is_refused() -> None:
     with pytest.raises(ScenarioError, match=r"\$.emulate: true: torchtitan's ranks all run"):
         scenario(FSDP, extra="emulate: true\n")

@@ -45,10 +45,14 @@ derivation for context parallelism, every difference a named term.
 
 from __future__ import annotations
 
+import ast
+import difflib
+import importlib.util
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from fractions import Fraction
+from pathlib import Path
 from typing import Any, Literal
 
 from commgate.model.collectives import Op
@@ -1469,7 +1473,72 @@ def torchtitans_args(c: Check) -> None:
             c.bad([TT, "args", i], f"{arg!r}: {BLOCKED[key]}; remove it")
 
 
-RULES: tuple[Rule, ...] = (torchtitans_model, torchtitans_axes, torchtitans_modes, torchtitans_args)
+def torchtitans_config(c: Check) -> None:
+    """``torchtitan.config`` names a function of the config registry it reads (else the run fails in
+    torchtitan's ``ConfigManager``, "Config function ... not found", after its ranks start): checked where the
+    registry's source is found, read without importing it (torchtitan's llama3 registry imports Hugging Face
+    ``datasets``, seconds)."""
+    block = _block(c)
+    module, config = block.get("module", "llama3"), block.get("config", "llama3_debugmodel")
+    if not isinstance(module, str) or not isinstance(config, str):
+        return
+    registry = module if "." in module else f"torchtitan.models.{module}.config_registry"
+    file = _source(registry)
+    if file is None:
+        models = _source("torchtitan.models")
+        if "." not in module and models is not None:  # torchtitan is there, without such a model package
+            names = sorted(d.parent.name for d in models.parent.glob("*/config_registry.py"))
+            close = difflib.get_close_matches(module, names, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            c.bad(
+                [TT, "module"],
+                f"{module!r}: torchtitan has no such model package; {hint}its models: {', '.join(names)}",
+            )
+        return
+    try:
+        tree = ast.parse(file.read_text())
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return
+    bound = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    bound |= {(a.asname or a.name).split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom | ast.Import)
+              for a in n.names}  # fmt: skip
+    bound |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    if config in bound:
+        return
+    configs = [
+        n.name
+        for n in tree.body
+        if isinstance(n, ast.FunctionDef) and n.returns is not None and ast.unparse(n.returns).endswith("Config")
+    ]
+    close = difflib.get_close_matches(config, configs, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    c.bad(
+        [TT, "config"],
+        f"{config!r}: {registry} ({file}) has no such function; {hint}its configs: {', '.join(configs) or '(none)'}",
+    )
+
+
+def _source(dotted: str) -> Path | None:
+    """The source file of module ``dotted``, found without importing it or its packages (None where it is not a
+    plain ``.py`` file on the path)."""
+    top, *rest = dotted.split(".")
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if not rest:
+        return Path(spec.origin) if spec.origin and spec.origin.endswith(".py") else None
+    for base in spec.submodule_search_locations or ():
+        where = Path(base, *rest)
+        for file in (where.with_suffix(".py"), where / "__init__.py"):
+            if file.is_file():
+                return file
+    return None
+
+
+RULES: tuple[Rule, ...] = (torchtitans_model, torchtitans_axes, torchtitans_modes, torchtitans_args, torchtitans_config)
 
 
 LEFT_OFF_WHY: dict[str, tuple[str, str]] = {
