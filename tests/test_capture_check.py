@@ -228,7 +228,7 @@ def hand_capture(d: Path, monkeypatch: pytest.MonkeyPatch, world: int = 2) -> Pa
         ]  # fmt: skip
         windows = [StepWindow(rank=r, step=s, start_ns=1000 * s, end_ns=1000 * s + 900) for s in range(2)]
         write_rank_calls(d / f"rank{r}.json", calls, windows)
-        state = external._State(out=d, rank=r, inner="gloo", requested="gloo", fixed=fixed)
+        state = external._State(out=d, rank=r, inner="gloo", requested="gloo", fixed=fixed, optimizer_steps=2)
         atomic_write_json(d / f"rank{r}.meta.json", external._meta(state, "exited", 2))
     atomic_write_json(d / "job.json", {"command": "torchrun train.py", "job": "job-1", "exit_status": 0, "wall_s": 1})
     return d
