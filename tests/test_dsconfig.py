@@ -125,6 +125,40 @@ def test_zeros_quantization_switched_off_as_deepspeed_defaults_it_is_taken() -> 
     assert (s.parallelism.zero.qgz, s.parallelism.zero.qwz) == (False, False)
 
 
+@pytest.mark.parametrize(
+    ("par", "block", "path", "default"),
+    [
+        ("zero2", "{torch_autocast: {enabled: true}}", "torch_autocast.enabled", "{torch_autocast: {enabled: false}}"),
+        ("zero2", "{zero_optimization: {compute_grad_norm: false}}", "compute_grad_norm", "{zero_optimization: {}}"),
+        ("zero3", "{zero_optimization: {stage3_allgather_sequential: true}}", "allgather_sequential", "{}"),
+        ("zero3", "{zero_optimization: {stage3_module_granularity_threshold: 9}}", "granularity_threshold", "{}"),
+        ("zero3", "{zero_optimization: {leaf_module: {classes: [torch.nn.Linear]}}}", "leaf_module", "{}"),
+        ("zero1", "{tensor_parallel: {autotp_size: 2}}", "tensor_parallel.autotp_size", "{tensor_parallel: {}}"),
+    ],
+    ids=["torch-autocast", "no-grad-norm", "sequential-gathers", "leaf-by-size", "leaf-classes", "autotp"],
+)
+def test_keys_that_change_what_deepspeed_sends_are_refused_unless_at_their_default(
+    par: str, block: str, path: str, default: str
+) -> None:
+    """Each was taken in silence and predicted wrong: torch_autocast reduces Linear gradients in bf16, without
+    the norm no norm all-reduce, sequential gathers one call a parameter (the three measured on real runs),
+    leaf modules fetch and reduce by module, AutoTP shards the model (found by an adversarial pass). At their
+    defaults they are taken."""
+    with pytest.raises(ScenarioError, match=r"is not modelled yet \(the model follows ") as info:
+        load(f"{{scheme: {par}, dp: 2}}", block)
+    assert len(info.value.problems) == 1 and f"{path}: " in str(info.value.problems[0]), info.value.problems
+    load(f"{{scheme: {par}, dp: 2}}", default)
+    at_default = (
+        block.replace("true}", "false}")
+        .replace(": 9}", ": 0}")
+        .replace("size: 2", "size: 0")
+        .replace("[torch.nn.Linear]", "[]")
+    )
+    load(f"{{scheme: {par}, dp: 2}}", at_default.replace("compute_grad_norm: false", "compute_grad_norm: true"))
+    if "autotp" in block:
+        load(f"{{scheme: {par}, dp: 2}}", "{tensor_parallel: {autotp_size: 1}}")
+
+
 def test_the_baseline_only_mode_accepts_unmodelled_keys() -> None:
     s = load("{scheme: zero3, dp: 2}", "{zero_optimization: {stage3_use_all_reduce_for_fetch_params: true}}",
              "expectations: {model: {check: false}}\n")  # fmt: skip

@@ -139,6 +139,22 @@ MODELLED: dict[tuple[str, ...], tuple[Callable[[Any, int], bool], str, str]] = {
         "this communication dtype",
     ),
     ("prescale_gradients",): (_is(False), "false", "gradient prescaling"),
+    # accepted in silence and predicted wrong, each measured or read upstream (found by an adversarial pass):
+    # torch_autocast tags Linear parameters with its dtype, which ZeRO reduces them in (runtime/torch_autocast.py)
+    ("torch_autocast", "enabled"): (_is(False), "false", "DeepSpeed's torch_autocast (Linear gradients in its dtype)"),
+    ("zero_optimization", "compute_grad_norm"): (_is(True), "true", "ZeRO without its gradient-norm all-reduce"),
+    ("zero_optimization", "stage3_allgather_sequential"): (
+        _is(False),
+        "false",
+        "ZeRO-3's one-by-one parameter all-gathering",
+    ),
+    ("zero_optimization", "stage3_module_granularity_threshold"): (_is(0), "0", "ZeRO-3 leaf modules by size"),
+    ("zero_optimization", "leaf_module"): (
+        lambda v, stage: isinstance(v, Mapping) and not any(v.get(k) for k in ("classes", "names", "name_suffixes")),
+        "no classes, names or name_suffixes",
+        "ZeRO-3 leaf modules",
+    ),
+    ("tensor_parallel", "autotp_size"): (lambda v, stage: v in (0, 1), "0 or 1", "DeepSpeed AutoTP"),
     ("pipeline", "pipe_partitioned"): (_absent, "left out", "partitioned pipeline activations"),
     ("pipeline", "grad_partitioned"): (_absent, "left out", "partitioned pipeline gradients"),
 }
