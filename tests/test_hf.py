@@ -199,6 +199,7 @@ TINY_ARGS = {"per_device_train_batch_size": 1}
             "hf.training_args.bf16: true under ZeRO-3 is not modelled yet",
         ),
         (scenario(TINY, None, {"logging_strategy": "epoch"}), 'hf.training_args.logging_strategy: "epoch" is not'),
+        (scenario(TINY, None, {"seed": -5}), r"hf.training_args.seed: -5 is out of range, expected a value >= 0$"),
     ],
     ids=[
         "model-dtype",
@@ -219,6 +220,7 @@ TINY_ARGS = {"per_device_train_batch_size": 1}
         "hpz",
         "bf16-zero3",
         "logging-epoch",
+        "seed-negative",  # Trainer's set_seed raises in numpy (found by an adversarial pass)
     ],
 )
 def test_what_a_scenario_cannot_say_is_one_line_naming_it(text: str, message: str, tmp_path: Path) -> None:

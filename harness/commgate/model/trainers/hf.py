@@ -79,7 +79,12 @@ TRAINING_ARGS: dict[str, dict[str, Any]] = {
     "gradient_checkpointing": {"type": ["boolean", "null"]},
     "save_strategy": {"type": "string", "description": "no: checkpoint saving is not modelled"},
     "eval_strategy": {"type": "string", "description": "no: evaluation is not modelled"},
-    "seed": {"type": "integer"},
+    "seed": {
+        "type": "integer",
+        "minimum": 0,
+        "maximum": 4294967295,
+        "description": "Trainer's set_seed: numpy's seeds, 0 to 2**32 - 1 (another fails the job as it starts)",
+    },
     "fsdp": {
         "type": ["boolean", "string", "null"],
         "description": "FSDP through accelerate's plugin (true, or the legacy 'full_shard auto_wrap'); FSDP2 only",
