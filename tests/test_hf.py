@@ -714,6 +714,22 @@ def test_import_writes_the_trainer_arguments_a_deepspeed_json_pins(tmp_path: Pat
     assert not [w for w in (*s.warnings, *s.notes) if "max_position_embeddings" in w]
 
 
+def test_import_reads_the_positions_as_transformers_does(tmp_path: Path) -> None:
+    """GPT-2's config.json names them ``n_positions`` (transformers' ``attribute_map``): the import took 2048 and
+    refused its own scenario against the model's 64 learned positions, with no flag to set s (found by an
+    adversarial pass). A shrunk GPT-2 config, as Hugging Face's ``gpt2`` writes its keys."""
+    from commgate.cli import main
+
+    gpt2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 256, "n_embd": 64}
+    gpt2 |= {"n_layer": 2, "n_head": 4, "n_positions": 64, "n_ctx": 64, "bos_token_id": 0, "eos_token_id": 0}
+    (tmp_path / "gpt2.json").write_text(json.dumps(gpt2))
+    out = tmp_path / "gpt2.yaml"
+    assert main(["import", "--trainer", "hf", "--hf", str(tmp_path / "gpt2.json"), "--dp", "2", "-o", str(out)]) == 0
+    (s,) = load_file(out)
+    assert s.model.s == 64
+    assert "gpt2.json's max_position_embeddings as transformers reads it (64)" in out.read_text()
+
+
 def test_an_import_the_rules_refuse_says_nothing_was_written(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

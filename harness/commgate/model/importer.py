@@ -918,7 +918,12 @@ def hf_trainer(*, hf: Path, deepspeed: Path | None, dp: int, out: Path, name: st
         block["deepspeed"] = os.path.relpath(deepspeed.resolve(), base)
     if args:
         block["training_args"] = args
-    s = cfg.get("max_position_embeddings", 2048)
+    # as transformers reads it: GPT-2's config names it n_positions (its attribute_map); it was read as absent, and
+    # the import refused its own 2048 against the model's learned positions (found by an adversarial pass)
+    read = (
+        None if "max_position_embeddings" in cfg else getattr(trainer._hf_config(hf), "max_position_embeddings", None)
+    )
+    s = cfg.get("max_position_embeddings", read or 2048)
     if isinstance(s, bool) or not isinstance(s, int) or s < 1:
         raise UsageError(f"{hf}: max_position_embeddings: {json.dumps(s)} is not a whole number of 1 or more: give one")
     doc: dict[str, Any] = {
@@ -937,7 +942,13 @@ def hf_trainer(*, hf: Path, deepspeed: Path | None, dp: int, out: Path, name: st
     except CommgateError as exc:  # nothing is written: the message names the inputs' fields, not the file
         why = str(exc).replace("\n", "; ").removeprefix(f"{out}:").strip()
         raise UsageError(f"{out} not written: the imported scenario is refused: {why}") from None
-    whence = "'s max_position_embeddings" if "max_position_embeddings" in cfg else " states no max_position_embeddings"
+    whence = (
+        "'s max_position_embeddings"
+        if "max_position_embeddings" in cfg
+        else f"'s max_position_embeddings as transformers reads it ({read})"
+        if read
+        else " states no max_position_embeddings"
+    )
     comments = [  # an edit to make, not a note of the job: in the file's head, not repeated by every run
         f"model.s = {s}, {hf.name}{whence}: set it to the sequence length you train with",
         "resolved by trainer hf (transformers' and accelerate's own code), checked when loaded:",
