@@ -791,7 +791,16 @@ def test_commgate_import_for_trainer_hf_refuses_what_it_does_not_take(
 
     out = tmp_path / "job.yaml"
     assert main(["import", "--hf", str(TINY), "--trainer", "hf", "--tp", "2", "-o", str(out)]) == 2
-    assert "--trainer hf takes --hf" in capsys.readouterr().err and not out.exists()
+    assert "--trainer hf takes --hf (a config.json), --deepspeed and --dp; not --tp\n" in capsys.readouterr().err
+    ds = str(SUITE / "hf" / "ds_zero2.json")
+    assert main(["import", "--deepspeed", ds, "--trainer", "hf", "--dp", "2", "-o", str(out)]) == 2
+    assert "--trainer hf: give --hf CONFIG.json, the model's Hugging Face config" in capsys.readouterr().err
+    tt = ["import", "--torchtitan", "llama3:llama3_debugmodel", "--trainer", "hf", "--dp", "2", "-o", str(out)]
+    assert main(tt) == 2
+    assert (
+        "--torchtitan imports a torchtitan job (trainer torchtitan); leave out --trainer hf" in capsys.readouterr().err
+    )
+    assert not out.exists()
 
 
 def test_a_stray_launcher_variable_does_not_change_what_a_scenario_resolves_to() -> None:

@@ -761,13 +761,15 @@ def cmd_import(a: argparse.Namespace) -> int:
     if a.name is None:  # the written file's name: imports of one config into several files do not collide
         a.name = scenario_name(a.out)
     got: Imported
+    if a.torchtitan and a.trainer == "hf":  # it wrote a torchtitan scenario in silence (an adversarial pass)
+        raise UsageError("--torchtitan imports a torchtitan job (trainer torchtitan); leave out --trainer hf")
     if a.torchtitan:
         got = _torchtitan_import(a)
     elif a.trainer == "hf":
-        if a.neox or a.tp or a.pp or a.cpu or not a.hf:
-            raise UsageError(
-                "--trainer hf takes --hf (a config.json), --deepspeed and --dp; not --neox, --tp, --pp, --cpu"
-            )
+        if extra := [f"--{k}" for k in ("neox", "tp", "pp", "cpu") if getattr(a, k)]:
+            raise UsageError(f"--trainer hf takes --hf (a config.json), --deepspeed and --dp; not {', '.join(extra)}")
+        if not a.hf:  # it named the flags not taken, none given, and not the one missing (an adversarial pass)
+            raise UsageError("--trainer hf: give --hf CONFIG.json, the model's Hugging Face config")
         if a.dp is None:
             raise UsageError("--trainer hf: give --dp N, the number of ranks the job runs on (2 or more)")
         got = hf_trainer(hf=a.hf, deepspeed=a.deepspeed, dp=a.dp, out=a.out, name=a.name)
