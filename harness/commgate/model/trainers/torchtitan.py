@@ -47,9 +47,10 @@ from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import importlib.util
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
@@ -1488,34 +1489,40 @@ def torchtitans_config(c: Check) -> None:
         models = _source("torchtitan.models")
         if "." not in module and models is not None:  # torchtitan is there, without such a model package
             names = sorted(d.parent.name for d in models.parent.glob("*/config_registry.py"))
-            close = difflib.get_close_matches(module, names, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            c.bad(
-                [TT, "module"],
-                f"{module!r}: torchtitan has no such model package; {hint}its models: {', '.join(names)}",
-            )
+            c.bad([TT, "module"], f"{module!r}: torchtitan has no such model package; {_hint(module, names, 'models')}")
         return
+    read = _registry_names(file)
+    if read is None or config in read[0]:
+        return
+    c.bad([TT, "config"], f"{config!r}: {registry} ({file}) has no such function; {_hint(config, read[1], 'configs')}")
+
+
+def _hint(word: str, names: Sequence[str], what: str) -> str:
+    """ "did you mean X? its WHAT: A, B" (X the closest of ``names``, if any is close)."""
+    close = difflib.get_close_matches(word, names, n=1)
+    return (f"did you mean {close[0]!r}? " if close else "") + f"its {what}: {', '.join(names) or '(none)'}"
+
+
+@functools.cache
+def _registry_names(file: Path) -> tuple[frozenset[str], tuple[str, ...]] | None:
+    """(every name the registry module binds, its functions returning a ``Config``), read off its source once
+    per process; None where the source cannot tell (unreadable, a star import, a module ``__getattr__``)."""
     try:
         tree = ast.parse(file.read_text())
     except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
-        return
+        return None
     bound = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
     bound |= {(a.asname or a.name).split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom | ast.Import)
               for a in n.names}  # fmt: skip
     bound |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
-    if config in bound or "*" in bound or "__getattr__" in bound:  # a star import or a module __getattr__: unknown
-        return
-    configs = [
+    if "*" in bound or "__getattr__" in bound:
+        return None
+    configs = tuple(
         n.name
         for n in tree.body
         if isinstance(n, ast.FunctionDef) and n.returns is not None and ast.unparse(n.returns).endswith("Config")
-    ]
-    close = difflib.get_close_matches(config, configs, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    c.bad(
-        [TT, "config"],
-        f"{config!r}: {registry} ({file}) has no such function; {hint}its configs: {', '.join(configs) or '(none)'}",
     )
+    return frozenset(bound), configs
 
 
 def _source(dotted: str) -> Path | None:
