@@ -415,6 +415,18 @@ def test_the_default_suites_auto_configs_reconcile_on_real_runs(file: Path, tmp_
     assert ("    hf: fsdp: FSDP2 through accelerate's plugin" if fsdp else '"auto" -> ') in result.summary()
 
 
+def test_a_model_that_adds_into_a_modules_output_in_place_predicts_and_reconciles(tmp_path: Path) -> None:
+    """Falcon's parallel attention adds the attention's output into the MLP's in place
+    (``mlp_output += attention_output``). commgate's meta-device trace marked a module's output by returning it
+    as-is from an autograd function, a view, and autograd refused the in-place add: predict and import failed
+    with torch's advice to clone, which the user cannot take (found by an adversarial pass). Under ZeRO-3, where
+    the trace's module order is what is predicted, a real run reconciles."""
+    ds = SUITE / "hf" / "ds_zero3.json"
+    result = run(scenario(DATA / "mini-falcon.config.json", ds, {"per_device_train_batch_size": 1}), tmp_path)
+    reconciled(result)
+    assert any(r.source.startswith("ZeRO-3 module parameter all-gather") for r in result.prediction.collectives)
+
+
 @pytest.mark.parametrize(
     "args",
     [

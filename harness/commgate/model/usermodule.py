@@ -296,7 +296,10 @@ class _Hooked:
             @staticmethod
             def forward(ctx: Any, name: str, pre: bool, *ts: Any) -> Any:
                 ctx.name, ctx.pre = name, pre
-                return ts if len(ts) > 1 else ts[0]
+                # fresh tensors, not the inputs: an input returned as-is is a view, and a model that adds into a
+                # module's output in place (Falcon's parallel attention) is refused by autograd; free on meta
+                out = tuple(t.clone() for t in ts)
+                return out if len(out) > 1 else out[0]
 
             @staticmethod
             def backward(ctx: Any, *grads: Any) -> Any:
