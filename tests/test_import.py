@@ -452,3 +452,54 @@ def test_a_neox_pipeline_with_zero1_is_imported(tmp_path: Path, capsys: pytest.C
     assert main(["import", "--neox", str(neox), "--dp", "2", "-o", str(out)]) == 0, capsys.readouterr().err
     (s,) = load_file(out)
     assert (s.parallelism.scheme, s.parallelism.pp, s.parallelism.zero.stage) == ("pp", 2, 1)
+
+
+@pytest.mark.parametrize(
+    ("extra", "flags", "message"),
+    [
+        (
+            "pipe-parallel-size: 0\nmodel-parallel-size: 2\nzero_optimization: {stage: 1}\n",
+            [],
+            "zero_optimization.stage: 1 with tensor parallelism of 2 and no pipeline is not modelled (commgate "
+            "models ZeRO beside tensor parallelism only in DeepSpeed's pipeline engine, ZeRO-1 with 2 stages or "
+            "more); give stage 0, or a pipeline (GPT-NeoX's pipe-parallel-size, or --pp) with stage 0 or 1",
+        ),
+        (
+            "pipe-parallel-size: 1\nzero_optimization: {stage: 2}\n",
+            ["--tp", "4"],
+            "stage: 2 with tensor parallelism of 4",
+        ),
+        (
+            "pipe-parallel-size: 2\nzero_optimization: {stage: 2}\n",
+            [],
+            "zero_optimization.stage: 2 with a pipeline of 2 stages: DeepSpeed's pipeline engine runs ZeRO stage 0 "
+            "or 1 only (it refuses 2 and 3 as it starts); give stage 0 or 1",
+        ),
+    ],
+    ids=["tp-zero1-no-pipeline", "tp-flag-zero2", "pipeline-zero2"],
+)
+def test_a_zero_stage_the_parallelism_cannot_run_is_one_line_that_does_not_go_round(
+    extra: str, flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """GPT-NeoX with model parallelism and ZeRO-1 but no pipeline was refused with "use scheme zero1", which has
+    no TP, and a pipeline with ZeRO-2 with "set parallelism.zero.stage: 2", which the pipeline refuses (found by
+    an adversarial pass): one line naming the key and a change that imports."""
+    neox, out = tmp_path / "n.yml", tmp_path / "x.yaml"
+    neox.write_text(NEOX_SMALL + extra)
+    got = refused(["--neox", str(neox), "--dp", "2", *flags, "-o", str(out)], capsys)
+    assert got.startswith(f"{neox}: ") and message in got and "use scheme" not in got, got
+    assert not out.exists()
+    neox.write_text(NEOX_SMALL + extra.replace("stage: 2", "stage: 0").replace("stage: 1", "stage: 0"))
+    assert main(["import", "--neox", str(neox), "--dp", "2", *flags, "-o", str(out)]) == 0, capsys.readouterr().err
+
+
+def test_a_pipeline_scenario_with_zero2_is_told_the_stages_the_engine_runs() -> None:
+    from commgate.core.errors import ScenarioError
+    from commgate.model.loader import load_text
+
+    text = "schema_version: 1\nname: x\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: pp, pp: 2, dp: 1}\n"
+    with pytest.raises(ScenarioError) as info:
+        load_text(text + "deepspeed: {zero_optimization: {stage: 3}}\n")
+    assert "3 contradicts scheme 'pp' (ZeRO stage 0); DeepSpeed's pipeline engine runs ZeRO stage 0 or 1 only" in str(
+        info.value
+    ) and "set parallelism.zero.stage" not in str(info.value)

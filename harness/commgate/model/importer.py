@@ -156,6 +156,7 @@ def build(
     if "L" not in model:
         raise UsageError(f"{deepspeed}: a DeepSpeed config has no model dimensions: give --neox or --hf too")
     stage = _stage(ds, str(stage_file))
+    _stage_fits(stage, par, str(stage_file))
     par["scheme"] = _scheme(par, stage)
     if SCHEMES[par["scheme"]].pipeline and stage == 1:  # GPT-NeoX's usual pipeline: ZeRO-1 in DeepSpeed's engine
         par["zero"] = {"stage": 1}
@@ -198,6 +199,23 @@ def scenario_name(path: Path | None) -> str:
     if path is None:
         return "imported"
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in path.stem) or "imported"
+
+
+def _stage_fits(stage: int, par: dict[str, Any], f: str) -> None:
+    """A ZeRO stage the parallelism cannot run with commgate's model, refused naming the key (the loader's own
+    check would advise a scheme that then refuses the TP or the pipeline)."""
+    tp, pp = par.get("tp", 1), par.get("pp", 1)
+    if pp > 1 and stage >= 2:  # deepspeed/runtime/pipe/engine.py: "ZeRO-2 and ZeRO-3 are incompatible with ..."
+        raise UsageError(
+            f"{f}: zero_optimization.stage: {stage} with a pipeline of {pp} stages: DeepSpeed's pipeline engine "
+            "runs ZeRO stage 0 or 1 only (it refuses 2 and 3 as it starts); give stage 0 or 1"
+        )
+    if tp > 1 and pp <= 1 and stage >= 1:
+        raise UsageError(
+            f"{f}: zero_optimization.stage: {stage} with tensor parallelism of {tp} and no pipeline is not modelled "
+            "(commgate models ZeRO beside tensor parallelism only in DeepSpeed's pipeline engine, ZeRO-1 with 2 "
+            "stages or more); give stage 0, or a pipeline (GPT-NeoX's pipe-parallel-size, or --pp) with stage 0 or 1"
+        )
 
 
 def _scheme(par: dict[str, Any], stage: int) -> str:

@@ -864,7 +864,11 @@ def _from_deepspeed(
         elif zo["stage"] != stage:
             named = [s.name for s in SCHEMES.values() if s.zero_stage == zo["stage"] and s.deepspeed]
             fix = (
-                f"set parallelism.zero.stage: {zo['stage']} (the pipeline engine runs stage 0 or 1)"
+                (
+                    f"set parallelism.zero.stage: {zo['stage']} (the pipeline engine runs stage 0 or 1)"
+                    if zo["stage"] in (0, 1)
+                    else "DeepSpeed's pipeline engine runs ZeRO stage 0 or 1 only (it refuses 2 and 3): give 0 or 1"
+                )
                 if par.get("scheme") in SCHEMES and SCHEMES[par["scheme"]].pipeline
                 else f"use scheme {named[0]}"
                 if named
