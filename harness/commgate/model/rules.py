@@ -36,7 +36,7 @@ def model_shape(c: Check) -> None:
         c.bad(["model", "a"], f"hidden size h={m.h} is not divisible by heads a={m.a}")
     if m.llama and m.position != "rotary":
         c.bad(["model", "position"], f"{m.position!r}: architecture llama uses rotary positions")
-    if m.kv_heads is not None and not m.llama:
+    if m.kv_heads is not None and m.kv_heads != m.a and not m.llama and c.trainer != "megatron":
         c.bad(["model", "kv_heads"], f"{m.kv_heads}: grouped-query attention needs architecture: llama")
     if m.qkv_bias and not m.llama:
         c.bad(

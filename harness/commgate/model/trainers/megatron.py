@@ -670,6 +670,13 @@ def megatrons_model(c: Check) -> None:
               "modelled; set architecture: gpt-neox")  # fmt: skip
     if m.position != "learned":
         c.bad(["model", "position"], f"{m.position!r}: only Megatron's learned_absolute positions are modelled")
+    tp = c.par.tp
+    if m.kv < tp:  # transformer/attention.py: the fused QKV output all-gathered over tp in every layer
+        c.bad(["model", "kv_heads"], f"{m.kv}: fewer query groups (num_query_groups) than tp={tp}: Megatron "
+              "all-gathers each layer's QKV output to share them, which is not modelled; give kv_heads a multiple "
+              "of tp")  # fmt: skip
+    elif m.kv % tp:  # TransformerConfig.__post_init__ refuses it
+        c.bad(["model", "kv_heads"], f"{m.kv}: Megatron needs num_query_groups a multiple of tp={tp}")
     if m.dtype == "fp16":
         c.bad(["model", "dtype"], "'fp16': Megatron's fp16 loss scaling (found-inf all-reduce) is not modelled; "
               "use bf16 or fp32")  # fmt: skip
