@@ -89,8 +89,9 @@ def _is(expected: Any) -> Callable[[Any, int], bool]:
 
 
 def _count(value: Any, stage: int) -> bool:
-    """A number of elements (``commgate.model.schemes.zero3_fetch`` replays the coordinator with it)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+    """A number of elements (``commgate.model.schemes.zero3_fetch`` replays the coordinator with it), or
+    ``"auto"``: commgate's own workloads leave it out, so DeepSpeed's default, which the replay takes too."""
+    return value == "auto" or (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0)
 
 
 MODELLED: dict[tuple[str, ...], tuple[Callable[[Any, int], bool], str, str]] = {
