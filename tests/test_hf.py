@@ -451,8 +451,11 @@ def test_ddp_as_trainer_runs_it_reconciles(args: dict[str, Any], tmp_path: Path)
         ({"num_attention_heads": 5}, "is not a multiple of the number of attention heads"),
         ({"model_type": None}, "no model_type: give a causal language model's config.json"),
         ({"model_type": "my_model"}, "Unrecognized model identifier: my_model"),
+        # from_config builds float64 parameters, taken as fp32: half the bytes (found by an adversarial pass)
+        ({"torch_dtype": "float64"}, "torch_dtype float64 is not modelled: transformers' from_config builds the"),
+        ({"dtype": "float64"}, 'set "torch_dtype" (or "dtype") to "float32"'),
     ],
-    ids=["str-int", "str-bool", "heads", "no-model-type", "custom-type"],
+    ids=["str-int", "str-bool", "heads", "no-model-type", "custom-type", "float64", "dtype-float64"],
 )
 def test_a_config_json_transformers_refuses_is_one_short_line_naming_it(
     edit: dict[str, Any], message: str, tmp_path: Path

@@ -659,7 +659,14 @@ def _model(config_path: Path, r: Resolution) -> dict[str, Any]:
             f"hf.config {config_path}: tie_word_embeddings under ZeRO-3: transformers ties the weights again after "
             "its partitioned construction (model.tie_weights()), which is not measured; untie them or use ZeRO-1/2"
         )
-    dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(str(getattr(cfg, "dtype", None)).removeprefix("torch."), "fp32")
+    named = str(getattr(cfg, "dtype", None)).removeprefix("torch.")
+    if named not in ("bfloat16", "float16", "float32", "None"):  # from_config builds the parameters in it
+        raise CommgateError(
+            f"hf.config {config_path}: torch_dtype {named} is not modelled: transformers' from_config builds the "
+            "parameters in it, and commgate models float32, float16 and bfloat16; set \"torch_dtype\" (or \"dtype\") "
+            "to \"float32\""
+        )
+    dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(named, "fp32")
     out: dict[str, Any] = {"module": f"transformers:{_model_class(cfg).__name__}", "dtype": dtype}
     half = "bf16" if r.args["bf16"] else "fp16" if r.args["fp16"] else None
     if r.args["fsdp"]:
