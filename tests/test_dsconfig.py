@@ -370,3 +370,15 @@ def test_a_dtype_the_block_sets_is_not_called_the_presets() -> None:
         load("{scheme: 3d, dp: 1, tp: 2, pp: 2}", "{bf16: {enabled: true}}")
     (problem,) = info.value.problems
     assert problem.path == "$.model.dtype" and "is preset" not in problem.message
+
+
+@pytest.mark.parametrize("scheme", ["zero1", "zero2", "zero3"])
+def test_a_communication_dtype_in_upper_case_is_the_lower_case_one(scheme: str) -> None:
+    """``communication_data_type: BF16`` was refused as "not modelled"; DeepSpeed lower-cases it
+    (``runtime/config.py``, ``get_communication_data_type``): the same rows as ``bf16``, the dtype in them
+    lower case (measured: a real ZeRO-2 run of it reconciles; found by an adversarial pass)."""
+    from commgate.model.predict import predict
+
+    upper, lower = (load(f"{{scheme: {scheme}, dp: 2}}", f"{{communication_data_type: {v}}}") for v in ("BF16", "bf16"))
+    rows = [sorted(str((r.op, r.elements, r.calls, r.dtype)) for r in predict(s).collectives) for s in (upper, lower)]
+    assert rows[0] == rows[1] and any("bf16" in r for r in rows[0])

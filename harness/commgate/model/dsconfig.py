@@ -135,8 +135,8 @@ MODELLED: dict[tuple[str, ...], tuple[Callable[[Any, int], bool], str, str]] = {
     ("zero_optimization", "cpu_offload_param"): (_bool, "true or false", "parameter offload"),
     # measured: ZeRO-1/2/3 reduce the gradients in it, same buckets (MoE and the pipeline: see scenario.py)
     ("communication_data_type",): (
-        lambda v, stage: v in ("fp32", "fp16", "bf16"),
-        "fp32, fp16 or bf16",
+        lambda v, stage: isinstance(v, str) and v.lower() in ("fp32", "fp16", "bf16"),  # DeepSpeed lower-cases it
+        "fp32, fp16 or bf16, any case",
         "this communication dtype",
     ),
     ("prescale_gradients",): (_is(False), "false", "gradient prescaling"),

@@ -179,9 +179,9 @@ def _accumulation(
 
 def grad_dtype(ctx: Context) -> str:
     """The dtype ZeRO reduces gradients in: ``communication_data_type`` if the config sets it, else the
-    parameters'."""
+    parameters'. In any case, as DeepSpeed reads it (``get_communication_data_type`` lower-cases it)."""
     dtype = ctx.scenario.deepspeed_config.get("communication_data_type")
-    return str(dtype) if dtype else ctx.scenario.model.dtype
+    return str(dtype).lower() if dtype else ctx.scenario.model.dtype
 
 
 def _volume(rows: list[ExpectedCollective], term: str) -> Fraction:
