@@ -454,8 +454,21 @@ def test_ddp_as_trainer_runs_it_reconciles(args: dict[str, Any], tmp_path: Path)
         # from_config builds float64 parameters, taken as fp32: half the bytes (found by an adversarial pass)
         ({"torch_dtype": "float64"}, "torch_dtype float64 is not modelled: transformers' from_config builds the"),
         ({"dtype": "float64"}, 'set "torch_dtype" (or "dtype") to "float32"'),
+        # beyond the limits of a scenario's own model fields: a 6.6e21-parameter config predicted (same pass)
+        ({"hidden_size": 2**30}, "hidden_size 1,073,741,824 is more than commgate takes (1,048,576, as model.h)"),
+        ({"vocab_size": 10**9}, "vocab_size 1,000,000,000 is more than commgate takes (100,000,000, as model.V)"),
     ],
-    ids=["str-int", "str-bool", "heads", "no-model-type", "custom-type", "float64", "dtype-float64"],
+    ids=[
+        "str-int",
+        "str-bool",
+        "heads",
+        "no-model-type",
+        "custom-type",
+        "float64",
+        "dtype-float64",
+        "huge-h",
+        "huge-V",
+    ],
 )
 def test_a_config_json_transformers_refuses_is_one_short_line_naming_it(
     edit: dict[str, Any], message: str, tmp_path: Path

@@ -725,12 +725,35 @@ def _parsed(text: str, where: str) -> Any:
             "mistral, qwen2, gpt_neox ...)"
         )
     try:
-        return AutoConfig.for_model(**raw)
+        cfg = AutoConfig.for_model(**raw)
     except Exception as exc:  # transformers' own validation (strict dataclass fields, unknown model types)
         why = _one_line(exc)
         raise CommgateError(
             f"hf.config {where}: transformers cannot read it: {why[:300]}{' ...' if len(why) > 300 else ''}"
         ) from None
+    _within_limits(cfg, where)
+    return cfg
+
+
+SIZES = {"num_hidden_layers": "L", "hidden_size": "h", "num_attention_heads": "a", "num_key_value_heads": "kv_heads",
+         "vocab_size": "V", "intermediate_size": "ffn_hidden"}  # fmt: skip
+"""A config's dimensions (as transformers reads them: GPT-2's ``n_embd`` is ``hidden_size``) and the
+``model:`` field whose schema limit holds them too."""
+
+
+def _within_limits(cfg: Any, where: str) -> None:
+    """The limits a scenario's own model dimensions have (the scenario schema's), held to the config's: a
+    6.6e21-parameter config predicted, and a run would have tried to build it (found by an adversarial pass)."""
+    from commgate.core.schemas import load
+
+    fields = load("scenario")["properties"]["model"]["properties"]
+    for key, field in SIZES.items():
+        value, most = getattr(cfg, key, None), fields[field]["maximum"]
+        if isinstance(value, int) and value > most:
+            raise CommgateError(
+                f"hf.config {where}: {key} {value:,} is more than commgate takes ({most:,}, as model.{field}); "
+                "give the config of the model you train"
+            )
 
 
 def _model_class(cfg: Any) -> type:
