@@ -663,8 +663,8 @@ def _model(config_path: Path, r: Resolution) -> dict[str, Any]:
     if named not in ("bfloat16", "float16", "float32", "None"):  # from_config builds the parameters in it
         raise CommgateError(
             f"hf.config {config_path}: torch_dtype {named} is not modelled: transformers' from_config builds the "
-            "parameters in it, and commgate models float32, float16 and bfloat16; set \"torch_dtype\" (or \"dtype\") "
-            "to \"float32\""
+            'parameters in it, and commgate models float32, float16 and bfloat16; set "torch_dtype" (or "dtype") '
+            'to "float32"'
         )
     dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(named, "fp32")
     out: dict[str, Any] = {"module": f"transformers:{_model_class(cfg).__name__}", "dtype": dtype}
