@@ -146,6 +146,11 @@ def test_what_it_cannot_import_is_one_line(
          "parallelism.tensor_parallel_degree = '2': a string; write the number (2)"),
         ('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\npipeline_parallel_schedule_csv = ""\n'
          "tensor_parallel_degre = 2\n", "did you mean tensor_parallel_degree?"),
+        # the refusal named the written scenario's $.torchtitan.log_freq, and an empty TOML "[model] name None"
+        # (found by an adversarial pass): the TOML's key, then the scenario's
+        ('[model]\nname = "llama3"\nflavor = "8B"\n[metrics]\nlog_freq = 0\n',
+         "the imported scenario is refused: {toml}: [metrics] log_freq ($.torchtitan.log_freq): 0 is out of range"),
+        ("", '{toml}: [model] name missing: commgate models torchtitan\'s llama3 (name = "llama3")'),
     ],
 )  # fmt: skip
 def test_a_toml_it_cannot_import_is_one_line(
@@ -155,7 +160,7 @@ def test_a_toml_it_cannot_import_is_one_line(
     toml.write_text(text)
     assert main(["import", "--torchtitan", str(toml), "--dp", "2", "-o", str(tmp_path / "x.yaml")]) == 2
     *notes, err = capsys.readouterr().err.strip().splitlines()  # the import's notes, if it got that far
-    assert err.startswith("commgate: error: ") and message in err, err
+    assert err.startswith("commgate: error: ") and message.format(toml=toml) in err, err
     assert all(n.startswith("note: ") for n in notes) and not (tmp_path / "x.yaml").exists()
 
 

@@ -783,7 +783,10 @@ def cmd_import(a: argparse.Namespace) -> int:
     try:
         scenarios = load_document(got.doc, file=str(a.out))  # the result validates ...
     except ScenarioError as exc:  # nothing written: say what in the configs it comes from
-        what = "; ".join(f"{p.path}: {p.message}" for p in exc.problems)
+        what = "; ".join(
+            f"{f'{got.origins[p.path]} ({p.path})' if p.path in got.origins else p.path}: {p.message}"
+            for p in exc.problems
+        )
         raise UsageError(f"{a.out} not written: the imported scenario is refused: {what}") from None
     for s in scenarios:
         predict(s)  # ... and predicts

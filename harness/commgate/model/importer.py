@@ -57,6 +57,9 @@ class Imported:
     """What was ignored or left out, one line each."""
     comments: list[str] = field(default_factory=list)
     """What the written file says in comments, one line each (a trainer's resolved values)."""
+    origins: dict[str, str] = field(default_factory=dict)
+    """A scenario path (``$.torchtitan.log_freq``) -> the config key it was read from, as the user wrote it
+    (``job.toml: [metrics] log_freq``): a refusal of the scenario names the key to change."""
 
 
 def _read(path: Path, what: str) -> dict[str, Any]:
@@ -569,6 +572,8 @@ def torchtitan_toml(path: Path) -> TitanJob:
         return block.get(key, default) if isinstance(block, dict) else default
 
     name, flavor = get("model", "name", None), str(get("model", "flavor", ""))
+    if name is None:
+        raise UsageError(f'{f}: [model] name missing: commgate models torchtitan\'s llama3 (name = "llama3")')
     if name != "llama3":
         raise UsageError(f"{f}: [model] name {name!r}: commgate models torchtitan's llama3 only")
     base = flavor.split("_")[0]  # debugmodel_flex_attn, 8B_varlen: the flavor's dimensions, another attention
@@ -871,6 +876,16 @@ def _titan_pipeline(job: TitanJob, dp: int, tp: int, pp: int, ac: bool) -> dict[
     }
 
 
+TOML_KEYS = {
+    "activation_checkpoint": "[activation_checkpoint] mode",
+    "mixed_precision_param": "[training] mixed_precision_param",
+    "fsdp_reshard_after_forward": "[parallelism] fsdp_reshard_after_forward",
+    "cpu_offload": "[training] enable_cpu_offload",
+    "log_freq": "[metrics] log_freq",
+}
+"""The ``torchtitan:`` block's keys and the TOML keys they are read from."""
+
+
 def _torchtitan_block(job: TitanJob, out: Imported) -> dict[str, Any]:
     """The scenario's ``torchtitan:`` block: what the model needs beyond the model and parallelism blocks,
     torchtitan's defaults left out; ``left_off`` what a CPU run cannot do, each named in a comment."""
@@ -893,6 +908,8 @@ def _torchtitan_block(job: TitanJob, out: Imported) -> dict[str, Any]:
     left_off = [
         what for what, on in (("compile", job.compile), ("async_tp", job.async_tp), ("float8", job.float8)) if on
     ]
+    if Path(job.source).suffix == ".toml":
+        out.origins |= {f"$.torchtitan.{k}": f"{job.source}: {key}" for k, key in TOML_KEYS.items() if k in block}
     if left_off:
         block["left_off"] = left_off
     for what in left_off:
