@@ -556,3 +556,25 @@ def test_predict_at_the_largest_world_lists_each_row_s_group_in_brief_and_sums_r
         for g in c.groups if c.wire_bytes_per_step else ():
             add_traffic(c.op, g, c.wire_bytes_per_step, one_by_one)
     assert p.traffic_matrix() == one_by_one and list(p.traffic_matrix()) == list(one_by_one)
+
+
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (["--scheme", "zero3", "--dp", "1"], "--dp: 1: scheme 'zero3' needs dp >= 2"),
+        (["--scheme", "zero3", "--dp", "8", "--seq", "0"], "--seq: 0 is out of range, expected a value >= 1"),
+        (["--scheme", "ddp", "--dp", "2", "--hpz", "2"], "--hpz/--qwz/--qgz: ZeRO++ options (hpz, qwz, qgz) need"),
+        (["--scheme", "fsdp", "--dp", "2", "--micro-batch", "0"], "--micro-batch: 0 is out of range"),
+    ],
+    ids=["dp", "seq", "zero++", "micro-batch"],
+)
+def test_a_scenario_by_flags_is_refused_naming_the_flag(
+    flags: list[str], line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It named the document made of the flags ("<command line>: $.parallelism.dp: 1: ..."), a path the
+    user never wrote (found by an adversarial pass): one line naming the flag."""
+    from commgate.cli import main
+
+    assert main(["predict", "--model", "13B", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err == f"commgate: error: {line}" + err.split(line, 1)[1] and err.count("\n") == 1 and "$." not in err, err

@@ -109,6 +109,21 @@ def _add_predict(sub: argparse._SubParsersAction[_Parser]) -> None:
     o.add_argument("--report-dir", type=env.path, help="also write predictions.json there (atomically)")
 
 
+FLAGS = {
+    "$.model": "--model", "$.model.preset": "--model", "$.model.s": "--seq", "$.model.dtype": "--dtype",
+    "$.model.tied_embeddings": "--tied", "$.parallelism": "--scheme", "$.parallelism.scheme": "--scheme",
+    "$.parallelism.dp": "--dp", "$.parallelism.tp": "--tp", "$.parallelism.pp": "--pp",
+    "$.parallelism.micro_batch": "--micro-batch", "$.parallelism.micro_batches": "--micro-batches",
+    "$.parallelism.activation_checkpointing": "--checkpointing", "$.parallelism.zero": "--hpz/--qwz/--qgz",
+    "$.parallelism.zero.hpz": "--hpz", "$.parallelism.zero.qwz": "--qwz", "$.parallelism.zero.qgz": "--qgz",
+    "$.parallelism.moe": "--experts", "$.parallelism.moe.experts": "--experts", "$.parallelism.moe.ep": "--ep",
+    "$.parallelism.dp_replicate": "--dp-replicate", "$.parallelism.cp": "--cp",
+    "$.parallelism.fsdp.param_dtype": "--param-dtype", "$.parallelism.fsdp.reduce_dtype": "--reduce-dtype",
+    "$.parallelism.fsdp.reshard_after_forward": "--reshard-after-forward",
+}  # fmt: skip
+"""The scenario paths ``_flags_document`` writes and the ``predict`` flag each comes from."""
+
+
 def _flags_document(a: argparse.Namespace) -> dict[str, Any]:
     if not a.model:
         raise UsageError(f"{'--scheme' if a.scheme else 'a scenario by flags'} needs --model PRESET (or give scenario "
@@ -162,7 +177,12 @@ def cmd_predict(a: argparse.Namespace) -> int:
     if given and a.paths:  # a flag would be silently ignored: the files are predicted as written
         raise UsageError(f"give scenario paths or a scenario by flags ({', '.join(given)}), not both")
     if given:
-        scenarios = load_document(_flags_document(a), file="<command line>")
+        try:
+            scenarios = load_document(_flags_document(a), file="<command line>")
+        except ScenarioError as exc:  # said by the flags the user gave, not the document made of them
+            raise UsageError(
+                "; ".join(f"{FLAGS.get(p.path.split('[')[0], p.path)}: {p.message}" for p in exc.problems)
+            ) from None
     else:
         scenarios = load_paths(default_paths(a.paths, instead=" (or --model/--scheme)"))
     preds = [predict(s) for s in scenarios]
