@@ -493,3 +493,10 @@ def test_tp_and_distributed_optimizer_on_4_ranks_reconciles(mg: Any, tmp_path: P
         "use_distributed_optimizer: true",
     )
     reconciles(s, run(s, tmp_path))
+
+
+def test_heads_without_kv_heads_are_not_called_query_groups() -> None:
+    """tp above the heads: one problem, the heads' own; the query-group rule speaks only of a kv_heads given."""
+    with pytest.raises(ScenarioError) as err:
+        scenario("scheme: tp, tp: 8", "", TINY)
+    assert [p.path for p in err.value.problems] == ["$.parallelism.tp"], err.value.problems

@@ -671,7 +671,9 @@ def megatrons_model(c: Check) -> None:
     if m.position != "learned":
         c.bad(["model", "position"], f"{m.position!r}: only Megatron's learned_absolute positions are modelled")
     tp = c.par.tp
-    if m.kv < tp:  # transformer/attention.py: the fused QKV output all-gathered over tp in every layer
+    if m.kv_heads is None or m.kv_heads == m.a:  # every head its own group: the heads' own rules hold it
+        pass
+    elif m.kv < tp:  # transformer/attention.py: the fused QKV output all-gathered over tp in every layer
         c.bad(["model", "kv_heads"], f"{m.kv}: fewer query groups (num_query_groups) than tp={tp}: Megatron "
               "all-gathers each layer's QKV output to share them, which is not modelled; give kv_heads a multiple "
               "of tp")  # fmt: skip
