@@ -112,3 +112,19 @@ def test_a_device_or_fifo_is_never_replaced_by_a_file(tmp_path: Path, kind: str)
     assert os.stat(target).st_mode == before and sorted(p.name for p in tmp_path.iterdir()) == sorted(
         {"out"} | ({"fifo"} if kind == "link to a fifo" else set())
     )
+
+
+def test_a_number_python_will_not_read_is_one_line_naming_the_file(tmp_path: Path) -> None:
+    """A whole number past Python's 4,300 digits made ``json`` raise a plain ``ValueError``, not a
+    ``JSONDecodeError``: a baseline, a rank's capture or a report read that way was a traceback, and a DeepSpeed
+    JSON's error did not name the file (found by an adversarial pass)."""
+    from commgate.core.errors import DocumentError
+    from commgate.core.fsutil import read_json, read_json_object
+
+    bad = tmp_path / "b.json"
+    bad.write_text('{"elements": ' + "7" * 5000 + "}")
+    with pytest.raises(DocumentError) as info:
+        read_json(bad, lambda doc: None, hint=": a hint for a truncated file")
+    assert str(info.value) == f"{bad}: $: a number of more than 4,300 digits, which no file commgate writes holds"
+    with pytest.raises(ValueError, match=r"b\.json: not a DeepSpeed JSON config \(a number of more than 4,300 dig"):
+        read_json_object(bad, "DeepSpeed JSON config")

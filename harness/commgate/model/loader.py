@@ -265,6 +265,9 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, _Located]:
 MAX_NODES, MAX_DEPTH = 100_000, 64
 """Bounds on a scenario document, counted with YAML aliases expanded (an alias "bomb" of a few lines
 expands to billions of nodes, which validation would walk)."""
+MAX_DIGITS = 4300
+"""The longest whole number Python converts from text (``sys.get_int_max_str_digits``' default): a longer
+one raised ``ValueError`` from deep in PyYAML, a traceback (found by an adversarial pass)."""
 
 
 def _bounded(root: yaml.Node, file: str) -> None:
@@ -279,6 +282,8 @@ def _bounded(root: yaml.Node, file: str) -> None:
             if seen > MAX_NODES
             else f"nested deeper than {MAX_DEPTH} levels"
             if depth > MAX_DEPTH
+            else f"a number {len(node.value):,} digits long (Python reads at most {MAX_DIGITS:,})"
+            if isinstance(node, yaml.ScalarNode) and node.tag.endswith(":int") and len(node.value) > MAX_DIGITS
             else None
         )
         if problem:
