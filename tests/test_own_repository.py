@@ -282,3 +282,29 @@ def test_the_scenario_folders_are_read_from_pyproject_as_pytest_reads_them(tmp_p
 
     (tmp_path / "pyproject.toml").write_text(f"[tool.pytest.ini_options]\n{toml}\n[tool.other]\nx = 1\n")
     assert scenario_dirs(tmp_path / "pyproject.toml") == [str(tmp_path / "comm")]
+
+
+def test_the_commands_init_prints_run_as_printed_without_an_activated_environment(tmp_path: Path) -> None:
+    """init printed ``sh comm/ci.sh`` while ci.sh ran a bare ``python``: without the environment activated
+    that was another interpreter, and pytest failed on commgate's options, not naming the cause (found by an
+    adversarial pass). Each command init prints runs as printed, from a shell whose ``python`` lacks
+    commgate; ci.sh run with such a ``python`` says so in one line."""
+    bindir = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHON")}
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if Path(p).resolve() != bindir.resolve())
+    init = [str(bindir / "commgate"), "init", "--preset", "19M-cpu", "--schemes", "ddp"]
+    out = subprocess.run(init, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("next: ")]
+    update, _, rest = line.removeprefix("next: ").partition("   (stores baselines/: commit them), then ")
+    gate, _, ci = rest.partition(" (the gate) and ")
+    ci = ci.removesuffix(" (what CI runs)")
+    assert ci.startswith(f"PYTHON={bindir}{os.sep}") and ci.endswith(" sh comm/ci.sh"), line
+    for command in (update, gate, ci):
+        proc = subprocess.run(["sh", "-c", command], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=900)
+        assert proc.returncode == 0, f"{command}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    wrong = subprocess.run(["sh", "comm/ci.sh"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                           env={**env, "PYTHON": "false"})  # fmt: skip
+    assert wrong.returncode == 2 and wrong.stderr == (
+        "ci.sh: commgate is not installed for false; install it there, or set PYTHON=/path/to/python that has it\n"
+    )

@@ -706,7 +706,8 @@ def cmd_init(a: argparse.Namespace) -> int:
     python = env.python_command()
     print(
         f"next: {python} -m pytest {a.dir}/ --commgate-update-baselines   (stores baselines/: commit them), then "
-        f"{python} -m pytest {a.dir}/ (the gate) and sh {a.dir}/ci.sh in CI"
+        f"{python} -m pytest {a.dir}/ (the gate) and {'' if python == 'python' else f'PYTHON={python} '}sh "
+        f"{a.dir}/ci.sh (what CI runs)"
     )
     return 0
 

@@ -25,11 +25,17 @@ DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 and ZeRO++'s partitions each need their own, which init has no flag for)."""
 
 CI = """#!/usr/bin/env sh
-# commgate's gate, as CI runs it, from the repository's root, in an environment where commgate is installed.
-# A change in what the scenarios in {folder}/ send fails the job, saying what differs; accept an intended one
-# with: python -m pytest {folder}/ --commgate-update-baselines (then commit baselines/).
+# commgate's gate, as CI runs it, from the repository's root, with the Python that has commgate installed
+# (PYTHON, default python). A change in what the scenarios in {folder}/ send fails the job, saying what
+# differs; accept an intended one with: $PYTHON -m pytest {folder}/ --commgate-update-baselines (then commit
+# baselines/).
 set -eu
-python -m pytest {folder}/ -p no:cacheprovider --junitxml out/commgate/junit.xml --commgate-report-dir out/commgate
+PYTHON=${{PYTHON:-python}}
+if ! "$PYTHON" -c "import commgate" 2>/dev/null; then
+  echo "ci.sh: commgate is not installed for $PYTHON; install it there, or set PYTHON=/path/to/python that has it" >&2
+  exit 2
+fi
+"$PYTHON" -m pytest {folder}/ -p no:cacheprovider --junitxml out/commgate/junit.xml --commgate-report-dir out/commgate
 """
 
 
