@@ -36,6 +36,24 @@ def test_the_reverse_is_a_bucket_merge() -> None:
     assert "528,384 B and 533,504 B" in cause.text and "became one call of 1,061,888 B" in cause.text
 
 
+def test_buckets_cut_anew_are_a_bucket_re_cut() -> None:
+    """DDP's 2 buckets became 6 at a smaller ``bucket_cap_mb``, two of them of one size (4 calls on that key):
+    no one key's parts, so no split or merge, and it was named only as 2 keys removed and 5 added (found by
+    an adversarial pass). The gone and new keys of one op, group, dtype and phase carry the same bytes: a re-cut."""
+    expected = {key(695296): 2, key(1061888): 2, key(8, op="broadcast", dtype="int32", phase="forward"): 2}
+    new = {key(262144): 2, key(266240): 4, key(266496): 2, key(267008): 2, key(429056): 2}
+    obtained = new | {key(24, op="broadcast", dtype="int32", phase="forward"): 2}
+    recut, resized = recognise(obtained, expected)
+    assert (recut.pattern, resized.pattern) == ("bucket re-cut", "size change")
+    assert recut.text == (
+        "all_reduce fp32 (backward, group [0, 1]): 2 calls of 695,296 B, 1,061,888 B became 6 calls of 262,144 B, "
+        "266,240 B (x2), 266,496 B, 267,008 B, 429,056 B, 1,757,184 B either way: a bucket re-cut"
+    )
+    assert set(recut.keys) == {key(695296), key(1061888), *new}
+    lost = dict(obtained) | {key(429056): 1}  # a byte count that differs: no re-cut, the keys named one by one
+    assert "bucket re-cut" not in patterns(recognise(lost, expected))
+
+
 def test_sizes_that_do_not_sum_are_not_a_split() -> None:
     """1,000 B gone, 400 B and 500 B new: 100 B are missing, so it is no split; what is gone and what is new
     are named by the numbers' own rule (a key on one side), never 'bucket split'."""

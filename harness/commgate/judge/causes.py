@@ -7,6 +7,9 @@ and names each pattern its differing keys prove, one ``Cause`` each:
 * a **bucket split**: one key's calls gone, two or more new keys of the same window, op, group, dtype and
   phase, each with as many calls, whose sizes sum to it (DDP's bucket cut in two); a **bucket merge** is
   the reverse;
+* a **bucket re-cut**: of a window, op, group, dtype and phase, every gone key and every new key that no
+  split or merge claimed, their calls carrying the same bytes in all: the same gradients cut into other
+  buckets (DDP's 2 buckets become 6 at a smaller ``bucket_cap_mb``, two of them of one size);
 * a **dtype change**: the same window, op, group, phase and count, the dtype differs and the bytes per call
   scale by the dtype sizes' ratio (the same number of elements);
 * a **phase move**: the same window, op, group, dtype and size, the calls moved from one phase to another;
@@ -24,6 +27,7 @@ in the finding's numbers. Pure and torch-free.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
@@ -35,7 +39,15 @@ CallKey = tuple[str, str, tuple[int, ...], str, int, str]
 """(window, op, group, dtype, bytes per call, phase), as the baseline and the reconciliation key calls."""
 
 Pattern = Literal[
-    "bucket split", "bucket merge", "dtype change", "phase move", "group change", "size change", "added", "removed"
+    "bucket split",
+    "bucket merge",
+    "bucket re-cut",
+    "dtype change",
+    "phase move",
+    "group change",
+    "size change",
+    "added",
+    "removed",
 ]
 
 ITEMSIZE: dict[str, int] = {
@@ -175,6 +187,36 @@ def _buckets(gone: dict[CallKey, int], new: dict[CallKey, int]) -> Iterator[Caus
             yield Cause(pattern=pattern, text=text, keys=(whole, *found))
 
 
+def _recut(gone: dict[CallKey, int], new: dict[CallKey, int]) -> Iterator[Cause]:
+    """Every gone and every new key of a window, op, group, dtype and phase (after splits and merges), whose
+    calls carry the same bytes in all: the buckets cut anew; claimed keys removed."""
+    for g in sorted(gone):
+        if g not in gone:
+            continue
+        was = {k: gone[k] for k in gone if _same_but(g, k, 4)}
+        now = {k: new[k] for k in new if _same_but(g, k, 4)}
+        if not now or sum(k[4] * n for k, n in was.items()) != sum(k[4] * n for k, n in now.items()):
+            continue
+        for k in was:
+            del gone[k]
+        for k in now:
+            del new[k]
+        unit = math.gcd(*was.values(), *now.values())  # the calls of one pass over the buckets
+        head = f"{g[1]} {g[3]} ({g[5]}, group {group_text(g[2])}{', at initialisation' if g[0] == 'init' else ''})"
+        text = (
+            f"{head}: {_cut(was, unit)} became {_cut(now, unit)}, {sum(k[4] * n for k, n in now.items()) // unit:,} B "
+            "either way: a bucket re-cut"
+        )
+        yield Cause(pattern="bucket re-cut", text=text, keys=(*sorted(was), *sorted(now)))
+
+
+def _cut(keys: dict[CallKey, int], unit: int) -> str:
+    """``keys``' calls per ``unit``: ``3 calls of 262,144 B, 266,240 B (x2)``."""
+    sizes = [f"{k[4]:,} B" + (f" (x{n // unit})" if n != unit else "") for k, n in sorted(keys.items())]
+    calls = sum(keys.values()) // unit
+    return f"{calls} call{'s' if calls != 1 else ''} of {', '.join(sizes)}"
+
+
 def _one_to_one(gone: dict[CallKey, int], new: dict[CallKey, int]) -> Iterator[Cause]:
     """Pairs of a gone key and a new one with the same count that a one-to-one rule explains; claimed keys
     removed."""
@@ -193,7 +235,7 @@ def recognise(
     measured steps, where known) says an added or removed collective's calls per step."""
     gone = {k: n for k in expected if (n := expected[k]) and not obtained.get(k)}
     new = {k: n for k in obtained if (n := obtained[k]) and not expected.get(k)}
-    out = [*_one_to_one(gone, new), *_buckets(gone, new), *_resized(gone, new)]
+    out = [*_one_to_one(gone, new), *_buckets(gone, new), *_recut(gone, new), *_resized(gone, new)]
     for k in sorted(gone):
         out.append(Cause(pattern="removed", text=f"{call_text(k)}: {_calls(gone[k], k[0], steps)} removed", keys=(k,)))
     for k in sorted(new):
