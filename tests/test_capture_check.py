@@ -267,6 +267,9 @@ def test_a_hand_made_capture_is_judged(
     assert out.startswith(f"{cap}: unknown (COMMGATE_CAPTURE in the environment), 2 ranks on ")
     assert "2 step(s) by optimizer step hooks" in out and "; exit status 0" in out.splitlines()[0]
     assert (tmp_path / "b" / "gloo" / "j.json").is_file()
+    # the ops the job issued, not the stand-in model's: it listed a broadcast "measured 0 B/step" the job never
+    # made (found by an adversarial pass)
+    assert [line.split()[0] for line in out.splitlines() if " measured " in line] == ["all_reduce"], out
 
 
 FIX = "; capture the job again (commgate capture -o NEW_DIR -- COMMAND)"

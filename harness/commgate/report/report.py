@@ -120,8 +120,13 @@ class ScenarioResult:
         if r is None:
             return f"{head}: {self.reason}" if self.reason else head
         lines = [head]
-        if not self.prediction.scenario.expectations.model_check:
-            lines += [f"    {o.op:<15} measured {human_bytes(o.measured_bytes):>11}/step ({view})" for o in r.ops]
+        if not self.prediction.scenario.expectations.model_check:  # the ops the job issued, not the model's
+            issued = {k.op for k in r.keys if k.measured_calls}
+            lines += [
+                f"    {o.op:<15} measured {human_bytes(o.measured_bytes):>11}/step ({view})"
+                for o in r.ops
+                if o.op in issued
+            ]
             lines += [f"    {line}" for f in self.findings for line in f.text().splitlines()]
             return "\n".join(lines)
         causes = [c for f in self.findings if f.kind == "model" and f.fail for c in f.causes]
