@@ -93,6 +93,26 @@ def _byte_series(ax: Any, series: list[tuple[list[float], float, str, str, str]]
     ax.set_xlabel("bytes per step, all ranks")
 
 
+LABEL = 60
+"""The longest scenario name a plot's axis shows whole; a longer one (a sweep's ids) keeps its two ends."""
+
+
+def _label(name: str) -> str:
+    """``name`` for an axis: whole up to ``LABEL`` characters, else its start and its end (where a sweep's
+    ids differ) around an ellipsis."""
+    return name if len(name) <= LABEL else f"{name[: LABEL // 2 - 1]}…{name[-(LABEL // 2 - 1) :]}"
+
+
+def _tight(fig: Any) -> None:
+    """``fig.tight_layout()``, without matplotlib's warning where labels leave it no room (the figure is
+    saved as it is laid out; the warning named commgate's source lines on the console)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Tight layout not applied", category=UserWarning)
+        fig.tight_layout()
+
+
 def _legend_above(ax: Any, ncol: int, **kw: Any) -> None:
     """The legend in a row between the title and the plot, where it covers nothing."""
     ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=ncol, fontsize=8, frameon=False, **kw)
@@ -107,7 +127,7 @@ def plot_volume(scenarios: list[dict[str, Any]], path: Path) -> str:
     y = range(len(names))
     totals = [sum(o["measured_bytes"] for o in s["collectives"]) for s in scenarios]
     _byte_series(a1, [(totals, 0.0, "measured", "#4c72b0", "o")], list(y), 0.8)
-    a1.set_yticks(list(y), names)
+    a1.set_yticks(list(y), [_label(n) for n in names])
     a1.invert_yaxis()
     a1.set_title("Communication volume per step (measured)", pad=22)
     left = [0.0] * len(names)
@@ -122,7 +142,7 @@ def plot_volume(scenarios: list[dict[str, Any]], path: Path) -> str:
     a2.set_xlabel("share of the step's bytes (%)")
     a2.set_title("Volume by collective", pad=22 if len(ops) <= 6 else 34)
     _legend_above(a2, ncol=min(6, len(ops)))
-    fig.tight_layout()
+    _tight(fig)
     return _save(fig, path)
 
 
@@ -146,7 +166,7 @@ def plot_predicted_measured(scenarios: list[dict[str, Any]], path: Path) -> str:
         y,
         h,
     )
-    a1.set_yticks(y, names)
+    a1.set_yticks(y, [_label(n) for n in names])
     a1.invert_yaxis()
     a1.set_title("Volume: paper vs model vs measured", pad=22)
     _legend_above(a1, ncol=3)
@@ -161,7 +181,7 @@ def plot_predicted_measured(scenarios: list[dict[str, Any]], path: Path) -> str:
     a2.set_xlabel("communication fraction of the step, rank 0 (%)")
     a2.set_title("Share of the step with a call in flight", pad=22)
     _legend_above(a2, ncol=2)
-    fig.tight_layout()
+    _tight(fig)
     return _save(fig, path)
 
 
@@ -204,12 +224,12 @@ def plot_time_model(scenarios: list[dict[str, Any]], path: Path) -> str | None:
     comm = [1e3 * ((s["time_model"].get("measured") or {}).get("t_comm_s") or 0) for s in rows]
     ax.barh([v + 0.18 for v in y], meas, 0.34, color="#dddddd", edgecolor="#555555", label="measured step")
     ax.barh([v + 0.18 for v in y], comm, 0.34, color="#dd8452", label="measured: a call in flight")
-    ax.set_yticks(y, names)
+    ax.set_yticks(y, [_label(n) for n in names])
     ax.invert_yaxis()
     ax.set_xlabel("milliseconds per step, rank 0")
     ax.set_title("Iteration time: APNet model (upper bar) vs measured (lower bar)", pad=34)
     _legend_above(ax, ncol=4)
-    fig.tight_layout()
+    _tight(fig)
     return _save(fig, path)
 
 
@@ -254,7 +274,7 @@ def plot_links(scenarios: list[dict[str, Any]], path: Path) -> str | None:
     ax.set_ylabel("communication fraction (a call in flight)")
     ax.set_title("Communication fraction against iteration time, per link (filled: measured, hollow: model)")
     ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
+    _tight(fig)
     return _save(fig, path)
 
 
@@ -313,7 +333,7 @@ def plot_sequence_length(scenarios: list[dict[str, Any]], path: Path) -> str | N
     _bytes_axis(ax, "y")
     ax.set_ylabel("bytes per step, all ranks (log)")
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
-    fig.tight_layout()
+    _tight(fig)
     return _save(fig, path)
 
 
@@ -351,7 +371,7 @@ def plot_sweeps(scenarios: list[dict[str, Any]], path: Path) -> str | None:
         a2.set_ylabel("% of rank 0's step with a call in flight")
         a2.set_title(f"{name}: communication fraction")
         a2.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
+    _tight(fig)
     return _save(fig, path)
 
 
