@@ -45,6 +45,23 @@ def test_sweep_expands_into_readable_ids() -> None:
     assert [s.model.s for s in load_text(text)] == [128, 128, 256, 256]
 
 
+def test_every_bad_point_of_a_sweep_is_said_at_once_at_the_sweeps_line() -> None:
+    """Only the first bad variant was said (tp=3 of tp 2, 3, 4, 5; tp=5 only once 3 was fixed), at the base
+    value's line, which reads another value (found by an adversarial pass). Every bad variant is said, at the
+    line of the sweep's key; a problem of a value no variant changes, once, without a variant."""
+    text = BASE.replace("{scheme: ddp, dp: 2}", "{scheme: tp, tp: 2}") + "sweep:\n  parallelism.tp: [2, 3, 4, 5]\n"
+    with pytest.raises(ScenarioError) as info:
+        load_text(text, file="s.yaml")
+    said = [(p.line, p.path, p.message) for p in info.value.problems]
+    assert [(line, m.split(":")[0], m.endswith(f"(sweep variant tp={m[0]})")) for line, _, m in said] == [
+        (7, "3", True), (7, "3", True), (7, "5", True), (7, "5", True)
+    ]  # fmt: skip
+    shared = BASE.replace("dp: 2", "dp: 1") + "sweep:\n  model.s: [64, 128]\n"
+    with pytest.raises(ScenarioError) as info:
+        load_text(shared, file="s.yaml")
+    assert [str(p) for p in info.value.problems] == ["s.yaml:5: $.parallelism.dp: 1: scheme 'ddp' needs dp >= 2"]
+
+
 def test_joined_sweep_keys_move_together_for_strong_scaling() -> None:
     text = BASE + "sweep:\n  parallelism.dp+parallelism.micro_batches: [[2, 4], [4, 2]]\n  model.s: [64, 128]\n"
     got = [(s.id, s.world_size, s.parallelism.micro_batches, s.model.s) for s in load_text(text)]

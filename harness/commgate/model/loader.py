@@ -331,17 +331,38 @@ def load_document(doc: Any, *, file: str, where: _Located | None = None) -> list
     if problems:
         raise ScenarioError(problems)
     scenarios: list[Scenario] = []
+    variants: list[tuple[str, list[Problem]]] = []  # every variant checked: all bad points said at once
     for label, variant in _expand(doc, file, where):
         context = f" (sweep variant {label})" if label else ""
-        problems += _schema_problems(variant, file, where, context)
-        if not problems:
+        found = _schema_problems(variant, file, where)
+        if not found:
             built, found = _build(variant, file=file, where=where, label=label)
-            problems += [replace(p, message=p.message + context) for p in found]
             if built is not None:
                 scenarios.append(built)
-    if problems:
+        variants.append((context, found))
+    if problems := _sweep_problems(variants, doc, where):
         raise ScenarioError(problems)
     return scenarios
+
+
+def _sweep_problems(variants: list[tuple[str, list[Problem]]], doc: dict[str, Any], where: _Located) -> list[Problem]:
+    """The variants' problems: one the whole sweep shares once, as it is (its value is not swept); the others
+    each with its variant, at the line of the sweep's key that sets the value (the base value's line named
+    what the variant does not hold)."""
+    everywhere = set.intersection(*({(p.path, p.message) for p in found} for _, found in variants))
+    out = [p for p in variants[0][1] if (p.path, p.message) in everywhere] if len(variants) > 1 else []
+    for context, found in variants:
+        for p in found:
+            if len(variants) > 1 and (p.path, p.message) in everywhere:
+                continue
+            swept = next(
+                (key for key in doc.get("sweep") or {} for part in key.split("+")
+                 if p.path == f"$.{part}" or p.path.startswith(f"$.{part}.")),
+                None,
+            )  # fmt: skip
+            line = where.line(["sweep", swept]) if swept is not None else p.line
+            out.append(replace(p, message=p.message + context, line=line))
+    return out
 
 
 def _derived(doc: Any, file: str, where: _Located) -> Any:
