@@ -25,11 +25,17 @@ CURRENT=${CURRENT:-.venv}
 run() { if [ "${DRY_RUN:-0}" = 1 ]; then printf '%q ' "$@"; echo; else "$@"; fi; }
 if [ -n "${CANDIDATE:-}" ]; then
   [ $# -eq 0 ] || { echo "$usage (not both)" >&2; exit 2; }
+else
+  [ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
+fi
+# the current stack before a candidate is built (minutes, gigabytes), and in a dry run too
+[ -x "$CURRENT/bin/commgate" ] || {
+  echo "CURRENT=$CURRENT: no $CURRENT/bin/commgate (the README's set-up makes .venv; or set CURRENT=PREFIX)" >&2; exit 2; }
+if [ -n "${CANDIDATE:-}" ]; then
   [ -x "$CANDIDATE/bin/commgate" ] || [ "${DRY_RUN:-0}" = 1 ] || {
     echo "CANDIDATE=$CANDIDATE: no $CANDIDATE/bin/commgate (pip install -e $here into it first)" >&2; exit 2; }
   candidate=$CANDIDATE
 else
-  [ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
   torch_req=${TORCH-torch==2.13.0}
   for r in "$@"; do case "$r" in torch*) torch_req="";; esac; done
   candidate=.venv-candidate
@@ -37,8 +43,6 @@ else
   # shellcheck disable=SC2086  # torch_req is empty or one requirement
   run "$candidate/bin/pip" install -q $torch_req "$@" -e "$here"
 fi
-[ -x "$CURRENT/bin/commgate" ] || [ "${DRY_RUN:-0}" = 1 ] || {
-  echo "CURRENT=$CURRENT: no $CURRENT/bin/commgate (the README's set-up makes .venv)" >&2; exit 2; }
 run rm -rf "$OUT/before" "$OUT/after"
 for i in $(seq 1 "$REPEAT"); do   # failures are part of the A/B
   # shellcheck disable=SC2086  # SUITE and RUN_ARGS may hold several words

@@ -48,6 +48,13 @@ def test_pre_upgrade_dry_run_prints_the_a_b_commands(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[1]
     script = str(root / "ci" / "pre-upgrade.sh")
     env = {**os.environ, "DRY_RUN": "1", "OUT": "out", "SUITE": "comm"}
+    # no current stack: said before the candidate's install, which took minutes before it was (an adversarial
+    # pass), and in a dry run too, which printed commands that could not run
+    bare = subprocess.run([script, "deepspeed==0.18.9"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert bare.returncode == 2 and bare.stdout == "" and bare.stderr.startswith("CURRENT=.venv: no .venv/bin/commgate")
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "commgate").write_text("#!/bin/sh\n")  # the dry run names it, never runs it
+    (tmp_path / ".venv" / "bin" / "commgate").chmod(0o755)
     proc = subprocess.run([script, "deepspeed==0.18.9"], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
@@ -71,7 +78,9 @@ def test_pre_upgrade_dry_run_prints_the_a_b_commands(tmp_path: Path) -> None:
     assert ".venv-candidate/bin/pip install -q torch==2.9.1 -e " in gpu.stdout  # no CPU pin beside a torch
     usage = subprocess.run([script], capture_output=True, text=True)
     assert usage.returncode == 2 and usage.stderr.startswith("usage: ci/pre-upgrade.sh")
-    missing = subprocess.run([script], capture_output=True, text=True, env={**os.environ, "CANDIDATE": str(tmp_path)})
+    missing = subprocess.run(
+        [script], capture_output=True, text=True, env={**os.environ, "CANDIDATE": str(tmp_path)}, cwd=tmp_path
+    )
     assert missing.returncode == 2 and "no " in missing.stderr and "bin/commgate" in missing.stderr
 
 
@@ -174,3 +183,24 @@ def test_a_bad_test_bound_is_one_line() -> None:
         done.stderr.strip()
         == "ERROR: COMMGATE_TEST_BOUND_S='abc': expected a positive number of seconds (default 1200)"
     )
+
+
+def test_check_scenarios_runs_where_it_is_called(tmp_path: Path) -> None:
+    """It changed to the checkout first: a relative path was not found there, its default read commgate's own
+    scenarios, and the predictions were written into the checkout (found by an adversarial pass). From a
+    repository of one's own: its paths, its scenarios/ by default, its out/."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "scenarios").mkdir()
+    shutil.copy(root / "scenarios" / "ddp.yaml", tmp_path / "scenarios" / "mine.yaml")
+    env = {**os.environ, "COMMGATE": str(Path(sys.executable).parent / "commgate")}
+    for args in (["scenarios/mine.yaml"], []):
+        done = subprocess.run([str(root / "ci" / "check-scenarios.sh"), *args], capture_output=True, text=True,
+                              env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert "(scenarios/mine.yaml; ddp" in done.stdout and (tmp_path / "out" / "predictions.json").is_file()
+        (tmp_path / "out" / "predictions.json").unlink()
