@@ -138,3 +138,22 @@ def marked(mark: str) -> list[int]:
         except OSError:
             continue
     return found
+
+
+def test_the_environments_own_ninja_builds_its_ops_whatever_path_finds_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch builds with whichever ``ninja`` ``PATH`` finds; the environment's (1.13) and the system's (1.11)
+    each took the other's build of DeepSpeed's op as changed, so a shell with the environment activated and one
+    without rebuilt it alternately, 50 s a run against 10 s here (found by an adversarial pass). The forkserver
+    puts the environment's first, once; a build in the user's own process does so only while it builds."""
+    from commgate.run.extensions import ninja_first, own_ninja
+
+    here = Path(sys.prefix) / "bin"
+    if not (here / "ninja").is_file():
+        pytest.skip(f"this environment has no ninja of its own ({here}): PATH's is the only one")
+    monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", "/bin"]))
+    with own_ninja():
+        assert os.environ["PATH"].split(os.pathsep)[0] == str(here)
+    assert os.environ["PATH"] == os.pathsep.join(["/usr/bin", "/bin"])
+    ninja_first()
+    ninja_first()  # once first, not twice
+    assert os.environ["PATH"].split(os.pathsep) == [str(here), "/usr/bin", "/bin"]

@@ -12,4 +12,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from deepspeed.comm.torch import build_shm_op
 
+from commgate.run.extensions import ninja_first
+
+ninja_first()  # one ninja for every build of this environment's ops, here and in the ranks forked from here
 SHM_COMM_OP = build_shm_op()

@@ -14,10 +14,11 @@ still running (a process working in its directory: ninja, the compiler) from one
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 ENV = "TORCH_EXTENSIONS_DIR"
@@ -35,6 +36,33 @@ def use_environment_dir() -> Path:
     forkserver starts: it and the ranks inherit it); the directory in use."""
     os.environ.setdefault(ENV, str(environment_dir()))
     return Path(os.environ[ENV])
+
+
+def ninja_first() -> None:
+    """This environment's ``ninja`` (the ``ninja`` package's, in its ``bin``) first on ``PATH``, where it has
+    one: torch builds an extension with whichever ``ninja`` ``PATH`` finds, and two versions (1.13 in the
+    environment, 1.11 on the system) each take the other's build as changed, so a shell with the environment
+    activated and one without rebuilt DeepSpeed's op alternately, 40 s to minutes each (found by an
+    adversarial pass). Called in the ranks' forkserver, whose ranks build DeepSpeed's other ops too."""
+    here = Path(sys.prefix) / "bin"
+    path = os.environ.get("PATH", "")
+    if (here / "ninja").is_file() and path.split(os.pathsep)[:1] != [str(here)]:
+        os.environ["PATH"] = os.pathsep.join([str(here), *([path] if path else [])])
+
+
+@contextlib.contextmanager
+def own_ninja() -> Iterator[None]:
+    """``ninja_first`` while torch builds or checks an extension in a process of the user's (``PATH`` then
+    as it was)."""
+    before = os.environ.get("PATH")
+    ninja_first()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
 
 
 def build_locks() -> list[Path]:

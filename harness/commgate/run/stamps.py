@@ -157,7 +157,7 @@ def build() -> ModuleType | None:
     global _MODULE
     if not env.switch(OFF, True):
         return None
-    from commgate.run.extensions import use_environment_dir
+    from commgate.run.extensions import own_ninja, use_environment_dir
 
     root = use_environment_dir()
     if loaded() is not None:  # loaded as built: torch's build would rebuild a copied directory
@@ -165,9 +165,10 @@ def build() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load_inline
 
-        _MODULE = load_inline(  # type: ignore[no-untyped-call]
-            NAME, cpp_sources=[SOURCE], functions=["watch", "stamped", "stamp"], extra_cflags=["-O2"]
-        )
+        with own_ninja():
+            _MODULE = load_inline(  # type: ignore[no-untyped-call]
+                NAME, cpp_sources=[SOURCE], functions=["watch", "stamped", "stamp"], extra_cflags=["-O2"]
+            )
     except Exception as exc:  # a missing compiler or a failed build: the capture works without it
         why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         print(f"commgate: completion stamps not built in {root} ({why}); the poller stamps every call", file=sys.stderr)
