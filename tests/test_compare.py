@@ -72,6 +72,23 @@ def test_reports_of_real_runs(tmp_path: Path) -> None:
     assert main(["compare", str(before), str(after)]) == 1
 
 
+def test_runs_on_two_backends_are_not_compared_call_by_call(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A real run against an emulated one of the same scenario showed the emulated side's halved counts as 13
+    changes of communication (an emulated run is rank 0's view), never naming the backends (found by an
+    adversarial pass); baseline folders kept the two apart. One line names both backends."""
+    before = _report_of_a_real_run(tmp_path)
+    doc = json.loads(before.read_text())
+    doc["scenarios"][0]["capture"]["backend"] = "emulated"
+    after = tmp_path / "after.json"
+    after.write_text(json.dumps(doc))
+    capsys.readouterr()
+    assert main(["compare", str(before), str(after)]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        "s: ran on gloo before, on emulated after: two backends' calls are not compared",
+        "1 of 1 scenario(s) changed",
+    ]
+
+
 def test_reports_of_jobs_no_scenario_describes_compare_their_calls(tmp_path: Path) -> None:
     """``commgate check`` of a job without ``--scenario`` reports no per-key table (its model is a stand-in's):
     two such reports compared said "not compared (passed on both sides)" and "nothing compared, no scenario

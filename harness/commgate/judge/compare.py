@@ -159,11 +159,14 @@ class ScenarioChange:
     """'before' or 'after' when the scenario is on one side only."""
     statuses: tuple[str, str] | None = None
     """Before and after, where a side holds the scenario but did not run it ('error', 'skipped'; 'ran')."""
+    backends: tuple[str, str] | None = None
+    """Before's and after's backends where they differ (gloo and emulated: an emulated run is rank 0's view,
+    its counts no change of the job's): the calls are not compared."""
 
     @property
     def changed(self) -> bool:
         ran_differently = self.statuses is not None and self.statuses[0] != self.statuses[1]
-        return bool(self.volume or self.only or self.latency.slower or ran_differently)
+        return bool(self.volume or self.only or self.latency.slower or ran_differently or self.backends)
 
     @property
     def blind(self) -> bool:
@@ -173,6 +176,9 @@ class ScenarioChange:
     def lines(self) -> list[str]:
         if self.only:
             return [f"{self.scenario}: only in {self.only}"]
+        if self.backends is not None:
+            before, after = self.backends
+            return [f"{self.scenario}: ran on {before} before, on {after} after: two backends' calls are not compared"]
         if self.statuses is not None:
             before, after = self.statuses
             if self.changed:
@@ -219,6 +225,8 @@ def compare(before: Side, after: Side, rule: LatencyRule) -> list[ScenarioChange
             out.append(ScenarioChange(name, only="after"))
         elif isinstance(a := after[name], str) or isinstance(b := before[name], str):
             out.append(ScenarioChange(name, statuses=(_status(before[name]), _status(a))))
+        elif a.backend != b.backend:  # an emulated run is rank 0's view: its counts are no change of the job's
+            out.append(ScenarioChange(name, backends=(b.backend, a.backend)))
         else:
             volume = bl.compare(a, b, bytes_tol=EXACT, calls_tol=EXACT)
             volume += [replace(d, what=f"{d.what} (differs between the before runs)") for d in b.unsteady]
