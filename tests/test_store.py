@@ -59,3 +59,15 @@ def test_compare_of_a_baseline_directory_ignores_obtained_files(
     shutil.copy(DATA / "ddp-split-bucket.json", other)  # a run that differed, not yet accepted
     assert main(["compare", str(tmp_path / "before"), str(tmp_path / "after")]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("0 of 1 scenario(s) changed")
+
+
+def test_the_unused_baselines_are_those_of_the_backends_the_run_used(tmp_path: Path) -> None:
+    """A run on gloo listed the emulated runs' baselines as used by no scenario, and an emulated run gloo's,
+    though each side's scenarios use them (found by an adversarial pass): a user told so may delete them."""
+    store = BaselineStore(tmp_path)
+    for backend, name in (("gloo", "a"), ("gloo", "b"), ("emulated", "a")):
+        store.path(backend, name).parent.mkdir(exist_ok=True)
+        store.path(backend, name).write_text("{}")
+    used = {str(store.path("gloo", "a").resolve())}
+    assert store.unused(used) == [store.path("gloo", "b")]
+    assert store.unused({str(store.path("emulated", "a").resolve())}) == []

@@ -65,8 +65,12 @@ class BaselineStore:
         return self._baselines("*/*.json") or self._baselines("*.json")
 
     def unused(self, used: set[str]) -> list[Path]:
-        """The baseline files whose resolved path is not among ``used`` (those a whole run judged against)."""
-        return [p for p in self._baselines("*/*.json") if str(p.resolve()) not in used]
+        """The baseline files of the backends the run used whose resolved path is not among ``used`` (those a
+        whole run judged against). Another backend's (``emulated/`` beside ``gloo/``) the run could not use:
+        listing them called the scenarios' own baselines unused (found by an adversarial pass)."""
+        folders = {Path(u).parent for u in used}
+        found = self._baselines("*/*.json")
+        return [p for p in found if (not used or p.resolve().parent in folders) and str(p.resolve()) not in used]
 
     def _baselines(self, pattern: str) -> list[Path]:
         return sorted(p for p in self.root.glob(pattern) if not p.name.endswith(OBTAINED))
