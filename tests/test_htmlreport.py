@@ -102,6 +102,9 @@ def test_the_trace_has_every_completed_call_and_step(out: Path) -> None:
 def test_commgate_html_re_renders_a_saved_report(out: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["html", str(out / "report.json"), "--out", str(tmp_path / "again")]) == 0
     assert (tmp_path / "again" / "index.html").exists() and is_png(tmp_path / "again" / "plots" / "volume.png")
+    # the report's directory, as compare takes it ("a directory, not a file" before: an adversarial pass)
+    assert main(["html", str(out), "--out", str(tmp_path / "from-dir")]) == 0
+    assert (tmp_path / "from-dir" / "index.html").exists()
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"schema_version": 1}))
     capsys.readouterr()

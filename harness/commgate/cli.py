@@ -417,10 +417,17 @@ def _flight_recorder_alone(a: argparse.Namespace) -> int:
     return 0
 
 
+def _report_of(path: Path) -> Path:
+    """A report directory (what ``run --report-dir`` wrote) as its ``report.json``, as ``compare`` takes it
+    (``html`` and ``calibrate`` said "a directory, not a file": found by an adversarial pass)."""
+    return path / "report.json" if path.is_dir() and (path / "report.json").is_file() else path
+
+
 def cmd_html(a: argparse.Namespace) -> int:
     from commgate.core.fsutil import check_writable_dir
     from commgate.report.htmlreport import check_outputs, write
 
+    a.report = _report_of(a.report)
     out = a.out or a.report.parent
     check_writable_dir(out, what="the HTML page", fix="give another --out")
     check_outputs(out, fix="give another --out")
@@ -448,6 +455,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     from commgate.report import bandwidth
     from commgate.report.timemodel import calibrate
 
+    a.report = _report_of(a.report)
     doc = _load_report(a.report)
     by: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for s in doc["scenarios"]:
@@ -590,7 +598,9 @@ def build_parser() -> argparse.ArgumentParser:
         "html",
         help="render a report.json as index.html with plots and trace.json (what run --report-dir writes)",
     )
-    h.add_argument("report", type=env.path, help="a report.json written by `commgate run` or the pytest gate")
+    h.add_argument(
+        "report", type=env.path, help="a report.json written by `commgate run` or the pytest gate, or its directory"
+    )
     h.add_argument("--out", type=env.path, help="directory for index.html, plots/ and trace.json (default: beside it)")
     k = sub.add_parser(
         "calibrate",
@@ -602,7 +612,9 @@ def build_parser() -> argparse.ArgumentParser:
         "curve. Calibrate on runs the model is not judged on (benchmarks/calibration); runs with more local ranks "
         "than cores are left out.",
     )
-    k.add_argument("report", type=env.path, help="a report.json from `commgate run` with a bandwidth curve")
+    k.add_argument(
+        "report", type=env.path, help="a report.json from `commgate run` with a bandwidth curve, or its directory"
+    )
     k.add_argument("--baseline-dir", type=env.path, default=Path("baselines"), help="where bandwidth-{backend}.json is")
     v = sub.add_parser("validate", help="check scenario files; one line per problem")
     v.add_argument(
