@@ -578,3 +578,20 @@ def test_a_scenario_by_flags_is_refused_naming_the_flag(
     assert main(["predict", "--model", "13B", *flags]) == 2
     err = capsys.readouterr().err
     assert err == f"commgate: error: {line}" + err.split(line, 1)[1] and err.count("\n") == 1 and "$." not in err, err
+
+
+def test_a_baseline_dir_that_is_a_file_is_refused_by_every_entry_point(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``run --baseline-dir FILE`` without ``--gate`` was accepted in silence, and the report then named the file
+    as the place for bandwidth curves (found by an adversarial pass); pytest's option refused it. Refused where
+    every entry point's options are checked, before any rank starts."""
+    from commgate.cli import main
+
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text("schema_version: 1\nname: s\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: ddp, dp: 2}\n")
+    for gate in ([], ["--gate"]):
+        assert main(["run", str(scenario), "--baseline-dir", str(scenario), *gate]) == 2
+        err = capsys.readouterr().err
+        assert err == f"commgate: error: --baseline-dir {scenario}: not a directory; give a directory of baselines\n"
+    assert not (tmp_path / "out").exists()

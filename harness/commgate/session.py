@@ -107,6 +107,9 @@ def options(
         raise UsageError(f"{flag('refresh-latency')} works with {flag('update-baselines')}; add it")
     if deadline is not None and not (math.isfinite(deadline) and deadline > 0):
         raise UsageError(f"{flag('deadline')} {deadline:g}: expected a positive, finite number of seconds")
+    if baseline_dir.exists() and not baseline_dir.is_dir():  # every scenario failed on it, or (run without
+        # --gate, found by an adversarial pass) it was accepted in silence and named as a place for curves
+        raise UsageError(f"{flag('baseline-dir')} {baseline_dir}: not a directory; give a directory of baselines")
     env.check()
     return Options(
         baseline_dir=baseline_dir,
@@ -191,9 +194,6 @@ class Session:
             session.check_writable(baselines=False)
         except CommgateError as exc:
             raise pytest.UsageError(str(exc)) from None
-        where = checked.baseline_dir
-        if where.exists() and not where.is_dir():  # every scenario failed on it, as if the gate had found something
-            raise pytest.UsageError(f"--commgate-baseline-dir {where}: not a directory; give a directory of baselines")
         return session
 
     def check_writable(self, *, baselines: bool = True) -> None:
