@@ -75,8 +75,8 @@ def read_json(
         raise fail("$", f"not UTF-8 text ({exc.reason} at byte {exc.start}){hint}") from None
     except json.JSONDecodeError as exc:
         raise fail("$", f"not valid JSON ({exc.msg}){hint}", exc.lineno) from None
-    except ValueError:  # a whole number past Python's 4,300 digits (sys.get_int_max_str_digits)
-        raise fail("$", "a number of more than 4,300 digits, which no file commgate writes holds") from None
+    except ValueError:  # a whole number past MAX_DIGITS
+        raise fail("$", f"a number of more than {MAX_DIGITS:,} digits, which no file commgate writes holds") from None
     except RecursionError:
         raise fail("$", "nested too deeply") from None
     if migrate is not None:
@@ -96,6 +96,11 @@ _BOMS = (
     (b"\xff\xfe", "utf-16"),
     (b"\xfe\xff", "utf-16"),
 )
+
+
+MAX_DIGITS = 4300
+"""The longest whole number Python converts from text (``sys.get_int_max_str_digits``' default): json and
+PyYAML raise a plain ``ValueError`` past it (a traceback before: found by an adversarial pass)."""
 
 
 def beside(file: str | None, name: str) -> Path:
@@ -118,8 +123,8 @@ def read_json_object(path: Path, what: str) -> dict[str, Any]:
         raise ValueError(f"{path}: {exc.args[0]}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: not a {what} ({exc})") from None
-    except ValueError:  # a whole number past Python's 4,300 digits (sys.get_int_max_str_digits)
-        raise ValueError(f"{path}: not a {what} (a number of more than 4,300 digits)") from None
+    except ValueError:  # a whole number past MAX_DIGITS
+        raise ValueError(f"{path}: not a {what} (a number of more than {MAX_DIGITS:,} digits)") from None
     except RecursionError:
         raise ValueError(f"{path}: not a {what} (nested too deeply)") from None
     if not isinstance(doc, dict):

@@ -28,7 +28,7 @@ import yaml
 
 from commgate.core import schemas
 from commgate.core.errors import CommgateError, Problem, ScenarioError
-from commgate.core.fsutil import beside, json_path
+from commgate.core.fsutil import MAX_DIGITS, beside, json_path
 from commgate.model import dsconfig, rules, trainers
 from commgate.model.scenario import (
     Expectations,
@@ -265,9 +265,6 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, _Located]:
 MAX_NODES, MAX_DEPTH = 100_000, 64
 """Bounds on a scenario document, counted with YAML aliases expanded (an alias "bomb" of a few lines
 expands to billions of nodes, which validation would walk)."""
-MAX_DIGITS = 4300
-"""The longest whole number Python converts from text (``sys.get_int_max_str_digits``' default): a longer
-one raised ``ValueError`` from deep in PyYAML, a traceback (found by an adversarial pass)."""
 
 
 def _bounded(root: yaml.Node, file: str) -> None:
