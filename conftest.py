@@ -114,6 +114,27 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         timer.cancel()
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    """A test that leaves a build lock in the session's extensions directory with no build behind it (a
+    process killed while torch held it) errors here, naming it, and the lock goes: every later forkserver start
+    would wait 10 minutes on it, and one such lock failed 7 tests after it in CI and ran CI past its time."""
+    result = yield
+    own = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or "/nonexistent")
+    if own.name.startswith("commgate-tests-extensions-"):
+        from commgate.run.extensions import stale
+
+        if left := [lock for lock in sorted(own.glob("*/lock")) if stale(lock)]:
+            for lock in left:
+                lock.unlink(missing_ok=True)
+            raise AssertionError(
+                f"{item.nodeid} left {', '.join(map(str, left))}: a torch extension build lock that no process "
+                "holds or builds behind (a build or its check killed halfway); removed, so that later tests do "
+                "not wait on it"
+            )
+    return result
+
+
 def _kill_descendants(nodeid: str) -> None:
     import psutil
     from commgate.run.extensions import build_locks

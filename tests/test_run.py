@@ -596,6 +596,63 @@ def test_at_exit_another_processs_build_does_not_keep_this_runs_forkserver(
         building.wait()
 
 
+@contextlib.contextmanager
+def baton_held(lock: Path, for_s: float) -> Any:
+    """A process holding ``lock`` as torch holds its build lock (its own ``FileBaton``) for ``for_s`` seconds,
+    working elsewhere; yields it once the lock exists."""
+    code = (
+        "import sys, time; from torch.utils.file_baton import FileBaton; baton = FileBaton(sys.argv[1]); "
+        "assert baton.try_acquire(); time.sleep(float(sys.argv[2])); baton.release()"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code, str(lock), str(for_s)], cwd="/")
+    try:
+        deadline = time.monotonic() + 120
+        while not lock.exists() and holder.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lock.exists(), "the holder did not take the lock"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_process_holding_a_build_lock_is_its_builder_and_a_lock_none_holds_is_stale(tmp_path: Path) -> None:
+    """torch keeps its build lock open from taking it to removing it; between the two it checks the build with
+    ninja (milliseconds, no process in the build directory) or builds. The holder is found by its open file,
+    so the lock is not taken for one a killed build left."""
+    from commgate.run.extensions import builder, stale
+
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    with baton_held(lock, 600) as holder:
+        assert builder(lock) == holder.pid and builder(lock, among=[os.getpid()]) is None
+        assert not stale(lock, settle_s=0)
+    lock.touch()  # as a holder killed outright leaves it
+    assert builder(lock) is None and stale(lock, settle_s=0)
+    lock.unlink()
+    assert not stale(lock, settle_s=0)
+
+
+def test_at_exit_a_forkserver_checking_its_build_is_waited_for_then_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run stopped while its forkserver held DeepSpeed's build lock to check the build killed it there: the
+    lock stayed, and every later run in CI waited 10 minutes on it (7 tests failed, CI ran past its time).
+    The exit waits for the lock to go, then stops the forkserver, in silence."""
+    from commgate.run import launcher
+
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    monkeypatch.setattr(launcher, "build_locks", lambda: [lock] if lock.exists() else [])
+    monkeypatch.setattr(launcher, "EXIT_SETTLE_S", 120.0, raising=False)  # a bound, not the test's speed
+    locked_at_stop: list[bool] = []
+    monkeypatch.setattr(launcher, "_stop_forkserver", lambda tree=None: locked_at_stop.append(lock.exists()))
+    with baton_held(lock, 0.5) as holder:
+        monkeypatch.setattr(launcher, "_forkserver_tree", lambda: [holder.pid])
+        launcher._forkserver_at_exit()
+    assert locked_at_stop == [False] and capsys.readouterr().err == ""
+
+
 def test_a_stale_lock_beside_a_running_build_is_the_one_named(tmp_path: Path) -> None:
     """The forkserver builds commgate's completion stamps, then DeepSpeed's op: with the stamps' build at work
     and a lock a killed DeepSpeed build left, the words name the stale lock to delete (waiting would not end),

@@ -9,7 +9,8 @@ own (``~/.cache/commgate/torch_extensions/<environment>``): once per environment
 
 A build that is killed leaves its ``lock`` file behind, and every later build waits for it forever:
 ``build_locks`` finds them, for the messages that name them, and ``builder`` tells a lock whose build is
-still running (a process working in its directory: ninja, the compiler) from one left behind.
+still running (the process holding the lock, or one working in its directory: ninja, the compiler) from one
+left behind (``stale``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import contextlib
 import hashlib
 import os
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -72,15 +74,32 @@ def build_locks() -> list[Path]:
 
 
 def builder(lock: Path, among: Iterable[int] | None = None) -> int | None:
-    """The pid of a process building in ``lock``'s directory (its working directory, or the directory in its
-    command line: torch runs ninja there, and ninja the compiler), of the processes ``among`` (default every
-    one), None when none is (Linux's ``/proc``; elsewhere None)."""
-    where = str(lock.parent)
+    """The pid of a process building behind ``lock``, of the processes ``among`` (default every one), None when
+    none is (Linux's ``/proc``; elsewhere None): the one that holds it (torch keeps the lock file open from
+    taking it to removing it; between those it checks the build with ninja for milliseconds, or builds for
+    minutes), or one working in its directory (torch runs ninja there, and ninja the compiler)."""
+    where, held = str(lock.parent), str(lock)
     entries = Path("/proc").glob("[0-9]*") if among is None else (Path(f"/proc/{pid}") for pid in among)
     for entry in entries:
         try:
             if os.readlink(entry / "cwd") == where or where.encode() in (entry / "cmdline").read_bytes():
                 return int(entry.name)
+            if any(os.readlink(fd) == held for fd in (entry / "fd").iterdir()):
+                return int(entry.name)
         except OSError:  # gone, or not ours to read
             continue
     return None
+
+
+def stale(lock: Path, settle_s: float = 0.5) -> bool:
+    """Whether ``lock`` is one a killed build left: it exists, and neither now nor ``settle_s`` later (the same
+    file: torch closes the lock, then removes it) does any process on this machine hold it or build in its
+    directory. Only this machine's processes are seen: a build on another node sharing the directory is not."""
+    try:
+        first = lock.stat().st_ino
+        if builder(lock) is not None:
+            return False
+        time.sleep(settle_s)
+        return lock.stat().st_ino == first and builder(lock) is None
+    except OSError:  # removed meanwhile: released
+        return False

@@ -291,14 +291,25 @@ def _stop_forkserver(tree: list[int] | None = None) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+EXIT_SETTLE_S = 2.0
+"""How long a run's exit waits for its forkserver to let go of a build lock before leaving it to finish."""
+
+
 def _forkserver_at_exit() -> None:
     """At this process's exit its forkserver (torch and DeepSpeed imported) would take seconds to unwind after
     it, an orphan meanwhile: it has nothing to keep, so it is killed, unless a build of its own is under way (a
     build killed halfway leaves a lock every later one waits for): then it finishes that, and says so. Another
     process's build (another run's, another job's on the machine) is not its own: that was said of it, and the
-    forkserver left to unwind as an orphan (found by an adversarial pass)."""
+    forkserver left to unwind as an orphan (found by an adversarial pass). A lock it holds only to check its
+    build (milliseconds) is waited for, in silence: killed then, it left the lock, and every later run waited
+    10 minutes on it (CI)."""
     tree = _forkserver_tree()
-    if not (locks := build_locks()) or not any(builder(lock, among=tree) for lock in locks):
+    settled = time.monotonic() + EXIT_SETTLE_S
+    while (locks := build_locks()) and any(builder(lock, among=tree) for lock in locks):
+        if time.monotonic() > settled:
+            break
+        time.sleep(POLL_S)
+    else:
         _stop_forkserver(tree)
         return
     print("commgate: the ranks' forkserver is finishing a build of DeepSpeed's op or commgate's stamps; it exits "
