@@ -83,6 +83,17 @@ def _listed(value: Any) -> list[Any]:
     return value if isinstance(value, list) else [] if value is None else [value]
 
 
+def _forms_of_its_type(err: jsonschema.ValidationError) -> list[int]:
+    """The forms (``anyOf``/``oneOf`` branches) of a field whose type the value has: where one does, its own
+    problem is the value's (a list too short), not "none of the forms"."""
+    checker = _validator().TYPE_CHECKER
+    return [
+        i
+        for i, form in enumerate(err.validator_value)
+        if isinstance(form, Mapping) and any(checker.is_type(err.instance, t) for t in _listed(form.get("type")))
+    ]
+
+
 def _type_name(value: Any) -> str:
     return {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", dict: "mapping"}.get(
         type(value), type(value).__name__
@@ -218,6 +229,10 @@ def _describe(err: jsonschema.ValidationError) -> Iterator[tuple[list[Any], str]
         yield path, f"{_show(inst)} has duplicate items"
     elif kind in ("minItems", "minProperties"):
         yield path, "must not be empty"
+    elif kind in ("oneOf", "anyOf") and len(fits := _forms_of_its_type(err)) == 1:  # that form's own problem
+        for inner in err.context or []:
+            if inner.relative_schema_path and inner.relative_schema_path[0] == fits[0]:
+                yield from _describe(inner)
     elif kind in ("oneOf", "anyOf"):  # jsonschema's own words show Python's repr (None for null)
         kinds = sorted({str(t) for sub in want if isinstance(sub, Mapping) for t in _listed(sub.get("type"))})
         expected = f": expected {' or '.join(kinds)}" if kinds else ""
@@ -587,8 +602,8 @@ def _expand(doc: dict[str, Any], file: str, where: _Located) -> Iterator[tuple[s
     if (variants := math.prod(len(a) for a in axes)) > limit:
         most = schema()["properties"]["sweep_limit"]["maximum"]
         fix = f"raise it with sweep_limit: N (at most {most:,}) if you mean it" if limit < most else "split the sweep"
-        counts = " x ".join(str(len(a)) for a in axes)
-        msg = f"{counts} = {variants:,} variants, more than the sweep limit {limit:,}; {fix}"
+        counts = " x ".join(str(len(a)) for a in axes) + " = " if len(axes) > 1 else ""
+        msg = f"{counts}{variants:,} variants, more than the sweep limit {limit:,}; {fix}"
         raise ScenarioError([Problem(file=file, path="$.sweep", message=msg, line=where.line(["sweep"]))])
     for combo in itertools.product(*axes):
         variant = copy.deepcopy(base)
