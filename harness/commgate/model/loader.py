@@ -86,10 +86,10 @@ def _listed(value: Any) -> list[Any]:
 def _forms_of_its_type(err: jsonschema.ValidationError) -> list[int]:
     """The forms (``anyOf``/``oneOf`` branches) of a field whose type the value has: where one does, its own
     problem is the value's (a list too short), not "none of the forms"."""
-    checker = _validator().TYPE_CHECKER
+    checker, forms = _validator().TYPE_CHECKER, err.validator_value
     return [
         i
-        for i, form in enumerate(err.validator_value)
+        for i, form in enumerate(forms if isinstance(forms, list) else [])
         if isinstance(form, Mapping) and any(checker.is_type(err.instance, t) for t in _listed(form.get("type")))
     ]
 
