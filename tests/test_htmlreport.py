@@ -111,6 +111,13 @@ def test_commgate_html_re_renders_a_saved_report(out: Path, tmp_path: Path, caps
     assert main(["html", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"{bad}: $: ") and "required property" in err and "\n" not in err
+    newer = tmp_path / "newer.json"  # "1 was expected" did not say a newer commgate wrote it (an adversarial pass)
+    newer.write_text(json.dumps(json.loads((out / "report.json").read_text()) | {"schema_version": 2}))
+    assert main(["html", str(newer)]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"{newer}: $.schema_version: 2 is newer than this commgate reads (1); upgrade commgate\n"
+    )
 
 
 def test_commgate_html_keeps_out_of_another_report_s_directory(
@@ -249,7 +256,9 @@ def test_calibrate_without_this_machines_curve_names_the_command_that_measures_i
     out: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["calibrate", str(out / "report.json"), "--baseline-dir", str(tmp_path)]) == 2
-    err = capsys.readouterr().err.strip()
+    said = capsys.readouterr()
+    assert said.out == ""  # no fit said of a calibration that was not stored (an adversarial pass)
+    err = said.err.strip()
     assert len(err.splitlines()) == 1 and "no bandwidth curve for" in err and "Traceback" not in err
     assert f"benchmarks/test_collectives.py -p no:cacheprovider --commgate-curve-dir {tmp_path.resolve()}`" in err
 

@@ -468,6 +468,9 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
             f"{a.report}: no scenario inside the model's domain has both a predicted and a measured time "
             "(is there a curve? more ranks than cores are left out)"
         )
+    store = BaselineStore(a.baseline_dir)
+    for (backend, hardware), (fit, _) in fits.items():  # each curve there first: no fit said of one not stored
+        bandwidth.can_calibrate(store.curve_path(backend), hardware, fit.utilization)
     for (backend, hardware), (fit, rows) in sorted(fits.items()):
         names = ", ".join(s["name"] for s in rows if not s["time_model"].get("domain"))
         print(f"  calibrated on: {names}")
@@ -481,7 +484,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
             else:
                 print(f"  host time per layer pass, {key:<12} {seconds * 1e3:8.3f} ms")
         how = f"fitted to {fit.scenarios} scenarios of the report created {doc['created']}"
-        path = BaselineStore(a.baseline_dir).curve_path(backend)
+        path = store.curve_path(backend)
         bandwidth.calibrate(path, hardware, fit.utilization, how, fit.host_s, fit.lag)
         for key, lag in sorted(fit.lag.items()):
             print(f"  in flight beyond the curve, {key:<12} {lag:8.3f} s per s of compute")

@@ -11,9 +11,12 @@ import stat
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from commgate.core.errors import DocumentError, Problem, WriteError
+
+if TYPE_CHECKING:
+    import jsonschema
 
 CONFIG_BYTES = 16 << 20
 """A configuration file another tool reads (a DeepSpeed JSON, a Hugging Face config, a GPT-NeoX YAML, a
@@ -86,8 +89,19 @@ def read_json(
     try:
         validate(doc)
     except jsonschema.ValidationError as exc:
-        raise fail(json_path(exc.absolute_path), exc.message) from None
+        raise fail(json_path(exc.absolute_path), _newer(exc) or exc.message) from None
     return doc
+
+
+def _newer(exc: jsonschema.ValidationError) -> str:
+    """The words for a ``schema_version`` past the one this commgate reads (a newer commgate wrote it: "1 was
+    expected" did not say so), or ''."""
+    version, reads = exc.instance, exc.validator_value
+    if list(exc.absolute_path) != ["schema_version"] or exc.validator != "const":
+        return ""
+    if isinstance(version, int) and isinstance(reads, int) and not isinstance(version, bool) and version > reads:
+        return f"{version} is newer than this commgate reads ({reads}); upgrade commgate"
+    return ""
 
 
 _BOMS = (

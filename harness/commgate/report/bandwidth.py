@@ -266,6 +266,18 @@ def calibrate(
     measure it first)."""
     import dataclasses
 
+    curves = can_calibrate(path, hardware, utilization)
+    curve = dataclasses.replace(
+        curves[hardware], utilization=utilization, calibrated=how, host_s=dict(host_s or {}), lag=dict(lag or {})
+    )
+    store(path, curve)
+    return curve
+
+
+def can_calibrate(path: Path, hardware: str, utilization: float) -> dict[str, Curve]:
+    """The curves in ``path``, where ``hardware``'s is there to take a plausible ``utilization``; else a
+    ``CommgateError`` that says the fix (``calibrate`` checks it, and a caller with several fits checks them all
+    before it writes or says any)."""
     curves = load_all(path)
     if hardware not in curves:
         raise CommgateError(
@@ -274,11 +286,7 @@ def calibrate(
         )
     if not 0 < utilization <= 10:
         raise CommgateError(f"calibration: u = {utilization:g} is implausible (expected within (0, 10])")
-    curve = dataclasses.replace(
-        curves[hardware], utilization=utilization, calibrated=how, host_s=dict(host_s or {}), lag=dict(lag or {})
-    )
-    store(path, curve)
-    return curve
+    return curves
 
 
 def merged(old: Curve, new: Curve) -> Curve:
