@@ -284,6 +284,39 @@ def test_the_scenario_folders_are_read_from_pyproject_as_pytest_reads_them(tmp_p
     assert scenario_dirs(tmp_path / "pyproject.toml") == [str(tmp_path / "comm")]
 
 
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("pytest.ini", "[pytest]\ncommgate_scenario_dirs = comm\n"),
+        ("pytest.toml", '[pytest]\ncommgate_scenario_dirs = ["comm"]\n'),  # pytest 9's own file
+        ("pyproject.toml", '[tool.pytest]\ncommgate_scenario_dirs = ["comm"]\n'),  # pytest 9's native table
+        ("tox.ini", "[pytest]\ncommgate_scenario_dirs = comm\n"),
+    ],
+)
+def test_from_a_subfolder_the_cli_reads_the_configuration_pytest_finds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], name: str, text: str
+) -> None:
+    """In a subfolder of a repository whose pytest configuration names ``comm``, ``commgate validate`` said
+    "./scenarios not found" where pytest finds the configuration above (an adversarial pass), and ``run --gate``
+    would have kept baselines in the subfolder, where the gate keeps them in its rootdir. The CLI reads the
+    configuration pytest finds, and keeps the gate's baselines."""
+    from commgate.cli import main, parse
+
+    (tmp_path / name).write_text(text)
+    (tmp_path / "comm").mkdir()
+    (tmp_path / "comm" / "d.yaml").write_text(
+        "schema_version: 1\nname: d\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: ddp, dp: 2}\n"
+    )
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    assert main(["validate"]) == 0
+    assert capsys.readouterr().out == f"ok  d  ({tmp_path / 'comm' / 'd.yaml'}; ddp, world 2)\n1 scenario(s) valid.\n"
+    assert parse(["run", "--gate"]).baseline_dir == Path("..", "baselines")
+    assert parse(["run", "--baseline-dir", "mine"]).baseline_dir == Path("mine")
+    monkeypatch.chdir(tmp_path)
+    assert parse(["check", "cap"]).baseline_dir == Path("baselines")
+
+
 def test_the_commands_init_prints_run_as_printed_without_an_activated_environment(tmp_path: Path) -> None:
     """init printed ``sh comm/ci.sh`` while ci.sh ran a bare ``python``: without the environment activated
     that was another interpreter, and pytest failed on commgate's options, not naming the cause (found by an

@@ -32,6 +32,10 @@ if TYPE_CHECKING:
     from commgate.session import Session
 
 DEFAULT_SUITE = "scenarios"
+BASELINES_DEFAULT = (
+    "baselines/ in pytest's rootdir (the folder of the pytest configuration pytest finds from here), as the "
+    "gate's; else ./baselines"
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,19 +46,41 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _pytest_config() -> Path | None:
+    """The pytest configuration pytest finds from the working directory (``find_pytest_config``)."""
+    from commgate.model.starter import find_pytest_config
+
+    return find_pytest_config(Path.cwd())
+
+
+def _rootdir() -> Path:
+    """pytest's rootdir as the CLI's defaults take it: the folder of the configuration pytest finds from here
+    (from a subfolder, the repository's), written from here; else here (``.``)."""
+    config = _pytest_config()
+    if config is None or config.parent.resolve() == Path.cwd().resolve():
+        return Path(".")
+    return Path(os.path.relpath(config.parent, Path.cwd()))
+
+
 def default_paths(given: list[str], *, instead: str = "") -> list[str]:
     """The scenario paths a command reads: ``given``, else the folders the repository's pytest configuration
     names (``commgate_scenario_dirs``, as ``commgate init`` writes it and the pytest gate reads it), else
     ./scenarios; none there is one line saying what to give."""
     if given:
         return given
-    from commgate.model.starter import pytest_config, scenario_dirs
+    from commgate.model.starter import scenario_dirs
 
-    config = pytest_config(Path.cwd())
+    config = _pytest_config()
     named = scenario_dirs(config) if config is not None else []
-    dirs = named or [DEFAULT_SUITE]
+    dirs = named or [str(_rootdir() / DEFAULT_SUITE)]
     if not any(Path(d).is_dir() for d in dirs):
-        where = f"the folders {config} names ({', '.join(named)})" if named else f"./{DEFAULT_SUITE}"
+        where = (
+            f"the folders {config} names ({', '.join(named)})"
+            if named
+            else dirs[0]
+            if dirs[0].startswith(".")
+            else f"./{dirs[0]}"
+        )
         raise UsageError(
             f"no scenarios here: {where} not found; give scenario files or folders{instead}, or start a folder "
             "with commgate init"
@@ -556,8 +582,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--baseline-dir",
         type=env.path,
-        default=Path("baselines"),
-        help="baselines ({backend}/{id}.json) and bandwidth curves (bandwidth-{backend}.json); default ./baselines",
+        help="baselines ({backend}/{id}.json) and bandwidth curves (bandwidth-{backend}.json); default: "
+        f"{BASELINES_DEFAULT}",
     )
     r.add_argument(
         "--gate",
@@ -618,7 +644,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument(
         "report", type=env.path, help="a report.json from `commgate run` with a bandwidth curve, or its directory"
     )
-    k.add_argument("--baseline-dir", type=env.path, default=Path("baselines"), help="where bandwidth-{backend}.json is")
+    k.add_argument(
+        "--baseline-dir", type=env.path, help=f"where bandwidth-{{backend}}.json is; default: {BASELINES_DEFAULT}"
+    )
     v = sub.add_parser("validate", help="check scenario files; one line per problem")
     v.add_argument(
         "paths",
@@ -765,7 +793,7 @@ def _add_capture(sub: argparse._SubParsersAction[_Parser]) -> None:
         help="without --scenario: the name the capture's baseline is kept under (default: the job's script, "
         "e.g. train for torchrun ... train.py)",
     )
-    c.add_argument("--baseline-dir", type=env.path, default=Path("baselines"), help="default ./baselines")
+    c.add_argument("--baseline-dir", type=env.path, help=f"default: {BASELINES_DEFAULT}")
     c.add_argument("--update-baselines", action="store_true", help="rewrite a baseline whose communication changed")
     c.add_argument("--report-dir", type=env.path, help="write report.json, index.html, plots/ and trace.json there")
 
@@ -937,13 +965,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout = before
 
 
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line read, with the defaults that depend on where it runs: ``--baseline-dir`` is the gate's,
+    ``<rootdir>/baselines`` (``_rootdir``), so that from a subfolder both keep one set of baselines."""
+    args = build_parser().parse_args(argv)
+    if "baseline_dir" in args and args.baseline_dir is None:
+        args.baseline_dir = _rootdir() / "baselines"
+    return args
+
+
 def _command(argv: Sequence[str] | None) -> int:
     try:
         os.getcwd()
     except FileNotFoundError:
         print("commgate: error: the working directory no longer exists; cd into one that does", file=sys.stderr)
         return 2
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     try:
         env.check()
         return COMMANDS[args.command](args)

@@ -48,13 +48,15 @@ class Start:
 
 
 def pytest_config(repo: Path) -> Path | None:
-    """The file that configures pytest in ``repo`` (pytest's own order: pytest.ini, pyproject.toml with
-    [tool.pytest.ini_options], tox.ini with [pytest], setup.cfg with [tool:pytest]), or None."""
-    if (repo / "pytest.ini").is_file():
-        return repo / "pytest.ini"
+    """The file that configures pytest in ``repo`` (pytest's own order: pytest.toml, .pytest.toml, pytest.ini,
+    .pytest.ini, pyproject.toml with [tool.pytest.ini_options] or [tool.pytest], tox.ini with [pytest],
+    setup.cfg with [tool:pytest]), or None."""
+    for name in ("pytest.toml", ".pytest.toml", "pytest.ini", ".pytest.ini"):  # always pytest's, even empty
+        if (repo / name).is_file():
+            return repo / name
     pyproject = repo / "pyproject.toml"
     try:
-        if pyproject.is_file() and re.search(r"^\[tool\.pytest\.ini_options\]", pyproject.read_text(), re.M):
+        if pyproject.is_file() and re.search(r"^\[tool\.pytest(\.ini_options)?\]", pyproject.read_text(), re.M):
             return pyproject
     except (OSError, UnicodeDecodeError):
         pass
@@ -68,6 +70,21 @@ def pytest_config(repo: Path) -> Path | None:
     return None
 
 
+def find_pytest_config(start: Path) -> Path | None:
+    """The configuration file pytest reads when run in ``start`` without arguments (its rootdir is the file's
+    folder), found by pytest's own search (``start``, then its parents; a pyproject.toml without a pytest
+    section as the last resort), so that the CLI's defaults are the gate's from any subfolder; None where
+    there is none, or where pytest would refuse the file (pytest then says why)."""
+    from _pytest.config.findpaths import locate_config  # pytest's search: 8.x and 9.x take (dir, args)
+
+    try:
+        found = locate_config(start, [])
+    except Exception:  # pytest's UsageError on a malformed file: pytest says so; the CLI reads cwd's own
+        return pytest_config(start)
+    inifile = found[1]
+    return inifile if isinstance(inifile, Path) else None
+
+
 MODULE_S = 64
 """The sequence length written for your module (``model.s``, which your ``build(scenario)`` reads as
 ``scenario.model.s``; a scenario without one says 1): ``commgate init --s`` writes another."""
@@ -79,8 +96,8 @@ def _config_note(config: Path, folder: str) -> list[str]:
     named = scenario_dirs(config)  # (init runs in the repository: the names as the file writes them)
     if folder in named:
         return []
-    toml = config.name == "pyproject.toml"
-    section = "[tool.pytest.ini_options]" if toml else "pytest section"
+    toml = config.suffix == ".toml"  # pyproject.toml, or pytest 9's pytest.toml
+    section = "pytest section" if not toml else "[pytest] table" if config.name != "pyproject.toml" else _table(config)
     if named and toml:
         line = f"commgate_scenario_dirs = [{', '.join(json.dumps(d) for d in [*named, folder])}]"
         return [f"{config}: make its commgate_scenario_dirs `{line}` (init does not edit your files)"]
@@ -93,17 +110,31 @@ def _config_note(config: Path, folder: str) -> list[str]:
     return [f"{config}: add `{line}` to its {section} (commgate init does not edit your files)"]
 
 
+def _table(pyproject: Path) -> str:
+    """pyproject.toml's pytest table: [tool.pytest.ini_options], or pytest 9's [tool.pytest] where it has that."""
+    try:
+        native = re.search(r"^\[tool\.pytest\]", pyproject.read_text(), re.M)
+    except (OSError, UnicodeDecodeError):
+        native = None
+    return "[tool.pytest] table" if native else "[tool.pytest.ini_options]"
+
+
 def scenario_dirs(config: Path) -> list[str]:
     """The ``commgate_scenario_dirs`` a pytest configuration file sets (pytest's linelist: whitespace
     separated), as paths from the current directory; [] where it sets none or cannot be read."""
     try:
-        if config.name == "pyproject.toml":  # read as pytest reads it: a TOML array, or a string of names
+        if config.suffix == ".toml":  # read as pytest reads it: a TOML array, or a string of names
             import importlib
             import sys
 
             tomllib = importlib.import_module("tomllib" if sys.version_info >= (3, 11) else "tomli")  # 3.10: pytest's
             with open(config, "rb") as f:
-                value = tomllib.load(f).get("tool", {}).get("pytest", {}).get("ini_options", {})
+                doc = tomllib.load(f)
+            if config.name == "pyproject.toml":  # [tool.pytest.ini_options], or pytest 9's [tool.pytest]
+                tool = doc.get("tool", {}).get("pytest", {})
+                value = tool.get("ini_options", tool) if isinstance(tool, dict) else {}
+            else:  # pytest.toml's [pytest]
+                value = doc.get("pytest", {})
             value = value.get("commgate_scenario_dirs", []) if isinstance(value, dict) else []
             names = value.split() if isinstance(value, str) else [str(v) for v in value if isinstance(v, str)]
         else:
