@@ -27,6 +27,12 @@ def pytest_configure(config: pytest.Config) -> None:
     global TEST_BOUND_S
     TEST_BOUND_S = _bound_s()  # a usage error here is one line; at import, a traceback
     _own_tmpdir(config)
+    from commgate.run.extensions import ninja_first
+
+    # One ninja for every build in the session: the forkservers build with the environment's own, and the jobs
+    # the tests capture (DeepSpeed scripts under torchrun, sharing the session's extensions) with PATH's: the
+    # system's 1.11 and the environment's 1.13 each rebuilt the other's op (88 s each, a lock a kill can strand).
+    ninja_first()
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return
     from commgate.run.extensions import environment_dir
