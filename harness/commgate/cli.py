@@ -74,13 +74,8 @@ def default_paths(given: list[str], *, instead: str = "") -> list[str]:
     named = scenario_dirs(config) if config is not None else []
     dirs = named or [str(_rootdir() / DEFAULT_SUITE)]
     if not any(Path(d).is_dir() for d in dirs):
-        where = (
-            f"the folders {config} names ({', '.join(named)})"
-            if named
-            else dirs[0]
-            if dirs[0].startswith(".")
-            else f"./{dirs[0]}"
-        )
+        suite = dirs[0] if dirs[0].startswith(".") else f"./{dirs[0]}"  # ./scenarios, ../scenarios
+        where = f"the folders {config} names ({', '.join(named)})" if named else suite
         raise UsageError(
             f"no scenarios here: {where} not found; give scenario files or folders{instead}, or start a folder "
             "with commgate init"
