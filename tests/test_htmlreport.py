@@ -111,8 +111,9 @@ def test_commgate_html_re_renders_a_saved_report(out: Path, tmp_path: Path, caps
     assert main(["html", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"{bad}: $: ") and "required property" in err and "\n" not in err
-    newer = tmp_path / "newer.json"  # "1 was expected" did not say a newer commgate wrote it (an adversarial pass)
-    newer.write_text(json.dumps(json.loads((out / "report.json").read_text()) | {"schema_version": 2}))
+    newer = tmp_path / "newer.json"  # "1 was expected" did not say a newer commgate wrote it (an adversarial pass),
+    written = {"schema_version": 2, "a_field_it_added": 1}  # nor did the unknown field a newer one writes
+    newer.write_text(json.dumps(json.loads((out / "report.json").read_text()) | written))
     assert main(["html", str(newer)]) == 2
     assert (
         capsys.readouterr().err

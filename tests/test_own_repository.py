@@ -281,7 +281,7 @@ def test_the_scenario_folders_are_read_from_pyproject_as_pytest_reads_them(tmp_p
     from commgate.model.starter import scenario_dirs
 
     (tmp_path / "pyproject.toml").write_text(f"[tool.pytest.ini_options]\n{toml}\n[tool.other]\nx = 1\n")
-    assert scenario_dirs(tmp_path / "pyproject.toml") == [str(tmp_path / "comm")]
+    assert [os.path.abspath(d) for d in scenario_dirs(tmp_path / "pyproject.toml")] == [str(tmp_path / "comm")]
 
 
 @pytest.mark.parametrize(
@@ -310,11 +310,35 @@ def test_from_a_subfolder_the_cli_reads_the_configuration_pytest_finds(
     (tmp_path / "sub").mkdir()
     monkeypatch.chdir(tmp_path / "sub")
     assert main(["validate"]) == 0
-    assert capsys.readouterr().out == f"ok  d  ({tmp_path / 'comm' / 'd.yaml'}; ddp, world 2)\n1 scenario(s) valid.\n"
+    assert capsys.readouterr().out == "ok  d  (../comm/d.yaml; ddp, world 2)\n1 scenario(s) valid.\n"
     assert parse(["run", "--gate"]).baseline_dir == Path("..", "baselines")
     assert parse(["run", "--baseline-dir", "mine"]).baseline_dir == Path("mine")
     monkeypatch.chdir(tmp_path)
     assert parse(["check", "cap"]).baseline_dir == Path("baselines")
+
+
+def test_a_configuration_pytest_refuses_is_one_line_and_one_that_is_not_pytests_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A setup.cfg with [pytest] above the working directory made every command a traceback (pytest's
+    ``fail`` is no Exception); a pyproject.toml that does not configure pytest, above a project with its own
+    ./scenarios, moved the CLI to the folder above it without a word (both found by an adversarial pass)."""
+    from commgate.cli import main
+
+    (tmp_path / "proj" / "scenarios").mkdir(parents=True)
+    (tmp_path / "proj" / "scenarios" / "d.yaml").write_text(
+        "schema_version: 1\nname: d\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: ddp, dp: 2}\n"
+    )
+    (tmp_path / "pyproject.toml").write_text("[tool.ruff]\nline-length = 100\n")
+    monkeypatch.chdir(tmp_path / "proj")
+    assert main(["validate"]) == 0
+    assert capsys.readouterr().out == "ok  d  (scenarios/d.yaml; ddp, world 2)\n1 scenario(s) valid.\n"
+    (tmp_path / "setup.cfg").write_text("[pytest]\naddopts = -q\n")
+    for argv in (["validate"], ["calibrate", "report.json"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("commgate: error: pytest cannot read its configuration here: [pytest] section in ")
+        assert err.endswith("; fix it (pytest refuses it too)\n") and len(err.splitlines()) == 1
 
 
 def test_the_commands_init_prints_run_as_printed_without_an_activated_environment(tmp_path: Path) -> None:

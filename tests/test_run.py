@@ -622,11 +622,13 @@ def test_the_process_holding_a_build_lock_is_its_builder_and_a_lock_none_holds_i
     so the lock is not taken for one a killed build left."""
     from commgate.run.extensions import builder, stale
 
-    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock = tmp_path / "real" / "deepspeed_shm_comm" / "lock"
     lock.parent.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real")  # a TORCH_EXTENSIONS_DIR reached through a link
+    linked = tmp_path / "link" / "deepspeed_shm_comm" / "lock"
     with baton_held(lock, 600) as holder:
-        assert builder(lock) == holder.pid and builder(lock, among=[os.getpid()]) is None
-        assert not stale(lock, settle_s=0)
+        assert builder(lock) == holder.pid == builder(linked) and builder(lock, among=[os.getpid()]) is None
+        assert not stale(lock, settle_s=0) and not stale(linked, settle_s=0)
     lock.touch()  # as a holder killed outright leaves it
     assert builder(lock) is None and stale(lock, settle_s=0)
     lock.unlink()

@@ -75,6 +75,8 @@ def default_paths(given: list[str], *, instead: str = "") -> list[str]:
     dirs = named or [str(_rootdir() / DEFAULT_SUITE)]
     if not any(Path(d).is_dir() for d in dirs):
         suite = dirs[0] if dirs[0].startswith(".") else f"./{dirs[0]}"  # ./scenarios, ../scenarios
+        if config is not None and suite != f"./{DEFAULT_SUITE}":
+            suite += f" (in pytest's rootdir, the folder of {config})"
         where = f"the folders {config} names ({', '.join(named)})" if named else suite
         raise UsageError(
             f"no scenarios here: {where} not found; give scenario files or folders{instead}, or start a folder "
@@ -465,9 +467,10 @@ def cmd_html(a: argparse.Namespace) -> int:
 def _load_report(path: Path) -> dict[str, Any]:
     """A report document, validated; a one-line error otherwise."""
     from commgate.core.fsutil import read_json
-    from commgate.report.report import validate
+    from commgate.report.report import REPORT_VERSION, validate
 
-    doc: dict[str, Any] = read_json(path, validate, hint=": expected a report.json written by commgate")
+    hint = ": expected a report.json written by commgate"
+    doc: dict[str, Any] = read_json(path, validate, hint=hint, version=REPORT_VERSION)
     return doc
 
 
@@ -975,8 +978,8 @@ def _command(argv: Sequence[str] | None) -> int:
     except FileNotFoundError:
         print("commgate: error: the working directory no longer exists; cd into one that does", file=sys.stderr)
         return 2
-    args = parse(argv)
     try:
+        args = parse(argv)
         env.check()
         return COMMANDS[args.command](args)
     except CommgateError as exc:

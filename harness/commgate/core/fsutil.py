@@ -11,12 +11,9 @@ import stat
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from commgate.core.errors import DocumentError, Problem, WriteError
-
-if TYPE_CHECKING:
-    import jsonschema
 
 CONFIG_BYTES = 16 << 20
 """A configuration file another tool reads (a DeepSpeed JSON, a Hugging Face config, a GPT-NeoX YAML, a
@@ -60,11 +57,14 @@ def read_json(
     *,
     migrate: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     hint: str = "",
+    version: int | None = None,
 ) -> Any:
     """The one way commgate reads a JSON document: read, parse, ``migrate`` (an object, to the current
     schema version), then ``validate`` (which raises ``jsonschema.ValidationError``). Any failure is a
     ``DocumentError`` with one ``Problem`` naming the file, the place and the value; ``hint`` follows a
-    parse error (how to get a good file)."""
+    parse error (how to get a good file). A document whose ``schema_version`` is past ``version`` (the one
+    this commgate reads) is said to be a newer commgate's before anything else in it is checked: its other
+    fields differ too ("1 was expected", or an unknown field, did not say so)."""
     import jsonschema
 
     def fail(where: str, message: str, line: int | None = None) -> DocumentError:
@@ -82,6 +82,9 @@ def read_json(
         raise fail("$", f"a number of more than {MAX_DIGITS:,} digits, which no file commgate writes holds") from None
     except RecursionError:
         raise fail("$", "nested too deeply") from None
+    later = doc.get("schema_version") if isinstance(doc, dict) else None
+    if version is not None and isinstance(later, int) and not isinstance(later, bool) and later > version:
+        raise fail("$.schema_version", f"{later} is newer than this commgate reads ({version}); upgrade commgate")
     if migrate is not None:
         if not isinstance(doc, dict):
             raise fail("$", f"expected a JSON object, found {type(doc).__name__}")
@@ -89,19 +92,8 @@ def read_json(
     try:
         validate(doc)
     except jsonschema.ValidationError as exc:
-        raise fail(json_path(exc.absolute_path), _newer(exc) or exc.message) from None
+        raise fail(json_path(exc.absolute_path), exc.message) from None
     return doc
-
-
-def _newer(exc: jsonschema.ValidationError) -> str:
-    """The words for a ``schema_version`` past the one this commgate reads (a newer commgate wrote it: "1 was
-    expected" did not say so), or ''."""
-    version, reads = exc.instance, exc.validator_value
-    if list(exc.absolute_path) != ["schema_version"] or exc.validator != "const":
-        return ""
-    if isinstance(version, int) and isinstance(reads, int) and not isinstance(version, bool) and version > reads:
-        return f"{version} is newer than this commgate reads ({reads}); upgrade commgate"
-    return ""
 
 
 _BOMS = (

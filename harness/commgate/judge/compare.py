@@ -133,7 +133,8 @@ def _join(a: bl.Baseline, b: bl.Baseline) -> bl.Baseline:
 
 
 def _load_report(path: Path) -> Side:
-    doc = read_json(path, lambda d: schemas.validate("report", d), hint=": expected a commgate report.json")
+    hint, version = ": expected a commgate report.json", schemas.load("report")["properties"]["schema_version"]["const"]
+    doc = read_json(path, lambda d: schemas.validate("report", d), hint=hint, version=version)
     out: Side = {}
     where: dict[str, int] = {}
     for i, sc in enumerate(doc["scenarios"]):

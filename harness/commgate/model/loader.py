@@ -94,10 +94,13 @@ def _forms_of_its_type(err: jsonschema.ValidationError) -> list[int]:
     ]
 
 
+def _article(noun: str) -> str:
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
+
+
 def _type_name(value: Any) -> str:
-    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", dict: "mapping"}.get(
-        type(value), type(value).__name__
-    )
+    kinds = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", dict: "mapping"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 class _Located:
@@ -199,7 +202,7 @@ def _describe(err: jsonschema.ValidationError) -> Iterator[tuple[list[Any], str]
         wanted = [want] if isinstance(want, str) else want
         yield (
             path,
-            f"{_show(inst)} is {'an' if _type_name(inst)[0] in 'aeiou' else 'a'} {_type_name(inst)}, "
+            ("null (no value)" if inst is None else f"{_show(inst)} is {_article(_type_name(inst))}") + ", "
             f"expected {want if isinstance(want, str) else ' or '.join(want)}{_type_hint(inst, wanted)}",
         )
     elif kind == "enum":
@@ -593,7 +596,7 @@ def _expand(doc: dict[str, Any], file: str, where: _Located) -> Iterator[tuple[s
             continue
         bad = [v for v in values if not isinstance(v, list) or len(v) != len(paths)]
         if bad:
-            msg = f"{bad[0]!r}: each value of a joined key is a list of {len(paths)} values, one per path"
+            msg = f"{_show(bad[0])}: each value of a joined key is a list of {len(paths)} values, one per path"
             raise ScenarioError(
                 [Problem(file=file, path=f"$.sweep.{key}", message=msg, line=where.line(["sweep", key]))]
             )

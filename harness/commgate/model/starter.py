@@ -11,6 +11,7 @@ from __future__ import annotations
 import configparser
 import difflib
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,17 +73,21 @@ def pytest_config(repo: Path) -> Path | None:
 
 def find_pytest_config(start: Path) -> Path | None:
     """The configuration file pytest reads when run in ``start`` without arguments (its rootdir is the file's
-    folder), found by pytest's own search (``start``, then its parents; a pyproject.toml without a pytest
-    section as the last resort), so that the CLI's defaults are the gate's from any subfolder; None where
-    there is none, or where pytest would refuse the file (pytest then says why)."""
+    folder), found by pytest's own search (``start``, then its parents), so that the CLI's defaults are the
+    gate's from any subfolder; None where there is none, or only pytest's last resort (a pyproject.toml that
+    does not configure pytest: the working directory is the CLI's then, as before). A file pytest refuses is a
+    ``UsageError`` in pytest's words: the gate would refuse it too."""
     from _pytest.config.findpaths import locate_config  # pytest's search: 8.x and 9.x take (dir, args)
+    from _pytest.outcomes import OutcomeException  # pytest.fail's, which is no Exception
 
     try:
-        found = locate_config(start, [])
-    except Exception:  # pytest's UsageError on a malformed file: pytest says so; the CLI reads cwd's own
-        return pytest_config(start)
-    inifile = found[1]
-    return inifile if isinstance(inifile, Path) else None
+        inifile = locate_config(start, [])[1]
+    except (Exception, OutcomeException) as exc:
+        said = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
+        raise UsageError(f"pytest cannot read its configuration here: {said}; fix it (pytest refuses it too)") from None
+    if not isinstance(inifile, Path) or (inifile.name == "pyproject.toml" and pytest_config(inifile.parent) is None):
+        return None
+    return inifile
 
 
 MODULE_S = 64
@@ -145,7 +150,7 @@ def scenario_dirs(config: Path) -> list[str]:
     except (OSError, UnicodeDecodeError, ValueError, configparser.Error):  # tomllib's errors are ValueErrors
         return []
     here = config.parent.resolve() == Path.cwd().resolve()
-    return names if here else [str(config.parent / n) for n in names]
+    return names if here else [n if Path(n).is_absolute() else os.path.relpath(config.parent / n) for n in names]
 
 
 def _model(

@@ -78,11 +78,13 @@ def builder(lock: Path, among: Iterable[int] | None = None) -> int | None:
     none is (Linux's ``/proc``; elsewhere None): the one that holds it (torch keeps the lock file open from
     taking it to removing it; between those it checks the build with ninja for milliseconds, or builds for
     minutes), or one working in its directory (torch runs ninja there, and ninja the compiler)."""
-    where, held = str(lock.parent), str(lock)
+    # the kernel names a working directory and an open file by their real paths; a command line as written
+    real, held = os.path.realpath(lock.parent), os.path.realpath(lock)
+    written = {str(lock.parent).encode(), real.encode()}
     entries = Path("/proc").glob("[0-9]*") if among is None else (Path(f"/proc/{pid}") for pid in among)
     for entry in entries:
         try:
-            if os.readlink(entry / "cwd") == where or where.encode() in (entry / "cmdline").read_bytes():
+            if os.readlink(entry / "cwd") == real or any(w in (entry / "cmdline").read_bytes() for w in written):
                 return int(entry.name)
             if any(os.readlink(fd) == held for fd in (entry / "fd").iterdir()):
                 return int(entry.name)
