@@ -341,6 +341,24 @@ def test_a_configuration_pytest_refuses_is_one_line_and_one_that_is_not_pytests_
         assert err.endswith("; fix it (pytest refuses it too)\n") and len(err.splitlines()) == 1
 
 
+def test_pytest_8_0s_search_is_asked_as_it_takes_its_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pytest 8.0's ``locate_config`` took the paths alone (8.1 added the invocation directory first), and
+    pyproject.toml allows pytest>=8: asked the later way, it raised a TypeError the CLI took for a refused
+    configuration."""
+    from _pytest.config import findpaths
+    from commgate.model.starter import find_pytest_config
+
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    asked: list[object] = []
+
+    def locate_config(args: list[Path]) -> tuple[Path, Path, dict[str, str]]:  # 8.0's signature
+        asked.append(args)
+        return tmp_path, tmp_path / "pytest.ini", {}
+
+    monkeypatch.setattr(findpaths, "locate_config", locate_config)
+    assert find_pytest_config(tmp_path / "sub") == tmp_path / "pytest.ini" and asked == [[tmp_path / "sub"]]
+
+
 def test_the_commands_init_prints_run_as_printed_without_an_activated_environment(tmp_path: Path) -> None:
     """init printed ``sh comm/ci.sh`` while ci.sh ran a bare ``python``: without the environment activated
     that was another interpreter, and pytest failed on commgate's options, not naming the cause (found by an

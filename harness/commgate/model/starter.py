@@ -77,11 +77,15 @@ def find_pytest_config(start: Path) -> Path | None:
     gate's from any subfolder; None where there is none, or only pytest's last resort (a pyproject.toml that
     does not configure pytest: the working directory is the CLI's then, as before). A file pytest refuses is a
     ``UsageError`` in pytest's words: the gate would refuse it too."""
-    from _pytest.config.findpaths import locate_config  # pytest's search: 8.x and 9.x take (dir, args)
+    import inspect
+
+    from _pytest.config.findpaths import locate_config  # pytest's search
     from _pytest.outcomes import OutcomeException  # pytest.fail's, which is no Exception
 
+    search: Any = locate_config
+    since_8_1 = "invocation_dir" in inspect.signature(search).parameters  # 8.0 took (args) alone
     try:
-        inifile = locate_config(start, [])[1]
+        inifile = (search(start, []) if since_8_1 else search([start]))[1]
     except (Exception, OutcomeException) as exc:
         said = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
         raise UsageError(f"pytest cannot read its configuration here: {said}; fix it (pytest refuses it too)") from None

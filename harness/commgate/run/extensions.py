@@ -84,7 +84,8 @@ def builder(lock: Path, among: Iterable[int] | None = None) -> int | None:
     entries = Path("/proc").glob("[0-9]*") if among is None else (Path(f"/proc/{pid}") for pid in among)
     for entry in entries:
         try:
-            if os.readlink(entry / "cwd") == real or any(w in (entry / "cmdline").read_bytes() for w in written):
+            line = (entry / "cmdline").read_bytes()
+            if os.readlink(entry / "cwd") == real or any(w in line for w in written):
                 return int(entry.name)
             if any(os.readlink(fd) == held for fd in (entry / "fd").iterdir()):
                 return int(entry.name)
