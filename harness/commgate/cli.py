@@ -53,10 +53,9 @@ def _pytest_config() -> Path | None:
     return find_pytest_config(Path.cwd())
 
 
-def _rootdir() -> Path:
-    """pytest's rootdir as the CLI's defaults take it: the folder of the configuration pytest finds from here
-    (from a subfolder, the repository's), written from here; else here (``.``)."""
-    config = _pytest_config()
+def _rootdir(config: Path | None) -> Path:
+    """pytest's rootdir as the CLI's defaults take it: the folder of ``config`` (the configuration pytest finds
+    from here: from a subfolder, the repository's), written from here; else here (``.``)."""
     if config is None or config.parent.resolve() == Path.cwd().resolve():
         return Path(".")
     return Path(os.path.relpath(config.parent, Path.cwd()))
@@ -72,7 +71,7 @@ def default_paths(given: list[str], *, instead: str = "") -> list[str]:
 
     config = _pytest_config()
     named = scenario_dirs(config) if config is not None else []
-    dirs = named or [str(_rootdir() / DEFAULT_SUITE)]
+    dirs = named or [str(_rootdir(config) / DEFAULT_SUITE)]
     if not any(Path(d).is_dir() for d in dirs):
         suite = dirs[0] if dirs[0].startswith(".") else f"./{dirs[0]}"  # ./scenarios, ../scenarios
         if config is not None and suite != f"./{DEFAULT_SUITE}":
@@ -968,7 +967,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ``<rootdir>/baselines`` (``_rootdir``), so that from a subfolder both keep one set of baselines."""
     args = build_parser().parse_args(argv)
     if "baseline_dir" in args and args.baseline_dir is None:
-        args.baseline_dir = _rootdir() / "baselines"
+        args.baseline_dir = _rootdir(_pytest_config()) / "baselines"
     return args
 
 
