@@ -25,6 +25,7 @@ def scenario(**par: Any) -> Scenario:
 def clear_caches() -> None:
     model.inventory.cache_clear()
     zero3_fetch.module_tree.cache_clear()
+    zero3_fetch._builtin_layers.cache_clear()
     zero3_fetch._builtin_hooks.cache_clear()
     zero3_fetch._builtin_recording.cache_clear()
     zero3_fetch._builtin_traced.cache_clear()

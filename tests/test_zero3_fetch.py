@@ -196,3 +196,139 @@ def test_real_runs_reconcile_under_the_coordinators_knobs(model: str, par: str, 
     assert not rec.mismatches, rec.mismatches
     assert all(o.unexplained_bytes == 0 for o in rec.ops), rec.ops
     assert rec.traffic_measured == rec.traffic_predicted
+
+
+LAYERED = [  # (preset or model, tied, checkpointed, hpz)
+    ("{preset: 1.3B}", False, True, False),
+    ("{preset: 1.3B}", True, False, False),
+    ("{preset: 125M}", True, True, True),
+    ("{architecture: llama, kv_heads: 1, L: 5, h: 16, a: 2, V: 64, s: 16}", False, True, True),
+    ("{L: 3, h: 16, a: 2, V: 256, s: 64, x: 4, position: rotary}", True, False, False),
+]
+
+
+def _layered(model: str, tied: bool, checkpointed: bool, hpz: bool) -> Context:
+    model = model.replace("}", f", tied_embeddings: {str(tied).lower()}}}")
+    text = scenario(model, f", activation_checkpointing: {str(checkpointed).lower()}")
+    if hpz:
+        text = text.replace("scheme: zero3, dp: 2", "scheme: zero++, dp: 4, zero: {hpz: 2}")
+    (s,) = load_text(text)
+    return Context(scenario=s)
+
+
+@pytest.mark.parametrize(("model", "tied", "checkpointed", "hpz"), LAYERED)
+def test_each_layers_hooks_are_the_first_layers_with_its_own_modules(
+    model: str, tied: bool, checkpointed: bool, hpz: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pass_hooks`` copies the first layer's hooks to the other alike layers (``HookList.runs``): the list
+    is the one the recursive walk of every layer makes, module for module."""
+    from commgate.model.schemes import zero3_fetch as z
+
+    params = _layered(model, tied, checkpointed, hpz).params
+    root = module_tree(params)
+    external = tuple(p for p in params if p.name == "embed.word.weight") if tied else ()
+    copied = pass_hooks(root, checkpointed=checkpointed, external=external)
+    assert len(copied.runs) == 2 and all(len(r.layers) >= 3 for r in copied.runs)
+    monkeypatch.setattr(z, "layers_of", lambda root: None)  # every layer walked
+    walked = pass_hooks(root, checkpointed=checkpointed, external=external)
+    assert not walked.runs
+    assert list(copied) == list(walked)
+    assert all(a.module is b.module for a, b in zip(copied, walked, strict=True) if a.module.name)  # not the root's
+
+
+def test_layers_that_differ_are_not_alike() -> None:
+    from dataclasses import replace
+
+    from commgate.model.schemes import zero3_fetch as z
+
+    root = module_tree(_layered("{L: 3, h: 16, a: 2, V: 64, s: 16}", False, False, False).params)
+    assert z.layers_of(root) is not None
+    layers = list(root.children)
+    third = next(i for i, m in enumerate(layers) if m.name == "layers.2")
+    norm = next(c for c in layers[third].children if c.name.endswith("input_norm"))
+    shorter = replace(norm, params=norm.params[:1])  # layer 2's norm without its bias
+    kids = tuple(shorter if c is norm else c for c in layers[third].children)
+    layers[third] = replace(layers[third], children=kids)
+    assert z.layers_of(replace(root, children=tuple(layers))) is None
+
+
+@pytest.mark.parametrize(("model", "tied", "checkpointed", "hpz"), LAYERED)
+def test_the_recording_pass_repeats_the_first_layer_as_a_replay_of_every_layer_does(
+    model: str, tied: bool, checkpointed: bool, hpz: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The recording pass replays the first layer of each run and repeats it for the others (``_Pass.repeat``):
+    the same gathers, in the same order, and the same state after it as a replay of every hook; and where the
+    layers do not start alike (one layer's parameter already gathered), every layer is replayed."""
+    from commgate.model.schemes import zero3_fetch as z
+
+    ctx = _layered(model, tied, checkpointed, hpz)
+    first, _ = z.hooks(ctx)
+    assert isinstance(first, z.HookList) and first.layers is not None
+    hooks = first[: z._leftovers_from(first)]
+    fetched = 0
+    fetch = z._Pass.fetch
+
+    def counted(self: z._Pass, hook: object) -> None:
+        nonlocal fetched
+        fetched += 1
+        fetch(self, hook)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(z._Pass, "fetch", counted)
+
+    def start(gathered: set[str]) -> z._State:
+        state = z._State(knobs=knobs(ctx), persistent=frozenset(), hpz=hpz)
+        state.secondary = {p.name for p in ctx.params} if hpz else set()
+        state.available = set(gathered)
+        return state
+
+    one_layer = next(p.name for p in ctx.params if p.name.startswith("layers.1."))
+    counts = []
+    for gathered in (set(), {one_layer}):
+        replayed, repeated = start(gathered), start(gathered)
+        every = z._one_pass(replayed, hooks)
+        every_fetched, fetched = fetched, 0
+        assert z._one_pass(repeated, hooks, first.runs, first.layers) == every
+        assert z._key(repeated) == z._key(replayed) and repeated.n_available == replayed.n_available
+        counts.append(fetched / every_fetched)
+        fetched = 0
+    # alike, the first layer of each run replayed; not (the forward's layers), the forward replayed whole
+    assert counts[0] < 0.5 and counts[0] < counts[1] < 1
+
+
+def test_a_first_layer_that_ends_otherwise_than_it_started_is_not_repeated() -> None:
+    """Where the first layer of a run leaves a parameter held (its release removed from every layer's hooks)
+    or partitioned otherwise (hpZ's secondary partitions made by its releases), the other layers are
+    replayed, not repeated: the gathers and the state are a replay of every hook's."""
+    from commgate.model.schemes import zero3_fetch as z
+
+    ctx = _layered("{L: 4, h: 16, a: 2, V: 64, s: 16}", False, True, True)
+    first, _ = z.hooks(ctx)
+    assert isinstance(first, z.HookList) and first.layers is not None
+    hooks = first[: z._leftovers_from(first)]
+    kept = [i for i, h in enumerate(hooks) if not h.fetch and not h.backward and h.module.name.endswith("mlp.fc_in")]
+    assert len(kept) == 4
+    fewer = [h for i, h in enumerate(hooks) if i not in kept]  # fc_in's forward release never fires
+    forward, backward = first.runs
+    runs = (
+        z.Run(forward.start, forward.length - 1, forward.layers),
+        z.Run(backward.start - 4, backward.length, backward.layers),
+    )
+
+    fc_in = {p.name for p in ctx.params if ".mlp.fc_in." in p.name}
+
+    def start(secondary: bool, gathered: set[str]) -> z._State:
+        state = z._State(knobs=knobs(ctx), persistent=frozenset(), hpz=True)
+        state.secondary = {p.name for p in ctx.params} if secondary else set()
+        state.available = set(gathered)
+        return state
+
+    # held and gathered; held, gathered before (alike) and after, up to the forward's end (the backward's
+    # releases would let go of it); partitioned by the releases
+    for case, runs_of, secondary, gathered in (
+        (fewer, runs, True, set()),
+        (fewer[: runs[0].end], runs[:1], True, fc_in),
+        (hooks, first.runs, False, set()),
+    ):
+        replayed, repeated = start(secondary, gathered), start(secondary, gathered)
+        assert z._one_pass(repeated, case, runs_of, first.layers) == z._one_pass(replayed, case)
+        assert z._key(repeated) == z._key(replayed)

@@ -39,7 +39,7 @@ import bisect
 import collections
 import functools
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from commgate.model.expectation import Context
 from commgate.model.moduletrace import Hook, Module
@@ -124,12 +124,115 @@ def module_tree(params: tuple[ParamTensor, ...]) -> Module:
     return build("")
 
 
-def pass_hooks(root: Module, *, checkpointed: bool, external: tuple[ParamTensor, ...] = ()) -> list[Hook]:
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Hooks that repeat layer by layer: ``count`` segments of ``length`` hooks from ``start``, segment ``i``
+    the first one's hooks with layer ``layers[i]``'s modules in place of layer ``layers[0]``'s."""
+
+    start: int
+    length: int
+    layers: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length * len(self.layers)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Layers:
+    """The decoder's layers, when they are alike (the same modules, the same parameters' shapes): what a
+    pass's hooks and the recording pass's gathers repeat layer by layer (``Run``)."""
+
+    modules: tuple[tuple[Module, ...], ...]
+    """Each layer's modules in pre-order (the layer's own module first)."""
+    params: tuple[tuple[ParamTensor, ...], ...]
+    """Each layer's parameters, in the order of its modules."""
+    where: dict[int, tuple[int, int]]
+    """A layer's module (by ``id``) -> its layer and its index in the layer's ``modules``."""
+    index: dict[str, int]
+    """A layer's parameter (by name) -> its index in its layer's ``params``."""
+    names: frozenset[str]
+    """Every layer's parameters."""
+
+
+def _subtree(m: Module, out: list[Module]) -> list[Module]:
+    out.append(m)
+    for c in m.children:
+        _subtree(c, out)
+    return out
+
+
+def layers_of(root: Module) -> Layers | None:
+    """The root's layers (``layers.<i>`` children, in order) if there are two or more and they are alike:
+    the same module names past their ``layers.<i>`` prefix, holding the same parameters (names past the
+    prefix, shapes and kinds)."""
+    found = [c for c in root.children if _is_layer(c)]
+    if len(found) < 2:
+        return None
+    modules = [_subtree(c, []) for c in found]
+    params = [[p for m in mods for p in m.params] for mods in modules]
+
+    def look(i: int) -> tuple[list[object], ...]:
+        cut = len(found[i].name)
+        return (
+            [m.name[cut:] for m in modules[i]],
+            [len(m.params) for m in modules[i]],
+            [p.name[cut:] for p in params[i]],
+            [(p.shape, p.shard, p.block, p.expert, p.frozen) for p in params[i]],
+        )
+
+    first = look(0)
+    if any(look(i) != first for i in range(1, len(found))):
+        return None
+    return Layers(
+        modules=tuple(map(tuple, modules)),
+        params=tuple(map(tuple, params)),
+        where={id(m): (j, k) for j, mods in enumerate(modules) for k, m in enumerate(mods)},
+        index={p.name: k for ps in params for k, p in enumerate(ps)},
+        names=frozenset(p.name for ps in params for p in ps),
+    )
+
+
+class HookList(list[Hook]):
+    """A pass's hooks, with where they repeat layer by layer (``runs``) and where the end-of-backward
+    releases of leftovers begin (``leftovers_from``)."""
+
+    runs: tuple[Run, ...] = ()
+    layers: Layers | None = None
+    leftovers_from: int | None = None
+
+
+def pass_hooks(
+    root: Module, *, checkpointed: bool, external: tuple[ParamTensor, ...] = (), layers: Layers | None = None
+) -> HookList:
     """One forward and backward of the decoder, hook by hook. ``external``: parameters the model reads
     in its own forward (a tied output layer's word embedding) that the recorded trace does not list yet:
-    gathered on the read, then the model's own."""
-    out: list[Hook] = []
+    gathered on the read, then the model's own. Alike layers (``layers_of``): each layer's hooks after the
+    first layer's in each direction are the first's with its modules in place (``HookList.runs``; ``layers``:
+    the root's, if known)."""
+    out = HookList()
     owner = replace(root, params=root.params + external)
+    table = layers if layers is not None else layers_of(root)
+    segments: dict[bool, list[tuple[int, int]]] = {False: [], True: []}
+    """In the forward (False) and the backward (True): the first layer's hooks (where they start and end)."""
+    order: dict[bool, list[tuple[int, int]]] = {False: [], True: []}
+    """The layers in the order their hooks come, and where each one's start, in the forward and the backward."""
+
+    def layer(c: Module, backward: bool) -> None:
+        """Layer ``c``'s hooks in the forward or the backward: the first layer's built, the others copied."""
+        assert table is not None
+        j, start = table.where[id(c)][0], len(out)
+        if not segments[backward]:
+            if backward:
+                hooks_backward(c)
+            else:
+                forward(c, backward=False)
+            segments[backward].append((start, len(out)))
+        else:
+            s, e = segments[backward][0]
+            mods, where = table.modules[j], table.where
+            out.extend([Hook(mods[where[id(h.module)][1]], *h[1:]) for h in out[s:e]])
+        order[backward].append((j, start))
 
     def forward(m: Module, *, backward: bool, stop_at: Module | None = None) -> bool:
         """Pre-order fetches, post-order releases; False where a recompute stopped (no more hooks)."""
@@ -137,7 +240,9 @@ def pass_hooks(root: Module, *, checkpointed: bool, external: tuple[ParamTensor,
         if m is stop_at:
             return False
         for c in m.children:
-            if not forward(c, backward=backward, stop_at=stop_at):
+            if table is not None and m is root and _is_layer(c):
+                layer(c, False)
+            elif not forward(c, backward=backward, stop_at=stop_at):
                 return False
         if m is root and external:
             out.append(Hook(Module("", external), True, backward, trace=False, recompute=backward))
@@ -146,7 +251,7 @@ def pass_hooks(root: Module, *, checkpointed: bool, external: tuple[ParamTensor,
 
     leftovers: list[Module] = []
 
-    def backward(m: Module) -> None:
+    def hooks_backward(m: Module) -> None:
         out.append(Hook(m, True, True))
         kids = list(reversed(m.children))
         if checkpointed and _is_layer(m):
@@ -158,19 +263,33 @@ def pass_hooks(root: Module, *, checkpointed: bool, external: tuple[ParamTensor,
             out.append(Hook(path[-1], False, True))
             for parent in reversed(path[:-1]):
                 for c in reversed(parent.children[:-1]):
-                    backward(c)
+                    hooks_backward(c)
                 out.append(Hook(parent, False, True))
             kids = kids[1:]
         for c in kids:
-            backward(c)
+            if table is not None and m is owner and _is_layer(c):
+                layer(c, True)
+            else:
+                hooks_backward(c)
         if m.name.startswith("embed") or not m.name:
             leftovers.append(m)  # its input needs no gradient: its backward release never fires
         else:
             out.append(Hook(m, False, True))
 
     forward(root, backward=False)
-    backward(owner)
+    hooks_backward(owner)
+    out.leftovers_from = len(out)
     out += [Hook(m, False, True, leftover=True) for m in reversed(leftovers)]
+    out.layers = table
+    runs = []
+    for b in (False, True):
+        if len(order[b]) < 2:
+            continue
+        start, end = segments[b][0]
+        length = end - start
+        if all(at == start + i * length for i, (_, at) in enumerate(order[b])):
+            runs.append(Run(start, length, tuple(j for j, _ in order[b])))
+    out.runs = tuple(runs)
     return out
 
 
@@ -198,9 +317,27 @@ class Gather:
     def __post_init__(self) -> None:
         object.__setattr__(self, "numel", sum(p.numel for p in self.params))
 
+    def moved(self, params: tuple[ParamTensor, ...]) -> Gather:
+        """This call with other parameters of the same sizes (another layer's): made without summing them,
+        its fields set through their slots (a frozen dataclass's ``__init__`` costs twice as much)."""
+        out = object.__new__(Gather)
+        params_, backward, prefetch, recompute, secondary, numel = _SETTERS
+        params_(out, params)
+        backward(out, self.backward)
+        prefetch(out, self.prefetch)
+        recompute(out, self.recompute)
+        secondary(out, self.secondary)
+        numel(out, self.numel)
+        return out
+
     def padded(self, over: int) -> int:
         """Elements gathered, each parameter padded to a multiple of ``over`` (its partitions)."""
         return self.numel if over == 1 else sum(padded(p.numel, over) for p in self.params)
+
+
+_SETTERS = tuple(Gather.__dict__[f.name].__set__ for f in fields(Gather))
+"""Each field's slot setter, in field order (``Gather.moved``)."""
+assert [f.name for f in fields(Gather)] == ["params", "backward", "prefetch", "recompute", "secondary", "numel"]
 
 
 @dataclass
@@ -249,14 +386,20 @@ def hooks(ctx: Context) -> tuple[list[Hook], list[Hook]]:
 
 
 @functools.cache
-def _builtin_hooks(params: tuple[ParamTensor, ...], checkpointed: bool, tied: bool) -> tuple[list[Hook], list[Hook]]:
+def _builtin_layers(params: tuple[ParamTensor, ...]) -> Layers | None:
+    return layers_of(module_tree(params))
+
+
+@functools.cache
+def _builtin_hooks(params: tuple[ParamTensor, ...], checkpointed: bool, tied: bool) -> tuple[HookList, HookList]:
     root = module_tree(params)
+    table = _builtin_layers(params)
     if not tied:
-        only = pass_hooks(root, checkpointed=checkpointed)
+        only = pass_hooks(root, checkpointed=checkpointed, layers=table)
         return only, only
     external = tuple(p for p in params if p.name == "embed.word.weight")
-    first = pass_hooks(root, checkpointed=checkpointed, external=external)
-    later = pass_hooks(replace(root, params=external), checkpointed=checkpointed)
+    first = pass_hooks(root, checkpointed=checkpointed, external=external, layers=table)
+    later = pass_hooks(replace(root, params=external), checkpointed=checkpointed, layers=table)
     return first, later
 
 
@@ -339,6 +482,8 @@ def _recording_pass(ctx: Context, state: _State, first: list[Hook]) -> list[Gath
 
 def _leftovers_from(hooks: list[Hook]) -> int:
     """Where the end-of-backward releases of leftovers begin (they close the pass)."""
+    if isinstance(hooks, HookList) and hooks.leftovers_from is not None:
+        return hooks.leftovers_from
     cut = len(hooks)
     while cut and hooks[cut - 1].leftover:
         cut -= 1
@@ -357,7 +502,7 @@ def _builtin_recording(
     state = _State(knobs=unused, persistent=frozenset(), hpz=hpz)
     if hpz:
         state.secondary = {p.name for p in params}
-    return _one_pass(state, first[: _leftovers_from(first)]), state
+    return _one_pass(state, first[: _leftovers_from(first)], first.runs, first.layers), state
 
 
 def _restore(state: _State, end: _State) -> None:
@@ -384,11 +529,14 @@ def _key(state: _State) -> tuple[object, ...]:
     )
 
 
-def _one_pass(state: _State, hooks: list[Hook]) -> list[Gather]:
+def _one_pass(
+    state: _State, hooks: list[Hook], runs: tuple[Run, ...] = (), layers: Layers | None = None
+) -> list[Gather]:
+    """One pass of ``hooks`` from ``state``; ``runs``: where they repeat layer by layer (of ``layers``)."""
     # reset_step zeroes the count of gathered elements after every pass, whatever stays gathered (the
     # persistent parameters, what a release kept): the prefetch's live budget counts this pass's only
     state.n_available = 0
-    return _Pass(state).run(hooks)
+    return _Pass(state).run(hooks, runs, layers)
 
 
 NEVER = -(10**10)
@@ -410,7 +558,55 @@ class _Pass:
     def __post_init__(self) -> None:
         self.queue = collections.deque((p, i) for i, mod in enumerate(self.state.order or ()) for p in mod.params)
 
-    def run(self, hooks: list[Hook]) -> list[Gather]:
+    def run(self, hooks: list[Hook], runs: tuple[Run, ...] = (), layers: Layers | None = None) -> list[Gather]:
+        done = 0
+        if layers is not None and self.state.order is None:  # the recording pass: see ``repeat``
+            for r in runs:
+                self.hooks(hooks[done : r.start])
+                done = self.repeat(hooks, r, layers)
+        return self.hooks(hooks[done:])
+
+    def repeat(self, hooks: list[Hook], r: Run, layers: Layers) -> int:
+        """The recording pass through a run of alike layers, where it ends. Until the trace is complete a
+        fetch gathers its module's parameters and a release releases them, and neither reads the trace:
+        a layer's hooks touch only that layer's parameters. So where every layer's parameters start alike
+        (gathered, held and partitioned alike) and the first layer's end as they started (all released),
+        each other layer makes the first one's gathers with its own parameters and leaves the state as it
+        was: the first layer is replayed, and the others repeat its gathers (the trace position, read only
+        once the trace is complete, is not advanced past them). Anything else: every layer replayed."""
+        state, own, index = self.state, layers.params[r.layers[0]], layers.index
+        if not self._alike(layers):
+            self.hooks(hooks[r.start : r.end])
+            return r.end
+        before = self._look(own)
+        g0 = len(self.gathers)
+        self.hooks(hooks[r.start : r.start + r.length])
+        template = self.gathers[g0:]
+        if self._look(own) != before or any(state.active.get(p.name) for p in own):
+            self.hooks(hooks[r.start + r.length : r.end])
+            return r.end
+        at = [(g, [index[q.name] for q in g.params]) for g in template]
+        for j in r.layers[1:]:
+            theirs = layers.params[j]
+            self.gathers.extend(g.moved(tuple([theirs[k] for k in ks])) for g, ks in at)
+        return r.end
+
+    def _look(self, params: tuple[ParamTensor, ...]) -> list[tuple[bool, bool]]:
+        """Each parameter gathered or not, and with a secondary partition or not."""
+        available, secondary = self.state.available, self.state.secondary
+        return [(p.name in available, p.name in secondary) for p in params]
+
+    def _alike(self, layers: Layers) -> bool:
+        """Whether every layer's parameters are gathered and partitioned alike, and none is held."""
+        state, names = self.state, layers.names
+        if any(held and name in names for name, held in state.active.items()):
+            return False
+        available, secondary = state.available, state.secondary
+        if available.isdisjoint(names) and (secondary.isdisjoint(names) or secondary.issuperset(names)):
+            return True
+        return all(self._look(ps) == self._look(layers.params[0]) for ps in layers.params[1:])
+
+    def hooks(self, hooks: list[Hook]) -> list[Gather]:
         fetch, release = self.fetch, self.release
         for hook in hooks:
             if hook.fetch:
