@@ -215,6 +215,8 @@ def pass_hooks(
     table = layers if layers is not None else layers_of(root)
     segments: dict[bool, list[tuple[int, int]]] = {False: [], True: []}
     """In the forward (False) and the backward (True): the first layer's hooks (where they start and end)."""
+    copies: dict[bool, list[tuple[int, tuple[object, ...]]]] = {}
+    """The first layer's hooks as (index of the module in its layer, the hook's other fields)."""
     order: dict[bool, list[tuple[int, int]]] = {False: [], True: []}
     """The layers in the order their hooks come, and where each one's start, in the forward and the backward."""
 
@@ -228,10 +230,11 @@ def pass_hooks(
             else:
                 forward(c, backward=False)
             segments[backward].append((start, len(out)))
+            where = table.where
+            copies[backward] = [(where[id(h.module)][1], tuple(h[1:])) for h in out[start:]]
         else:
-            s, e = segments[backward][0]
-            mods, where = table.modules[j], table.where
-            out.extend([Hook(mods[where[id(h.module)][1]], *h[1:]) for h in out[s:e]])
+            mods, make = table.modules[j], tuple.__new__
+            out.extend([make(Hook, (mods[k], *rest)) for k, rest in copies[backward]])
         order[backward].append((j, start))
 
     def forward(m: Module, *, backward: bool, stop_at: Module | None = None) -> bool:
