@@ -621,9 +621,10 @@ class _Pass:
     def gather(self, ps: tuple[ParamTensor, ...], hook: Hook, prefetch: bool) -> None:
         state = self.state
         available = state.available
-        todo = tuple(p for p in ps if p.name not in available)
-        if not todo:
+        missing = [p for p in ps if p.name not in available]
+        if not missing:
             return
+        todo = tuple(missing)
         if state.secondary:  # one call each (all_gather_coalesced per process group)
             for second in (True, False):
                 part = tuple(p for p in todo if (p.name in state.secondary) == second)
@@ -665,11 +666,13 @@ class _Pass:
             popped.add(p.name)
 
     def prefetch(self, hook: Hook) -> None:
-        k, state, queue, recent = self.state.knobs, self.state, self.queue, self.recent
-        if k.prefetch <= 0 or not queue:
+        state, queue = self.state, self.queue
+        k = state.knobs
+        budget = min(k.max_live - state.n_available, k.prefetch)
+        if budget <= 0 or not queue:
             return
-        budget, chosen, numel = min(k.max_live - state.n_available, k.prefetch), {}, 0
-        available = state.available
+        chosen: dict[str, ParamTensor] = {}
+        numel, available, recent = 0, state.available, self.recent
         while queue and numel < budget:
             p, used = queue.popleft()
             name = p.name
@@ -688,7 +691,8 @@ class _Pass:
         if hook.leftover:
             released = frozenset(p.name for p in mod.params if p.name not in state.persistent)
         elif state.order is not None:
-            released = _to_release(state, mod, self.step_id, self.recent)
+            cached = state.release_cache.get((mod.name, self.step_id))
+            released = _to_release(state, mod, self.step_id, self.recent) if cached is None else cached
         else:
             released = frozenset(p.name for p in mod.params)
         active, available, name = state.active, state.available, mod.name
