@@ -332,3 +332,17 @@ def test_a_first_layer_that_ends_otherwise_than_it_started_is_not_repeated() -> 
         replayed, repeated = start(secondary, gathered), start(secondary, gathered)
         assert z._one_pass(repeated, case, runs_of, first.layers) == z._one_pass(replayed, case)
         assert z._key(repeated) == z._key(replayed)
+
+
+def test_a_pass_is_tallied_once_per_padding() -> None:
+    """``PassGathers.tally``: calls by kind and padded size, as counting the gathers gives, made once for each
+    padding (the named terms' variants tally the recording pass they share again)."""
+    from collections import Counter
+
+    ctx = _layered("{L: 3, h: 16, a: 2, V: 64, s: 16}", False, True, True)
+    recording, *_ = passes(ctx, 2)
+    for over in (1, 4, 3):
+        counted = Counter((g.backward, g.recompute, g.prefetch, g.secondary, g.padded(over)) for g in recording)
+        assert recording.tally(over) == counted
+        assert recording.tally(over) is recording.tally(over)
+    assert recording.tally(1) != recording.tally(3)  # a 16-element bias padded to 18 over 3 partitions

@@ -462,18 +462,17 @@ def _coordinator_gathers(ctx: Context, step: ExpectedCollective, over: int) -> l
     m = ctx.scenario.parallelism.micro_batches
     runs = zero3_fetch.passes(ctx, 2)
 
-    Key = tuple[bool, bool, bool, bool, int]
     hpz = {"axis": "hpz", "groups": ctx.layout.hpz_groups()}
 
-    def tally(passes: list[list[zero3_fetch.Gather]]) -> Counter[Key]:
-        counts: Counter[Key] = Counter()
+    def tally(passes: list[zero3_fetch.PassGathers]) -> Counter[zero3_fetch.Kind]:
+        counts: Counter[zero3_fetch.Kind] = Counter()
         distinct = {id(p): p for p in passes}  # later passes repeat earlier ones (the same list)
         for key, n in Counter(id(p) for p in passes).items():
-            for g in distinct[key]:
-                counts[g.backward, g.recompute, g.prefetch, g.secondary, g.padded(over)] += n
+            for kind, calls in distinct[key].tally(over).items():
+                counts[kind] += calls * n
         return counts
 
-    def rows(counts: Counter[Key], **when: object) -> list[ExpectedCollective]:
+    def rows(counts: Counter[zero3_fetch.Kind], **when: object) -> list[ExpectedCollective]:
         out = []
         for (backward, recompute, prefetch, secondary, size), calls in sorted(counts.items()):
             phase = Phase.BACKWARD if backward else Phase.FORWARD

@@ -338,6 +338,29 @@ class Gather:
         return self.numel if over == 1 else sum(padded(p.numel, over) for p in self.params)
 
 
+Kind = tuple[bool, bool, bool, bool, int]
+"""A gather's kind and size: backward, recompute, prefetch, secondary, elements padded."""
+
+
+class PassGathers(list[Gather]):
+    """One pass's gathers, with their tallies (``tally``) kept once made: the named terms' variants of a
+    scenario tally the same pass again (the recording pass they share, one or both paddings)."""
+
+    __slots__ = ("_tallies",)
+
+    def tally(self, over: int) -> collections.Counter[Kind]:
+        """Calls by kind and size, each parameter padded to a multiple of ``over``. Made once per ``over``:
+        a pass's gathers are final once it is replayed."""
+        tallies: dict[int, collections.Counter[Kind]] = getattr(self, "_tallies", None) or {}
+        if over not in tallies:
+            counts: collections.Counter[Kind] = collections.Counter()
+            for g in self:
+                counts[g.backward, g.recompute, g.prefetch, g.secondary, g.padded(over)] += 1
+            tallies[over] = counts
+            self._tallies = tallies
+        return tallies[over]
+
+
 _SETTERS = tuple(Gather.__dict__[f.name].__set__ for f in fields(Gather))
 """Each field's slot setter, in field order (``Gather.moved``)."""
 assert [f.name for f in fields(Gather)] == ["params", "backward", "prefetch", "recompute", "secondary", "numel"]
@@ -424,14 +447,14 @@ def _traced(later: list[Hook]) -> tuple[int, int]:
     return len(fetched), sum(len(m.params) for m in fetched)
 
 
-def passes(ctx: Context, steps: int) -> list[list[Gather]]:
+def passes(ctx: Context, steps: int) -> list[PassGathers]:
     """The coordinator's gathers in each forward-and-backward pass of the first ``steps`` steps (m passes
     a step; the optimizer's re-gathering of the persistent parameters after each step not included)."""
     return _passes(ctx.scenario, steps)
 
 
 @functools.lru_cache(maxsize=64)
-def _passes(scenario: Scenario, steps: int) -> list[list[Gather]]:
+def _passes(scenario: Scenario, steps: int) -> list[PassGathers]:
     ctx = Context(scenario=scenario)
     par = scenario.parallelism
     k = knobs(ctx)
@@ -439,8 +462,8 @@ def _passes(scenario: Scenario, steps: int) -> list[list[Gather]]:
     if state.hpz:  # the engine's initial partitioning made every parameter's secondary partition
         state.secondary = {p.name for p in ctx.params}
     first, later = hooks(ctx)
-    out: list[list[Gather]] = []
-    seen: dict[tuple[object, ...], tuple[list[Gather], _State]] = {}
+    out: list[PassGathers] = []
+    seen: dict[tuple[object, ...], tuple[PassGathers, _State]] = {}
     for step in range(steps):
         for micro in range(par.micro_batches):
             if step == 0 and micro == 0:
@@ -468,7 +491,7 @@ def _passes(scenario: Scenario, steps: int) -> list[list[Gather]]:
     return out
 
 
-def _recording_pass(ctx: Context, state: _State, first: list[Hook]) -> list[Gather]:
+def _recording_pass(ctx: Context, state: _State, first: list[Hook]) -> PassGathers:
     """The recording pass from ``state`` (nothing gathered yet), its gathers returned. Until the trace is
     complete nothing is prefetched or kept for reuse and every release releases, so the knobs act only in
     the end-of-backward release of leftovers (the persistent parameters stay): the built-in decoder's pass
@@ -497,7 +520,7 @@ def _leftovers_from(hooks: list[Hook]) -> int:
 @functools.lru_cache(maxsize=64)
 def _builtin_recording(
     params: tuple[ParamTensor, ...], checkpointed: bool, tied: bool, hpz: bool
-) -> tuple[list[Gather], _State]:
+) -> tuple[PassGathers, _State]:
     """The built-in decoder's recording pass up to the releases of leftovers: its gathers and the state it
     leaves (the same under any knobs)."""
     first, _ = _builtin_hooks(params, checkpointed, tied)
@@ -534,7 +557,7 @@ def _key(state: _State) -> tuple[object, ...]:
 
 def _one_pass(
     state: _State, hooks: list[Hook], runs: tuple[Run, ...] = (), layers: Layers | None = None
-) -> list[Gather]:
+) -> PassGathers:
     """One pass of ``hooks`` from ``state``; ``runs``: where they repeat layer by layer (of ``layers``)."""
     # reset_step zeroes the count of gathered elements after every pass, whatever stays gathered (the
     # persistent parameters, what a release kept): the prefetch's live budget counts this pass's only
@@ -553,7 +576,7 @@ class _Pass:
     (``__most_recent_step_id_param_fetched_for``; absent: ``NEVER``) and the trace position (``__step_id``)."""
 
     state: _State
-    gathers: list[Gather] = field(default_factory=list)
+    gathers: PassGathers = field(default_factory=PassGathers)
     queue: collections.deque[tuple[ParamTensor, int]] = field(init=False)
     recent: dict[str, int] = field(default_factory=dict)
     step_id: int = 0
@@ -561,7 +584,7 @@ class _Pass:
     def __post_init__(self) -> None:
         self.queue = collections.deque((p, i) for i, mod in enumerate(self.state.order or ()) for p in mod.params)
 
-    def run(self, hooks: list[Hook], runs: tuple[Run, ...] = (), layers: Layers | None = None) -> list[Gather]:
+    def run(self, hooks: list[Hook], runs: tuple[Run, ...] = (), layers: Layers | None = None) -> PassGathers:
         done = 0
         if layers is not None and self.state.order is None:  # the recording pass: see ``repeat``
             for r in runs:
@@ -609,7 +632,7 @@ class _Pass:
             return True
         return all(self._look(ps) == self._look(layers.params[0]) for ps in layers.params[1:])
 
-    def hooks(self, hooks: list[Hook]) -> list[Gather]:
+    def hooks(self, hooks: list[Hook]) -> PassGathers:
         fetch, release = self.fetch, self.release
         for hook in hooks:
             if hook.fetch:
