@@ -962,3 +962,20 @@ def test_a_job_started_by_torch_multiprocessing_spawn_is_captured(work: Path) ->
         assert meta["launcher"].startswith("a process that named its own rank")
     checked = commgate("check", out, "--baseline-dir", work / "spawn-baselines", "--update-baselines")
     assert checked.returncode == 0 and "2 ranks" in checked.stdout, checked.stdout + checked.stderr
+
+
+def test_a_dumps_all_to_all_is_its_ranks_own_input(tmp_path: Path) -> None:
+    """An all-to-all's ranks each send their own splits (an MoE's dispatch): the capture records a rank's own
+    input, and a dump's entry is read the same way, not as the larger of its input and output (a rank that
+    received more than it sent was a call the capture never made, found by an adversarial pass)."""
+    import pickle
+
+    from commgate.run.flightrec import read
+
+    doc = pickle.loads((NCCL_DUMP / "pickle" / "fr_0").read_bytes())
+    entry = doc["entries"][0]
+    entry |= {"profiling_name": "nccl:all_to_all", "input_sizes": [[6]], "output_sizes": [[12]]}
+    entry |= {"input_dtypes": ["Float"], "output_dtypes": ["Float"]}
+    (tmp_path / "fr_0").write_bytes(pickle.dumps(doc))
+    first = read(tmp_path).calls[0]
+    assert (str(first.op), first.elements, first.bytes) == ("all_to_all", 6, 24)

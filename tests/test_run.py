@@ -261,6 +261,23 @@ def test_the_divergence_of_call_sequences() -> None:
         "send/recv #1 (4 B, send/recv 0 -> 1)"
     )
     assert divergence({0: [call(2, "send", 4, peer=1)], 1: [call(2, "recv", 4, peer=0)]}) is None
+    # a step is each rank's own window: rank 0's own forward after its last optimizer step opened a step its
+    # peer never did, and the barrier after it falls in step 2 on one rank and step 3 on the other
+    trained = [call(0, "all_reduce", 16), call(1, "all_reduce", 16)]
+    assert divergence({0: [*trained, call(3, "barrier", 0)], 1: [*trained, call(2, "barrier", 0)]}) is None
+    # an all-to-all's ranks each send their own split sizes (an MoE's dispatch); its op must still agree
+    uneven = {
+        0: [call(0, "all_to_all", 12), call(0, "all_reduce", 8)],
+        1: [call(0, "all_to_all", 24), call(0, "all_reduce", 8)],
+    }
+    assert divergence(uneven) is None
+    uneven[1][1] = call(0, "all_reduce", 4)
+    assert divergence(uneven) == (
+        "in step 0, call #2 on group [0, 1]: rank 0 issued all_reduce (8 B), rank 1 issued all_reduce (4 B)"
+    )
+    assert divergence({0: [call(0, "all_to_all", 12)], 1: [call(0, "all_gather", 12)]}) == (
+        "in step 0, call #1 on group [0, 1]: rank 0 issued all_to_all (12 B), rank 1 issued all_gather (12 B)"
+    )
 
 
 def test_ranks_die_with_a_launcher_killed_outright(tmp_path: Path) -> None:

@@ -280,28 +280,55 @@ def _call_key(rank: int, call: dict[str, Any]) -> tuple[_Key, tuple[int, ...], A
     return ("group", group), group, (call["op"], call["bytes"])
 
 
+UNEVEN = frozenset({"all_to_all"})
+"""Ops whose ranks may each send a different number of bytes in one call (an all-to-all's splits: an MoE's
+token dispatch): compared by op alone, as the capture records a rank's own input only."""
+
+
 def divergence(calls: dict[int, list[dict[str, Any]]]) -> str | None:
-    """Where the ranks' call sequences first part: for each step in order, each group's (or send/recv
-    pair's) calls on its member ranks compared in issue order. None if they never do."""
+    """Where the ranks' call sequences first part: each group's (or send/recv pair's) calls on its member
+    ranks compared in issue order over the whole run. None if they never do. Where they part, the first
+    step whose calls part names it: a rank that skipped a call meets its peers' later calls, so the step
+    shows which one skipped. A step is each rank's own window (a rank's own forward after its last
+    optimizer step opens one its peers never do): sequences that agree over the run agree, whatever
+    their steps."""
+    whole, members = _sequences(calls, None)
+    if not any(_parts(whole, members, calls, key) for key in whole):
+        return None
     for step in sorted({c["step"] for cs in calls.values() for c in cs}):
         seqs, members = _sequences(calls, step)
         for key in sorted(seqs, key=str):
-            lists = {r: seqs[key].get(r, []) for r in members[key] if r in calls}
-            if len({tuple(v) for v in lists.values()}) > 1:
+            if lists := _parts(seqs, members, calls, key):
                 return _parting(step, key, lists)
     return None
 
 
+def _parts(
+    seqs: dict[_Key, dict[int, list[Any]]],
+    members: dict[_Key, tuple[int, ...]],
+    calls: dict[int, list[dict[str, Any]]],
+    key: _Key,
+) -> dict[int, list[Any]]:
+    """The member ranks' entries of sequence ``key`` if they part; empty if they agree."""
+    lists = {r: seqs[key].get(r, []) for r in members[key] if r in calls}
+    return lists if len({_same(v) for v in lists.values()}) > 1 else {}
+
+
+def _same(entries: list[Any]) -> tuple[Any, ...]:
+    """What must agree between ranks in a sequence's entries: op and bytes (op alone where ``UNEVEN``)."""
+    return tuple((op, None if op in UNEVEN else nbytes) for op, nbytes in entries)
+
+
 def _sequences(
-    calls: dict[int, list[dict[str, Any]]], step: int
+    calls: dict[int, list[dict[str, Any]]], step: int | None
 ) -> tuple[dict[_Key, dict[int, list[Any]]], dict[_Key, tuple[int, ...]]]:
-    """Step ``step``'s calls of each rank by sequence (key -> rank -> entries in issue order), and each
-    sequence's member ranks."""
+    """Step ``step``'s calls (every step's: None) of each rank by sequence (key -> rank -> entries in issue
+    order), and each sequence's member ranks."""
     seqs: dict[_Key, dict[int, list[Any]]] = {}
     members: dict[_Key, tuple[int, ...]] = {}
     for r, cs in calls.items():
         for c in cs:
-            if c["step"] == step:
+            if step is None or c["step"] == step:
                 key, ranks, entry = _call_key(r, c)
                 members[key] = ranks
                 seqs.setdefault(key, {}).setdefault(r, []).append(entry)
@@ -312,8 +339,9 @@ def _parting(step: int, key: _Key, lists: dict[int, list[Any]]) -> str:
     """Where the member ranks' differing ``lists`` of one sequence first part: a rank that never issued a
     call its peer did, or two ranks that issued different ones."""
     where = f"send/recv {key[1]} -> {key[2]}" if key[0] == "p2p" else f"group {list(key[1])}"
-    i = next(i for i in range(max(map(len, lists.values()))) if len(set(_column(lists, i).values())) > 1)
-    at = _column(lists, i)
+    compared = {r: list(_same(v)) for r, v in lists.items()}
+    i = next(i for i in range(max(map(len, lists.values()))) if len(set(_column(compared, i).values())) > 1)
+    at = _column(compared, i)
     full = next(r for r, e in at.items() if e is not None)
     op, nbytes = lists[full][i]
     if short := [r for r, e in at.items() if e is None]:

@@ -4,7 +4,8 @@ A dump is one file per rank, named ``<prefix><rank>`` as torch writes them (``TO
 the prefix; ``_dump_fr_trace()`` gives the pickle form, ``_dump_fr_trace_json()`` the JSON form, which this
 reads from ``<prefix><rank>.json``). Each entry becomes a ``CapturedCall``: op (from ``profiling_name``),
 process group and its ranks, dtype, message size (the larger of the call's input and output, commgate's
-convention), issue order. What a dump cannot tell is said in ``notes``, never guessed:
+convention; an all-to-all's own input, whose size each rank's splits set), issue order. What a dump cannot
+tell is said in ``notes``, never guessed:
 
 * steps: a dump holds no step boundaries; every call is placed in step 0, in issue order;
 * durations: ``duration_ms``, which the recorder writes only where the job timed its calls
@@ -398,7 +399,8 @@ def _call(
     where = f"$.entries[{seq}]"
     side_in = _size(file, e["input_sizes"], e["input_dtypes"], where)
     side_out = _size(file, e["output_sizes"], e["output_dtypes"], where)
-    elements, dtype, nbytes = max(side_in, side_out)
+    # the larger side, as the capture records a call; an all-to-all's own input (its ranks' splits differ)
+    elements, dtype, nbytes = side_in if op == Op.ALL_TO_ALL and e["input_sizes"] else max(side_in, side_out)
     group = groups[_pg(e)[0]]
     if op in (Op.GATHER, Op.SCATTER) and not (e["input_sizes"] and e["output_sizes"]):
         # off the root, the rank's own shard: 1/n of the message, as the capture records it (``_make_collective``)
