@@ -154,6 +154,18 @@ def test_fsdp2_as_trainer_runs_it_reconciles(args: dict[str, Any], tmp_path: Pat
     assert (f.param_dtype, f.reduce_dtype) == (("bf16", "bf16") if args.get("bf16") else (None, None))
 
 
+def test_a_model_shipped_in_bf16_trained_without_bf16_reconciles(tmp_path: Path) -> None:
+    """A config with ``torch_dtype: bfloat16`` (Qwen2, Llama 3, Mistral ship so) under FSDP2 without ``bf16``: the
+    parameters stay bf16, and so do the gradients whose per-parameter norms Trainer all-reduces (they were
+    predicted fp32: a false failure, found by an adversarial pass)."""
+    config = tmp_path / "shipped-bf16.json"
+    config.write_text(json.dumps(json.loads(TINY.read_text()) | {"torch_dtype": "bfloat16"}))
+    result = run(scenario(config, None, FSDP), tmp_path)
+    reconciled(result)
+    (norms,) = [c for c in result.prediction.collectives if "per-parameter norms" in c.source]
+    assert (result.prediction.scenario.model.dtype, norms.dtype) == ("bf16", "bf16")
+
+
 def test_a_tied_embedding_is_one_group_with_the_tail_and_reconciles(tmp_path: Path) -> None:
     """``tie_word_embeddings``: accelerate puts the shared weight in the tail group, the input embeddings first
     (``fsdp_utils.py:866-879``): no group of their own, the tail one parameter short."""

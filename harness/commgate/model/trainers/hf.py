@@ -1017,9 +1017,11 @@ class AccelerateFullyShard(NotInThePaper):
     ``accelerator.py:1166-1171``), in the ``MixedPrecisionPolicy``'s dtypes (accelerate's for ``bf16``: both
     bf16). Then Trainer's gradient norm, whatever ``max_grad_norm`` is (``trainer.py:1937-1940``:
     ``_get_grad_norm`` clips at infinity where ``max_grad_norm`` is 0; transformers 5.23 and 5.24):
-    ``clip_grad_norm_`` over the DTensor gradients, whose stacked per-parameter norms (fp32, one per
-    parameter) are all-reduced once a step (``accelerator.py:3014-3022``; with ``max_grad_norm`` 0 it was left
-    out, 304 B a step unexplained: found by an adversarial pass)."""
+    ``clip_grad_norm_`` over the DTensor gradients, whose stacked per-parameter norms (one per parameter, in
+    the gradients' dtype: the parameters', fp32 where accelerate upcasts them for ``bf16``, bf16 for a model
+    shipped in bf16 trained without it; fp32 always was a false failure, found by an adversarial pass) are
+    all-reduced once a step (``accelerator.py:3014-3022``; with ``max_grad_norm`` 0 it was left out, 304 B a
+    step unexplained: found by an adversarial pass)."""
 
     def collectives(self, ctx: Context) -> list[ExpectedCollective]:
         s = ctx.scenario
@@ -1035,8 +1037,9 @@ class AccelerateFullyShard(NotInThePaper):
                                  f"{what}: all-gather (backward: resharded after forward)", calls=m))  # fmt: skip
             rows.append(_row(ctx, Op.REDUCE_SCATTER, reduce, u.padded(d), Phase.BACKWARD, f"{what}: reduce-scatter"))
         n = sum(len(u.params) for u in units(s))
+        norms = s.model.dtype  # the gradients' own: fp32 where accelerate upcast for bf16, else as the model ships
         rows.append(
-            _row(ctx, Op.ALL_REDUCE, "fp32", n, Phase.FORWARD, "Trainer: the gradient norm's per-parameter norms")
+            _row(ctx, Op.ALL_REDUCE, norms, n, Phase.FORWARD, "Trainer: the gradient norm's per-parameter norms")
         )
         return rows
 
