@@ -140,3 +140,60 @@ def test_a_trainer_builds_its_model_and_shows_what_it_decided() -> None:
     assert prediction_document(p)["trainer"]["derived"] == ["b=1"]
     with pytest.raises(ScenarioError, match="cannot be imported"):  # trainer commgate imports what it names
         load_text(BASE + "model: {module: 'nowhere.at_all:tiny'}\nparallelism: {scheme: ddp, dp: 2}\n")
+
+
+@pytest.mark.usefixtures("planted")
+def test_a_trainer_installed_broken_is_one_line_naming_what_its_import_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A package found but whose import raises (a version clash: transformers against its huggingface_hub):
+    a parent package's ``find_spec`` raised it from the registry's check, and a trainer's own import of it
+    in ``derive`` came out as a traceback (found by an adversarial pass). Both are one line naming it."""
+    pkg = tmp_path / "broken_pkg_x"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise ImportError('broken_pkg_x: a version clash')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cracked = Trainer(name="cracked", summary="installed broken", extra="cracked", packages=("broken_pkg_x.core",))
+    assert cracked.unavailable() == (
+        "trainer 'cracked' needs broken_pkg_x.core, which this environment cannot import (importing broken_pkg_x "
+        "raised ImportError: broken_pkg_x: a version clash: installed broken? reinstall it): "
+        "pip install 'commgate[cracked]'"
+    )
+
+    def derive(doc: Mapping[str, Any], file: str) -> dict[str, Any]:
+        import broken_pkg_x  # noqa: F401
+
+        raise AssertionError("imported")
+
+    monkeypatch.setitem(TRAINERS, "planted", replace(TRAINERS["planted"], derive=derive))
+    with pytest.raises(ScenarioError) as info:
+        load_text(BASE + "trainer: planted\nplanted: {ranks: 3}\n")
+    assert str(info.value) == (
+        "<string>:4: $.planted: trainer 'planted': importing a package it needs raised ImportError: broken_pkg_x: a "
+        "version clash (installed broken? a version clash): reinstall it"
+    )
+
+
+def test_a_run_whose_trainer_is_installed_broken_is_one_line(tmp_path: Path) -> None:
+    """torchtitan found on the path but raising as it is imported, in the ranks: one line naming the trainer and
+    what its import raised, and the extra to reinstall; it was the rank's traceback (an adversarial pass)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchtitan", reason="trainer torchtitan needs torchtitan: pip install 'commgate[torchtitan]'")
+    shim = tmp_path / "shim" / "torchtitan"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError('torchtitan: broken install')\n")
+    scenario = Path(__file__).resolve().parents[1] / "scenarios" / "torchtitan-fsdp.yaml"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shim.parent), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "commgate", "run", "--report-dir", str(tmp_path / "out"), str(scenario)],
+        capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert (
+        "raised CommgateError: trainer 'torchtitan': importing a package it needs raised ImportError: torchtitan: "
+        "broken install (installed broken? a version clash): pip install --force-reinstall 'commgate[torchtitan]'"
+    ) in done.stdout, done.stdout
+    assert "Traceback" not in done.stdout + done.stderr

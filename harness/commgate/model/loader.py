@@ -399,7 +399,10 @@ def _derived(doc: Any, file: str, where: _Located) -> Any:
             raise ScenarioError(problems)
     try:
         trainer.require()
-        return trainer.derive(doc, file)
+        try:
+            return trainer.derive(doc, file)
+        except ImportError as exc:  # installed, found, but its import raises (a broken install)
+            raise trainer.broken(exc) from None
     except CommgateError as exc:
         raise ScenarioError([Problem(file=file, path=f"$.{name}", message=str(exc), line=where.line([name]))]) from None
 

@@ -344,7 +344,7 @@ def child(
     beat = threading.Thread(target=_heartbeat, args=(out, rank, marks, status), daemon=True, name="commgate-heartbeat")
     beat.start()
 
-    code = 0
+    code, scenario = 0, None
     try:
         links.enter()  # a shaped-link run: this rank's node, before any socket is opened
         links.from_environment()  # a bad link description is refused before the run, not when it is reported
@@ -368,6 +368,10 @@ def child(
 
         if interpose.INSTALLED is not None:  # the call issued last, now (the heartbeat writes it late)
             _write_status(status, interpose.INSTALLED.describe_last())
+        if isinstance(exc, ImportError) and scenario is not None and scenario.trainer != "commgate":
+            from commgate.model.trainers import TRAINERS  # a trainer installed broken (its import raises)
+
+            exc = TRAINERS[scenario.trainer].broken(exc)
         # commgate's own one-line errors (what the user can mend: a trainer's job that is not its scenario's)
         # are their line alone; anything else, its traceback
         one_line = isinstance(exc, CommgateError) and "\n" not in str(exc)

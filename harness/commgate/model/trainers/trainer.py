@@ -73,8 +73,8 @@ class Trainer:
 
     def missing(self) -> tuple[str, ...]:
         """The packages it needs that this environment cannot import (a dotted name, ``megatron.core``,
-        whose parent is absent too)."""
-        return tuple(p for p in self.packages if not _importable(p))
+        whose parent is absent too, or installed broken: its import raises)."""
+        return tuple(p for p in self.packages if _importable(p) is not True)
 
     def unavailable(self) -> str | None:
         """Why this environment cannot run it (in one line, naming the extra that installs what is missing),
@@ -82,7 +82,18 @@ class Trainer:
         if not (missing := self.missing()):
             return None
         how = f"pip install 'commgate[{self.extra}]'" if self.extra else f"pip install {' '.join(missing)}"
-        return f"trainer {self.name!r} needs {', '.join(missing)}, which this environment cannot import: {how}"
+        broken = [why for p in missing if isinstance(why := _importable(p), str)]
+        said = f" ({'; '.join(broken)}: installed broken? reinstall it)" if broken else ""
+        return f"trainer {self.name!r} needs {', '.join(missing)}, which this environment cannot import{said}: {how}"
+
+    def broken(self, exc: ImportError) -> CommgateError:
+        """A package it needs raised ``exc`` as it was imported (installed, but broken: a version clash), in
+        one line naming the trainer, the error and the extra to reinstall."""
+        how = f"pip install --force-reinstall 'commgate[{self.extra}]'" if self.extra else "reinstall it"
+        return CommgateError(
+            f"trainer {self.name!r}: importing {exc.name or 'a package it needs'} raised {type(exc).__name__}: "
+            f"{_first_line(exc)} (installed broken? a version clash): {how}"
+        )
 
     def require(self) -> None:
         """Raise ``unavailable()`` as a one-line ``CommgateError``."""
@@ -90,9 +101,16 @@ class Trainer:
             raise CommgateError(why)
 
 
-def _importable(name: str) -> bool:
-    """Whether ``name`` can be imported; ``find_spec`` of ``a.b`` imports ``a`` and raises where it is absent."""
+def _importable(name: str) -> bool | str:
+    """Whether ``name`` can be imported; ``find_spec`` of ``a.b`` imports ``a`` and raises where it is absent,
+    or where ``a`` is installed broken (its import raises: what it raised, in one line)."""
     try:
         return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:
         return False
+    except Exception as exc:  # the parent package's own import failed
+        return f"importing {name.rsplit('.', 1)[0]} raised {type(exc).__name__}: {_first_line(exc)}"
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0]
