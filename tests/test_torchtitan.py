@@ -199,6 +199,16 @@ REFUSED = [
         r"args\[0\]: '--training.seq_len': .* given by model.s; remove",
     ),
     (FSDP, "args: ['--compile.enable']", TINY, r"args\[0\]: '--compile.enable': compile does not run on torch 2.13"),
+    # a fake backend, a CSV schedule and torchtitan's help ran, or ran as another job, unsaid (an adversarial pass)
+    (
+        FSDP,
+        "args: ['--comm.mode', 'fake_backend']",
+        TINY,
+        r"args\[0\]: '--comm.mode': the gate's ranks run on commgate",
+    ),
+    (PP, "args: ['--parallelism.pipeline_parallel_schedule_csv', 's.csv']", TINY, r"a schedule read from a CSV"),
+    (FSDP, "args: ['-h']", TINY, r"args\[0\]: '-h': torchtitan's help is not a job"),
+    (FSDP, "args: ['--help']", TINY, r"args\[0\]: '--help': torchtitan's help is not a job"),
     (FSDP, "args: ['--parallelism.no-enable-sequence-parallel']", TINY, r"given by parallelism.sequence_parallel"),
     (FSDP, "args: [activation-checkpoint:full]", TINY, r"activation-checkpoint is given by parallelism.activation_che"),
     (FSDP, "args: ['--parallelism.pipeline_parallel_degree=2']", TINY, r"given by parallelism.pp"),
@@ -623,6 +633,12 @@ def test_the_adapter_builds_the_scenarios_job_through_torchtitans_config_manager
     typo = Job.from_block({"config": "llama3_debugmodel", "args": ["--optimizer.lrr", "1e-4"]})
     with pytest.raises(CommgateError, match=r"SystemExit: 2: Unrecognized options: --optimizer.lrr, 1e-4$"):
         tt.parse(s, typo, tt.overrides(s, typo, tokenizer=tmp_path, data=tmp_path, dump=tmp_path))
+    # the docs' example of an override (theirs, --optimizer.lr, was one torchtitan 0.3.0 refuses: an adversarial pass)
+    clip = Job.from_block({"config": "llama3_debugmodel", "args": ["--training.max-norm", "0.5"]})
+    assert (
+        tt.parse(s, clip, tt.overrides(s, clip, tokenizer=tmp_path, data=tmp_path, dump=tmp_path)).training.max_norm
+        == 0.5
+    )
 
 
 def test_a_compiled_config_runs_only_with_compile_left_off(tt: Any, tmp_path: Path) -> None:
@@ -900,3 +916,29 @@ def test_a_job_other_than_the_scenarios_stops_the_run_in_one_line(tt: Any, tmp_p
         head,
     ), head
     assert "Traceback" not in str(err.value)
+
+
+def test_what_torchtitan_raises_as_it_builds_is_one_line(tt: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """torchtitan's ``config.build()`` raising (an override naming a CSV schedule that is not there) was the rank's
+    traceback (found by an adversarial pass): one line naming the config and the overrides, the traceback in the
+    rank's log; commgate's own one-line errors pass as they are."""
+    from commgate.model.trainers.torchtitan import Job
+
+    class Missing:
+        def build(self) -> None:
+            raise FileNotFoundError("The specified path /x/sched.csv does not exist or is not a file.\nmore")
+
+    class Refused:
+        def build(self) -> None:
+            raise CommgateError("already one line")
+
+    job = Job.from_block({"config": "llama3_debugmodel", "args": ["--training.max-norm", "0.5"]})
+    with pytest.raises(CommgateError) as info:
+        tt.build(Missing(), job)
+    assert str(info.value) == (
+        "torchtitan could not build its trainer from config llama3:llama3_debugmodel with the scenario's overrides "
+        "--training.max-norm 0.5: FileNotFoundError: The specified path /x/sched.csv does not exist or is not a file."
+    )
+    assert "Traceback" in capsys.readouterr().err
+    with pytest.raises(CommgateError, match=r"^already one line$"):
+        tt.build(Refused(), job)

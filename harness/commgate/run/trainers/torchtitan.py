@@ -63,6 +63,7 @@ import os
 import random
 import sys
 import tempfile
+import traceback
 import types
 import warnings
 from collections.abc import Iterator
@@ -490,6 +491,24 @@ def _parser_said(text: str) -> str:
     return "; ".join(kept)[:400]
 
 
+def build(config: Any, job: Job) -> Any:
+    """torchtitan's ``Trainer`` of ``config``; what torchtitan raises as it builds it (an override naming a
+    file that is not there: ``--parallelism.pipeline_parallel_schedule_csv``) in one line naming the config and
+    the overrides, its traceback in the rank's log (it was the rank's traceback: an adversarial pass)."""
+    try:
+        return config.build()
+    except CommgateError:
+        raise
+    except Exception as exc:
+        traceback.print_exc()
+        args = " ".join(job.args) or "(no torchtitan.args)"
+        what = (str(exc).strip().splitlines() or [""])[0]
+        raise CommgateError(
+            f"torchtitan could not build its trainer from config {job.module}:{job.config} with the scenario's "
+            f"overrides {args}: {type(exc).__name__}: {what}"
+        ) from None
+
+
 def parse(scenario: Scenario, job: Job, argv: list[str]) -> Any:
     """The scenario's job as torchtitan's config: float8 only where ``torchtitan.left_off`` names it (the run
     and the model leave it out)."""
@@ -852,7 +871,7 @@ class TorchtitanWorkload:
         check_config(config, scenario, job)
         with_scenario_model(config, scenario, job)
         leave_off(config, job)
-        self.trainer = config.build()
+        self.trainer = build(config, job)
         if self.trainer.parallel_dims.pp_enabled:
             microbatch_step(self.trainer.pp_schedule)
         check_built(self.trainer, scenario, job)
