@@ -516,6 +516,19 @@ def test_a_sequence_beyond_learned_positions_is_refused_at_load(tmp_path: Path) 
         ScenarioError, match=r"model.s: 32 is longer than the model's learned positions \(n_positions 16"
     ):
         load_text(scenario(config, None, {"per_device_train_batch_size": 1}))
+    # OPT names its limit max_position_embeddings, its table 2 longer (an offset): it passed validate and ran
+    # into the ranks' traceback (found by an adversarial pass); a rotary model's max_position_embeddings is no limit
+    opt = {"model_type": "opt", "vocab_size": 256, "hidden_size": 64, "ffn_dim": 128, "num_hidden_layers": 2}
+    config.write_text(json.dumps(opt | {"num_attention_heads": 4, "max_position_embeddings": 16}))
+    with pytest.raises(
+        ScenarioError, match=r"model.s: 32 is longer .* \(model.decoder.embed_positions holds 16; max_po"
+    ):
+        load_text(scenario(config, None, {"per_device_train_batch_size": 1}))
+    config.write_text(json.dumps(opt | {"num_attention_heads": 4, "max_position_embeddings": 32}))
+    load_text(scenario(config, None, {"per_device_train_batch_size": 1}))
+    config.write_text(json.dumps(json.loads(TINY.read_text()) | {"max_position_embeddings": 16}))
+    (rotary,) = load_text(scenario(config, None, {"per_device_train_batch_size": 1}))
+    assert rotary.model.s == 32
 
 
 def test_a_gpu_only_deepspeed_optimizer_is_skipped_on_cpu_saying_why(tmp_path: Path) -> None:

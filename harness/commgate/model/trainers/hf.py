@@ -505,13 +505,37 @@ def _jsonable(args: Mapping[str, Any]) -> dict[str, Any]:
 
 def _positions(s: int, cfg: Any) -> None:
     """A model with learned absolute positions (GPT-2's ``n_positions``) embeds at most that many tokens: a
-    longer ``model.s`` fails in the first forward ("index out of range")."""
+    longer ``model.s`` fails in the first forward ("index out of range"). Where the config names the limit
+    ``max_position_embeddings`` (OPT, GPT-Neo, BioGPT; a rotary model's is no limit) and ``s`` passes it, the
+    model built on the meta device says whether its positions are a learned table, and how many it holds."""
     limit = getattr(cfg, "n_positions", None)
     if isinstance(limit, int) and s > limit:
         raise CommgateError(
             f"model.s: {s} is longer than the model's learned positions (n_positions {limit} in hf.config): "
             f"give s <= {limit}"
         )
+    most = getattr(cfg, "max_position_embeddings", None)
+    if isinstance(most, int) and s > most and (table := _learned_positions(cfg)) is not None and s > table[1]:
+        raise CommgateError(
+            f"model.s: {s} is longer than the model's learned positions ({table[0]} holds {table[1]}; "
+            f"max_position_embeddings {most} in hf.config): give s <= {table[1]}"
+        )
+
+
+def _learned_positions(cfg: Any) -> tuple[str, int] | None:
+    """(name, positions) of the model's learned position table, built on the meta device: an embedding named for
+    positions (``wpe``, ``embed_positions``, ``position_embeddings``), less its offset (OPT's 2); None if none."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(copy.deepcopy(cfg))
+    tables = [
+        (name, m.num_embeddings - int(getattr(m, "offset", 0)))
+        for name, m in net.named_modules()
+        if isinstance(m, torch.nn.Embedding) and ("pos" in (last := name.rsplit(".", 1)[-1]) or last == "wpe")
+    ]
+    return min(tables, key=lambda t: t[1]) if tables else None
 
 
 def _refuse_written(doc: Mapping[str, Any]) -> None:
