@@ -207,6 +207,23 @@ def test_a_failing_job_keeps_its_exit_status_and_leaves_a_readable_capture(work:
     assert judged.stderr.strip().count("\n") == 0 and f"holds {captured.steps} step(s)" in judged.stderr
 
 
+def test_a_job_that_failed_after_its_last_call_is_not_judged(work: Path) -> None:
+    """Rank 0 exits with status 3 once its calls are done (a checkpoint save that fails): the job's calls agree
+    and its steps are the scenario's, and it passed the gate (found by an adversarial pass). A failed job is an
+    error of its run, as a live run's is, and no baseline is written from it."""
+    out = work / "crashed"
+    job = capture(out, "--exit-after", "3")
+    assert job.returncode == 1, job.stdout + job.stderr  # torchrun's status for a failed rank
+    report, store = work / "crashed-report", work / "crashed-baselines"
+    judged = check(out, store, "--update-baselines", report=report)
+    assert judged.returncode == 1, judged.stdout + judged.stderr
+    says = f"{out}: the job exited with status 1 (job.json): a failed job is not judged; its output says why"
+    assert says in judged.stdout, judged.stdout
+    (scenario,) = json.loads((report / "report.json").read_text())["scenarios"]
+    assert scenario["status"] == "error" and "a failed job is not judged" in scenario["reason"], scenario
+    assert not store.exists() or not any(store.rglob("*.json"))
+
+
 def assert_one_line(done: subprocess.CompletedProcess[str], file: Path, says: str) -> None:
     """Bad input: one line on stderr, starting with the file it names, saying ``says``; no traceback."""
     line = done.stderr.strip()

@@ -390,7 +390,21 @@ class FromCapture:
             raise UsageError(why)
         if split := parted(cap.calls, sorted({c.rank for c in cap.calls})):  # the job, not the gate, failed
             raise RunError(f"{where}: the ranks' calls part: {split}")
+        if status := self.captured.exit_status:  # a crash after its last call (a checkpoint save) passed
+            raise RunError(f"{where}: {failed(status)}")
         return replace(cap, scenario=scenario.id, warmup_steps=scenario.warmup_steps, steps=scenario.steps)
+
+
+def failed(status: int) -> str:
+    """Why a capture of a job that exited with ``status`` (not 0) is not judged, in one line: a live run whose
+    rank fails is an error, and so is its capture, whatever its calls (a job that crashed after its last call
+    passed the gate: found by an adversarial pass)."""
+    signum = status - 128 if status > 128 else None
+    how = f" (signal {signal.Signals(signum).name})" if signum in signal.valid_signals() else ""
+    return (
+        f"the job exited with status {status}{how} (job.json): a failed job is not judged; its output says why: "
+        "mend it and capture it again"
+    )
 
 
 def parted(calls: Sequence[Any], ranks: Sequence[int]) -> str | None:

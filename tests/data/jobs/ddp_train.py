@@ -26,7 +26,8 @@ launched by torchrun.
   ``--monitored-barrier``: gloo's ``monitored_barrier`` after ``init_process_group``, and the backend's name said;
   ``--part``: after the steps rank 0 issues an all_reduce rank 1 never does (rank 1 ends; rank 0's call fails);
   ``--reinit``: after the steps the job destroys its group, sets up another (on a store of its own: torch's
-  rendezvous keys of the first group would be read again) and all-reduces 3 floats in it.
+  rendezvous keys of the first group would be read again) and all-reduces 3 floats in it;
+  ``--exit-after N``: rank 0 exits with status N once everything else is done (a crash after the last call).
 """
 
 import argparse
@@ -79,6 +80,7 @@ def main() -> None:
     p.add_argument("--monitored-barrier", action="store_true", help="gloo's monitored_barrier after init; say backend")
     p.add_argument("--part", action="store_true", help="after the steps rank 0 all-reduces alone; rank 1 just ends")
     p.add_argument("--reinit", action="store_true", help="destroy the group after the steps; all-reduce in a new one")
+    p.add_argument("--exit-after", type=int, default=None, help="rank 0 exits with this status after everything")
     a = p.parse_args()
     if a.no_init:
         return
@@ -132,6 +134,8 @@ def main() -> None:
         reinit(a.backend, rank)
     if a.os_exit:
         os._exit(0)
+    if a.exit_after is not None and rank == 0:  # a crash after its last call (a failed checkpoint save)
+        sys.exit(a.exit_after)
     if a.own_sigterm:  # the job's own graceful shutdown, which takes a while: commgate leaves it be
 
         def shutdown(signum: int, frame: object) -> None:
