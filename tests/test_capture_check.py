@@ -379,6 +379,10 @@ def test_a_malformed_job_file_is_one_line(
         ("torchrun --nproc-per-node 2 'my jobs/my train.py' --lr 1", "my-train"),
         # a command recorded unquoted (an older commgate) with an apostrophe in an argument: a traceback
         ("python train.py --note it's", "train"),
+        # every job a launcher module started was named after it: "launch", "runner" (found by an adversarial pass)
+        ("python -m torch.distributed.launch --nproc-per-node 2 ddp.py", "ddp"),
+        ("python -m deepspeed.launcher.runner --num_gpus 2 pretrain.py", "pretrain"),
+        ("python -m accelerate.commands.launch --multi_gpu finetune.py", "finetune"),
     ],
 )
 def test_a_capture_s_baseline_is_named_after_the_job_s_script_or_module(command: str, name: str) -> None:

@@ -885,6 +885,34 @@ def test_a_capture_directory_a_rank_cannot_write_is_said_as_it_starts(work: Path
         assert "Traceback" not in done.stderr
 
 
+def test_a_launch_script_that_sets_its_own_pythonpath_is_told_to_keep_the_bootstrap(work: Path) -> None:
+    """A launch script that exports its own PYTHONPATH drops commgate's bootstrap from its ranks' path: no rank
+    wrote a capture, and the message blamed os._exit and SIGKILL alone (found by an adversarial pass)."""
+    script = work / "launch.sh"
+    script.write_text(f"export PYTHONPATH={JOBS}\nexec {' '.join(TORCHRUN)} ddp_train.py --steps 2\n")
+    done = commgate("capture", "-o", work / "own-path", "--", "sh", script)
+    assert "rank 0 of 2: 2 steps" in done.stdout, done.stdout + done.stderr
+    assert f"commgate's bootstrap ({BOOTSTRAP}) on their PYTHONPATH" in done.stderr, done.stderr
+    assert "add it to the PYTHONPATH the script sets" in done.stderr
+
+
+def test_a_bad_stamps_switch_on_the_by_hand_route_is_said_as_a_rank_starts(work: Path) -> None:
+    """``COMMGATE_STAMPS=maybe`` with ``COMMGATE_CAPTURE`` set by hand (``commgate capture`` refuses it up front):
+    each rank died in its ``init_process_group`` with commgate's traceback (found by an adversarial pass). Each
+    says so in one line as it starts, and the job runs as it would uncaptured."""
+    out = work / "stamps-maybe"
+    env = dict(os.environ, **{CAPTURE_ENV: str(out), "PYTHONPATH": str(BOOTSTRAP), "COMMGATE_STAMPS": "maybe"})
+    done = bounded([*TORCHRUN, "ddp_train.py", "--steps", "2"], cwd=JOBS, env=env)
+    for rank in (0, 1):
+        assert f"rank {rank} of 2: 2 steps" in done.stdout, done.stdout + done.stderr
+    says = "commgate: environment variable COMMGATE_STAMPS='maybe': expected one of "
+    assert done.stderr.count(says) == 2 and "; this rank runs uncaptured" in done.stderr, done.stderr
+    assert "commgate/run/" not in done.stderr, done.stderr
+    assert not (out / "rank0.json").exists()
+    if not torch_s_own_abort_at_exit(done):
+        assert done.returncode == 0, done.stderr
+
+
 def test_a_job_that_sets_up_its_group_again_keeps_the_first_group_s_calls(work: Path) -> None:
     """``init`` -> ``destroy`` -> ``init``: each ``init_process_group`` installed a fresh recorder, so the
     capture held the second group's calls alone and the first's were lost (found by an adversarial pass).

@@ -210,7 +210,9 @@ RECAPTURE = "; capture the job again (commgate capture -o NEW_DIR -- COMMAND)"
 NONE_WRITTEN = (
     "the job's ranks wrote no capture: a rank writes it when it ends, which os._exit and SIGKILL skip, and a "
     "process is a rank with RANK in its environment (torchrun sets it) or once it names its rank to "
-    "init_process_group (torch.multiprocessing.spawn's workers); end the ranks normally (return, sys.exit)"
+    "init_process_group (torch.multiprocessing.spawn's workers); end the ranks normally (return, sys.exit); "
+    f"and the ranks must start with commgate's bootstrap ({BOOTSTRAP}) on their PYTHONPATH, which a launch "
+    "script that sets PYTHONPATH itself, or python -I or -E, drops: add it to the PYTHONPATH the script sets"
 )
 
 
@@ -418,6 +420,22 @@ def parted(calls: Sequence[Any], ranks: Sequence[int]) -> str | None:
     return divergence({r: [{k: getattr(c, k) for k in keys} for c in calls if c.rank == r] for r in ranks})
 
 
+LAUNCHER_MODULES = frozenset(
+    {
+        "torch",
+        "torchrun",
+        "torch.distributed.run",
+        "torch.distributed.launch",
+        "deepspeed",
+        "deepspeed.launcher.runner",
+        "deepspeed.launcher.launch",
+        "accelerate.commands.launch",
+        "accelerate.commands.accelerate_cli",
+    }
+)
+"""Modules that launch a job (``python -m torch.distributed.launch train.py``): the job is the script they
+start, not they (every job started by one was kept under the baseline ``launch``: an adversarial pass)."""
+
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 """What a baseline's name may be (the scenario schema's ``name``)."""
 
@@ -432,8 +450,8 @@ def job_name(captured: Captured) -> str:
         words = command.split()
     # the first script or module the command names: the job's (a .py after it is an argument of the job's)
     named = [(i, Path(w).stem) for i, w in enumerate(words) if w.endswith(".py")]
-    modules = [(i + 1, words[i + 1].rsplit(".", 1)[-1]) for i, w in enumerate(words[:-1]) if w == "-m"]
-    named += [(i, m) for i, m in modules if m not in ("torch", "run", "torchrun")]  # python -m torch.distributed.run
+    modules = [(i + 1, words[i + 1]) for i, w in enumerate(words[:-1]) if w == "-m"]
+    named += [(i, m.rsplit(".", 1)[-1]) for i, m in modules if m not in LAUNCHER_MODULES]
     # a script named "my train.py" keeps its baseline as my-train: a name of the characters a file name takes
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", min(named)[1]).strip("-._")[:100] if named else ""
     if not NAME.fullmatch(name):

@@ -127,9 +127,12 @@ def activate() -> None:
     os.environ[OWNER_ENV] = f"{os.getpid()}:{rank}"
     where = Path(out).absolute()  # where the job started: it may change its working directory later
     try:  # said as the rank starts, not found when it ends (its calls then lost)
+        from commgate.core import env
         from commgate.core.fsutil import check_writable_dir
+        from commgate.run.stamps import OFF
 
         check_writable_dir(where, what=f"rank {rank}'s capture", fix=f"set {CAPTURE_ENV} to a writable directory")
+        env.switch(OFF, True)  # read as the group is set up: a bad value raised inside the job's init_process_group
     except CommgateError as exc:
         print(f"commgate: {exc}; this rank runs uncaptured", file=sys.stderr, flush=True)
         return
