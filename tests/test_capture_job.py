@@ -1024,3 +1024,37 @@ def test_a_dumps_all_to_all_is_its_ranks_own_input(tmp_path: Path) -> None:
     (tmp_path / "fr_0").write_bytes(pickle.dumps(doc))
     first = read(tmp_path).calls[0]
     assert (str(first.op), first.elements, first.bytes) == ("all_to_all", 6, 24)
+
+
+def test_a_terminated_spawn_job_s_capture_is_whole_when_capture_returns(work: Path) -> None:
+    """SIGTERM to ``commgate capture`` of an ``mp.spawn`` job: the spawning parent dies at once, and capture
+    counted 0 or 1 of 2 rank files and returned while its workers were still writing theirs (found by an
+    adversarial pass). It now waits for the job's processes that outlive its command: every rank's file is
+    there, and counted, when it returns, and none of the job's processes is left."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    out, ready = work / "spawn-terminated", work / "ready-spawn"
+    ready.mkdir()
+    cmd = [sys.executable, "-m", "commgate", "capture", "-o", str(out), "--", sys.executable, "spawn_train.py", port,
+           str(ready)]  # fmt: skip
+    with subprocess.Popen(cmd, cwd=JOBS, stdout=PIPE, stderr=PIPE, text=True, start_new_session=True) as p:
+        try:
+            deadline = time.monotonic() + BOUND_S
+            while len(list(ready.iterdir())) < 2 and p.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert len(list(ready.iterdir())) == 2, p.communicate(timeout=BOUND_S)
+            p.send_signal(signal.SIGTERM)
+            _, err = p.communicate(timeout=BOUND_S)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert f"commgate capture: 2 rank file(s) in {out}" in err, err
+    assert sorted(f.name for f in out.iterdir() if f.name.startswith("rank") and f.name.endswith(".json")) == [
+        "rank0.json", "rank0.meta.json", "rank1.json", "rank1.meta.json"
+    ]  # fmt: skip
+    left = subprocess.run(["pgrep", "-f", f"spawn_train.py {port}"], capture_output=True, text=True).stdout.split()
+    assert left == [], f"processes of the job left running: {left}"

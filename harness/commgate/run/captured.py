@@ -11,6 +11,7 @@ naming the file, the field and what is wrong.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -93,6 +94,7 @@ def launch(out: Path, command: list[str]) -> int:
     forward[signal.SIGINT] = signal.signal(signal.SIGINT, interrupted)
     try:
         code = job.wait()
+        _outlived(env[JOB_ENV])
     finally:
         for s, h in forward.items():
             signal.signal(s, h)
@@ -111,6 +113,51 @@ def launch(out: Path, command: list[str]) -> int:
     if not written:
         print(f"commgate capture: {NONE_WRITTEN}", file=sys.stderr)
     return status
+
+
+OUTLIVE_S = 30.0
+"""How long the job's processes that outlive its command are waited for (``_outlived``) before they are ended."""
+
+
+def _outlived(job_id: str) -> None:
+    """Wait for the job's processes that outlive its command: ``torch.multiprocessing.spawn``'s workers, ended
+    by their parent's SIGTERM, write their captures after it has gone (capture counted 0 or 1 of 2 rank files
+    and returned, the files written after it: found by an adversarial pass). They are the processes whose
+    environment holds the job's id; after ``OUTLIVE_S`` they are terminated, then killed: none is left."""
+    left = _job_processes(job_id)
+    if not left:
+        return
+    print(f"commgate capture: waiting for {len(left)} process(es) of the job still running (its ranks write their "
+          "captures as they end)", file=sys.stderr)  # fmt: skip
+    deadline = time.monotonic() + OUTLIVE_S
+    for signum in (None, signal.SIGTERM, signal.SIGKILL):
+        if signum is not None:
+            print(f"commgate capture: {len(left)} process(es) of the job still running after its command ended: "
+                  f"{signal.Signals(signum).name} to {', '.join(map(str, left))}", file=sys.stderr)  # fmt: skip
+            for pid in left:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signum)
+            deadline = time.monotonic() + 10
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = _job_processes(job_id)
+        if not left:
+            return
+
+
+def _job_processes(job_id: str) -> list[int]:
+    """The running processes whose environment holds ``JOB_ENV=job_id`` (Linux' /proc; elsewhere, none)."""
+    mark, out = f"{JOB_ENV}={job_id}".encode(), []
+    with contextlib.suppress(OSError):
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    environ = (entry / "environ").read_bytes()
+                except OSError:  # gone, or not ours
+                    continue
+                if mark in environ.split(b"\0"):
+                    out.append(int(entry.name))
+    return out
 
 
 def _terminal_reached(job: subprocess.Popen[bytes]) -> bool:
