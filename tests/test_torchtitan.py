@@ -209,6 +209,18 @@ REFUSED = [
     (PP, "args: ['--parallelism.pipeline_parallel_schedule_csv', 's.csv']", TINY, r"a schedule read from a CSV"),
     (FSDP, "args: ['-h']", TINY, r"args\[0\]: '-h': torchtitan's help is not a job"),
     (FSDP, "args: ['--help']", TINY, r"args\[0\]: '--help': torchtitan's help is not a job"),
+    # checkpoints and validation ran as nothing (the gate steps train_step), or failed on DCP's unmodelled gathers;
+    # torchtitan's determinism compiled flex attention again, and every rank died of it (an adversarial pass)
+    (FSDP, "args: ['--checkpoint.enable']", TINY, r"args\[0\]: '--checkpoint.enable': checkpoints are not modelled"),
+    (FSDP, "args: ['--validator.enable']", TINY, r"args\[0\]: '--validator.enable': validation is not modelled"),
+    (FSDP, "args: ['--debug.deterministic']", TINY, r"set_determinism compiles flex attention again"),
+    (
+        FSDP,
+        "args: ['--training.steps', '1']",
+        TINY,
+        r"args\[0\]: '--training.steps': the job's 1 step\(s\), fewer than the 3",
+    ),
+    (FSDP, "args: ['--training.steps=2']", TINY, r"the job's 2 step\(s\), fewer than the 3 the gate runs"),
     (FSDP, "args: ['--parallelism.no-enable-sequence-parallel']", TINY, r"given by parallelism.sequence_parallel"),
     (FSDP, "args: [activation-checkpoint:full]", TINY, r"activation-checkpoint is given by parallelism.activation_che"),
     (FSDP, "args: ['--parallelism.pipeline_parallel_degree=2']", TINY, r"given by parallelism.pp"),
@@ -919,9 +931,9 @@ def test_a_job_other_than_the_scenarios_stops_the_run_in_one_line(tt: Any, tmp_p
 
 
 def test_what_torchtitan_raises_as_it_builds_is_one_line(tt: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    """torchtitan's ``config.build()`` raising (an override naming a CSV schedule that is not there) was the rank's
-    traceback (found by an adversarial pass): one line naming the config and the overrides, the traceback in the
-    rank's log; commgate's own one-line errors pass as they are."""
+    """torchtitan's ``config.build()`` raising (an override naming a CSV schedule that is not there), or its
+    ``train_step``, was the rank's traceback (found by an adversarial pass): one line naming the config and the
+    overrides, or the step, the traceback in the rank's log; commgate's own one-line errors pass as they are."""
     from commgate.model.trainers.torchtitan import Job
 
     class Missing:
@@ -937,8 +949,24 @@ def test_what_torchtitan_raises_as_it_builds_is_one_line(tt: Any, capsys: pytest
         tt.build(Missing(), job)
     assert str(info.value) == (
         "torchtitan could not build its trainer from config llama3:llama3_debugmodel with the scenario's overrides "
-        "--training.max-norm 0.5: FileNotFoundError: The specified path /x/sched.csv does not exist or is not a file."
+        "--training.max-norm 0.5: FileNotFoundError: The specified path /x/sched.csv does not exist or is not a "
+        "file. (its traceback in the rank's log)"
     )
     assert "Traceback" in capsys.readouterr().err
     with pytest.raises(CommgateError, match=r"^already one line$"):
         tt.build(Refused(), job)
+
+    class Trainer:  # a learning-rate schedule shorter than the run asserting in train_step (torchtitan's own)
+        step = 0
+
+        def train_step(self, data: object) -> None:
+            raise AssertionError("decay_steps must not be zero to reach this branch")
+
+    workload = object.__new__(tt.TorchtitanWorkload)
+    workload.trainer, workload.data = Trainer(), iter(())
+    with pytest.raises(CommgateError) as info:
+        workload.step(1)
+    assert str(info.value) == (
+        "torchtitan's train_step (step 1): AssertionError: decay_steps must not be zero to reach this branch (its "
+        "traceback in the rank's log)"
+    )

@@ -1443,6 +1443,12 @@ BLOCKED: dict[str, str] = {
     "comm.mode": "the gate's ranks run on commgate's real process group, which torchtitan's init_distributed keeps "
     "(distributed/utils.py:466-471): a fake or local backend would not be the job judged",
     "help": "torchtitan's help is not a job",
+    "checkpoint.enable": "checkpoints are not modelled (the gate steps train_step only; DCP's saves and loads "
+    "gather and broadcast the sharded state)",
+    "validator.enable": "validation is not modelled (the gate steps train_step only; a validation pass gathers "
+    "and all-reduces as a step does)",
+    "debug.deterministic": "torchtitan's set_determinism compiles flex attention again (distributed/utils.py:214-236), "
+    "over the adapter's P3: it does not run on torch 2.13 CPU",
 }
 """torchtitan's command-line keys that do not run on torch 2.13 CPU or are not modelled (their negation,
 ``--compile.no-enable``, passes)."""
@@ -1477,6 +1483,21 @@ def torchtitans_args(c: Check) -> None:
             c.bad([TT, "args", i], f"{arg!r}: {key} is given by {given}; remove it")
         elif key in BLOCKED and not negated:
             c.bad([TT, "args", i], f"{arg!r}: {BLOCKED[key]}; remove it")
+        elif key == "training.steps" and (steps := _value(args, i)) is not None:
+            total = c.doc.get("warmup_steps", 1) + c.doc.get("steps", 3)
+            if isinstance(total, int) and steps < total:  # its learning-rate schedule ends before the gate's run
+                c.bad(
+                    [TT, "args", i],
+                    f"{arg!r}: the job's {steps} step(s), fewer than the {total} the gate runs (warmup_steps + steps): "
+                    "torchtitan's learning-rate schedule ends before them; give at least as many",
+                )
+
+
+def _value(args: Sequence[Any], i: int) -> int | None:
+    """The integer an override at ``args[i]`` gives (``--key=N`` or ``--key N``), or None."""
+    arg = str(args[i])
+    text = arg.split("=", 1)[1] if "=" in arg else str(args[i + 1]) if i + 1 < len(args) else ""
+    return int(text) if text.strip().lstrip("-").isdigit() else None
 
 
 def torchtitans_config(c: Check) -> None:

@@ -495,18 +495,24 @@ def build(config: Any, job: Job) -> Any:
     """torchtitan's ``Trainer`` of ``config``; what torchtitan raises as it builds it (an override naming a
     file that is not there: ``--parallelism.pipeline_parallel_schedule_csv``) in one line naming the config and
     the overrides, its traceback in the rank's log (it was the rank's traceback: an adversarial pass)."""
-    try:
+    args = " ".join(job.args) or "(no torchtitan.args)"
+    with one_line(f"torchtitan could not build its trainer from config {job.module}:{job.config} with the "
+                  f"scenario's overrides {args}"):  # fmt: skip
         return config.build()
+
+
+@contextlib.contextmanager
+def one_line(doing: str) -> Iterator[None]:
+    """What torchtitan raises inside (not commgate's own one-line errors) as one line, ``doing: Type: its first
+    line``; its traceback printed to the rank's log."""
+    try:
+        yield
     except CommgateError:
         raise
     except Exception as exc:
         traceback.print_exc()
-        args = " ".join(job.args) or "(no torchtitan.args)"
         what = (str(exc).strip().splitlines() or [""])[0]
-        raise CommgateError(
-            f"torchtitan could not build its trainer from config {job.module}:{job.config} with the scenario's "
-            f"overrides {args}: {type(exc).__name__}: {what}"
-        ) from None
+        raise CommgateError(f"{doing}: {type(exc).__name__}: {what} (its traceback in the rank's log)") from None
 
 
 def parse(scenario: Scenario, job: Job, argv: list[str]) -> Any:
@@ -882,7 +888,8 @@ class TorchtitanWorkload:
 
     def step(self, k: int) -> float:
         self.trainer.step += 1  # train() does it before train_step (trainer.py:1036)
-        self.trainer.train_step(self.data)
+        with one_line(f"torchtitan's train_step (step {self.trainer.step})"):
+            self.trainer.train_step(self.data)
         return 0.0
 
 
