@@ -490,10 +490,11 @@ def test_a_model_that_fails_its_trace_is_named_by_the_config_the_user_wrote() ->
     job does not have (found by the Hugging Face campaign): it names ``hf.config`` and the class. The case is
     fp32 Qwen2-MoE, whose experts' ``torch._grouped_mm`` has a meta kernel that wants bf16 although the CPU
     kernel runs fp32 (a known gap, docs/trainers.md)."""
-    (s,) = load_text(scenario(DATA / "mini-qwen2moe.config.json", None, TINY_ARGS))
-    with pytest.raises(CommgateError) as info:
-        predict(s)
-    message = str(info.value)
+    with pytest.raises(ScenarioError) as info:  # said as it loads, where the model is measured
+        load_text(scenario(DATA / "mini-qwen2moe.config.json", None, TINY_ARGS))
+    (problem,) = info.value.problems
+    message = problem.message
+    assert problem.path == "$.hf"
     assert message.startswith(f"hf.config {DATA / 'mini-qwen2moe.config.json'} (transformers:Qwen2MoeForCausalLM): ")
     assert "its forward and backward on the meta device (no weights) raised" in message and "\n" not in message
 

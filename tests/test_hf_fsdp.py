@@ -175,3 +175,21 @@ def test_a_tied_embedding_is_one_group_with_the_tail_and_reconciles(tmp_path: Pa
     assert [u.name for u in hf.units(s)][-1] == "tail (final norm, output embeddings)"
     assert "input embeddings" not in [u.name for u in hf.units(s)]
     reconciled(run(scenario(config, None, FSDP), tmp_path))
+
+
+def test_a_layer_class_accelerate_cannot_find_in_the_model_is_refused_as_it_loads() -> None:
+    """A class of the model's own modeling module that is not one of its layers (``LlamaForSequenceClassification``
+    in ``transformer_layer_cls_to_wrap``): accelerate's wrapping cannot find it in the model, which was said as
+    the scenario was predicted and stopped the whole run there, its report half-written (found by an
+    adversarial pass). It is said as the scenario loads, in one line."""
+    args = FSDP | {
+        "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaForSequenceClassification"]}
+    }
+    with pytest.raises(ScenarioError) as info:
+        load_text(scenario(TINY, None, args))
+    (problem,) = info.value.problems
+    assert problem.path == "$.hf" and "\n" not in str(info.value)
+    assert problem.message.startswith(
+        "hf.training_args.fsdp_config.transformer_layer_cls_to_wrap ['LlamaForSequenceClassification']: Could not "
+        "find the transformer layer class LlamaForSequenceClassification in the model. (LlamaForCausalLM wraps "
+    ), problem.message

@@ -352,12 +352,31 @@ def load_document(doc: Any, *, file: str, where: _Located | None = None) -> list
         found = _schema_problems(variant, file, where)
         if not found:
             built, found = _build(variant, file=file, where=where, label=label)
-            if built is not None:
+            if built is not None and not (found := _measured(built, file, where)):
                 scenarios.append(built)
         variants.append((context, found))
     if problems := _sweep_problems(variants, doc, where):
         raise ScenarioError(problems)
     return scenarios
+
+
+def _measured(scenario: Scenario, file: str, where: _Located) -> list[Problem]:
+    """A model that is a module (the user's, or a trainer's such as Hugging Face's) is measured on the meta
+    device when its scenario is predicted: what that refuses (a parameter no gradient reaches, a layer class
+    FSDP's wrapping cannot find) is the scenario's problem, said when it is loaded (it stopped a whole run at
+    that scenario's prediction, the report half-written: found by an adversarial pass). The measurements are
+    kept (cached per scenario), and the prediction made again where it is used."""
+    if scenario.model.module is None:
+        return []
+    from commgate.model.predict import predict
+
+    try:
+        predict(scenario)
+    except CommgateError as exc:
+        block = scenario.trainer if scenario.trainer != "commgate" else "model"
+        message = str(exc).removeprefix(f"{file}: ")  # the problem names the file
+        return [Problem(file=file, path=f"$.{block}", message=message, line=where.line([block]))]
+    return []
 
 
 def _sweep_problems(variants: list[tuple[str, list[Problem]]], doc: dict[str, Any], where: _Located) -> list[Problem]:
