@@ -400,3 +400,29 @@ def test_a_name_too_long_for_a_baseline_says_the_limit() -> None:
 
     with pytest.raises(UsageError, match=r"--name 'aaaa.*'\.\.\.: at most 100 letters, digits"):
         unscripted(None, "a" * 120)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        ({"TORCHELASTIC_RUN_ID": "x"}, "torchrun"),
+        ({"TORCHELASTIC_RUN_ID": "x", "ACCELERATE_MIXED_PRECISION": "no"}, "accelerate launch (torchrun)"),
+        ({"CROSS_RANK": "0", "LOCAL_SIZE": "2"}, "deepspeed (its launcher)"),
+        ({"SLURM_PROCID": "0"}, "srun"),
+        ({}, "unknown (COMMGATE_CAPTURE in the environment)"),
+    ],
+    ids=["torchrun", "accelerate", "deepspeed", "srun", "unknown"],
+)
+def test_the_launcher_is_named_from_what_it_leaves_in_the_environment(
+    env: dict[str, str], said: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSpeed's launcher was "unknown (COMMGATE_CAPTURE in the environment)", though commgate capture had set
+    that variable (found by an adversarial pass); accelerate launch was torchrun alone."""
+    from commgate.run.external import ARMED_ENV, launcher
+
+    for key in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_PROCID", "CROSS_RANK", "LOCAL_SIZE", ARMED_ENV):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert launcher() == said

@@ -58,11 +58,16 @@ BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
 
 
 def launcher() -> str:
-    """Who started this rank, from what the launchers leave in the environment."""
+    """Who started this rank, from what the launchers leave in the environment: torchrun (``accelerate
+    launch`` starts it, with its ``ACCELERATE_MIXED_PRECISION``), srun, DeepSpeed's launcher (its
+    ``CROSS_RANK`` and ``LOCAL_SIZE``: ``deepspeed/launcher/launch.py``), a process that named its own rank."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        return "torchrun (under srun)" if "SLURM_JOB_ID" in os.environ else "torchrun"
+        torchrun = "torchrun (under srun)" if "SLURM_JOB_ID" in os.environ else "torchrun"
+        return f"accelerate launch ({torchrun})" if "ACCELERATE_MIXED_PRECISION" in os.environ else torchrun
     if "SLURM_PROCID" in os.environ:
         return "srun"
+    if "CROSS_RANK" in os.environ and "LOCAL_SIZE" in os.environ:
+        return "deepspeed (its launcher)"
     if os.environ.get(ARMED_ENV):
         return "a process that named its own rank (init_process_group(rank=...): torch.multiprocessing.spawn)"
     return "unknown (COMMGATE_CAPTURE in the environment)"
