@@ -1058,3 +1058,46 @@ def test_a_terminated_spawn_job_s_capture_is_whole_when_capture_returns(work: Pa
     ]  # fmt: skip
     left = subprocess.run(["pgrep", "-f", f"spawn_train.py {port}"], capture_output=True, text=True).stdout.split()
     assert left == [], f"processes of the job left running: {left}"
+
+
+SPAWN_MODES = """
+import os, sys
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+
+def worker(rank, world, mode, port):
+    if mode == "url":  # torch's documented URL form: the rank in the init_method's query
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}?rank={rank}&world_size={world}")
+    elif mode == "both":  # the worker sets RANK itself, and names its rank too
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    else:  # env:// from variables the worker sets
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world))
+        dist.init_process_group("gloo")
+    dist.all_reduce(torch.ones(8))
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(2, sys.argv[1], sys.argv[2]), nprocs=2)
+"""
+
+
+@pytest.mark.parametrize("mode", ["url", "both", "envvars"])
+def test_a_spawn_worker_that_names_its_rank_otherwise_is_captured(work: Path, mode: str) -> None:
+    """``mp.spawn`` workers naming their rank in the ``init_method`` URL, setting ``RANK`` themselves and naming
+    it too, or setting the ``env://`` variables themselves: none was captured, and the one line told the user to
+    name the rank to ``init_process_group``, which they had (found by an adversarial pass)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    script = work / f"spawn_{mode}.py"
+    script.write_text(SPAWN_MODES)
+    out = work / f"spawn-{mode}"
+    done = commgate("capture", "-o", out, "--", sys.executable, script, mode, port)
+    assert done.returncode == 0 and "2 rank file(s)" in done.stderr, done.stdout + done.stderr
+    for rank in range(2):
+        calls = json.loads((out / f"rank{rank}.json").read_text())["calls"]
+        assert ("all_reduce", 32) in [(c["op"], c["bytes"]) for c in calls]
+        meta = json.loads((out / f"rank{rank}.meta.json").read_text())
+        assert (meta["rank"], meta["world_size"]) == (rank, 2)

@@ -28,6 +28,7 @@ it imports torch.distributed and calls ``init_process_group`` with a ``rank`` (a
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shlex
 import signal
@@ -243,8 +244,10 @@ def arm(c10d: Any) -> None:
     """In a process of a captured job without ``RANK`` (``torch.multiprocessing.spawn`` passes a worker its
     rank as an argument, which the tutorial's DDP script hands to ``init_process_group``: such a job was not
     captured at all, found by an adversarial pass): ``init_process_group`` wrapped so that a call naming its
-    ``rank`` sets ``RANK`` to it and sets up the capture (``activate``) before the group is made. A call
-    without one (``env://`` with no ``RANK``) is torch's own error."""
+    ``rank`` sets ``RANK`` to it and sets up the capture (``activate``) before the group is made. The rank is
+    the call's ``rank``, else its ``init_method`` URL's (``tcp://host:port?rank=0&world_size=2``, torch's
+    documented form), else the ``RANK`` the worker set itself before the call (each was not captured, found by
+    an adversarial pass). A call with none (``env://`` with no ``RANK``) is torch's own error."""
     import inspect
 
     init = c10d.init_process_group
@@ -255,11 +258,13 @@ def arm(c10d: Any) -> None:
             given = signature.bind(*args, **kwargs).arguments
         except TypeError:  # torch says what is wrong with the call
             given = {}
-        rank, world = given.get("rank", -1), given.get("world_size", -1)
-        if isinstance(rank, int) and rank >= 0 and "RANK" not in os.environ and STATE is None:
+        url = given.get("init_method")
+        rank = _named(given.get("rank"), url, "rank", "RANK")
+        world = _named(given.get("world_size"), url, "world_size", "WORLD_SIZE")
+        if rank is not None and STATE is None:
             os.environ["RANK"] = str(rank)
             os.environ[ARMED_ENV] = "1"
-            if isinstance(world, int) and world > 0 and "WORLD_SIZE" not in os.environ:
+            if world is not None:
                 os.environ["WORLD_SIZE"] = str(world)  # what the capture's meta records (one host: local too)
             c10d.init_process_group = init  # what activate wraps: torch's own
             activate()
@@ -267,6 +272,22 @@ def arm(c10d: Any) -> None:
         return init(*args, **kwargs)
 
     c10d.init_process_group = init_process_group
+
+
+def _named(given: Any, url: Any, key: str, variable: str) -> int | None:
+    """A rank or world size as torch takes it for ``init_process_group``: the argument (not its -1 default),
+    else the ``init_method`` URL's query, else the environment variable (set by the process itself)."""
+    from urllib.parse import parse_qs, urlparse
+
+    if isinstance(given, int) and not isinstance(given, bool) and given >= 0:
+        return given
+    if isinstance(url, str):
+        with contextlib.suppress(ValueError):
+            value = parse_qs(urlparse(url).query).get(key, [""])[-1]
+            if value.isdigit():
+                return int(value)
+    value = os.environ.get(variable, "")
+    return int(value) if value.isdigit() else None
 
 
 def _resolve(backend: Any) -> str | None:
