@@ -184,6 +184,13 @@ TINY_ARGS = {"per_device_train_batch_size": 1}
         (scenario(TINY, None, TINY_ARGS).replace("model: {s: 32}", "model: {}"), "model.s: give the sequence"),
         (scenario(TINY, None, TINY_ARGS, extra="deepspeed: {}\n"), "deepspeed: trainer hf reads the DeepSpeed JSON"),
         (scenario(TINY, None, TINY_ARGS, extra="emulate: true\n"), "emulate: not supported"),
+        # the schemes' advice ("use scheme 'fsdp', 'tp', 'cp' or '3d'") was none a Trainer job can take
+        (scenario(TINY, None, TINY_ARGS).replace("{dp: 2}", "{dp: 2, tp: 2}"), "parallelism.tp: 2: trainer hf runs"),
+        (
+            scenario(TINY, None, TINY_ARGS).replace("{dp: 2}", "{dp: 2, pp: 2}"),
+            "parallelism.pp: 2: trainer hf runs data",
+        ),
+        (scenario(TINY, None, TINY_ARGS).replace("{dp: 2}", "{dp: 2, dp_replicate: 2}"), "dp_replicate: 2: trainer hf"),
         (scenario(TINY, None, {"save_strategy": "steps"}), "save_strategy 'steps': checkpoint saving"),
         (scenario(TINY, None, {"eval_strategy": "steps"}), "eval_strategy 'steps': evaluation"),
         (scenario(TINY, None, {"gradient_checkpointing": True}), "activation checkpointing"),
@@ -208,6 +215,9 @@ TINY_ARGS = {"per_device_train_batch_size": 1}
         "no-s",
         "deepspeed-block",
         "emulate",
+        "tp",
+        "pp",
+        "dp-replicate",
         "save",
         "eval",
         "checkpointing",

@@ -552,6 +552,13 @@ def _refuse_written(doc: Mapping[str, Any]) -> None:
     for key, why in (("sweep", "write one scenario per configuration"), ("emulate", "it runs on real ranks only")):
         if doc.get(key):
             raise CommgateError(f"{key}: not supported with trainer hf ({why})")
+    # the schemes' own advice ("use scheme 'fsdp', 'tp', 'cp' or '3d'") is none a Trainer job can take: found by
+    # an adversarial pass
+    if dims := [f"parallelism.{k}: {par[k]}" for k in ("tp", "pp", "cp", "dp_replicate") if par.get(k, 1) != 1]:
+        raise CommgateError(
+            f"{', '.join(dims)}: trainer hf runs data parallelism only (DDP, DeepSpeed ZeRO or FSDP2 over dp ranks); "
+            "leave it out"
+        )
     if not isinstance(model.get("s"), int):
         raise CommgateError("model.s: give the sequence length the job trains with (model: {s: N})")
     if isinstance(doc.get("deepspeed"), str) or ("deepspeed" in doc and "deepspeed" not in doc["hf"]):
