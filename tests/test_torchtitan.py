@@ -970,3 +970,15 @@ def test_what_torchtitan_raises_as_it_builds_is_one_line(tt: Any, capsys: pytest
         "torchtitan's train_step (step 1): AssertionError: decay_steps must not be zero to reach this branch (its "
         "traceback in the rank's log)"
     )
+
+
+def test_a_left_off_entry_is_said_as_a_condition_at_load() -> None:
+    """``left_off: [compile, async_tp]`` on a config that enables neither: the warnings said the job compiled its
+    blocks and ran async TP, which it does not (found by an adversarial pass); whether it does is known once the
+    config is read on the ranks, so load says what the run does where it does."""
+    s = scenario("scheme: fsdp, dp: 2", "left_off: [compile, async_tp]")
+    said = [w for w in s.warnings if w.startswith("torchtitan.left_off")]
+    assert [w.split(", the run leaves it out;")[0] for w in said] == [
+        "torchtitan.left_off compile: where the job compiles its blocks (compile.enable)",
+        "torchtitan.left_off async_tp: where the job runs async TP (compile.enable_async_tensor_parallel)",
+    ]

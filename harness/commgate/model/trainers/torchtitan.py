@@ -1599,8 +1599,10 @@ def torchtitans_warnings(doc: Mapping[str, Any]) -> tuple[str, ...]:
     where the job loses a gradient (``NORM_GRAD_LOST``)."""
     block, par = doc.get(TT, {}), doc.get(P, {})
     block, par = (x if isinstance(x, Mapping) else {} for x in (block, par))
-    out = [
-        f"torchtitan.left_off {what}: the job {LEFT_OFF_WHY[what][0]}; {LEFT_OFF_WHY[what][1]}"
+    out = [  # whether the config does is known once it is read on the ranks: said as a condition here (it said the
+        # job did where the config did not: found by an adversarial pass)
+        f"torchtitan.left_off {what}: where the job {LEFT_OFF_WHY[what][0]}, the run leaves it out; "
+        f"{LEFT_OFF_WHY[what][1]}"
         for what in block.get("left_off", ())
     ]
     pipeline = par.get("pipeline", {})
