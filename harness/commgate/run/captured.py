@@ -315,7 +315,13 @@ def load(directory: Path) -> Captured:
         where = directory / f"rank{r}.meta.json"
         if m["job"] != first["job"]:
             mixed = f"job {m['job']!r}, but rank{min(metas)}'s is {first['job']!r}: two jobs' captures in one directory"
-            raise _bad(where, f"{mixed}; capture each job into a directory of its own", "$.job")
+            raise _bad(
+                where,
+                f"{mixed}; capture each job into a directory of its own (one job over several nodes: not commgate "
+                "capture on each node, which makes each its own job, but COMMGATE_CAPTURE and commgate's bootstrap "
+                "on every rank's PYTHONPATH, as ci/nightly.sbatch sets them: docs/capture.md)",
+                "$.job",
+            )
         if m["rank"] != r or m["world_size"] != world:
             raise _bad(where, f"rank {m['rank']} of {m['world_size']}: not rank {r} of {world}")
         if r >= world:
