@@ -300,6 +300,9 @@ def test_a_config_or_model_package_torchtitan_does_not_have_is_refused_at_load()
         r"you mean 'llama3'\? its models: .*llama3",
     ):
         scenario(FSDP, "module: llama4x")
+    # another of torchtitan's model packages ran into the ranks' refusal after their start-up (an adversarial pass)
+    with pytest.raises(ScenarioError, match=r"torchtitan.module: 'qwen3': torchtitan's qwen3 model package; commgate"):
+        scenario(FSDP, "module: qwen3, config: qwen3_debugmodel")
     assert scenario(FSDP, "config: llama3_debugmodel_ce_loss, loss: cross_entropy").trainer_config["config"] == (
         "llama3_debugmodel_ce_loss"
     )

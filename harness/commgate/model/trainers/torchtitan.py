@@ -1511,6 +1511,13 @@ def torchtitans_config(c: Check) -> None:
         return
     registry = module if "." in module else f"torchtitan.models.{module}.config_registry"
     file = _source(registry)
+    if file is not None and "." not in module and module != "llama3":  # said on the ranks after their start-up
+        c.bad(
+            [TT, "module"],
+            f"{module!r}: torchtitan's {module} model package; commgate models torchtitan's llama3 model only "
+            "(its parallelize_llama and model): module llama3",
+        )
+        return
     if file is None:
         models = _source("torchtitan.models")
         if "." not in module and models is not None:  # torchtitan is there, without such a model package
