@@ -314,6 +314,11 @@ def test_capture_refuses_a_directory_that_holds_a_capture(ddp: tuple[Path, subpr
     assert done.returncode == 2 and "ran" not in done.stdout
     assert "holds a capture" in done.stderr and "\n" not in done.stderr.strip()
     assert sorted(p.name for p in ddp[0].iterdir()) == before
+    a_file = ddp[0] / "rank0.json"  # a file is said as one (it said "holds a capture (or is not a directory)")
+    done = commgate("capture", "-o", a_file, "--", sys.executable, "-c", "print('ran')")
+    assert done.returncode == 2 and done.stderr.strip() == (
+        f"commgate: error: capture: {a_file} is a file, not a directory; give a new directory"
+    ), done.stderr
 
 
 def capture_nanogpt(job: Path, **how: Any) -> None:

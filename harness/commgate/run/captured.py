@@ -48,8 +48,10 @@ def launch(out: Path, command: list[str]) -> int:
     status is returned (128 + N when a signal N ended it), and ``out/job.json`` records both."""
     if not command:
         raise UsageError("capture: give the job's command after --, e.g. commgate capture -o DIR -- torchrun ...")
-    if out.exists() and (not out.is_dir() or any(RANK_FILE.fullmatch(p.name) for p in out.iterdir())):
-        raise UsageError(f"capture: {out} holds a capture (or is not a directory) already; give a new directory")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"capture: {out} is a file, not a directory; give a new directory")
+    if out.exists() and any(RANK_FILE.fullmatch(p.name) for p in out.iterdir()):
+        raise UsageError(f"capture: {out} holds a capture already; give a new directory")
     if out.exists() and any(out.iterdir()):  # its files could be the user's: job.json would be written over
         raise UsageError(f"capture: {out} is a directory that is not empty; a capture goes to a new directory")
     new = not out.exists()
