@@ -197,7 +197,7 @@ def test_a_missing_or_empty_capture_is_one_line_naming_the_file_and_field(tmp_pa
     run = commgate("run", comm / "job.yaml", "--gate", "--baseline-dir", tmp_path / "baselines")
     assert run.returncode == 1
     assert "ERROR   job (ddp, 2 ranks" in run.stdout
-    assert f"{comm / 'job.yaml'}: capture: {comm / 'empty'}: $: not a capture: no rank<N>.json in it" in run.stdout
+    assert f"{comm / 'job.yaml'}: capture: {comm / 'empty'}: not a capture: no rank<N>.json in it" in run.stdout
     assert not (tmp_path / "baselines").exists()  # nothing written
 
 
@@ -323,7 +323,7 @@ def test_a_world_larger_than_the_ranks_present_is_told_in_bounded_words(
     status, _, err = check_in_process(cap, tmp_path / "b", capsys)
     names = ", ".join(f"rank{r}.json" for r in range(2, 10))
     assert status == 2 and err == (
-        f"{cap}: $: ranks [2, 3, 4, 5, 6, 7, 8, 9, ...] of a world of 1048576 are missing ({names} and 1048566 "
+        f"{cap}: ranks [2, 3, 4, 5, 6, 7, 8, 9, ...] of a world of 1048576 are missing ({names} and 1048566 "
         "more): a rank's capture is written when the rank ends; was it killed outright (SIGKILL) or ended by "
         "os._exit?"
     )

@@ -292,7 +292,9 @@ def _check_job(doc: Any) -> None:
 def load(directory: Path) -> Captured:
     """The capture in ``directory``, every rank present, one job; else a one-line ``DocumentError``."""
     if not directory.is_dir():
-        raise _bad(directory, "not a directory; give the -o directory of commgate capture (or COMMGATE_CAPTURE)")
+        raise _bad(
+            directory, "not a directory; give the -o directory of commgate capture (or COMMGATE_CAPTURE)", where=""
+        )
     files: dict[int, Path] = {}
     for p in sorted(directory.iterdir()):
         if found := RANK_FILE.fullmatch(p.name):
@@ -301,9 +303,13 @@ def load(directory: Path) -> Captured:
                 raise _bad(p, f"not a rank's file name (rank {r}'s is rank{r}.json); remove or rename it")
             files[r] = p
     if not files and (directory / JOB_FILE).is_file():  # commgate capture ran a job, and no rank wrote
-        raise _bad(directory, f"no rank<N>.json in it: {NONE_WRITTEN}")
+        raise _bad(directory, f"no rank<N>.json in it: {NONE_WRITTEN}", where="")
     if not files:
-        raise _bad(directory, "not a capture: no rank<N>.json in it (commgate capture -o DIR, or COMMGATE_CAPTURE=DIR)")
+        raise _bad(
+            directory,
+            "not a capture: no rank<N>.json in it (commgate capture -o DIR, or COMMGATE_CAPTURE=DIR)",
+            where="",
+        )
     hint = ": a rank's capture is written when the rank ends; was it killed outright (SIGKILL) or ended by os._exit?"
     metas: dict[int, dict[str, Any]] = {}
     for r, f in sorted(files.items()):
@@ -336,7 +342,7 @@ def load(directory: Path) -> Captured:
         names = ", ".join(f"rank{r}.json" for r in shown)
         more = f" and {world - len(files) - len(shown)} more" if world - len(files) > len(shown) else ""
         ranks = ", ".join(map(str, shown)) + (", ..." if more else "")
-        raise _bad(directory, f"ranks [{ranks}] of a world of {world} are missing ({names}{more}){hint}")
+        raise _bad(directory, f"ranks [{ranks}] of a world of {world} are missing ({names}{more}){hint}", where="")
     docs = {r: read_json(f, _check_rank_file, hint=hint) for r, f in sorted(files.items())}
     for r, doc in docs.items():
         _as_its_rank_wrote_it(files[r], r, doc, world)
