@@ -142,6 +142,14 @@ def test_a_pinned_deepspeed_key_left_out_states_nothing() -> None:
     extra = {"deepspeed": {"scheduler": {"params": {"warmup_num_steps": 0, "warmup_max_lr": 1}}}}
     with pytest.raises(CommgateError, match=r"warmup_max_lr is 1 in the scenario, Trainer resolves \(absent\)"):
         hf._agrees(extra, resolved, {"deepspeed": "ds.json"})
+    # every section's stale fields said at once (the first section's were counted alone: an adversarial pass)
+    stale = {"parallelism": {"micro_batch": 4}} | pinned
+    with pytest.raises(CommgateError) as info:
+        hf._agrees(stale, resolved | {"parallelism": {"micro_batch": 8}}, {"deepspeed": "ds.json"})
+    assert str(info.value).startswith(
+        "deepspeed.scheduler.params.total_num_steps is 4 in the scenario, Trainer resolves 6 from hf.deepspeed ds.json "
+        "(and 1 more: parallelism.micro_batch); leave it out"
+    ), str(info.value)
 
 
 def test_the_summary_says_logging_as_trainer_does_it() -> None:

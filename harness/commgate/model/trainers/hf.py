@@ -568,6 +568,7 @@ def _refuse_written(doc: Mapping[str, Any]) -> None:
 def _agrees(doc: Mapping[str, Any], filled: Mapping[str, Mapping[str, Any]], block: Mapping[str, Any]) -> None:
     """Every derived field the document states is the one Trainer resolves (a scenario written by ``commgate
     import`` pins them: a change of the config files, or of transformers' resolution, is then named)."""
+    wrong: list[tuple[str, str, Any, Any]] = []  # every section's, said at once (it named the first section's)
     for section, fields_ in filled.items():
         written = doc.get(section)
         if section == "hf" or not isinstance(written, Mapping):  # hf: the job's inputs, completed
@@ -577,15 +578,17 @@ def _agrees(doc: Mapping[str, Any], filled: Mapping[str, Mapping[str, Any]], blo
         # nothing (it was compared as "(absent)", so that the fix it named, to leave it out, failed: found by an
         # adversarial pass)
         keys = [k for k in ours if k in theirs or section == "deepspeed"]
-        if wrong := [k for k in keys if ours.get(k, MISSING) != theirs.get(k, MISSING)]:
-            k = wrong[0]
-            source = f"hf.deepspeed {block['deepspeed']}" if section == "deepspeed" else "hf"
-            raise CommgateError(
-                f"{section}.{k} is {_show(ours.get(k, MISSING))} in the scenario, Trainer resolves "
-                f"{_show(theirs.get(k, MISSING))} from {source}"
-                + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "")
-                + "; leave it out, or write the scenario again (commgate import --trainer hf)"
-            )
+        wrong += [(section, k, ours.get(k, MISSING), theirs.get(k, MISSING)) for k in keys
+                  if ours.get(k, MISSING) != theirs.get(k, MISSING)]  # fmt: skip
+    if wrong:
+        section, k, stated, resolved = wrong[0]
+        source = f"hf.deepspeed {block['deepspeed']}" if section == "deepspeed" else "hf"
+        more = f" (and {len(wrong) - 1} more: {', '.join(f'{s}.{key}' for s, key, _, _ in wrong[1:])})"
+        raise CommgateError(
+            f"{section}.{k} is {_show(stated)} in the scenario, Trainer resolves {_show(resolved)} from {source}"
+            + (more if len(wrong) > 1 else "")
+            + "; leave it out, or write the scenario again (commgate import --trainer hf)"
+        )
 
 
 def _refuse_unmodelled_arguments(args: Mapping[str, Any]) -> None:
