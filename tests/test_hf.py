@@ -550,6 +550,21 @@ def test_a_sequence_beyond_learned_positions_is_refused_at_load(tmp_path: Path) 
     assert rotary.model.s == 32
 
 
+def test_a_position_table_that_cannot_be_read_is_left_to_the_models_measurement(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The look for a learned position table builds the model on the meta device; where that raises, it says
+    nothing (no traceback at load), and the model's own measurement as the scenario loads names what fails."""
+    import transformers
+
+    def fails(*args: object, **kwargs: object) -> None:
+        raise ValueError("a config transformers cannot build")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", fails)
+    cfg = hf._config_of(json.loads(TINY.read_text()) | {"max_position_embeddings": 16}, TINY)
+    assert hf._learned_positions(cfg) is None
+
+
 def test_a_gpu_only_deepspeed_optimizer_is_skipped_on_cpu_saying_why(tmp_path: Path) -> None:
     """Lamb passed validation and then failed on the ranks with FusedLamb's "not implemented on CPU backend"
     and a traceback; a CPU run is now skipped naming it (a GPU machine runs it)."""
