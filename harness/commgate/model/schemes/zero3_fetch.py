@@ -126,7 +126,7 @@ def module_tree(params: tuple[ParamTensor, ...]) -> Module:
 
 @dataclass(frozen=True, slots=True)
 class Run:
-    """Hooks that repeat layer by layer: ``count`` segments of ``length`` hooks from ``start``, segment ``i``
+    """Hooks that repeat layer by layer: one segment of ``length`` hooks a layer from ``start``, segment ``i``
     the first one's hooks with layer ``layers[i]``'s modules in place of layer ``layers[0]``'s."""
 
     start: int
