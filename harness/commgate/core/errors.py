@@ -49,3 +49,9 @@ class UsageError(CommgateError):
 class WriteError(CommgateError):
     """A file or directory commgate must write cannot be written (read-only, full, not a directory, a name
     too long): one line naming the path, the reason and the fix."""
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message cut to its first line (at most 200 characters), for a one-line error."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else "(no message)"

@@ -49,7 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from commgate.core.errors import CommgateError
+from commgate.core.errors import CommgateError, first_line
 from commgate.model.moduletrace import Hook, Module
 from commgate.model.scenario import Scenario
 from commgate.model.transformer import WIRE_ITEMSIZE, ParamTensor, Shard, dtype_name
@@ -110,7 +110,7 @@ def resolve(spec: str, what: str = "model.module") -> Callable[..., Any]:
         raise CommgateError(f"{what} {spec!r}: cannot be imported ({exc})") from None
     except Exception as exc:  # the module's own code failed as it was imported
         raise CommgateError(
-            f"{what} {spec!r}: importing {module} raised {type(exc).__name__}: {_first_line(exc)}; fix the module "
+            f"{what} {spec!r}: importing {module} raised {type(exc).__name__}: {first_line(exc)}; fix the module "
             f"(`python -c 'import {module}'` shows where)"
         ) from None
     sys.stderr.write(said.getvalue())  # what the module printed as it was imported, once it has imported
@@ -119,11 +119,6 @@ def resolve(spec: str, what: str = "model.module") -> Callable[..., Any]:
     except AttributeError as exc:
         raise CommgateError(f"{what} {spec!r}: cannot be imported ({exc})") from None
     return fn
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else "(no message)"
 
 
 def who(scenario: Scenario) -> str:

@@ -630,7 +630,8 @@ class _Pass:
         available, secondary = state.available, state.secondary
         if available.isdisjoint(names) and (secondary.isdisjoint(names) or secondary.issuperset(names)):
             return True
-        return all(self._look(ps) == self._look(layers.params[0]) for ps in layers.params[1:])
+        first = self._look(layers.params[0])
+        return all(self._look(ps) == first for ps in layers.params[1:])
 
     def hooks(self, hooks: list[Hook]) -> PassGathers:
         fetch, release = self.fetch, self.release

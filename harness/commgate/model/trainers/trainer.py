@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from commgate.core.errors import CommgateError
+from commgate.core.errors import CommgateError, first_line
 from commgate.model.scenario import ModelBuilder, Scenario
 from commgate.model.schemes.scheme import Component, Rule, Scheme
 
@@ -71,18 +71,15 @@ class Trainer:
     """What it decided for the scenario, shown with the prediction and the result (nothing it resolves is
     silent); None: nothing beyond the document as written."""
 
-    def missing(self) -> tuple[str, ...]:
-        """The packages it needs that this environment cannot import (a dotted name, ``megatron.core``,
-        whose parent is absent too, or installed broken: its import raises)."""
-        return tuple(p for p in self.packages if _importable(p) is not True)
-
     def unavailable(self) -> str | None:
-        """Why this environment cannot run it (in one line, naming the extra that installs what is missing),
+        """Why this environment cannot run it (in one line, naming the extra that installs what is missing: a
+        package absent, a dotted one whose parent is absent too, or one installed broken, whose import raises),
         or None."""
-        if not (missing := self.missing()):
+        found = {p: _importable(p) for p in self.packages}
+        if not (missing := [p for p, able in found.items() if able is not True]):
             return None
         how = f"pip install 'commgate[{self.extra}]'" if self.extra else f"pip install {' '.join(missing)}"
-        broken = [why for p in missing if isinstance(why := _importable(p), str)]
+        broken = [why for why in found.values() if isinstance(why, str)]
         said = f" ({'; '.join(broken)}: installed broken? reinstall it)" if broken else ""
         return f"trainer {self.name!r} needs {', '.join(missing)}, which this environment cannot import{said}: {how}"
 
@@ -92,7 +89,7 @@ class Trainer:
         how = f"pip install --force-reinstall 'commgate[{self.extra}]'" if self.extra else "reinstall it"
         return CommgateError(
             f"trainer {self.name!r}: importing {exc.name or 'a package it needs'} raised {type(exc).__name__}: "
-            f"{_first_line(exc)} (installed broken? a version clash): {how}"
+            f"{first_line(exc)} (installed broken? a version clash): {how}"
         )
 
     def require(self) -> None:
@@ -109,8 +106,4 @@ def _importable(name: str) -> bool | str:
     except ModuleNotFoundError:
         return False
     except Exception as exc:  # the parent package's own import failed
-        return f"importing {name.rsplit('.', 1)[0]} raised {type(exc).__name__}: {_first_line(exc)}"
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [""])[0]
+        return f"importing {name.rsplit('.', 1)[0]} raised {type(exc).__name__}: {first_line(exc)}"

@@ -70,7 +70,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from commgate.core.errors import CommgateError
+from commgate.core.errors import CommgateError, first_line
 from commgate.model.expectation import Context
 from commgate.model.importer import TitanJob
 from commgate.model.scenario import ModelSpec, Scenario
@@ -511,8 +511,9 @@ def one_line(doing: str) -> Iterator[None]:
         raise
     except Exception as exc:
         traceback.print_exc()
-        what = (str(exc).strip().splitlines() or [""])[0]
-        raise CommgateError(f"{doing}: {type(exc).__name__}: {what} (its traceback in the rank's log)") from None
+        raise CommgateError(
+            f"{doing}: {type(exc).__name__}: {first_line(exc)} (its traceback in the rank's log)"
+        ) from None
 
 
 def parse(scenario: Scenario, job: Job, argv: list[str]) -> Any:
