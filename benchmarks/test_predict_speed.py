@@ -29,6 +29,7 @@ def clear_caches() -> None:
     zero3_fetch._builtin_hooks.cache_clear()
     zero3_fetch._builtin_recording.cache_clear()
     zero3_fetch._builtin_traced.cache_clear()
+    zero3_fetch._shape.cache_clear()
     zero3_fetch._passes.cache_clear()
     deepspeed_zero._ready_order_of.cache_clear()
     deepspeed_zero._zero3_buckets.cache_clear()

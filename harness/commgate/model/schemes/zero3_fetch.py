@@ -30,7 +30,9 @@ release of leftovers.
 
 ``passes(ctx)`` replays every pass of the first steps, with the coordinator's state (what is gathered,
 the release cache, which is keyed by module and trace position and kept across passes) carried from one
-to the next, and returns each pass's gathers.
+to the next, and returns each pass's gathers. Alike layers are not each replayed where that is exact: the
+recording pass repeats the first layer's gathers (``_Pass.repeat``), and a later pass shifts one layer's
+segment through the layers after it (``_Pass.periodic``).
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ from __future__ import annotations
 import bisect
 import collections
 import functools
+import itertools
 import sys
 from dataclasses import dataclass, field, fields, replace
+from typing import TypeVar
 
 from commgate.model.expectation import Context
 from commgate.model.moduletrace import Hook, Module
@@ -380,6 +384,8 @@ class _State:
     """The recorded module trace (None until complete)."""
     trace: _Trace | None = None
     """``order`` indexed for the release's look-ahead (made at its first use)."""
+    queued: tuple[tuple[ParamTensor, int], ...] | None = None
+    """``order``'s parameters with their positions, the queue a pass starts with (made at its first use)."""
     hpz: bool = False
     secondary: set[str] = field(default_factory=set)
     """ZeRO++ hpZ: parameters with a secondary partition (made when a gathered parameter is released;
@@ -485,7 +491,7 @@ def _passes(scenario: Scenario, steps: int) -> list[PassGathers]:
                 out.append(gathers)
                 _restore(state, end)
                 continue
-            out.append(_one_pass(state, later))
+            out.append(_one_pass(state, later, *_repeats(later)))
             if len(state.release_cache) == key[3]:
                 seen[key] = (out[-1], _snapshot(state))
     return out
@@ -504,6 +510,11 @@ def _recording_pass(ctx: Context, state: _State, first: list[Hook]) -> PassGathe
     _restore(state, before)
     _one_pass(state, first[_leftovers_from(first) :])  # the leftovers' releases gather nothing
     return gathers
+
+
+def _repeats(hooks: list[Hook]) -> tuple[tuple[Run, ...], Layers | None]:
+    """Where a pass's hooks repeat layer by layer, and the layers (none known for a plain list)."""
+    return (hooks.runs, hooks.layers) if isinstance(hooks, HookList) else ((), None)
 
 
 def _leftovers_from(hooks: list[Hook]) -> int:
@@ -582,14 +593,18 @@ class _Pass:
     step_id: int = 0
 
     def __post_init__(self) -> None:
-        self.queue = collections.deque((p, i) for i, mod in enumerate(self.state.order or ()) for p in mod.params)
+        state = self.state
+        if state.order is not None and state.queued is None:
+            state.queued = tuple([(p, i) for i, mod in enumerate(state.order) for p in mod.params])
+        self.queue = collections.deque(state.queued or ())
 
     def run(self, hooks: list[Hook], runs: tuple[Run, ...] = (), layers: Layers | None = None) -> PassGathers:
         done = 0
-        if layers is not None and self.state.order is None:  # the recording pass: see ``repeat``
+        if layers is not None:  # the recording pass: see ``repeat``; a later one: ``periodic``
+            through = self.repeat if self.state.order is None else self.periodic
             for r in runs:
                 self.hooks(hooks[done : r.start])
-                done = self.repeat(hooks, r, layers)
+                done = through(hooks, r, layers)
         return self.hooks(hooks[done:])
 
     def repeat(self, hooks: list[Hook], r: Run, layers: Layers) -> int:
@@ -616,6 +631,134 @@ class _Pass:
             theirs = layers.params[j]
             self.gathers.extend(g.moved(tuple([theirs[k] for k in ks])) for g, ks in at)
         return r.end
+
+    def periodic(self, hooks: list[Hook], r: Run, layers: Layers) -> int:
+        """A pass with the trace complete through a run of alike layers, where it ends. The run's segments are
+        one layer's hooks copied, and the trace's positions and elements repeat with them: a segment does to
+        its layer, and to the layers ahead it prefetches or looks ahead to, what the segment before did to
+        its own, shifted by a layer, where it starts from that segment's state shifted by a layer and reads
+        nothing past the run. So where segment ``i`` ends in the state it started from, shifted by a layer
+        (``_seen``: every layer from ``i`` on), the segments after it are the shift of it, their gathers, the
+        release cache they fill and the state they leave (``_Segment.shifts``, ``_place``), up to where what
+        they read would leave the run; the rest is replayed. Tried on the first ``TRIES`` segments after the
+        first; anything else is replayed."""
+        n, length, start = len(r.layers), r.length, r.start
+        traced = [h for h in hooks[start : start + length] if h.fetch and h.trace]
+        shape = _shape(layers, r, len(traced), sum(len(h.module.params) for h in traced))
+        done = start
+        if n >= 4 and shape.alike(self.state.persistent):
+            first = self.step_id
+            fresh = self._rows(shape, 0, 0, n)
+            free = [all(o is None and u is None for _, _, o, u in row) for row in fresh]
+            self.hooks(hooks[start : start + length])
+            done += length
+            before = self._seen(shape, fresh, free, first, frame=1, lo=1)
+            for i in range(1, min(n - 1, 1 + TRIES)):
+                if before is None or self.queue[0][1] < first:
+                    break
+                counted, left = self.state.n_available, len(self.queue)
+                segment = _Segment.replay(self, hooks[done : done + length], shape, i)
+                done += length
+                after = self._seen(shape, fresh, free, first, frame=i + 1, lo=i)
+                if (
+                    segment is not None
+                    and after is not None
+                    and after[1:] == before[:-1]
+                    and left - len(self.queue) == shape.entries
+                ):
+                    grew = self.state.n_available - counted
+                    ahead = (first + n * shape.positions - segment.reach) // shape.positions
+                    most = min(n - 1 - i, ahead, segment.budgeted(self.state.knobs, grew))
+                    if shifted := segment.shifts(self, shape, most):
+                        self._place(shape, after, fresh, i, i + 1 + shifted, first)
+                        self.state.n_available += shifted * grew
+                        done += shifted * length
+                        break
+                before = None if after is None else after[1:]
+        self.hooks(hooks[done : r.end])
+        return r.end
+
+    def _rows(self, shape: _Shape, frame: int, lo: int, hi: int) -> list[tuple[_Row, ...]]:
+        """Layers ``lo .. hi - 1`` of the run as segment ``frame`` sees them (``_Row``)."""
+        state, recent, mslot = self.state, self.recent, shape.mslot
+        available, secondary, active = state.available, state.secondary, state.active
+        base = self.step_id
+        out: list[tuple[_Row, ...]] = []
+        for names in shape.names[lo:hi]:
+            row: list[_Row] = []
+            for name in names:
+                owners = active.get(name)
+                held = (
+                    frozenset((mslot[o][0] - frame, mslot[o][1]) if o in mslot else o for o in owners)
+                    if owners
+                    else None
+                )
+                used = recent.get(name)
+                row.append(
+                    (name in available, name in secondary, held, None if used is None or used < base else used - base)
+                )
+            out.append(tuple(row))
+        return out
+
+    def _seen(
+        self, shape: _Shape, fresh: list[tuple[_Row, ...]], free: list[bool], first: int, *, frame: int, lo: int
+    ) -> list[tuple[_Row, ...]] | None:
+        """Layers ``lo ..`` of the run as segment ``frame`` (about to start) sees them: those the pass has
+        reached since the run began (its own hooks, the prefetch and the queue up to its front) read now, the
+        others as they were where it began (``fresh``), if those are the same seen from any segment; else
+        None."""
+        if not self.queue:
+            return None
+        reached = self._reached(shape, first, frame)
+        if not all(free[reached + 1 :]):
+            return None
+        return self._rows(shape, frame, lo, reached + 1) + fresh[max(lo, reached + 1) :]
+
+    def _place(
+        self, shape: _Shape, after: list[tuple[_Row, ...]], fresh: list[tuple[_Row, ...]], i: int, to: int, first: int
+    ) -> None:
+        """The state where segment ``to`` starts, segments ``i + 1 .. to - 1`` being the shift of segment ``i``:
+        each layer they passed is as layer ``i`` was after segment ``i`` (``after[0]``), each layer from ``to``
+        on as the layer ``to - i - 1`` layers before it was there (``after[1:]``), each seen from its own
+        segment; the queue and the trace position moved on as many segments. A layer not reached yet is
+        written only where it differs from how it was when the run began (``fresh``)."""
+        state, recent, modules = self.state, self.recent, shape.modules
+        available, secondary, active = state.available, state.secondary, state.active
+        reached = self._reached(shape, first, i + 1)
+        for y in range(i + 1, len(shape.names)):
+            row, frame = (after[0], y + 1) if y < to else (after[1 + y - to], to)
+            now = fresh[y] if y > reached else None
+            if row == now:
+                continue
+            base = first + frame * shape.positions
+            for k, (name, cell) in enumerate(zip(shape.names[y], row, strict=True)):
+                if now is not None and cell == now[k]:
+                    continue
+                gathered, second, held, used = cell
+                if gathered:
+                    available.add(name)
+                else:
+                    available.discard(name)
+                if second:
+                    secondary.add(name)
+                else:
+                    secondary.discard(name)
+                if held:
+                    active[name] = {o if isinstance(o, str) else modules[frame + o[0]][o[1]] for o in held}
+                else:
+                    active.pop(name, None)
+                if used is None:
+                    recent.pop(name, None)
+                else:
+                    recent[name] = base + used
+        for _ in range((to - i - 1) * shape.entries):
+            self.queue.popleft()
+        self.step_id = first + to * shape.positions
+
+    def _reached(self, shape: _Shape, first: int, frame: int) -> int:
+        """The last layer of the run the pass has reached where segment ``frame`` starts: its own hooks' and
+        the queue's (the prefetch and the advance pop it in trace order), from the run's first position on."""
+        return min(len(shape.names) - 1, max(frame - 1, (self.queue[0][1] - first) // shape.positions))
 
     def _look(self, params: tuple[ParamTensor, ...]) -> list[tuple[bool, bool]]:
         """Each parameter gathered or not, and with a secondary partition or not."""
@@ -689,14 +832,16 @@ class _Pass:
             recent[p.name] = used
             popped.add(p.name)
 
-    def prefetch(self, hook: Hook) -> None:
+    def prefetch(self, hook: Hook) -> tuple[int, int] | None:
+        """The trace ahead gathered up to the budget; the elements chosen and the last one's, if any."""
         state, queue = self.state, self.queue
         k = state.knobs
         budget = min(k.max_live - state.n_available, k.prefetch)
         if budget <= 0 or not queue:
-            return
+            return None
         chosen: dict[str, ParamTensor] = {}
         numel, available, recent = 0, state.available, self.recent
+        last = 0
         while queue and numel < budget:
             p, used = queue.popleft()
             name = p.name
@@ -704,9 +849,11 @@ class _Pass:
                 recent[name] = used
             if name not in available and name not in chosen:
                 chosen[name] = p
-                numel += p.numel
+                last = p.numel
+                numel += last
         if chosen:
             self.gather(tuple(chosen.values()), hook, True)
+        return numel, last
 
     def release(self, hook: Hook) -> None:
         """``release_sub_module``: the module's parameters no other active module holds, unless reused soon
@@ -730,6 +877,178 @@ class _Pass:
                     state.secondary.add(p.name)
 
 
+_T = TypeVar("_T")
+
+TRIES = 4
+"""How many segments of a run ``_Pass.periodic`` tries as the one the rest repeat, before it replays them all."""
+
+_Row = tuple[bool, bool, frozenset[tuple[int, int] | str] | None, int | None]
+"""A parameter's state as a segment of its run sees it (``_Pass.periodic``): gathered, with a secondary
+partition, the modules holding it (a layer's as its offset from the segment's layer and its index in the
+layer; any other by name; None: none) and the trace position it was last fetched for, from the segment's
+start (None: none at or after it, which every read of it takes as none at all)."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Shape:
+    """A run of alike layers, by position in the run: what ``_Pass.periodic`` reads a segment's state by."""
+
+    params: tuple[tuple[ParamTensor, ...], ...]
+    names: tuple[tuple[str, ...], ...]
+    modules: tuple[tuple[str, ...], ...]
+    slot: dict[str, tuple[int, int]]
+    """A parameter's name -> its layer's position in the run, its index in the layer."""
+    mslot: dict[str, tuple[int, int]]
+    """A module's name -> its layer's position in the run, its index in the layer."""
+    positions: int
+    """Trace positions a segment."""
+    entries: int
+    """Entries of the trace's parameter queue a segment."""
+    persistent: dict[frozenset[str], bool] = field(default_factory=dict)
+
+    def alike(self, persistent: frozenset[str]) -> bool:
+        """Whether the persistent parameters are the same ones in every layer."""
+        if persistent not in self.persistent:
+            first = [n in persistent for n in self.names[0]]
+            self.persistent[persistent] = all([n in persistent for n in ns] == first for ns in self.names[1:])
+        return self.persistent[persistent]
+
+
+@functools.lru_cache(maxsize=64)
+def _shape(layers: Layers, r: Run, positions: int, entries: int) -> _Shape:
+    params = tuple(layers.params[j] for j in r.layers)
+    modules = tuple(tuple(m.name for m in layers.modules[j]) for j in r.layers)
+    return _Shape(
+        params=params,
+        names=tuple(tuple(p.name for p in ps) for ps in params),
+        modules=modules,
+        slot={p.name: (y, k) for y, ps in enumerate(params) for k, p in enumerate(ps)},
+        mslot={m: (y, k) for y, ms in enumerate(modules) for k, m in enumerate(ms)},
+        positions=positions,
+        entries=entries,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Segment:
+    """Segment ``i`` of a run replayed (``_Pass.periodic``), with what a shift of it repeats: its gathers,
+    its releases' look-ups in the release cache, each parameter and module as (layer offset from ``i``,
+    index in its layer), and ``reach``, the trace position before which lies all it read."""
+
+    i: int
+    gathers: tuple[tuple[Gather, tuple[tuple[int, int], ...]], ...]
+    looked: tuple[tuple[int, int, bool, tuple[tuple[int, int], ...]], ...]
+    """Each key looked up (the module of the segment's layer, by index, and the trace position from the
+    segment's start): found in the cache or not, what it released (the first look-up of each key)."""
+    reach: int
+    prefetches: tuple[tuple[int, tuple[int, int] | None], ...]
+    """Each prefetch's count of gathered elements, and what it chose (``_Pass.prefetch``)."""
+
+    @classmethod
+    def replay(cls, p: _Pass, hooks: list[Hook], shape: _Shape, i: int) -> _Segment | None:
+        """Segment ``i`` replayed; None where it touched a parameter outside the run."""
+        state, slot, mslot = p.state, shape.slot, shape.mslot
+        cache, base, made = state.release_cache, p.step_id, len(p.gathers)
+        release, read = p.release, []
+
+        def prefetch(hook: Hook) -> None:
+            counted = state.n_available
+            chose = _Pass.prefetch(p, hook)
+            read.append((counted, chose))
+
+        p.prefetch = prefetch  # type: ignore[method-assign]
+        keys: list[tuple[tuple[str, int], bool]] = []
+        try:
+            for hook in hooks:
+                if hook.fetch:
+                    p.fetch(hook)
+                elif hook.module.params:
+                    key = (hook.module.name, p.step_id)
+                    found = key in cache
+                    release(hook)
+                    keys.append((key, found))
+        finally:
+            del p.prefetch
+        try:
+            gathers = tuple(
+                (g, tuple((slot[q.name][0] - i, slot[q.name][1]) for q in g.params)) for g in p.gathers[made:]
+            )
+            looked: dict[tuple[int, int], tuple[bool, tuple[tuple[int, int], ...]]] = {}
+            for (name, at), found in keys:
+                layer, k = mslot[name]
+                released = tuple(sorted((slot[q][0] - i, slot[q][1]) for q in cache[name, at]))
+                if layer != i:
+                    return None  # another layer's module
+                if (k, at - base) not in looked:
+                    looked[k, at - base] = (found, released)
+                elif not found or looked[k, at - base][1] != released:
+                    return None  # a key looked up again, not as its first look-up left it
+        except KeyError:
+            return None
+        reach = p.queue[0][1] + 1 if p.queue else sys.maxsize
+        missed = [at for (_, at), found in keys if not found]
+        if missed and state.trace is not None:
+            reach = max(reach, state.trace.reach(max(missed), state.knobs.reuse))
+        looks = tuple((k, where, found, released) for (k, where), (found, released) in looked.items())
+        return cls(i, gathers, looks, max(reach, p.step_id), tuple(read))
+
+    def budgeted(self, k: Knobs, grew: int) -> int:
+        """How many shifts of this segment make each prefetch it made, where each segment leaves ``grew`` more
+        elements gathered than it found: this pass's gathered elements count against
+        ``stage3_max_live_parameters``, so the ``t``-th shift's budget is ``min(max_live - counted - t *
+        grew, prefetch)`` where this one's read ``counted``. A prefetch that chose ``numel`` elements, the
+        last of them ``last``, chooses the same under any budget above ``numel - last`` and up to ``numel``
+        (it stops at the first choice that reaches the budget); one that found no budget, under none."""
+        if grew == 0 or k.prefetch <= 0:
+            return sys.maxsize
+        most = sys.maxsize
+        for counted, chose in self.prefetches:
+            room = k.max_live - counted  # the budget before the bucket's cap
+            if chose is None:  # no budget: it stays none while the count does not fall
+                if grew < 0:
+                    most = min(most, -room // -grew)
+            elif grew > 0:  # the budget falls: it must stay above what came before the last choice
+                most = min(most, (room - (chose[0] - chose[1]) - 1) // grew)
+            elif k.prefetch > chose[0]:  # it rises: it must stay within what was chosen
+                most = min(most, (chose[0] - room) // -grew)
+        return most
+
+    def shifts(self, p: _Pass, shape: _Shape, most: int) -> int:
+        """The segments ``i + 1 .. i + most`` as shifts of this one, for as many as the release cache agrees
+        with (each key found where this one's was, holding what this one's held shifted): their gathers and
+        what they add to the cache made. How many. Segment by segment, a key is its layer's module and a
+        position in the segment, so no two segments share one."""
+        if most <= 0:
+            return 0
+        cache, step, first = p.state.release_cache, shape.positions, self.i + 1
+
+        def across(table: tuple[tuple[_T, ...], ...], e: int, j: int, count: int) -> list[_T]:
+            """Slot (``e``, ``j``) of this segment's frame in each of the next ``count`` segments'."""
+            return [row[j] for row in table[first + e : first + e + count]]
+
+        fits, added = most, []
+        for k, where, found, released in self.looked:
+            start = p.step_id + where
+            keys = list(zip(across(shape.modules, 0, k, most), range(start, start + most * step, step), strict=True))
+            columns = [across(shape.names, e, j, most) for e, j in released]
+            values = list(map(frozenset, zip(*columns, strict=True))) if columns else [frozenset()] * most
+            held = list(map(cache.get, keys))
+            if found:
+                fits = min(fits, next((t for t, (h, v) in enumerate(zip(held, values, strict=True)) if h != v), most))
+            else:
+                fits = min(fits, next((t for t, h in enumerate(held) if h is not None), most))
+                added.append((keys, values))
+        for keys, values in added:
+            cache.update(zip(keys[:fits], values[:fits], strict=True))
+        if fits and self.gathers:
+            moved = [
+                list(map(g.moved, zip(*[across(shape.params, e, j, fits) for e, j in ks], strict=True)))
+                for g, ks in self.gathers
+            ]
+            p.gathers.extend(itertools.chain.from_iterable(zip(*moved, strict=True)))
+        return fits
+
+
 @dataclass(frozen=True, slots=True)
 class _Trace:
     """The recorded trace indexed for ``__params_to_release``'s look-ahead: the elements of the trace before
@@ -741,21 +1060,25 @@ class _Trace:
 
     @classmethod
     def of(cls, order: list[Module]) -> _Trace:
-        starts: list[int] = [0]
         uses: dict[str, list[int]] = collections.defaultdict(list)
         for i, mod in enumerate(order):
-            starts.append(starts[-1] + sum(p.numel for p in mod.params))
             for p in mod.params:
-                if not uses[p.name] or uses[p.name][-1] != i:
-                    uses[p.name].append(i)
+                at = uses[p.name]
+                if not at or at[-1] != i:
+                    at.append(i)
+        starts = itertools.accumulate([sum([p.numel for p in mod.params]) for mod in order], initial=0)
         return cls(tuple(starts), dict(uses))
+
+    def reach(self, step_id: int, reuse: int) -> int:
+        """The position before which lie the modules the look-ahead traverses from ``step_id``."""
+        return bisect.bisect_left(self.starts, self.starts[step_id] + reuse, lo=step_id)
 
     def reused(self, name: str, step_id: int, reuse: int) -> bool:
         """Whether the modules the look-ahead traverses from ``step_id`` use ``name``: those at positions
         ``step_id, step_id + 1, ...`` while fewer than ``reuse`` elements lie before them (from ``step_id``)."""
         if step_id >= len(self.starts) - 1:
             return False
-        end = bisect.bisect_left(self.starts, self.starts[step_id] + reuse, lo=step_id)
+        end = self.reach(step_id, reuse)
         at = self.uses.get(name, ())
         i = bisect.bisect_left(at, step_id)
         return i < len(at) and at[i] < end
