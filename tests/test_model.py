@@ -127,22 +127,26 @@ def test_llama_counted_by_hand() -> None:
 
 
 def test_a_parameter_pickled_in_another_process_hashes_as_one_made_here() -> None:
-    """``ParamTensor`` keeps its hash; one pickled by a process with another string hash seed must not
-    carry that process's hash here (it would miss every cache keyed by the model's parameters)."""
+    """``ParamTensor`` and a model's ``Params`` keep their hash; one pickled by a process with another string
+    hash seed must not carry that process's hash here (it would miss every cache keyed by the model's
+    parameters)."""
     import os
     import pickle
     import subprocess
     import sys
 
+    from commgate.model.transformer import Params
+
     code = (
         "import pickle, sys; from commgate.model.transformer import PRESETS, inventory; "
-        "sys.stdout.buffer.write(pickle.dumps(inventory(PRESETS['125M'])[:3]))"
+        "params = inventory(PRESETS['125M']); hash(params); sys.stdout.buffer.write(pickle.dumps(params))"
     )
     seed = "1" if os.environ.get("PYTHONHASHSEED") != "1" else "2"
     out = subprocess.run(
         [sys.executable, "-c", code], env=os.environ | {"PYTHONHASHSEED": seed}, capture_output=True, check=True
     ).stdout
-    theirs, ours = pickle.loads(out), inventory(PRESETS["125M"])[:3]
-    assert theirs == ours
+    theirs, ours = pickle.loads(out), inventory(PRESETS["125M"])
+    assert isinstance(theirs, Params) and theirs == ours
+    assert hash(theirs) == hash(ours) == hash(tuple(ours))
     assert [hash(p) for p in theirs] == [hash(p) for p in ours]
-    assert set(theirs) == set(ours)
+    assert set(theirs) == set(ours) and {theirs: 1}[ours] == 1

@@ -24,7 +24,7 @@ from commgate.model.collectives import OPS, Op, add_traffic
 from commgate.model.layout import Axis, Group, Layout
 from commgate.model.paper import eq1_param_count, llama_param_count
 from commgate.model.scenario import Scenario
-from commgate.model.transformer import WIRE_ITEMSIZE, ParamTensor, inventory, param_stages, stage_split
+from commgate.model.transformer import WIRE_ITEMSIZE, Params, ParamTensor, inventory, param_stages, stage_split
 from commgate.model.usermodule import Buffer
 
 T = TypeVar("T")
@@ -211,7 +211,7 @@ class Context:
         if self.scenario.model.module:
             from commgate.model.usermodule import describe
 
-            return describe(self.scenario).params
+            return Params(describe(self.scenario).params)
         moe = self.scenario.parallelism.moe
         return inventory(self.scenario.model, experts=moe.experts if moe else 0, moe_every=moe.every if moe else 1)
 
