@@ -166,12 +166,33 @@ def test_each_op_counts_beyond_its_own_spread_a_noisy_small_op_raises_no_others_
     assert _verdicts([_run(10.0, broadcast=11.0)], base, rule)["broadcast"] == "slower"  # x3.67
 
 
-def test_an_op_under_min_share_of_the_step_is_not_judged() -> None:
-    """A broadcast of 1 ms in a 100 ms step is scheduling noise on a shared machine, whatever its ratio."""
+def test_an_op_under_min_share_of_the_step_is_not_judged_until_it_grows_into_the_step() -> None:
+    """A broadcast of 1 ms in a 100 ms step is scheduling noise on a shared machine, whatever its ratio while
+    it stays small (x2.5: 2.5 ms, under min_share of the step now too); where its floor is min_share of the
+    step or more in every run now, it has grown into the step and is judged."""
     base = [_run(10.0, broadcast=1.0), _run(11.0, broadcast=1.0), _run(10.5, broadcast=1.0)]
-    a = shifts([_run(10.0, broadcast=9.0)], base, LatencyRule())
+    a = shifts([_run(10.0, broadcast=2.5)], base, LatencyRule())
     assert {s.op: s.verdict for s in a.shifts} == {"all_reduce": "~"} and a.unjudged == 1
-    assert _verdicts([_run(10.0, broadcast=9.0)], base, LatencyRule(min_share=0))["broadcast"] == "slower"
+    assert "1 too small a share of the step to judge (under min_share, or a floor under 1% of it)" in a.summary()
+    assert _verdicts([_run(10.0, broadcast=2.5)], base, LatencyRule(min_share=0))["broadcast"] == "slower"
+    assert _verdicts([_run(10.0, broadcast=9.0)], base) == {"all_reduce": "~", "broadcast": "slower"}
+    assert _verdicts([_run(10.0, broadcast=9.0), _run(10.0, broadcast=2.5)], base) == {"all_reduce": "~"}
+
+
+def test_an_op_whose_floor_was_a_sliver_of_the_step_is_judged_once_its_floor_fills_it() -> None:
+    """Found by an adversarial pass: a broadcast taking 8.7 ms of an 81 ms step in the stored runs, its floor
+    0.57 ms (under 1% of the step, so not judged), made 50 times slower (``--commgate-fault
+    slow=broadcast:50``): its floor became 4.9 s of a 14.9 s step, and the gate passed under ``action: fail``."""
+    ms, bc = 1_000_000, ("broadcast", "group 0,1", 8, "forward")
+
+    def run(broadcast: float, floor: float, step: float) -> RunLatency:
+        r = _run(10.0, broadcast=broadcast, step=step)
+        return replace(r, floor=r.floor | {bc: int(floor * ms)})
+
+    base = [run(8.7, 0.57, 81.0), run(8.5, 0.55, 80.0), run(8.9, 0.58, 82.0)]
+    assert shifts([run(8.8, 0.56, 81.0)], base, LatencyRule()).unjudged == 1
+    (shift,) = [s for s in shifts([run(14766.0, 4921.8, 14885.3)], base, LatencyRule()).shifts if s.op == "broadcast"]
+    assert shift.verdict == "slower" and shift.ratio > 1000
 
 
 def test_every_run_must_be_slower_and_only_a_whole_machine_drift_is_excused() -> None:

@@ -444,7 +444,7 @@ class Assessment:
     note: str = ""
     threshold: float = 0.0
     unjudged: int = 0
-    """Ops left out: under ``min_share`` of the step."""
+    """Ops left out: under ``min_share`` of the step, or with a floor under ``FLOOR_MIN_SHARE`` of it."""
 
     def changed(self) -> list[Shift]:
         return [s for s in self.shifts if s.verdict != "~"]
@@ -454,7 +454,12 @@ class Assessment:
         to judge), or the note."""
         if self.note:
             return self.note
-        small = f"; {self.unjudged} under min_share of the step not judged" if self.unjudged else ""
+        small = (
+            f"; {self.unjudged} too small a share of the step to judge (under min_share, or a floor under "
+            f"{FLOOR_MIN_SHARE:.0%} of it)"
+            if self.unjudged
+            else ""
+        )
         steady = len(self.shifts) - len(self.changed())
         return f"no latency shift beyond x{self.threshold:.2f} in {steady} op(s){small}"
 
@@ -510,7 +515,9 @@ def shifts(now: Sequence[RunLatency], base: Sequence[RunLatency], rule: LatencyR
     of the factor and the base runs' own reach below it (reported, never a failure). Fewer than
     ``rule.min_runs`` base runs measured as this version measures: not judged; an op under
     ``rule.min_share`` of the step in the base runs is not judged either (a 20 us broadcast is scheduling
-    noise on a shared machine), nor one whose floor is under ``FLOOR_MIN_SHARE``."""
+    noise on a shared machine), nor one whose floor is under ``FLOOR_MIN_SHARE``, unless its floor is
+    ``rule.min_share`` of the step or more in every run now: an op that was cheap and has grown into the
+    step (a broadcast of 0.6 ms whose floor became seconds passed the gate, found by an adversarial pass)."""
     older = sum(r.measure != MEASURE for r in base)
     base = [r for r in base if r.measure == MEASURE]
     if len(base) < rule.min_runs or not now:
@@ -522,8 +529,11 @@ def shifts(now: Sequence[RunLatency], base: Sequence[RunLatency], rule: LatencyR
     judged = {
         op
         for op in ops
-        if _share(op, base, step) >= rule.min_share
-        and statistics.median(r.op_floor(op) for r in base) >= FLOOR_MIN_SHARE * step
+        if (
+            _share(op, base, step) >= rule.min_share
+            and statistics.median(r.op_floor(op) for r in base) >= FLOOR_MIN_SHARE * step
+        )
+        or all(r.op_floor(op) >= rule.min_share * _median_issued(r.step) > 0 for r in now)
     }
     all_now, all_base = now, base
     base = [_only(r, judged) for r in base]
