@@ -71,3 +71,27 @@ def test_the_unused_baselines_are_those_of_the_backends_the_run_used(tmp_path: P
     used = {str(store.path("gloo", "a").resolve())}
     assert store.unused(used) == [store.path("gloo", "b")]
     assert store.unused({str(store.path("emulated", "a").resolve())}) == []
+
+
+def test_links_that_lead_nowhere_are_one_line_errors_or_no_baselines(tmp_path: Path) -> None:
+    """Found by an adversarial pass: a stray symbolic-link loop in a backend's folder made a passing gate exit
+    1 with a traceback (the unused-baselines listing resolved it); a scenario's own baseline a loop, or a file
+    where the backend's folder goes, were tracebacks too. A loop is no baseline; the others are one line."""
+    from commgate.core.errors import WriteError
+    from commgate.core.fsutil import atomic_write_bytes
+
+    store = BaselineStore(tmp_path)
+    b = bl.load(DATA / "ddp.json")
+    used = str(store.save(b).resolve())
+    (tmp_path / "gloo" / "stray.json").symlink_to("stray.json")
+    assert store.unused({used}) == [] and store.query() == [store.path("gloo", b.scenario)]
+    own = store.path("gloo", "other")
+    own.symlink_to(own.name)
+    with pytest.raises(bl.BaselineError, match=r"other\.json: a symbolic-link loop, not a baseline; remove it"):
+        store.load("gloo", "other")
+    with pytest.raises(WriteError, match=r"other\.json: a symbolic-link loop; remove it"):
+        atomic_write_bytes(own, b"{}")
+    (tmp_path / "nccl").write_text("x")
+    for call in (store.load, store.discard_obtained):
+        with pytest.raises(WriteError, match=r"nccl: not a directory, where commgate keeps the nccl baselines"):
+            call("nccl", b.scenario)

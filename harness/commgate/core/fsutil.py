@@ -208,6 +208,8 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
         _replace_atomically(target, data)
     except OSError as exc:
         raise WriteError(_cannot_write(path, exc)) from None
+    except RuntimeError:  # Python 3.11's pathlib on a link that leads back to itself
+        raise WriteError(f"{path}: a symbolic-link loop; remove it, or give another path") from None
     return path
 
 

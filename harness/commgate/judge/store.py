@@ -13,11 +13,13 @@ or accept, and a run that matches removes it. Every file is written atomically.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from commgate.core.errors import Problem, WriteError
 from commgate.judge import baseline as bl
 
 OBTAINED = ".obtained.json"
@@ -29,13 +31,23 @@ class BaselineStore:
 
     root: Path
 
+    def folder(self, backend: str) -> Path:
+        """``{root}/{backend}``; a one-line ``WriteError`` where a file (or a link to nothing) stands there."""
+        where = self.root / backend
+        if (where.exists() or where.is_symlink()) and not where.is_dir():
+            raise WriteError(
+                f"{where}: not a directory, where commgate keeps the {backend} baselines; remove it, or give "
+                "another baseline directory"
+            )
+        return where
+
     def path(self, backend: str, scenario_id: str) -> Path:
         """``{root}/{backend}/{id}.json``, the id made file-name safe (``tp[s=128]`` stays readable)."""
-        return self.root / backend / f"{_safe(scenario_id)}.json"
+        return self.folder(backend) / f"{_safe(scenario_id)}.json"
 
     def obtained_path(self, backend: str, scenario_id: str) -> Path:
         """``{root}/{backend}/{id}.obtained.json``, beside the baseline."""
-        return self.root / backend / f"{_safe(scenario_id)}{OBTAINED}"
+        return self.folder(backend) / f"{_safe(scenario_id)}{OBTAINED}"
 
     def curve_path(self, backend: str) -> Path:
         """``{root}/bandwidth-{backend}.json``: beside the backends' folders, not in them."""
@@ -45,6 +57,9 @@ class BaselineStore:
         """The scenario's stored baseline (None when there is none); a file that is malformed, or another
         scenario's, is a one-line ``BaselineError``."""
         path = self.path(backend, scenario_id)
+        if _loops(path):
+            message = "a symbolic-link loop, not a baseline; remove it: the next gated run writes the baseline anew"
+            raise bl.BaselineError([Problem(file=str(path), path="", message=message)])
         return bl.load(path, scenario=scenario_id) if path.exists() else None
 
     def save(self, baseline: bl.Baseline) -> Path:
@@ -73,7 +88,21 @@ class BaselineStore:
         return [p for p in found if (not used or p.resolve().parent in folders) and str(p.resolve()) not in used]
 
     def _baselines(self, pattern: str) -> list[Path]:
-        return sorted(p for p in self.root.glob(pattern) if not p.name.endswith(OBTAINED))
+        """The files ``pattern`` finds that are baselines: not obtained files, nor links to nothing (a loop)."""
+        return sorted(p for p in self.root.glob(pattern) if not p.name.endswith(OBTAINED) and p.is_file())
+
+
+def _loops(path: Path) -> bool:
+    """Whether ``path`` is a symbolic link that leads back to itself."""
+    if not path.is_symlink():
+        return False
+    try:
+        path.resolve(strict=True)
+    except RuntimeError:  # Python 3.11's pathlib: "Symlink loop from ..."
+        return True
+    except OSError as exc:
+        return exc.errno == errno.ELOOP
+    return False
 
 
 NAME_MAX = 255
