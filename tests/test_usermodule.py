@@ -155,6 +155,38 @@ def test_a_module_that_ends_or_fails_on_import_is_one_line_naming_the_file(
     assert "\n" not in message
 
 
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        ("import os\nos._exit(0)\ndef build(scenario): pass\n", "importing ends_here called os._exit (status 0)"),
+        ("import os\ndef build(scenario): os._exit(3)\n", "build(scenario) called os._exit(3); build must return"),
+        ("import sys\ndef build(scenario): sys.exit(2)\n", "build(scenario) called sys.exit(2); build must return"),
+    ],
+    ids=["os._exit on import", "os._exit in build", "sys.exit in build"],
+)
+def test_a_module_that_ends_the_process_is_an_error_not_a_silent_exit(body: str, said: str, tmp_path: Path) -> None:
+    """Found by an adversarial pass: ``os._exit`` in a module's import or its ``build`` (a training script's
+    way past a hang in NCCL's teardown) ended ``commgate validate``, ``run`` and pytest's collection with the
+    module's status, 0, and no word, another scenario's error beside it never said; ``sys.exit`` in ``build``
+    was pytest's INTERNALERROR. Run as a command: where the guard fails, the process ends, not this test's."""
+    import subprocess
+
+    (tmp_path / "ends_here.py").write_text(body)
+    (tmp_path / "s.yaml").write_text(text("ends_here:build", "scheme: ddp, dp: 2"))
+    (tmp_path / "t.yaml").write_text(text("ends_here:build", "scheme: ddp, dp: -3").replace("name: u", "name: t"))
+    done = subprocess.run(
+        [sys.executable, "-m", "commgate", "validate", "s.yaml", "t.yaml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert any(line.startswith("s.yaml:3: ") and said in line for line in lines), done.stderr
+    assert any(line.startswith("t.yaml") for line in lines), done.stderr  # the other file's error is said too
+
+
 def test_a_build_that_fails_names_the_scenario_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "bad_build.py").write_text("def build(scenario): return 5\n")
     (tmp_path / "s.yaml").write_text(text("bad_build:build", "scheme: ddp, dp: 2"))

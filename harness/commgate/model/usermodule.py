@@ -45,9 +45,9 @@ import importlib
 import io
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from commgate.core.errors import CommgateError, first_line
 from commgate.model.moduletrace import Hook, Module
@@ -78,6 +78,31 @@ class Described:
     not gathered then) is that module's from the first such read on (``register_external_parameter``)."""
 
 
+class _Exited(BaseException):
+    """``os._exit(status)``, called by a user's module while commgate imports or builds it (``_exit_raises``)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+@contextlib.contextmanager
+def _exit_raises() -> Iterator[None]:
+    """``os._exit`` raises ``_Exited`` meanwhile. A module that called it as commgate imported or built it
+    ended commgate's own process with the module's status and no word: ``validate``, ``run`` and pytest's
+    collection exited 0 having judged nothing (found by an adversarial pass)."""
+    real = os._exit
+
+    def exited(status: int) -> NoReturn:
+        raise _Exited(status)
+
+    os._exit = exited
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
 def resolve(spec: str, what: str = "model.module") -> Callable[..., Any]:
     """The callable ``package.module:attribute`` names, imported as ``python -m`` would from the directory
     commgate runs in (the user's repository: its own modules need no install); a one-line ``CommgateError``
@@ -88,14 +113,16 @@ def resolve(spec: str, what: str = "model.module") -> Callable[..., Any]:
         sys.path.insert(0, here)
     said = io.StringIO()
     try:
-        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said), _exit_raises():
             imported = importlib.import_module(module)
-    except SystemExit as exc:  # (argparse's usage error is one): commgate's own command would end with no word
+    except (SystemExit, _Exited) as exc:  # (argparse's usage error is one): commgate would end with no word
         last = said.getvalue().strip().splitlines()[-1:] or [""]
         printed = f", having printed {last[0][:120]!r}" if last[0] else ""
+        status = exc.status if isinstance(exc, _Exited) else exc.code
+        how = "called os._exit" if isinstance(exc, _Exited) else "exited"
         raise CommgateError(
-            f"{what} {spec!r}: importing {module} exited (status {exc.code!r}{printed}); a module commgate imports "
-            'must not end the process on import: put its command-line code under `if __name__ == "__main__":`'
+            f"{what} {spec!r}: importing {module} {how} (status {status!r}{printed}); a module commgate imports must "
+            'not end the process on import: put its command-line code under `if __name__ == "__main__":`'
         ) from None
     except ModuleNotFoundError as exc:
         top = module.split(".")[0]
@@ -139,11 +166,16 @@ def build(scenario: Scenario, device: Any) -> tuple[Any, Callable[[int], tuple[A
     assert scenario.model.module is not None
     spec = scenario.model.module
     name = who(scenario)
-    with torch.device(device):
+    with torch.device(device), _exit_raises():
         try:
             out = (scenario.model.builder or resolve(spec))(scenario)
         except CommgateError:
             raise
+        except (SystemExit, _Exited) as exc:
+            how = f"os._exit({exc.status})" if isinstance(exc, _Exited) else f"sys.exit({exc.code!r})"
+            raise CommgateError(
+                f"{name}: build(scenario) called {how}; build must return the model and its inputs, not end the process"
+            ) from None
         except Exception as exc:
             raise CommgateError(f"{name}: build(scenario) raised {type(exc).__name__}: {exc}") from None
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.nn.Module) and callable(out[1])):
