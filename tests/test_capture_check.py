@@ -88,6 +88,29 @@ def test_name_keys_the_baseline_and_bad_names_are_one_line(jobs: dict[str, Path]
         assert done.stderr.strip().count("\n") == 0 and "Traceback" not in done.stderr
 
 
+def test_refresh_latency_adds_a_captured_run_to_the_latency_history(jobs: dict[str, Path], work: Path) -> None:
+    """Found by an adversarial pass: ``check`` had no ``--refresh-latency``, the flag its own latency note
+    names, so a captured job's latency history never grew past its first run and latency was never judged."""
+    store = work / "baselines-refreshed"
+    stored = commgate("check", jobs["plain"], "--name", "refreshed", "--baseline-dir", store, "--update-baselines")
+    assert stored.returncode == 0, stored.stdout + stored.stderr
+
+    def runs() -> int:
+        doc = json.loads((store / "gloo" / "refreshed.json").read_text())
+        return sum(len(v) for v in doc["latency"].values())
+
+    assert runs() == 1
+    for n in (2, 3):
+        again = commgate(
+            "check", jobs["plain"], "--name", "refreshed", "--baseline-dir", store, "--update-baselines",
+            "--refresh-latency",
+        )  # fmt: skip
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert runs() == n
+    alone = commgate("check", jobs["plain"], "--name", "refreshed", "--baseline-dir", store, "--refresh-latency")
+    assert alone.returncode == 2 and "--refresh-latency works with --update-baselines; add it" in alone.stderr
+
+
 def test_a_command_with_no_script_needs_a_name(jobs: dict[str, Path], work: Path) -> None:
     cap = work / "nameless"
     shutil.copytree(jobs["plain"], cap)

@@ -364,7 +364,12 @@ def cmd_check(a: argparse.Namespace) -> int:
         return _flight_recorder_alone(a)
     if a.scenario is not None and a.name is not None:
         raise UsageError("check: --name names a capture judged without a scenario; --scenario names it already")
-    checked = options(lambda name: f"--{name}", baseline_dir=a.baseline_dir, update=a.update_baselines)
+    checked = options(
+        lambda name: f"--{name}",
+        baseline_dir=a.baseline_dir,
+        update=a.update_baselines,
+        refresh_latency=a.refresh_latency,
+    )
     captured = load(a.capture)
     scenarios = _check_scenario(a, captured)
     if why := next(filter(None, map(FromCapture(captured=captured).mismatch, scenarios)), None):
@@ -792,6 +797,11 @@ def _add_capture(sub: argparse._SubParsersAction[_Parser]) -> None:
     )
     c.add_argument("--baseline-dir", type=env.path, help=f"default: {BASELINES_DEFAULT}")
     c.add_argument("--update-baselines", action="store_true", help="rewrite a baseline whose communication changed")
+    c.add_argument(
+        "--refresh-latency",
+        action="store_true",
+        help="with --update-baselines: rewrite an unchanged baseline too, adding this capture to the latency history",
+    )
     c.add_argument("--report-dir", type=env.path, help="write report.json, index.html, plots/ and trace.json there")
 
 
