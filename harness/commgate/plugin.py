@@ -33,8 +33,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini(
         "commgate_scenario_dirs",
         type="linelist",
-        default=[DEFAULT_SCENARIO_DIR],
-        help="directories (relative to the rootdir) whose every .yaml/.yml file is a scenario; elsewhere a YAML "
+        default=[],
+        help=f"directories (relative to the rootdir) whose every .yaml/.yml file is a scenario (default: "
+        f"{DEFAULT_SCENARIO_DIR}, where it holds a file declaring schema_version); elsewhere a YAML "
         "file is one if it declares schema_version or is named on the command line. A scenario file that cannot "
         "be read or validated is a collection error.",
     )
@@ -57,14 +58,20 @@ def pytest_configure(config: pytest.Config) -> None:
     config.add_cleanup(sigterm_as_interrupt())  # SIGTERM unwinds as Ctrl-C does until the session ends
 
 
+def scenario_dirs(config: pytest.Config) -> tuple[list[str], bool]:
+    """The scenario directories, and whether the configuration names them (else the default, ``scenarios``)."""
+    dirs: list[str] = config.getini("commgate_scenario_dirs")
+    return (dirs, True) if dirs else ([DEFAULT_SCENARIO_DIR], False)
+
+
 def _check_scenario_dirs(config: pytest.Config) -> None:
     """A ``commgate_scenario_dirs`` the configuration sets names directories that exist: a misspelled one
     would collect no scenario and the gate would pass having judged nothing. (The default, ``scenarios``,
     may be absent: a project with commgate installed need not use it.)"""
-    dirs = config.getini("commgate_scenario_dirs")
+    dirs, configured = scenario_dirs(config)
     where = config.inipath or config.rootpath
     missing = [d for d in dirs if not (config.rootpath / d).is_dir()]
-    if missing and dirs != [DEFAULT_SCENARIO_DIR]:
+    if missing and configured:
         raise pytest.UsageError(
             f"{where}: commgate_scenario_dirs names {', '.join(map(repr, missing))}, not a directory under "
             f"{config.rootpath}; create it, or fix the name"
@@ -125,23 +132,48 @@ class _OnInterrupt:
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
-    """YAML scenarios (one that cannot be read or validated fails collection): every one under the ini's
-    ``commgate_scenario_dirs``, named on the command line, or declaring ``schema_version``; one in a directory
-    named on the command line that is none is listed at the end with the rule that decided."""
+    """YAML scenarios (one that cannot be read or validated fails collection): every one declaring
+    ``schema_version``, and every one under the ini's ``commgate_scenario_dirs`` where the configuration names
+    them or the default ``scenarios`` holds a scenario. Elsewhere, a file named on the command line or in a
+    directory named there, or one in a ``scenarios`` of a project that has none, is loaded where it may be a
+    scenario (it has one of a scenario's required keys) and is listed at the end with the rule that decided
+    where it is named and is none: another project's YAML (pytest's own YAML-test example, a BDD suite's
+    ``scenarios/``) is not commgate's to refuse, found by an adversarial pass."""
     if file_path.suffix not in (".yaml", ".yml"):
         return None
     from commgate.model.loader import declares_scenario, not_a_scenario
 
     config = parent.config
-    dirs = [(config.rootpath / d).resolve() for d in config.getini("commgate_scenario_dirs")]
-    named = parent.session.isinitpath(file_path) or any(file_path.resolve().is_relative_to(d) for d in dirs)
-    if named or declares_scenario(file_path):
+    dirs = [(config.rootpath / d).resolve() for d in scenario_dirs(config)[0]]
+    under = any(file_path.resolve().is_relative_to(d) for d in dirs)
+    if declares_scenario(file_path) or (under and _commgate_dirs(config)):
         return ScenarioFile.from_parent(parent, path=file_path)
-    if config.args_source == pytest.Config.ArgsSource.ARGS and _under_args(config, file_path):
-        if (rule := not_a_scenario(file_path)) is None:  # it may be one, in a directory the user named: load it
+    named = parent.session.isinitpath(file_path) or (
+        config.args_source == pytest.Config.ArgsSource.ARGS and _under_args(config, file_path)
+    )
+    if named or under:
+        if (rule := not_a_scenario(file_path)) is None:  # it may be one: load it, and say what is wrong with it
             return ScenarioFile.from_parent(parent, path=file_path)
-        config.stash[SESSION].not_scenarios.append(f"{file_path}: {rule}")
+        if named:
+            config.stash[SESSION].not_scenarios.append(f"{file_path}: {rule}")
     return None
+
+
+_COMMGATE_DIRS: pytest.StashKey[bool] = pytest.StashKey()
+
+
+def _commgate_dirs(config: pytest.Config) -> bool:
+    """Whether the scenario directories are commgate's: the configuration names them, or the default holds a
+    file declaring ``schema_version`` (then every YAML file there must be a scenario: a broken one is an
+    error, never a silent pass)."""
+    if _COMMGATE_DIRS not in config.stash:
+        from commgate.model.loader import declares_scenario
+
+        default = config.rootpath / DEFAULT_SCENARIO_DIR
+        config.stash[_COMMGATE_DIRS] = scenario_dirs(config)[1] or any(
+            declares_scenario(f) for pattern in ("*.yaml", "*.yml") for f in default.rglob(pattern) if f.is_file()
+        )
+    return config.stash[_COMMGATE_DIRS]
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -149,8 +181,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     file under the ini's ``commgate_scenario_dirs`` or a directory named on the command line (pytest's walk
     passes over it: the gate would stay green without it) is a usage error naming it."""
     config = session.config
-    config.stash[SESSION].expect(i.scenario for i in session.items if isinstance(i, ScenarioItem))
-    dirs = [(config.rootpath / d).resolve() for d in config.getini("commgate_scenario_dirs")]
+    state = config.stash[SESSION]
+    state.expect(i.scenario for i in session.items if isinstance(i, ScenarioItem))
+    # a YAML file another plugin or conftest collected (pytest's YAML-test example) is not listed as no scenario
+    theirs = {f"{i.path}: " for i in session.items if not isinstance(i, ScenarioItem)}
+    state.not_scenarios[:] = [n for n in state.not_scenarios if not any(n.startswith(t) for t in theirs)]
+    dirs = [(config.rootpath / d).resolve() for d in scenario_dirs(config)[0]]
     if config.args_source == pytest.Config.ArgsSource.ARGS:
         dirs += [Path(config.invocation_params.dir, a.split("::")[0]) for a in config.args]
     from commgate.model.loader import dangling

@@ -79,7 +79,8 @@ def test_a_broken_file_among_scenarios_is_never_a_silent_pass(
 
 def test_scenario_directories_and_declared_files_are_configurable(pytester: pytest.Pytester) -> None:
     """``commgate_scenario_dirs = comm`` makes comm/'s files scenarios; outside it, a file declaring
-    schema_version is one (and a broken one fails); a file named on the command line always is."""
+    schema_version is one (and a broken one fails); a file named on the command line is loaded where it may be
+    one, and listed with the rule that decided where it is none."""
     pytester.makeini("[pytest]\ncommgate_scenario_dirs = comm\n")
     (pytester.path / "comm").mkdir()
     (pytester.path / "comm" / "empty.yml").write_bytes(b"")
@@ -88,8 +89,48 @@ def test_scenario_directories_and_declared_files_are_configurable(pytester: pyte
     result = pytester.runpytest("--collect-only", "-q")
     out = result.stdout.str()
     assert "ERROR comm/empty.yml" in out and "ERROR declared.yaml" in out and "other.yaml" not in out
-    result = pytester.runpytest("--collect-only", "-q", "other.yaml")
-    assert result.ret == pytest.ExitCode.INTERRUPTED and "ERROR other.yaml" in result.stdout.str()
+    result = pytester.runpytest("--collect-only", "-q", "other.yaml")  # pytest's "not found": never a pass
+    assert result.ret == pytest.ExitCode.USAGE_ERROR and "ERROR other.yaml" not in result.stdout.str()
+    result.stdout.fnmatch_lines(["*other.yaml: a mapping with none of a scenario's required keys*"])
+    (pytester.path / "forgot.yaml").write_text("name: f\nparallelism: {scheme: ddp, dp: 2}\n")
+    result = pytester.runpytest("--collect-only", "-q", "forgot.yaml")
+    assert result.ret == pytest.ExitCode.INTERRUPTED and "ERROR forgot.yaml" in result.stdout.str()
+
+
+def test_another_projects_yaml_is_left_to_it(pytester: pytest.Pytester) -> None:
+    """Found by an adversarial pass: with commgate installed, pytest's own YAML-test example
+    (docs.pytest.org, "Working with non-python tests") and a BDD suite's ``scenarios/`` were collection
+    errors in projects that never configured commgate. A file with none of a scenario's keys is theirs."""
+    pytester.makeconftest(
+        """
+        import pytest, yaml
+
+        def pytest_collect_file(parent, file_path):
+            if file_path.suffix == ".yaml" and file_path.name.startswith("test"):
+                return YamlFile.from_parent(parent, path=file_path)
+
+        class YamlFile(pytest.File):
+            def collect(self):
+                for name, spec in sorted(yaml.safe_load(self.path.read_text()).items()):
+                    yield YamlItem.from_parent(self, name=name, spec=spec)
+
+        class YamlItem(pytest.Item):
+            def __init__(self, *, spec, **kwargs):
+                super().__init__(**kwargs)
+                self.spec = spec
+
+            def runtest(self):
+                assert self.spec["ok"]
+        """
+    )
+    pytester.makefile(".yaml", test_simple="hello: {ok: true}\nworld: {ok: true}\n")
+    (pytester.path / "scenarios").mkdir()
+    (pytester.path / "scenarios" / "login.yaml").write_text("feature: login\nsteps: [open, type, submit]\n")
+    for args in (("test_simple.yaml",), ()):
+        result = pytester.runpytest("-q", *args)
+        assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+        result.stdout.fnmatch_lines(["*2 passed*"])
+        assert "commgate" not in result.stdout.str() and "login.yaml" not in result.stdout.str()
 
 
 def test_two_files_naming_one_scenario_alike_are_a_collection_error_naming_both(
