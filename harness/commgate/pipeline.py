@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from commgate.core.errors import CommgateError
+from commgate.core.errors import CommgateError, WriteError
+from commgate.judge.baseline import BaselineError
 from commgate.judge.finding import Finding
 from commgate.judge.gate import UPDATE_FLAG, against_time, judge, model_findings, sibling_flag
 from commgate.judge.reconcile import reconcile
@@ -79,20 +80,26 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
     e = scenario.expectations
     baseline, written, latency_note = None, None, ""
     if options.gate:
-        j = judge(
-            e,
-            prediction.comparison(),
-            capture,
-            rec,
-            store,
-            update=options.update_baselines,
-            refresh_latency=options.refresh_latency,
-            update_flag=options.update_flag,
-            rerun=lambda: _rerun(runner, scenario),
-        )
+        try:
+            j = judge(
+                e,
+                prediction.comparison(),
+                capture,
+                rec,
+                store,
+                update=options.update_baselines,
+                refresh_latency=options.refresh_latency,
+                update_flag=options.update_flag,
+                rerun=lambda: _rerun(runner, scenario),
+            )
+            if options.faulty:  # the planted fault's difference: no obtained file to copy, no change to accept
+                store.discard_obtained(capture.backend, capture.scenario)
+        except (BaselineError, WriteError) as exc:
+            # the scenario's baseline cannot be read or written: its error, one line, and the suite goes on
+            # (``commgate run --gate`` stopped at the first, with no report; found by an adversarial pass)
+            return result(status="error", reason=str(exc))
         findings, baseline, written, latency_note = j.findings, j.baseline, j.written, j.latency_note
-        if options.faulty:  # the planted fault's difference: no obtained file to copy, no change to accept
-            store.discard_obtained(capture.backend, capture.scenario)
+        if options.faulty:
             fault = sibling_flag(options.update_flag, "fault")
             hint = f"a planted fault ({fault}) made this difference: nothing to accept, the baseline stands"
             findings = tuple(replace(f, hint=hint) if f.kind == "baseline" and f.fail else f for f in findings)

@@ -25,10 +25,38 @@ def test_a_truncated_baseline_is_a_one_line_error(
     result = pytester.runpytest()
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
-        [f"{path}:*: not valid JSON (*); delete it: the next gated run (pytest, commgate run --gate, commgate check) "
-         "writes it anew"]
+        [f"g: {path}:*: not valid JSON (*); delete it: the next gated run (pytest, commgate run --gate, commgate "
+         "check) writes it anew"]
     )  # fmt: skip
     assert "Traceback" not in result.stdout.str()
+
+
+def test_under_commgate_run_a_bad_baseline_is_its_scenarios_error_and_the_suite_goes_on(
+    pytester: pytest.Pytester, scenario_file: Callable[..., Path]
+) -> None:
+    """Found by an adversarial pass: ``commgate run --gate`` stopped the whole suite at the first baseline it
+    could not read (or write), with no report.json; pytest fails that one test. Now the scenario is an error
+    with the one line, the others run, and the report holds them all."""
+    import json
+    import subprocess
+    import sys
+
+    scenario_file("g")
+    scenario_file("h")
+    pytester.runpytest("--commgate-update-baselines").assert_outcomes(passed=2)
+    path = pytester.path / "baselines" / "gloo" / "g.json"
+    path.write_text(path.read_text()[:200])
+    run = subprocess.run(
+        [sys.executable, "-m", "commgate", "run", ".", "--gate", "--report-dir", "out"],
+        cwd=pytester.path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "g.json:" in run.stdout and "not valid JSON" in run.stdout and "Traceback" not in run.stderr
+    report = json.loads((pytester.path / "out" / "report.json").read_text())
+    assert {s["name"]: s["status"] for s in report["scenarios"]} == {"g": "error", "h": "passed"}
 
 
 def test_unused_baselines_are_reported(pytester: pytest.Pytester, scenario_file: Callable[..., Path]) -> None:
