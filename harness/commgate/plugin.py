@@ -35,9 +35,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type="linelist",
         default=[],
         help=f"directories (relative to the rootdir) whose every .yaml/.yml file is a scenario (default: "
-        f"{DEFAULT_SCENARIO_DIR}, where it holds a file declaring schema_version); elsewhere a YAML "
-        "file is one if it declares schema_version or is named on the command line. A scenario file that cannot "
-        "be read or validated is a collection error.",
+        f"{DEFAULT_SCENARIO_DIR}, where it holds a file declaring schema_version); elsewhere a YAML file is one if "
+        "it declares schema_version, or is named on the command line and has one of a scenario's required keys. A "
+        "scenario file that cannot be read or validated is a collection error.",
     )
 
 
