@@ -187,6 +187,41 @@ def test_a_module_that_ends_the_process_is_an_error_not_a_silent_exit(body: str,
     assert any(line.startswith("t.yaml") for line in lines), done.stderr  # the other file's error is said too
 
 
+def test_a_rank_that_ends_with_os_exit_0_in_its_step_is_the_scenarios_error(tmp_path: Path) -> None:
+    """Found by an adversarial pass: a rank ended by ``os._exit(0)`` wrote no record, and the run ended in a
+    FileNotFoundError traceback with no report. Now it is the scenario's error, one line, and the report is
+    written. The forward ends the rank only off the meta device (the measurement at load runs on it)."""
+    import json
+    import subprocess
+
+    (tmp_path / "ends_in_step.py").write_text(
+        "import os\n"
+        "from commgate.examples.mixer import build as mixer\n"
+        "def build(scenario):\n"
+        "    model, inputs = mixer(scenario)\n"
+        "    forward = model.forward\n"
+        "    def ending(*args, **kwargs):\n"
+        "        if not next(model.parameters()).is_meta:\n"
+        "            os._exit(0)\n"
+        "        return forward(*args, **kwargs)\n"
+        "    model.forward = ending\n"
+        "    return model, inputs\n"
+    )
+    (tmp_path / "s.yaml").write_text(text("ends_in_step:build", "scheme: ddp, dp: 2"))
+    done = subprocess.run(
+        [sys.executable, "-m", "commgate", "run", "s.yaml", "--report-dir", "out"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "a rank exited with status 0 without writing its record (rank0.meta.json" in done.stdout, done.stdout
+    assert "Traceback" not in done.stdout + done.stderr
+    (s,) = json.loads((tmp_path / "out" / "report.json").read_text())["scenarios"]
+    assert s["status"] == "error"
+
+
 def test_a_build_that_fails_names_the_scenario_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "bad_build.py").write_text("def build(scenario): return 5\n")
     (tmp_path / "s.yaml").write_text(text("bad_build:build", "scheme: ddp, dp: 2"))

@@ -555,7 +555,15 @@ def _wait(
 
 def _merged(scenario: Scenario, ran: tuple[int, ...], tmp: Path) -> Capture:
     """The ranks' calls merged into the run's capture, with the backend and stack rank 0 saw and the run's
-    timeline."""
+    timeline. A rank that exited with status 0 without writing them (``os._exit(0)`` in the model's or the
+    trainer's code skips the record a rank writes as it ends) is a one-line ``RunError``, not a traceback
+    (found by an adversarial pass)."""
+    files = [tmp / "rank0.meta.json", *(tmp / f"rank{r}.json" for r in ran)]
+    if missing := [f.name for f in files if not f.exists()]:
+        raise RunError(
+            f"{scenario.id}: a rank exited with status 0 without writing its record ({', '.join(missing)}): "
+            "os._exit(0) in the model's or the trainer's code ends a rank before it; let the step return"
+        )
     meta = json.loads((tmp / "rank0.meta.json").read_text())
     return merge(
         [tmp / f"rank{r}.json" for r in ran],
