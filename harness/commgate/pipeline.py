@@ -67,6 +67,8 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
             runner = FromCapture(captured=load(Path(scenario.capture)))
         except CommgateError as exc:
             return result(status="error", reason=f"{scenario.file}: capture: {exc}")
+        if reason := runner.mismatch(scenario):  # the scenario's error: the suite goes on (it stopped the run)
+            return result(status="error", reason=reason)
     if reason := runner.skip_reason(scenario):
         return result(status="skipped", reason=reason)
     try:
