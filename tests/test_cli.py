@@ -479,6 +479,27 @@ def test_output_that_cannot_be_written_is_one_line_and_the_status_says_so(where:
     assert len(proc.stderr.splitlines()) == 1
 
 
+@pytest.mark.parametrize("closed", [1, 2], ids=["stdout", "stderr"])
+def test_a_run_with_stdout_or_stderr_closed_runs_its_scenarios(tmp_path: Path, closed: int) -> None:
+    """``commgate run ... >&-``: the forkserver and the ranks took the closed descriptor's number for a file or a
+    socket, and every scenario was an error (advice: wait longer for the forkserver); ``2>&-``: exit 1 in
+    silence, no report (found by an adversarial pass). The run is whole; a closed stdout is still said."""
+    (tmp_path / "a.yaml").write_text(SMALL.format(name="a"))
+    argv = [sys.executable, "-m", "commgate", "run", "a.yaml", "--report-dir", "out"]
+    with open(tmp_path / "said.txt", "w") as said:
+        proc = subprocess.run(argv, cwd=tmp_path, stdout=said if closed == 2 else subprocess.DEVNULL,
+                              stderr=said if closed == 1 else subprocess.DEVNULL, timeout=600,
+                              preexec_fn=lambda: os.close(closed))  # fmt: skip
+    text = (tmp_path / "said.txt").read_text()
+    doc = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [(s["name"], s["status"]) for s in doc["scenarios"]] == [("a", "passed")], doc["scenarios"]
+    if closed == 1:
+        assert proc.returncode == 2
+        assert text == "commgate: standard output is closed; the output was lost from there on\n"
+    else:
+        assert proc.returncode == 0 and "PASSED  a" in text, text
+
+
 def test_a_working_directory_that_was_removed_is_one_line(tmp_path: Path) -> None:
     """``validate`` with no argument, run from a directory deleted meanwhile: a FileNotFoundError traceback."""
     gone = tmp_path / "gone"

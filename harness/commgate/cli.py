@@ -956,8 +956,10 @@ COMMANDS = {
 def main(argv: Sequence[str] | None = None) -> int:
     """The command's exit status. Its output may go away while it runs (``commgate run | head -1``, a full
     disk): the command goes on to its end, its report and its true status (``commgate.core.stdout``)."""
-    from commgate.core.stdout import Stdout, exit_status
+    from commgate.core.stdout import Stdout, exit_status, plug_closed
 
+    if stand_in := plug_closed():
+        sys.stderr = stand_in
     before = sys.stdout
     out = sys.stdout = Stdout(before)
     try:
@@ -970,6 +972,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_status(out, status)
     finally:
         sys.stdout = before
+        if stand_in:
+            sys.stderr = None
+            stand_in.close()
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:

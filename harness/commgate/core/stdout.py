@@ -71,6 +71,25 @@ class Stdout(io.TextIOBase):
         return getattr(self._inner, name)
 
 
+def plug_closed() -> TextIO | None:
+    """Descriptors 0, 1 and 2 that were closed when the command started (``>&-``, ``2>&-``), each given
+    /dev/null: the next file or socket the command opened took the closed number, so the forkserver and the
+    ranks it starts wrote their output into it, and every scenario failed (found by an adversarial pass). With
+    stderr closed, ``sys.stderr`` is None and the first message raised: a stream on /dev/null is returned to
+    stand in for it (None where stderr was open). ``Stdout`` still says that standard output was closed."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)  # inheritable, as dup2 makes it
+                os.close(null)
+            else:  # os.open's are not: the forkserver would start with it closed again
+                os.set_inheritable(fd, True)
+    return open(2, "w", closefd=False) if sys.stderr is None else None
+
+
 def exit_status(out: Stdout, status: int) -> int:
     """The command's exit status, once its output is known: a failure to write it (not a reader that left)
     is said on stderr, and a command that otherwise succeeded exits 2 (its output is lost); a failed one
