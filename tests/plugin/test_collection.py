@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +17,24 @@ def test_scenarios_and_sweeps_are_items_with_readable_ids(
     pytester.makefile(".yaml", other="key: value\n")  # not a scenario: not collected
     result = pytester.runpytest("--collect-only", "-q")
     result.stdout.fnmatch_lines(["a.yaml::a", "b.yaml::b[[]s=128[]]", "b.yaml::b[[]s=256[]]", "3 tests collected*"])
+
+
+def test_last_failed_reruns_exactly_the_failed_sweep_variant(
+    pytester: pytest.Pytester, scenario_file: Callable[..., Path]
+) -> None:
+    """pytest 9 keeps ``--lf``'s ids as parsed node ids: ``b.yaml::b[s=128]`` is the name ``b`` with the
+    parameters ``s=128``, which an item named ``b[s=128]`` never equalled, so ``--lf`` reran every test, or,
+    beside another failure, skipped the failed variant (found by an adversarial pass)."""
+    scenario_file("a")
+    scenario_file("b", tail="sweep:\n  model.s: [128, 256]\n")
+    cache = pytester.path / ".pytest_cache" / "v" / "cache"
+    cache.mkdir(parents=True)
+    for failed in (["b.yaml::b[s=128]"], ["a.yaml::a", "b.yaml::b[s=128]"]):
+        (cache / "lastfailed").write_text(json.dumps(dict.fromkeys(failed, True)))
+        result = pytester.runpytest("--lf", "--collect-only", "-q", "-p", "cacheprovider")
+        assert sorted(line for line in result.outlines if "::" in line) == failed, result.outlines
+    named = pytester.runpytest("b.yaml::b[s=256]", "--collect-only", "-q")
+    named.stdout.fnmatch_lines(["b.yaml::b[[]s=256[]]", "1 test collected*"])
 
 
 def test_keyword_and_marker_selection(pytester: pytest.Pytester, scenario_file: Callable[..., Path]) -> None:
