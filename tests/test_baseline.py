@@ -625,3 +625,53 @@ def test_runs_with_no_measured_time_are_not_a_division_by_zero() -> None:
     assert _verdicts(zero, BASE) == {"all_reduce": "faster", "broadcast": "faster"}
     assert _verdicts([_run(0.0, broadcast=3.0, compute=0.0)], BASE)["broadcast"] == "faster"
     assert _verdicts(BASE, zero) == {}  # nothing stored to compare with: not judged
+
+
+def test_two_runs_updating_one_baseline_at_once_both_add_their_latency_run(tmp_path: Path) -> None:
+    """``--update-baselines --refresh-latency`` from two runs at once (two nightly jobs, or xdist workers, sharing
+    ``baselines/``): each read the history, added its run and wrote it back, and the second write lost the
+    first's run while both said they had added theirs (found by an adversarial pass). The second now waits for
+    the first, then reads what it wrote. Here the first holds, after its read, until the second has read too
+    (or 3 s have passed): without the lock both read the same history."""
+    import threading
+
+    from commgate.judge.gate import judge
+    from commgate.judge.reconcile import reconcile
+    from commgate.judge.store import BaselineStore
+    from commgate.model.loader import load_text
+    from commgate.model.predict import predict
+
+    (s,) = load_text(
+        "schema_version: 1\nname: s\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: ddp, dp: 2}\n"
+        "expectations: {model: {check: false}}\n"
+    )
+    cap = _capture(4.0)
+    rec = reconcile(predict(s), cap)
+    read = {"a": threading.Event(), "b": threading.Event()}
+
+    class Store(BaselineStore):
+        def load(self, backend: str, scenario_id: str) -> bl.Baseline | None:
+            got = super().load(backend, scenario_id)
+            me = threading.current_thread().name
+            if me in read:
+                read[me].set()
+                read["b" if me == "a" else "a"].wait(timeout=3)
+            return got
+
+    store = Store(tmp_path / "baselines")
+
+    def gated(refresh: bool) -> object:
+        return judge(s.expectations, [], cap, rec, store, update=True, refresh_latency=refresh)
+
+    assert gated(refresh=False).written.endswith("written")  # type: ignore[attr-defined]
+    said: list[object] = []
+    runs = [threading.Thread(target=lambda: said.append(gated(refresh=True)), name=n) for n in read]
+    runs[0].start()
+    assert read["a"].wait(timeout=60)
+    runs[1].start()
+    for t in runs:
+        t.join(timeout=120)
+    added = "this run added to the latency history"
+    assert [j.written.endswith(added) for j in said] == [True, True]  # type: ignore[attr-defined]
+    (history,) = store.load("gloo", "s").latency.values()  # type: ignore[union-attr]
+    assert len(history) == 3

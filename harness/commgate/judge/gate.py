@@ -20,6 +20,7 @@ and backend a baseline belongs to are the capture's. Torch-free.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
@@ -427,11 +428,13 @@ def judge(
     (``settle_baseline``). A failure names ``update_flag`` as the way to accept a change; ``rerun`` runs
     the scenario again to confirm a latency slowdown."""
     now = Baseline.from_run(capture, rec, provenance(capture, capture.world_size))
-    stored = store.load(capture.backend, capture.scenario)
-    verdict = evaluate(e, paper, capture, rec, now, stored, update_flag, rerun)
-    findings, written = settle_baseline(
-        verdict, now, stored, store, update=update, refresh_latency=refresh_latency, update_flag=update_flag
-    )
+    # updating: the baseline read is the one written back to, whatever another run does meanwhile
+    with store.only_writer(capture.backend) if update else contextlib.nullcontext():
+        stored = store.load(capture.backend, capture.scenario)
+        verdict = evaluate(e, paper, capture, rec, now, stored, update_flag, rerun)
+        findings, written = settle_baseline(
+            verdict, now, stored, store, update=update, refresh_latency=refresh_latency, update_flag=update_flag
+        )
     return Judgement(
         findings=tuple(findings),
         baseline=store.path(capture.backend, capture.scenario),

@@ -13,9 +13,13 @@ or accept, and a run that matches removes it. Every file is written atomically.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
+import os
 import re
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +66,45 @@ class BaselineStore:
             raise bl.BaselineError([Problem(file=str(path), path="", message=message)])
         return bl.load(path, scenario=scenario_id) if path.exists() else None
 
+    @contextlib.contextmanager
+    def only_writer(self, backend: str) -> Iterator[None]:
+        """Held from reading a scenario's baseline to writing it back (``--update-baselines``): two runs that
+        updated one folder at once each read the latency history, added their run and wrote it back, and the
+        last write lost the other's run while both said they had added theirs (found by an adversarial pass).
+        An exclusive lock on the backend's folder itself (made here: the run is to write into it), so nothing
+        is left among the baselines. A run that finds it held says so, and waits at most ``LOCK_WAIT_S``."""
+        import fcntl
+
+        folder = self.folder(backend)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            why = exc.strerror or type(exc).__name__
+            fix = "give another baseline directory"
+            raise WriteError(f"{folder}: cannot write baselines there ({why}); {fix}") from None
+        try:
+            waited = 0.0
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if waited == 0:
+                        print(f"    waiting for another commgate run updating {folder}", flush=True)
+                    if waited >= LOCK_WAIT_S:
+                        raise WriteError(
+                            f"{folder}: another commgate run has been updating these baselines for {waited:.0f} s; "
+                            "wait for it to end, or give another baseline directory"
+                        ) from None
+                    time.sleep(LOCK_POLL_S)
+                    waited += LOCK_POLL_S
+                except OSError:  # a file system without locks (some network mounts): unguarded, as before
+                    break
+            yield
+        finally:
+            os.close(fd)  # and with it the lock
+
     def save(self, baseline: bl.Baseline) -> Path:
         """Store ``baseline`` as its scenario's on its backend (atomically); returns the file."""
         return bl.write(self.path(baseline.backend, baseline.scenario), baseline)
@@ -90,6 +133,11 @@ class BaselineStore:
     def _baselines(self, pattern: str) -> list[Path]:
         """The files ``pattern`` finds that are baselines: not obtained files, nor links to nothing (a loop)."""
         return sorted(p for p in self.root.glob(pattern) if not p.name.endswith(OBTAINED) and p.is_file())
+
+
+LOCK_WAIT_S = 3600.0
+"""How long a run waits for another updating the same baseline folder (a latency rerun included)."""
+LOCK_POLL_S = 0.2
 
 
 def _loops(path: Path) -> bool:
