@@ -136,8 +136,12 @@ def test_a_build_that_raises_is_one_line() -> None:
             "exited (status 2, having printed ",
         ),
         ("raise RuntimeError('boom at import')\n", "raised RuntimeError: boom at import; fix the module"),
+        (  # not an Exception: it went past every handler, a traceback (found by an adversarial pass)
+            "class Abort(BaseException): pass\nraise Abort('stop')\n",
+            "raised Abort: stop; fix the module",
+        ),
     ],
-    ids=["sys.exit", "argparse", "raises"],
+    ids=["sys.exit", "argparse", "raises", "raises a BaseException"],
 )
 def test_a_module_that_ends_or_fails_on_import_is_one_line_naming_the_file(
     body: str, said: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -161,8 +165,12 @@ def test_a_module_that_ends_or_fails_on_import_is_one_line_naming_the_file(
         ("import os\nos._exit(0)\ndef build(scenario): pass\n", "importing ends_here called os._exit (status 0)"),
         ("import os\ndef build(scenario): os._exit(3)\n", "build(scenario) called os._exit(3); build must return"),
         ("import sys\ndef build(scenario): sys.exit(2)\n", "build(scenario) called sys.exit(2); build must return"),
+        (
+            "class Abort(BaseException): pass\ndef build(scenario): raise Abort('stop')\n",
+            "build(scenario) raised Abort: stop",
+        ),
     ],
-    ids=["os._exit on import", "os._exit in build", "sys.exit in build"],
+    ids=["os._exit on import", "os._exit in build", "sys.exit in build", "a BaseException in build"],
 )
 def test_a_module_that_ends_the_process_is_an_error_not_a_silent_exit(body: str, said: str, tmp_path: Path) -> None:
     """Found by an adversarial pass: ``os._exit`` in a module's import or its ``build`` (a training script's

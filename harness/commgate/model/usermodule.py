@@ -135,7 +135,9 @@ def resolve(spec: str, what: str = "model.module") -> Callable[..., Any]:
         raise CommgateError(f"{what} {spec!r}: cannot be imported ({exc}){fix}") from None
     except ImportError as exc:
         raise CommgateError(f"{what} {spec!r}: cannot be imported ({exc})") from None
-    except Exception as exc:  # the module's own code failed as it was imported
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # the module's own code failed as it was imported (a BaseException of its own too)
         raise CommgateError(
             f"{what} {spec!r}: importing {module} raised {type(exc).__name__}: {first_line(exc)}; fix the module "
             f"(`python -c 'import {module}'` shows where)"
@@ -176,7 +178,9 @@ def build(scenario: Scenario, device: Any) -> tuple[Any, Callable[[int], tuple[A
             raise CommgateError(
                 f"{name}: build(scenario) called {how}; build must return the model and its inputs, not end the process"
             ) from None
-        except Exception as exc:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # a BaseException of the module's own went past every handler
             raise CommgateError(f"{name}: build(scenario) raised {type(exc).__name__}: {exc}") from None
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.nn.Module) and callable(out[1])):
         raise CommgateError(
