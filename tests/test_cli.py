@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -228,6 +229,32 @@ def test_a_run_stopped_by_sigterm_keeps_a_report_marked_interrupted(tmp_path: Pa
         f"interrupted ({signal.Signals(signum).name} during b, scenario 2 of 2; 1 scenario(s) had finished): 0 passed"
         in out
     )
+
+
+def test_ctrl_c_twice_still_leaves_this_run_s_report_marked_interrupted(tmp_path: Path) -> None:
+    """A second SIGINT while the first unwound (Ctrl-C pressed twice, or a wrapper forwarding the terminal's) broke
+    off the clean-up: the previous run's report.json stayed, unmarked, a traceback from the at-exit hook followed,
+    and the forkserver outlived the command (found by an adversarial pass). Later signals wait for it now."""
+    wedged = "workload: commgate.run.workloads.faults:wedge\ndeadline_s: 600\n"
+    (tmp_path / "b.yaml").write_text(SMALL.format(name="b") + wedged)
+    (tmp_path / "out").mkdir()
+    stale = '{"scenarios": [], "summary": {"passed": 7}}\n'
+    (tmp_path / "out" / "report.json").write_text(stale)  # an earlier run's
+    argv = [sys.executable, "-m", "commgate", "run", "b.yaml", "--report-dir", "out"]
+    with subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("[1/1] b:"):
+                break
+        for _ in range(3):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.02)
+        out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and "commgate: interrupted" in err.splitlines(), err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    doc = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert doc["interrupted"] == "Ctrl-C during b, scenario 1 of 1; 0 scenario(s) had finished", doc
+    assert "interrupted (Ctrl-C during b, scenario 1 of 1; 0 scenario(s) had finished)" in out
 
 
 @pytest.mark.skipif(any(Path("/dev").glob("nvidia[0-9]*")), reason="ranks on GPUs take DeepSpeed's GPU accelerators")

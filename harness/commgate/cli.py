@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -228,8 +229,6 @@ def cmd_predict(a: argparse.Namespace) -> int:
 def cmd_run(a: argparse.Namespace) -> int:
     """Every scenario through ``commgate.pipeline.run_scenario``: on local ranks, or, under torchrun, with
     this process as one rank of the job (rank 0 reports)."""
-    import signal
-
     from commgate.model.loader import load_paths, trainers_named
     from commgate.report.liveline import LiveLine
     from commgate.run import links
@@ -238,8 +237,8 @@ def cmd_run(a: argparse.Namespace) -> int:
 
     # A CI runner's cancel (SIGTERM) and a closed terminal or dropped ssh (SIGHUP) unwind like Ctrl-C, so that
     # rank processes are killed on the way out and the report says the run was interrupted.
-    for number in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(number, lambda n, _f: (_ for _ in ()).throw(KeyboardInterrupt(signal.Signals(n).name)))
+    for number in STOPS:
+        signal.signal(number, _stop)
     checked = options(
         lambda name: f"--{name}",
         baseline_dir=a.baseline_dir,
@@ -291,6 +290,23 @@ def cmd_run(a: argparse.Namespace) -> int:
         if session.report_dir is not None:
             stack.enter_context(session.only_writer())
         return _run_all(session, scenarios, how, live, whole=whole) if lead else _run_rank(session, scenarios)
+
+
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _stop(number: int, _frame: object) -> None:
+    """The first Ctrl-C, SIGTERM or SIGHUP: a KeyboardInterrupt (SIGINT's says nothing: "Ctrl-C"), and every
+    later one waits for the clean-up it starts (``_stopping``): a second SIGINT (Ctrl-C pressed twice, or a
+    wrapper forwarding the terminal's) broke it off, leaving the previous run's report.json unmarked, a traceback
+    from an at-exit hook and the forkserver behind (found by an adversarial pass)."""
+    for n in STOPS:
+        signal.signal(n, _stopping)
+    raise KeyboardInterrupt("" if number == signal.SIGINT else signal.Signals(number).name)
+
+
+def _stopping(number: int, _frame: object) -> None:
+    os.write(2, b"commgate: stopping: the ranks are being stopped and the report written\n")  # no print: reentrant
 
 
 def _run_all(session: Session, scenarios: list[Scenario], how: str, live: LiveLine, *, whole: bool) -> int:
@@ -1001,4 +1017,7 @@ def _command(argv: Sequence[str] | None) -> int:
         return 2
     except KeyboardInterrupt:
         print("commgate: interrupted", file=sys.stderr)
+        for n in STOPS:  # the clean-up is done: the exit's own (Python's shutdown restores the default handler,
+            if signal.getsignal(n) is _stopping:  # and a later Ctrl-C ended the command by the signal) is not cut
+                signal.signal(n, signal.SIG_IGN)
         return 130
