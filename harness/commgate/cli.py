@@ -228,7 +228,18 @@ def cmd_predict(a: argparse.Namespace) -> int:
 
 def cmd_run(a: argparse.Namespace) -> int:
     """Every scenario through ``commgate.pipeline.run_scenario``: on local ranks, or, under torchrun, with
-    this process as one rank of the job (rank 0 reports)."""
+    this process as one rank of the job (rank 0 reports). The handlers of the signals that stop it (``_stop``)
+    are the caller's again once it returns without one (a test that calls ``main`` in its own process)."""
+    previous = {n: signal.getsignal(n) for n in STOPS}
+    try:
+        return _run(a)
+    finally:
+        for n, handler in previous.items():
+            if signal.getsignal(n) is _stop:
+                signal.signal(n, handler)
+
+
+def _run(a: argparse.Namespace) -> int:
     from commgate.model.loader import load_paths, trainers_named
     from commgate.report.liveline import LiveLine
     from commgate.run import links
