@@ -192,6 +192,20 @@ def test_run_refuses_a_directory_it_cannot_write_before_any_rank_starts(tmp_path
     assert len(proc.stderr.splitlines()) == 1
 
 
+def test_a_file_where_the_backend_s_baseline_folder_goes_is_one_line_before_any_rank_starts(tmp_path: Path) -> None:
+    """``baselines/gloo`` a file: the ranks ran, and the scenario's error came after (found by an adversarial
+    pass); the probe before any rank starts now looks at the folder of each backend the scenarios run on."""
+    (tmp_path / "g.yaml").write_text(SMALL.format(name="g"))
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "gloo").write_text("x\n")
+    proc = commgate("run", "g.yaml", "--gate", "--baseline-dir", "b", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout  # no scenario started
+    assert proc.stderr == (
+        "b/gloo: not a directory, where commgate keeps the gloo baselines; remove it, or give another baseline "
+        "directory\n"
+    )
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only working directory: nothing to refuse")
 def test_gate_in_a_read_only_working_directory_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "g.yaml").write_text(SMALL.format(name="g"))

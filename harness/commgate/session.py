@@ -143,16 +143,18 @@ class Session:
     used: set[str] = field(default_factory=set)
     """Resolved paths of the baseline files the scenarios were judged against."""
     html: Path | None = None
+    """The HTML page, once ``finish`` wrote it."""
     ids: dict[str, str | None] = field(default_factory=dict)
     """The scenario ids collected so far, with their files (two files naming one scenario alike: an error)."""
     not_scenarios: list[str] = field(default_factory=list)
     """``<file>: <rule>`` of each YAML file in a directory the user named that is not collected."""
     unwritten: str | None = None
     """Why the report could not be written at the end (said in the run's last lines)."""
-    """The HTML page, once ``finish`` wrote it."""
     flag: Callable[[str], str] = lambda name: f"--{name}"
     """How the entry point spells an option (``--commgate-report-dir``), for the fix a one-line error names."""
     _writable: bool = field(default=False, init=False, repr=False)
+    _backends: frozenset[str] = field(default=frozenset(), init=False, repr=False)
+    """The backends of the scenarios ``expect`` was given: their baseline folders are probed too."""
 
     def __post_init__(self) -> None:
         self.report = Report(self.report_dir / "report.json" if self.report_dir is not None else None)
@@ -211,6 +213,9 @@ class Session:
         if baselines and self.options.gate:
             fix = f"give another {self.flag('baseline-dir')}"
             check_writable_dir(self.options.baseline_dir, what="baselines", fix=fix)
+            store = BaselineStore(self.options.baseline_dir)
+            for backend in sorted(self._backends):  # a file where a backend's folder goes: said after the run
+                store.folder(backend)
         self._writable = baselines
 
     @contextlib.contextmanager
@@ -242,7 +247,13 @@ class Session:
 
     def expect(self, scenarios: Iterable[Scenario]) -> None:
         """The scenarios this session will run: on local ranks, their trainers are imported once, by the
-        ranks' forkserver, rather than by every rank of every scenario."""
+        ranks' forkserver, rather than by every rank of every scenario; their backends' baseline folders are
+        probed with the baseline directory (``check_writable``)."""
+        from commgate.run.launcher import planned_backend
+
+        scenarios = list(scenarios)
+        backend = self.options.backend
+        self._backends = frozenset(planned_backend(replace(s, backend=backend or s.backend)) for s in scenarios)
         if isinstance(self.runner, LocalRanks):
             self.runner = replace(self.runner, trainers=frozenset(s.trainer for s in scenarios))
 

@@ -87,6 +87,16 @@ def gpu_visible() -> bool:
     return any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()
 
 
+def planned_backend(scenario: Scenario) -> str:
+    """The backend local ranks will run ``scenario`` on (``commgate.run.rank.resolve_backend``'s answer), told
+    without importing torch: "auto" is NCCL where a GPU is visible."""
+    if scenario.emulate:
+        return "emulated"
+    if scenario.backend == "auto":
+        return "nccl" if gpu_visible() else "gloo"
+    return scenario.backend
+
+
 LOG_ENV = "COMMGATE_FORKSERVER_LOG"
 """Read by ``commgate.run.quiet`` in the forkserver (imported by nothing else, so that no other process
 that inherits the variable sends its output there)."""
