@@ -127,7 +127,8 @@ def test_the_readmes_own_repository_commands_run_as_written(tmp_path: Path) -> N
             assert names == ["mygpt-ddp.yaml", "mygpt-zero2.yaml", "mygpt-zero3.yaml"], names
             # the sequence length, which the module's build reads, is written, not silently 1
             assert "  s: 64\n" in (repo / "comm" / "mygpt-ddp.yaml").read_text()
-            assert (repo / ".gitignore").read_text() == "out/\n"  # where ci.sh writes its reports
+            # where ci.sh writes its reports, and what a run that differs leaves beside its baseline
+            assert (repo / ".gitignore").read_text() == "out/\n*.obtained.json\n"
         if command.endswith("pytest comm/"):
             assert "3 passed" in proc.stdout, proc.stdout[-2000:]
     assert sorted(p.name for p in (repo / "baselines" / "gloo").iterdir()) == [
@@ -199,8 +200,9 @@ def test_init_says_to_ignore_out_where_the_repository_ignores_files_already(tmp_
     got = start(repo=tmp_path, preset="19M-cpu", schemes=("ddp",))
     assert tmp_path / ".gitignore" not in got.files
     assert f"{tmp_path / '.gitignore'}: add `out/` (ci.sh writes its reports to out/commgate" in " ".join(got.notes)
-    (tmp_path / ".gitignore").write_text("*.pyc\nout/\n")
-    assert not [n for n in start(repo=tmp_path, preset="19M-cpu", schemes=("ddp",)).notes if "out/" in n]
+    assert f"{tmp_path / '.gitignore'}: add `*.obtained.json` (what a run that differs" in " ".join(got.notes)
+    (tmp_path / ".gitignore").write_text("*.pyc\nout/\n*.obtained.json\n")
+    assert not [n for n in start(repo=tmp_path, preset="19M-cpu", schemes=("ddp",)).notes if ".gitignore" in n]
 
 
 def test_the_line_init_says_to_add_works_when_pasted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

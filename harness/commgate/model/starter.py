@@ -2,7 +2,8 @@
 ``comm/``) with one scenario per scheme for your model (your ``nn.Module`` by its build function, a preset,
 or a Hugging Face ``config.json`` at reduced scale), the pytest configuration that names the folder when the
 repository has none (it never edits a file of yours: it says what to add), ``.gitignore`` naming ``out/``
-where the repository has none (else the line to add), and ``ci.sh``, the one line CI runs. Every scenario
+and ``*.obtained.json`` where the repository has none (else the lines to add), and ``ci.sh``, the one line CI
+runs. Every scenario
 it writes validates and predicts before anything is written; a file that exists is never overwritten.
 """
 
@@ -244,13 +245,25 @@ def start(
         files[repo / "pytest.ini"] = f"[pytest]\n{line}\n"
     else:
         notes += _config_note(config, folder)
-    ignore = repo / ".gitignore"  # ci.sh and every run write reports under out/
+    # ci.sh and every run write reports under out/; a run that differs leaves what it sent beside its baseline
+    # (``*.obtained.json``), which `git add baselines/` committed after a copy over the baseline accepted it
+    ignore = repo / ".gitignore"
     if not ignore.exists() and not ignore.is_symlink():
-        files[ignore] = "out/\n"
+        files[ignore] = "out/\n*.obtained.json\n"
     elif not ignore.is_file():
-        notes.append(f"{ignore}: not a file; ignore out/ in your version control (ci.sh writes reports there)")
-    elif not {"out", "out/", "/out", "/out/"} & set(ignore.read_text(errors="replace").split()):
-        notes.append(f"{ignore}: add `out/` (ci.sh writes its reports to out/commgate; init does not edit it)")
+        notes.append(
+            f"{ignore}: not a file; ignore out/ (ci.sh writes reports there) and *.obtained.json (what a run that "
+            "differs from its baseline leaves beside it) in your version control"
+        )
+    else:
+        has = set(ignore.read_text(errors="replace").split())
+        if not {"out", "out/", "/out", "/out/"} & has:
+            notes.append(f"{ignore}: add `out/` (ci.sh writes its reports to out/commgate; init does not edit it)")
+        if "*.obtained.json" not in has:
+            notes.append(
+                f"{ignore}: add `*.obtained.json` (what a run that differs from its baseline leaves beside it, not "
+                "to be committed with baselines/)"
+            )
     if existing := [str(p) for p in files if p.exists()]:
         raise UsageError(f"{', '.join(existing)}: exists; commgate init never overwrites (remove it, or --dir)")
     return Start(files=files, notes=notes)
