@@ -541,6 +541,18 @@ def test_a_run_with_stdout_or_stderr_closed_runs_its_scenarios(tmp_path: Path, c
         assert proc.returncode == 0 and "PASSED  a" in text, text
 
 
+def test_a_path_the_output_s_encoding_cannot_show_is_escaped_not_a_traceback(tmp_path: Path) -> None:
+    """``PYTHONIOENCODING=ascii commgate validate 'dir/ü'``: a UnicodeEncodeError traceback, exit 1 (a passing run
+    too, at its last line; found by an adversarial pass). Escaped, as Python's stderr escapes it."""
+    (tmp_path / "ü").mkdir()
+    (tmp_path / "ü" / "a.yaml").write_text(SMALL.format(name="a"))
+    env = dict(os.environ, PYTHONIOENCODING="ascii")
+    proc = subprocess.run([sys.executable, "-m", "commgate", "validate", "ü"], cwd=tmp_path, env=env,
+                          capture_output=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0 and proc.stderr == b"", proc.stderr
+    assert b"\\xfc/a.yaml" in proc.stdout, proc.stdout
+
+
 def test_a_working_directory_that_was_removed_is_one_line(tmp_path: Path) -> None:
     """``validate`` with no argument, run from a directory deleted meanwhile: a FileNotFoundError traceback."""
     gone = tmp_path / "gone"

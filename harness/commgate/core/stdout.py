@@ -40,7 +40,10 @@ class Stdout(io.TextIOBase):
     def write(self, s: str) -> int:
         if self._inner is not None:
             try:
-                self._inner.write(s)
+                try:
+                    self._inner.write(s)
+                except UnicodeEncodeError:  # a path of the user's under an ASCII locale: escaped, as on stderr
+                    self._inner.write(s.encode(self.encoding, "backslashreplace").decode(self.encoding))
             except OSError as exc:
                 self._drop(exc)
         return len(s)
