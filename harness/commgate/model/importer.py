@@ -91,9 +91,10 @@ def _json(text: str, path: Path) -> Any:
 
 
 def _yaml(text: str, path: Path) -> Any:
-    """A YAML document, a key given twice in one mapping refused as a scenario's is (the loader's check)."""
+    """A YAML document, a key given twice in one mapping, or an integer with a leading zero, refused as a
+    scenario's are (the loader's check)."""
     from commgate.core.errors import ScenarioError
-    from commgate.model.loader import _bounded, _duplicate_keys
+    from commgate.model.loader import _bounded, _misread
 
     loader = yaml.SafeLoader(text)
     try:
@@ -104,9 +105,10 @@ def _yaml(text: str, path: Path) -> Any:
             _bounded(node, str(path))
         except ScenarioError as exc:
             raise UsageError(str(exc).replace("; not a scenario", "; not a config")) from None
-        for problem in _duplicate_keys(node, str(path), []):  # the first one
+        for problem in _misread(node, str(path), []):  # the first one
             where, key = f"{problem.file}:{problem.line}", problem.path.removeprefix("$.")
-            raise UsageError(f"{where}: {key}: {problem.message}: give it once")
+            fix = ": give it once" if problem.message.startswith("duplicate key") else ""
+            raise UsageError(f"{where}: {key}: {problem.message}{fix}")
         return loader.construct_document(node)
     finally:
         loader.dispose()

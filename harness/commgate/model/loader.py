@@ -255,7 +255,7 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, _Located]:
             node = loader.get_single_node()
             if node is not None:
                 _bounded(node, file)
-            problems = list(_duplicate_keys(node, file, [])) if node is not None else []
+            problems = list(_misread(node, file, [])) if node is not None else []
             if problems:
                 raise ScenarioError(problems)
             data = loader.construct_document(node) if node is not None else None
@@ -310,8 +310,23 @@ def _bounded(root: yaml.Node, file: str) -> None:
             stack += [(n, depth + 1) for n in node.value]
 
 
-def _duplicate_keys(node: yaml.Node, file: str, path: list[Any]) -> Iterator[Problem]:
-    if isinstance(node, yaml.MappingNode):
+_OCTAL = re.compile(r"[-+]?0[0-9_]+")
+"""An integer YAML 1.1 reads in base 8 (``010`` is 8), or as a string where a digit is 8 or 9 (``09``)."""
+
+
+def _misread(node: yaml.Node, file: str, path: list[Any]) -> Iterator[Problem]:
+    """What YAML would read otherwise than written: a duplicate key (the last kept) and an integer with a leading
+    zero (``dp: 010`` was 8 ranks, silently; found by an adversarial pass)."""
+    if isinstance(node, yaml.ScalarNode):
+        if node.style is None and _OCTAL.fullmatch(str(node.value)):
+            digits = str(node.value).lstrip("+-").replace("_", "").lstrip("0") or "0"
+            yield Problem(
+                file=file,
+                path=json_path(path),
+                message=f"{node.value}: YAML reads an integer with a leading zero as octal; write {digits}",
+                line=node.start_mark.line + 1,
+            )
+    elif isinstance(node, yaml.MappingNode):
         seen: dict[str, int] = {}
         for k, v in node.value:
             key = str(k.value)
@@ -324,10 +339,10 @@ def _duplicate_keys(node: yaml.Node, file: str, path: list[Any]) -> Iterator[Pro
                 )
             else:
                 seen[key] = k.start_mark.line + 1
-            yield from _duplicate_keys(v, file, [*path, key])
+            yield from _misread(v, file, [*path, key])
     elif isinstance(node, yaml.SequenceNode):
         for i, v in enumerate(node.value):
-            yield from _duplicate_keys(v, file, [*path, i])
+            yield from _misread(v, file, [*path, i])
 
 
 def load_text(text: str, *, file: str = "<string>") -> list[Scenario]:
