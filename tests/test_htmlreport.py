@@ -129,12 +129,33 @@ def test_commgate_html_keeps_out_of_another_report_s_directory(
     other = tmp_path / "other"
     other.mkdir()
     (other / "report.json").write_text("{}")
-    (other / "index.html").write_text("the other run's page")
+    (other / "index.html").write_text("<title>commgate report</title> the other run's page")
     assert main(["html", str(out / "report.json"), "--out", str(other)]) == 2
     assert "holds another report (report.json)" in capsys.readouterr().err
-    assert (other / "index.html").read_text() == "the other run's page"
+    assert (other / "index.html").read_text() == "<title>commgate report</title> the other run's page"
     assert main(["html", str(out / "report.json"), "--out", str(out)]) == 0
     assert main(["html", str(tmp_path / "missing.json")]) == 2
+
+
+@pytest.mark.parametrize("name", ["index.html", "trace.json"])
+def test_a_page_commgate_did_not_write_is_never_replaced(
+    out: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """``html --out site`` (and ``run --report-dir site``) replaced a site's own index.html and trace.json without
+    a word (found by an adversarial pass); commgate's own, from an earlier run, it replaces."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / name).write_text("MY OWN SITE\n")
+    assert main(["html", str(out / "report.json"), "--out", str(site)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{site / name}: not a page commgate wrote (") and err.endswith("give another --out\n")
+    assert (site / name).read_text() == "MY OWN SITE\n" and not (site / "plots").exists()
+    scenario = tmp_path / "g.yaml"
+    scenario.write_text("schema_version: 1\nname: g\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: ddp, dp: 2}\n")
+    assert main(["run", str(scenario), "--report-dir", str(site)]) == 2  # before any rank starts
+    assert f"{site / name}: not a page commgate wrote (" in capsys.readouterr().err
+    assert main(["html", str(out / "report.json"), "--out", str(out)]) == 0  # its own, written before
+    assert main(["html", str(out / "report.json"), "--out", str(out)]) == 0
 
 
 def test_a_failing_scenario_shows_why_and_no_success_badge(out: Path) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from commgate.core import fsutil
+from commgate.core.errors import WriteError
 from commgate.core.fsutil import atomic_write_json, atomic_write_text
 from commgate.core.units import human_bytes, shown, signed
 from commgate.report import detail, plots, timemodel
@@ -296,13 +297,16 @@ def _details(doc: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+TITLE = "commgate report"
+
+
 def page(doc: dict[str, Any], figures: dict[str, str | None]) -> str:
     env = doc.get("environment", {})
     meta = ", ".join(f"{k} {env[k]}" for k in ("commgate", "torch", "deepspeed", "python", "platform") if env.get(k))
     links = '<a href="report.json">report.json</a> &middot; <a href="trace.json">trace.json</a> (ui.perfetto.dev)'
     parts = [
         "<!doctype html><html lang=en><head><meta charset=utf-8>",
-        "<title>commgate report</title>",
+        f"<title>{TITLE}</title>",
         f"<style>{CSS}{detail.CSS}</style></head><body>",
         "<h1>commgate report</h1>",
         f'<div class="meta">{html.escape(doc.get("created", ""))} &middot; {html.escape(meta)} &middot; {links}</div>',
@@ -325,6 +329,17 @@ def check_outputs(out: Path, *, fix: str) -> None:
     figures = tuple(f"plots/{name}" for _, _, name in plots.PLOTS)
     files = ("report.json", "trace.json", "index.html", *figures)
     fsutil.check_outputs(out, files=files, dirs=("plots",), fix=fix)
+    for name, mark in MARKS.items():  # a site's own page was replaced without a word (found by an adversarial pass)
+        head = fsutil.text_head(out / name, 4096)
+        if head is not None and mark not in head:
+            raise WriteError(
+                f"{out / name}: not a page commgate wrote (no {mark!r} in it), and commgate would replace it; move "
+                f"it, or {fix}"
+            )
+
+
+MARKS = {"index.html": f"<title>{TITLE}</title>", "trace.json": '"source": "commgate"'}
+"""What every page and trace commgate writes holds near its start (``page``, ``commgate.report.trace``)."""
 
 
 def write(out: Path, doc: dict[str, Any], *, progress: Callable[[str], None] | None = None) -> Path:
