@@ -184,20 +184,21 @@ def test_a_number_past_a_floats_range_is_one_line_as_written(value: str, says: s
 
 
 @pytest.mark.parametrize(
-    ("value", "says"),
+    ("value", "digits"),
     [
-        ("010", "$.parallelism.dp: 010: YAML reads an integer with a leading zero as octal; write 10"),
-        ("09", "$.parallelism.dp: 09: YAML reads an integer with a leading zero as octal; write 9"),
-        ("00", "$.parallelism.dp: 00: YAML reads an integer with a leading zero as octal; write 0"),
+        ("010", "10"),
+        ("09", "9"),
+        ("00", "0"),
     ],
 )
-def test_an_integer_with_a_leading_zero_is_one_line_not_octal(value: str, says: str) -> None:
+def test_an_integer_with_a_leading_zero_is_one_line_not_octal(value: str, digits: str) -> None:
     """``dp: 010`` was a scenario of 8 ranks, silently, and ``dp: 09`` "a string, expected integer" (found by an
     adversarial pass). Quoted, it is the string it says it is; 0 and 10 are what they say."""
     text = f"schema_version: 1\nname: x\nmodel: {{preset: 19M-cpu}}\nparallelism: {{scheme: ddp, dp: {value}}}\n"
     with pytest.raises(ScenarioError) as info:
         load_text(text, file="s.yaml")
-    assert [str(p) for p in info.value.problems] == [f"s.yaml:4: {says}"]
+    says = f"YAML reads an integer with a leading zero as octal; write {digits} (or, for a string, quote it: '{value}')"
+    assert [str(p) for p in info.value.problems] == [f"s.yaml:4: $.parallelism.dp: {value}: {says}"]
     for fine in ("2", "10", "0x2"):
         (s,) = load_text(text.replace(f"dp: {value}", f"dp: {fine}"), file="s.yaml")
         assert s.parallelism.dp == int(fine, 0)

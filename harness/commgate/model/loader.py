@@ -323,7 +323,10 @@ def _misread(node: yaml.Node, file: str, path: list[Any]) -> Iterator[Problem]:
             yield Problem(
                 file=file,
                 path=json_path(path),
-                message=f"{node.value}: YAML reads an integer with a leading zero as octal; write {digits}",
+                message=(
+                    f"{node.value}: YAML reads an integer with a leading zero as octal; write {digits} (or, for a "
+                    f"string, quote it: '{node.value}')"
+                ),
                 line=node.start_mark.line + 1,
             )
     elif isinstance(node, yaml.MappingNode):

@@ -3,8 +3,8 @@
 or a Hugging Face ``config.json`` at reduced scale), the pytest configuration that names the folder when the
 repository has none (it never edits a file of yours: it says what to add), ``.gitignore`` naming ``out/``
 and ``*.obtained.json`` where the repository has none (else the lines to add), and ``ci.sh``, the one line CI
-runs. Every scenario
-it writes validates and predicts before anything is written; a file that exists is never overwritten.
+runs. Every scenario it writes validates and predicts before anything is written; a file that exists is never
+overwritten.
 """
 
 from __future__ import annotations
