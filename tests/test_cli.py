@@ -253,7 +253,9 @@ def test_ctrl_c_twice_still_leaves_this_run_s_report_marked_interrupted(tmp_path
     (tmp_path / "b.yaml").write_text(SMALL.format(name="b") + wedged)
     (tmp_path / "out").mkdir()
     stale = '{"scenarios": [], "summary": {"passed": 7}}\n'
-    (tmp_path / "out" / "report.json").write_text(stale)  # an earlier run's
+    (tmp_path / "out" / "report.json").write_text(stale)  # an earlier run's, with its page and trace
+    (tmp_path / "out" / "index.html").write_text("<title>commgate report</title> the earlier run: 7 passed")
+    (tmp_path / "out" / "trace.json").write_text('{"otherData": {"source": "commgate"}}')
     argv = [sys.executable, "-m", "commgate", "run", "b.yaml", "--report-dir", "out"]
     with subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         assert proc.stdout is not None
@@ -269,6 +271,9 @@ def test_ctrl_c_twice_still_leaves_this_run_s_report_marked_interrupted(tmp_path
     doc = json.loads((tmp_path / "out" / "report.json").read_text())
     assert doc["interrupted"] == "Ctrl-C during b, scenario 1 of 1; 0 scenario(s) had finished", doc
     assert "interrupted (Ctrl-C during b, scenario 1 of 1; 0 scenario(s) had finished)" in out
+    page = (tmp_path / "out" / "index.html").read_text()  # this run's, saying so, not the earlier run's
+    assert "the earlier run" not in page and "interrupted: Ctrl-C during b, scenario 1 of 1" in page
+    assert json.loads((tmp_path / "out" / "trace.json").read_text())["traceEvents"] == []
 
 
 @pytest.mark.skipif(any(Path("/dev").glob("nvidia[0-9]*")), reason="ranks on GPUs take DeepSpeed's GPU accelerators")

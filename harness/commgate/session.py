@@ -325,9 +325,10 @@ class Session:
 
     def finish(self) -> Path | None:
         """report.json in its final order and the HTML page beside it; the page (None without a report
-        directory, or when no scenario ran)."""
+        directory, or when no scenario ran and the run was not interrupted: a run stopped in its first scenario
+        left the previous run's page and trace beside its report.json; found by an adversarial pass)."""
         path = self.report.path
-        if path is None or not self.report.scenarios:
+        if path is None or not (self.report.scenarios or self.report.interrupted):
             return None
         from commgate.report import htmlreport
 

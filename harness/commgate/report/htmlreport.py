@@ -252,7 +252,9 @@ def _counts(doc: dict[str, Any]) -> str:
         spans.append(f'<span class="{cls}">{v} {k}</span>')
     done = ran(doc)
     broken = counts.get("failed", 0) + counts.get("error", 0)
-    if broken:
+    if stopped := doc.get("interrupted"):  # the page of a stopped run said nothing of it, like a whole run's
+        spans.append(f'<span class="bad">interrupted: {html.escape(str(stopped))}</span>')
+    elif broken:
         spans.append(f'<span class="bad">{broken} scenario(s) did not pass: see Findings</span>')
     elif (
         done
