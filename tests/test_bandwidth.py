@@ -80,8 +80,12 @@ def test_curves_are_stored_per_hardware_and_round_trip(tmp_path: Path) -> None:
 def test_bad_files_are_one_line_errors(tmp_path: Path) -> None:
     path = tmp_path / "bandwidth-gloo.json"
     path.write_text("{truncated")
-    with pytest.raises(CommgateError, match=r"bandwidth-gloo\.json:1: \$: not valid JSON"):
+    with pytest.raises(CommgateError, match=r"bandwidth-gloo\.json:1: \$: not valid JSON") as info:
         bandwidth.load_all(path)
+    # the command that rewrites it, as a missing curve's note gives it (it said "re-run the microbenchmarks")
+    assert str(info.value).endswith(
+        f"; measure this machine's curve again to rewrite it: `{bandwidth.sweep_command(tmp_path)}`"
+    )
     doc = {"schema_version": 1, "curves": {"cpu": curve(sample()).to_json()}}
     doc["curves"]["cpu"]["samples"][0]["median_s"] = -1
     path.write_text(json.dumps(doc))

@@ -214,7 +214,8 @@ def load_all(path: Path) -> dict[str, Curve]:
 
 @functools.lru_cache(maxsize=8)
 def _parsed(path: str, mtime_ns: int, size: int) -> dict[str, Curve]:
-    doc = read_json(Path(path), validate, hint="; re-run the microbenchmarks to rewrite it", version=CURVE_VERSION)
+    hint = f"; measure this machine's curve again to rewrite it: `{sweep_command(Path(path).parent)}`"
+    doc = read_json(Path(path), validate, hint=hint, version=CURVE_VERSION)
     return {hw: Curve.from_json(hw, d) for hw, d in doc["curves"].items()}
 
 
