@@ -51,7 +51,11 @@ def test_compare_names_every_difference_with_obtained_expected_and_delta() -> No
             "newer.json",
             r"newer\.json: \$\.schema_version: 3 is newer than this commgate reads \(2\); upgrade commgate$",
         ),
-        ("negative-calls.json", r"negative-calls\.json: \$\.calls\[0\]\.calls: -1 is less than the minimum of 1$"),
+        (  # the schema's refusal gets the fix too (it had none: found by an adversarial pass)
+            "negative-calls.json",
+            r"negative-calls\.json: \$\.calls\[0\]\.calls: -1 is less than the minimum of 1; delete it: the next "
+            r"gated run \(pytest, commgate run --gate, commgate check\) writes it anew$",
+        ),
     ],
 )
 def test_a_bad_baseline_is_a_one_line_error_naming_the_file(name: str, message: str) -> None:
