@@ -98,8 +98,13 @@ def run_scenario(scenario: Scenario, runner: Runner, options: Options) -> Scenar
                 store.discard_obtained(capture.backend, capture.scenario)
         except (BaselineError, WriteError) as exc:
             # the scenario's baseline cannot be read or written: its error, one line, and the suite goes on
-            # (``commgate run --gate`` stopped at the first, with no report; found by an adversarial pass)
-            return result(status="error", reason=str(exc))
+            # (``commgate run --gate`` stopped at the first, with no report; found by an adversarial pass);
+            # the file is still this scenario's (it was listed among the baselines no scenario used)
+            try:
+                own = store.path(capture.backend, capture.scenario)
+            except WriteError:
+                own = None
+            return result(status="error", reason=str(exc), baseline=own)
         findings, baseline, written, latency_note = j.findings, j.baseline, j.written, j.latency_note
         if options.faulty:
             fault = sibling_flag(options.update_flag, "fault")

@@ -19,16 +19,18 @@ def test_a_truncated_baseline_is_a_one_line_error(
     pytester: pytest.Pytester, scenario_file: Callable[..., Path]
 ) -> None:
     scenario_file("g")
-    pytester.runpytest("--commgate-update-baselines").assert_outcomes(passed=1)
+    scenario_file("h")
+    pytester.runpytest("--commgate-update-baselines").assert_outcomes(passed=2)
     path = pytester.path / "baselines" / "gloo" / "g.json"
     path.write_text(path.read_text()[:200])
     result = pytester.runpytest()
-    result.assert_outcomes(failed=1)
+    result.assert_outcomes(failed=1, passed=1)
     result.stdout.fnmatch_lines(
         [f"g: {path}:*: not valid JSON (*); delete it: the next gated run (pytest, commgate run --gate, commgate "
          "check) writes it anew"]
     )  # fmt: skip
     assert "Traceback" not in result.stdout.str()
+    assert "baselines no scenario used" not in result.stdout.str()  # it is g's own (it was listed: an adversarial pass)
 
 
 def test_under_commgate_run_a_bad_baseline_is_its_scenarios_error_and_the_suite_goes_on(
