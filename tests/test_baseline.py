@@ -679,3 +679,29 @@ def test_two_runs_updating_one_baseline_at_once_both_add_their_latency_run(tmp_p
     assert [j.written.endswith(added) for j in said] == [True, True]  # type: ignore[attr-defined]
     (history,) = store.load("gloo", "s").latency.values()  # type: ignore[union-attr]
     assert len(history) == 3
+
+
+def test_a_baseline_of_another_world_size_says_so_and_its_latency_is_not_judged() -> None:
+    """A scenario's ``dp`` edited under the same name: the finding named the baseline's date and versions, not
+    that it was taken at another world size, and this run's latency was judged against the other job's
+    history and called slower (found by an adversarial pass)."""
+    from commgate.judge.gate import evaluate
+    from commgate.judge.reconcile import reconcile
+    from commgate.model.predict import predict
+
+    stored, hw, s = _three_stored_runs_and_a_failing_rule()
+    cap = replace(_capture(12.0), stack={"hardware": hw})  # x3 slower than the stored runs
+    rec = reconcile(predict(s), cap)
+    fewer = dict(list(stored.calls.items())[1:])
+    now = replace(stored, calls=fewer, latency={hw: (summarize(cap),)})
+    for size, says in ((4, ""), (8, "; at world size 4, this run 8")):
+        now = replace(now, provenance=stored.provenance | {"world_size": size})
+        v = evaluate(s.expectations, predict(s).comparison(), cap, rec, now, stored, rerun=lambda: cap)
+        (base,) = [f for f in v.findings if f.kind == "baseline"]
+        assert base.title.endswith(f"deepspeed {stored.provenance.get('deepspeed') or 'none'}{says})")
+        latency = [f for f in v.findings if f.kind == "latency"]
+        if says:
+            assert not latency
+            assert v.latency_note == "latency not judged: the baseline's runs were of world size 4, this run's is 8"
+        else:
+            assert latency and latency[0].fail  # the same job's history: judged, and slower

@@ -159,19 +159,29 @@ def against_baseline(
     diffs = compare(now, stored, bytes_tol=e.baseline_bytes, calls_tol=e.baseline_calls)
     if diffs:
         taken = stored.provenance
+        sizes = _sizes(now, stored)
+        sized = f"; at world size {sizes[0]}, this run {sizes[1]}" if sizes else ""
         out.append(
             Finding(
                 kind="baseline",
                 fail=True,
                 title=f"communication differs from the baseline (taken {taken.get('date')} at "
                 f"{taken.get('commit') or 'no commit'}, torch {taken.get('torch')}, "
-                f"deepspeed {taken.get('deepspeed') or 'none'})",
+                f"deepspeed {taken.get('deepspeed') or 'none'}{sized})",
                 causes=recognise(now.calls, stored.calls, steps=steps),
                 differences=tuple(diffs),
                 hint=f"if the change is intended, accept it with {update_flag}",
             )
         )
     return out
+
+
+def _sizes(now: Baseline, stored: Baseline) -> tuple[int, int] | None:
+    """The stored baseline's world size and this run's, where they differ (a scenario's ``dp`` edited under the
+    same name): its calls are another job's, which the finding's title did not say (found by an adversarial
+    pass), and its latency history another job's too."""
+    a, b = stored.provenance.get("world_size"), now.provenance.get("world_size")
+    return (a, b) if isinstance(a, int) and isinstance(b, int) and a != b else None
 
 
 Rerun = Callable[[], Capture | None]
@@ -317,6 +327,10 @@ def evaluate(
             v.latency_note = (
                 f"latency not judged: an emulated run (rank 0 of {capture.world_size}), whose calls complete "
                 "without a peer"
+            )
+        elif sizes := _sizes(now, stored):
+            v.latency_note = (
+                f"latency not judged: the baseline's runs were of world size {sizes[0]}, this run's is {sizes[1]}"
             )
         else:
             latency, v.latency_note = against_latency(e, now, stored, rerun, update_flag)
