@@ -410,8 +410,9 @@ def test_a_shift_is_confirmed_by_reruns_and_a_speed_up_is_never_a_failure() -> N
 
     finding, note = judged(12.0, 12.0)
     assert finding is not None and finding.fail and reruns == [12.0, 12.0]  # type: ignore[attr-defined]
-    assert note == (
-        "latency judged against 3 stored run(s) and 2 confirming rerun(s): no latency shift beyond x1.75 in 0 op(s)"
+    assert note == (  # it said "no latency shift beyond x1.75 in 0 op(s)" beside the shift's finding
+        "latency judged against 3 stored run(s) and 2 confirming rerun(s): 1 op(s) shifted beyond x1.75 "
+        "(all_reduce slower), 0 unchanged"
     )
     reruns.clear()
     finding, _ = judged(12.0, 4.1)  # the first rerun is back to normal: a one-off, not a regression

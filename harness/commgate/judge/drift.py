@@ -450,8 +450,9 @@ class Assessment:
         return [s for s in self.shifts if s.verdict != "~"]
 
     def summary(self) -> str:
-        """``no latency shift beyond x1.75 in 2 op(s)`` (and how many were too small a share of the step
-        to judge), or the note."""
+        """``no latency shift beyond x1.75 in 2 op(s)``, or the ops that shifted and how many did not (it said
+        "no latency shift ... in 0 op(s)" under a shift's finding: found by an adversarial pass), or that no op
+        was judged; and how many were too small a share of the step to judge; or the note."""
         if self.note:
             return self.note
         small = (
@@ -460,8 +461,13 @@ class Assessment:
             if self.unjudged
             else ""
         )
-        steady = len(self.shifts) - len(self.changed())
-        return f"no latency shift beyond x{self.threshold:.2f} in {steady} op(s){small}"
+        moved = self.changed()
+        steady = len(self.shifts) - len(moved)
+        beyond = f"beyond x{self.threshold:.2f}"
+        if moved:
+            which = ", ".join(f"{s.op} {s.verdict}" for s in moved)
+            return f"{len(moved)} op(s) shifted {beyond} ({which}), {steady} unchanged{small}"
+        return (f"no latency shift {beyond} in {steady} op(s)" if steady else "no op judged") + small
 
     @property
     def slower(self) -> bool:
