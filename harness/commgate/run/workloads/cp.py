@@ -152,7 +152,7 @@ class CPWorkload:
         with optimizer_phase():
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+        return float((loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach())
 
 
 class _RingCheck:

@@ -37,4 +37,4 @@ class DDPWorkload:
         with optimizer_phase():
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())

@@ -87,7 +87,7 @@ class FSDPWorkload:
         with optimizer_phase():
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+        return float((loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach())
 
 
 def shard_blocks(module: nn.Module, scenario: Scenario, mesh: DeviceMesh) -> FSDPModule:

@@ -126,4 +126,4 @@ class TorchPipelineWorkload:
         with optimizer_phase():
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return float(torch.stack(losses).mean()) if losses else 0.0
+        return float(torch.stack(losses).mean().detach()) if losses else 0.0

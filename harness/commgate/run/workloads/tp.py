@@ -165,7 +165,7 @@ class TPWorkload:
         with optimizer_phase():
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+        return float((loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach())
 
 
 def localize(module: nn.Module) -> None:

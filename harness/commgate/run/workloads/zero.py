@@ -114,4 +114,4 @@ class ZeroWorkload:
                     self.engine.step()
             else:
                 self.engine.step()
-        return float(loss)
+        return float(loss.detach())
