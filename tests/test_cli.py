@@ -144,7 +144,15 @@ def test_predict_matrix_in_json() -> None:
         (["init", "--preset", "19M-cpu", "--schemes", ","], "--schemes ',': name one scheme or more"),
         (["init", "--preset", "13b"], "--preset '13b': not a model preset; did you mean '13B'?"),
         (["import", "--neox", "tests/data/neox/13B.yml", "-o", "tests/data/neox/13B.yml"], "is the --neox input"),
-        (["import", "--neox", "tests/data/neox/13B.yml", "-o", "README.md"], "-o README.md exists: give --force"),
+        (["import", "--neox", "tests/data/neox/13B.yml", "-o", "scenarios/ddp.yaml"], "exists: give --force"),
+        # a file the gate never reads (found by an adversarial pass)
+        (["import", "--neox", "tests/data/neox/13B.yml", "-o", "x.json"], "-o x.json: not a .yaml or .yml file"),
+        (["import", "--neox", "tests/data/neox/13B.yml", "-o", "noext"], "never read as a scenario; give noext.yaml"),
+        # an empty argument (an unset variable) was the working directory, or the default name
+        (["validate", ""], "argument paths: an empty path (an unset variable?)"),
+        (["run", "", "-k", "x"], "argument paths: an empty path (an unset variable?)"),
+        (["check", "tests", "--name", ""], "argument --name: empty (an unset variable?)"),
+        (["import", "--neox", "tests/data/neox/13B.yml", "--name", ""], "argument --name: empty"),
         (["predict", "--model", "13B", "--scheme", "tp", "--tp", "3"], "heads a=40 are not divisible by tp"),
         (["predict", "--model", "7B", "--scheme", "ddp", "--dp", "2"], '"7B" is not one of'),
     ],

@@ -95,6 +95,7 @@ def _add_predict(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument(
         "paths",
         nargs="*",
+        type=env.path_text,
         help="scenario files or directories (default: the pytest configuration's commgate_scenario_dirs, else "
         f"./{DEFAULT_SUITE})",
     )
@@ -586,6 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "paths",
         nargs="*",
+        type=env.path_text,
         help="scenario files or directories (default: the pytest configuration's commgate_scenario_dirs, else "
         f"./{DEFAULT_SUITE})",
     )
@@ -680,6 +682,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "paths",
         nargs="*",
+        type=env.path_text,
         help="scenario files or directories (default: the pytest configuration's commgate_scenario_dirs, else "
         f"./{DEFAULT_SUITE})",
     )
@@ -704,7 +707,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--tp", type=int, help="tensor-parallel degree (default: the config's, else 1)")
     i.add_argument("--pp", type=int, help="pipeline stages (default: the config's, else 1)")
     i.add_argument("--cpu", action="store_true", help="the reduced-scale variant for CPU runs")
-    i.add_argument("--name", help="scenario name (default: the written file's, OUT without .yaml)")
+    i.add_argument("--name", type=env.nonempty, help="scenario name (default: the written file's, OUT without .yaml)")
     i.add_argument(
         "--trainer",
         choices=("commgate", "hf"),
@@ -819,6 +822,7 @@ def _add_capture(sub: argparse._SubParsersAction[_Parser]) -> None:
     )
     c.add_argument(
         "--name",
+        type=env.nonempty,
         help="without --scenario: the name the capture's baseline is kept under (default: the job's script, "
         "e.g. train for torchrun ... train.py)",
     )
@@ -918,6 +922,11 @@ def _check_import_out(a: argparse.Namespace) -> None:
             )
     if a.out.is_dir():
         raise UsageError(f"-o {a.out}: a directory; give the scenario file to write (e.g. {a.out / 'job.yaml'})")
+    if a.out.suffix not in (".yaml", ".yml"):  # the gate reads *.yaml and *.yml only (found by an adversarial pass)
+        raise UsageError(
+            f"-o {a.out}: not a .yaml or .yml file, which commgate and pytest never read as a scenario; give "
+            f"{a.out.with_suffix('.yaml') if a.out.suffix else a.out.with_name(a.out.name + '.yaml')}"
+        )
     if a.out.exists() and not a.force:
         raise UsageError(f"-o {a.out} exists: give --force to replace it, or another file")
 

@@ -118,6 +118,20 @@ def path(text: str) -> Path:
     return Path(text)
 
 
+def path_text(text: str) -> str:
+    """``path``'s check for an argument kept as text (the scenario paths: ``commgate validate ""`` validated the
+    working directory; found by an adversarial pass)."""
+    path(text)
+    return text
+
+
+def nonempty(text: str) -> str:
+    """An argument type: a value that is not empty (``--name ''`` silently meant the default name)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty (an unset variable?): give a value, or leave the option out")
+    return text
+
+
 def python_command(*, anywhere: bool = False) -> str:
     """This interpreter as a command commgate suggests can name it: ``python`` where that is what the shell
     finds (an activated environment), else its path, relative to the working directory when inside it
