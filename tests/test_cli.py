@@ -150,6 +150,8 @@ def test_predict_matrix_in_json() -> None:
         (["import", "--neox", "tests/data/neox/13B.yml", "-o", "noext"], "never read as a scenario; give noext.yaml"),
         # an empty argument (an unset variable) was the working directory, or the default name
         (["validate", ""], "argument paths: an empty path (an unset variable?)"),
+        (["compare", "a", "b", "--latency-factor", "-1"], "--latency-factor -1: give a factor above 1"),
+        (["compare", "a", "b", "--min-runs", "0"], "--min-runs 0: give 1 to 100 runs"),
         (["run", "", "-k", "x"], "argument paths: an empty path (an unset variable?)"),
         (["check", "tests", "--name", ""], "argument --name: empty (an unset variable?)"),
         (["import", "--neox", "tests/data/neox/13B.yml", "--name", ""], "argument --name: empty"),

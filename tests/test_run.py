@@ -183,6 +183,9 @@ def test_a_hang_fails_at_the_deadline_naming_each_ranks_call(tmp_path: Path) -> 
     assert lines[0] == "t: deadline of 20 s passed; the last call each rank issued:"
     assert lines[1] == "  rank 0: in all_reduce (group [0, 1], 16 B, step 1, forward)"
     assert lines[2] == "  rank 1: in recv (peer 0, 4 B, step 1, forward)"
+    assert lines[-1] == (  # the fix, where nothing hung (it was not named: an adversarial pass)
+        "  a run that is only slow needs longer: deadline_s in the scenario, or --deadline S (--commgate-deadline S)"
+    )
     assert rank_processes(tmp_path) == []
 
 

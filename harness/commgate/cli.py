@@ -839,8 +839,10 @@ def _add_capture(sub: argparse._SubParsersAction[_Parser]) -> None:
 def cmd_compare(a: argparse.Namespace) -> int:
     from commgate.judge.compare import compare, load_side, verdict
 
-    if not 1 < a.latency_factor <= 1e6 or not 1 <= a.min_runs <= 100:
-        raise UsageError("--latency-factor must be within (1, 1e6] and --min-runs within [1, 100]")
+    if not 1 < a.latency_factor <= 1e6:  # each named alone: it named both, whichever was wrong
+        raise UsageError(f"--latency-factor {a.latency_factor:g}: give a factor above 1 and at most 1e6")
+    if not 1 <= a.min_runs <= 100:
+        raise UsageError(f"--min-runs {a.min_runs}: give 1 to 100 runs")
     changes = compare(
         load_side(a.before), load_side(a.after), LatencyRule(factor=a.latency_factor, min_runs=a.min_runs)
     )

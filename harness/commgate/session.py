@@ -293,7 +293,8 @@ class Session:
     def failure(self, result: ScenarioResult) -> str:
         """``<id>: why it failed``, the faults planted to make it fail first."""
         planted = f"(planted fault: {self.faults.describe()})\n" if self.faults else ""
-        return f"{result.prediction.scenario.id}: {planted}{result.reason}"
+        sid = f"{result.prediction.scenario.id}: "  # once: a run's error names its scenario itself (a deadline)
+        return f"{sid}{planted}{result.reason.removeprefix(sid)}"
 
     def interrupt(self, why: str) -> None:
         """Mark the run as stopped before its end (report.json says ``interrupted``: why, and what finished)."""

@@ -369,6 +369,9 @@ def _status(tmp: Path, rank: int) -> str:
     return status.read_text(errors="replace").strip() if status.exists() else ""
 
 
+SLOW_FIX = "deadline_s in the scenario, or --deadline S (--commgate-deadline S)"
+
+
 def hang_report(scenario_id: str, tmp: Path, ranks: Sequence[int], waited: float) -> str:
     """The deadline passed: the call each of ``ranks`` issued last (or, outside calls, what it was doing: its
     phase), how old that word is where the rank's heartbeat lagged (a busy machine), and any stale build lock
@@ -389,4 +392,6 @@ def hang_report(scenario_id: str, tmp: Path, ranks: Sequence[int], waited: float
             "later build then waits for; delete it if no build is running"
             for lock in build_locks()
         ]
+    # the fix, where nothing hung (found by an adversarial pass: neither was named)
+    lines.append(f"  a run that is only slow needs longer: {SLOW_FIX}")
     return "\n".join(lines)
