@@ -376,3 +376,23 @@ def test_checkpointing_a_users_module_says_it_does_nothing() -> None:
     (plain,) = load_text(text(MIXER, "scheme: ddp, dp: 2"))
     assert not [w for w in plain.warnings if w.startswith("parallelism.activation_checkpointing")]
     assert rows(predict(s)) == rows(predict(plain))  # what the warning says: nothing changes
+
+
+def test_what_a_module_writes_to_descriptor_1_stays_out_of_predict_json(tmp_path: Path) -> None:
+    """``os.write(1, ...)`` at import and in ``build`` (a C extension's ``printf`` alike) went into ``commgate
+    predict --json``'s document, which no longer parsed (found by an adversarial pass): it goes to stderr."""
+    import json
+    import subprocess
+
+    body = (
+        "import os\nos.write(1, b'RAW AT IMPORT\\n')\n"
+        "from commgate.examples.mixer import build as mixer\n"
+        "def build(scenario):\n    os.write(1, b'RAW IN BUILD\\n')\n    return mixer(scenario)\n"
+    )
+    (tmp_path / "raw_writer.py").write_text(body)
+    (tmp_path / "s.yaml").write_text(text("raw_writer:build", "scheme: ddp, dp: 2"))
+    done = subprocess.run([sys.executable, "-m", "commgate", "predict", "--json", "s.yaml"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    json.loads(done.stdout)
+    assert "RAW AT IMPORT" in done.stderr and "RAW IN BUILD" in done.stderr

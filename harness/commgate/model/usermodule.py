@@ -90,7 +90,8 @@ class _Exited(BaseException):
 def _exit_raises() -> Iterator[None]:
     """``os._exit`` raises ``_Exited`` meanwhile. A module that called it as commgate imported or built it
     ended commgate's own process with the module's status and no word: ``validate``, ``run`` and pytest's
-    collection exited 0 having judged nothing (found by an adversarial pass)."""
+    collection exited 0 having judged nothing (found by an adversarial pass). And what the module writes to
+    descriptor 1 goes to stderr (``_raw_stdout_to_stderr``)."""
     real = os._exit
 
     def exited(status: int) -> NoReturn:
@@ -98,9 +99,33 @@ def _exit_raises() -> Iterator[None]:
 
     os._exit = exited
     try:
-        yield
+        with _raw_stdout_to_stderr():
+            yield
     finally:
         os._exit = real
+
+
+@contextlib.contextmanager
+def _raw_stdout_to_stderr() -> Iterator[None]:
+    """Descriptor 1 is stderr's meanwhile: what a module writes below ``sys.stdout`` (``os.write(1, ...)``, a C
+    extension's ``printf``) went into ``commgate predict --json``'s document (found by an adversarial pass).
+    C's own buffer is flushed before descriptor 1 is given back, so its lines go to stderr too."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError, AttributeError):  # no descriptor 1 to move (a closed or replaced stdout)
+        yield
+        return
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+
+            ctypes.CDLL(None).fflush(None)
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def resolve(spec: str, what: str = "model.module") -> Callable[..., Any]:
