@@ -151,6 +151,12 @@ def test_predict_matrix_in_json() -> None:
         # an empty argument (an unset variable) was the working directory, or the default name
         (["validate", ""], "argument paths: an empty path (an unset variable?)"),
         (["compare", "a", "b", "--latency-factor", "-1"], "--latency-factor -1: give a factor above 1"),
+        # the flag the user typed, not a JSON path or another flag (found by an adversarial pass)
+        (["predict", "--model", "", "--scheme", "ddp"], "argument --model: empty (an unset variable?)"),
+        (
+            ["predict", "--model", "19M-cpu", "--scheme", "ddp", "--dp", "2", "--reshard-after-forward", "true"],
+            "--param-dtype/--reduce-dtype/--reshard-after-forward: FSDP2 options need scheme 'fsdp'",
+        ),
         (["compare", "a", "b", "--min-runs", "0"], "--min-runs 0: give 1 to 100 runs"),
         (["run", "", "-k", "x"], "argument paths: an empty path (an unset variable?)"),
         (["check", "tests", "--name", ""], "argument --name: empty (an unset variable?)"),
@@ -164,6 +170,19 @@ def test_bad_command_lines_exit_2_with_one_line(args: list[str], message: str) -
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_an_imported_scenario_refused_for_its_ranks_names_the_dp_flag(tmp_path: Path) -> None:
+    """``import`` with ``--dp`` left at its default (1) or given out of range: the refusal named
+    ``$.parallelism.dp``, not the flag that sets it (found by an adversarial pass)."""
+    proc = commgate(
+        "import", "--neox", str(ROOT / "tests/data/neox/13B.yml"), "--dp", "-2", "-o", "a.yaml", cwd=tmp_path
+    )
+    assert proc.returncode == 2 and not (tmp_path / "a.yaml").exists()
+    last = proc.stderr.strip().splitlines()[-1]  # after the notes on what the config sets
+    assert last.startswith(
+        "commgate: error: a.yaml not written: the imported scenario is refused: --dp ($.parallelism.dp): -2"
+    )
 
 
 def test_predict_without_scenarios_here_explains(tmp_path: Path) -> None:

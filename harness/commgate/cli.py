@@ -100,7 +100,12 @@ def _add_predict(sub: argparse._SubParsersAction[_Parser]) -> None:
         f"./{DEFAULT_SUITE})",
     )
     g = p.add_argument_group("a scenario from flags (instead of files)")
-    g.add_argument("--model", metavar="PRESET", help="model preset, e.g. 13B or 19M-cpu (see `commgate presets`)")
+    g.add_argument(
+        "--model",
+        metavar="PRESET",
+        type=env.nonempty,
+        help="model preset, e.g. 13B or 19M-cpu (see `commgate presets`)",
+    )
     g.add_argument("--scheme", choices=list(SCHEMES), help="; ".join(f"{n}: {s.summary}" for n, s in SCHEMES.items()))
     g.add_argument("--dp", type=int, help="data-parallel degree (default 1)")
     g.add_argument("--tp", type=int, help="tensor-parallel degree (default 1)")
@@ -144,6 +149,7 @@ FLAGS = {
     "$.parallelism.dp_replicate": "--dp-replicate", "$.parallelism.cp": "--cp",
     "$.parallelism.fsdp.param_dtype": "--param-dtype", "$.parallelism.fsdp.reduce_dtype": "--reduce-dtype",
     "$.parallelism.fsdp.reshard_after_forward": "--reshard-after-forward",
+    "$.parallelism.fsdp": "--param-dtype/--reduce-dtype/--reshard-after-forward",
 }  # fmt: skip
 """The scenario paths ``_flags_document`` writes and the ``predict`` flag each comes from."""
 
@@ -887,9 +893,9 @@ def cmd_import(a: argparse.Namespace) -> int:
     try:
         scenarios = load_document(got.doc, file=str(a.out))  # the result validates ...
     except ScenarioError as exc:  # nothing written: say what in the configs it comes from
+        origins = {"$.parallelism.dp": "--dp"} | dict(got.origins)  # the flag, where no config set it
         what = "; ".join(
-            f"{f'{got.origins[p.path]} ({p.path})' if p.path in got.origins else p.path}: {p.message}"
-            for p in exc.problems
+            f"{f'{origins[p.path]} ({p.path})' if p.path in origins else p.path}: {p.message}" for p in exc.problems
         )
         raise UsageError(f"{a.out} not written: the imported scenario is refused: {what}") from None
     for s in scenarios:
