@@ -204,3 +204,22 @@ def test_an_integer_with_a_leading_zero_is_one_line_not_octal(value: str, digits
         assert s.parallelism.dp == int(fine, 0)
     with pytest.raises(ScenarioError, match="is a string, expected integer"):
         load_text(text.replace(f"dp: {value}", f"dp: '{value}'"), file="s.yaml")
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("yes", "true is a boolean, expected string (YAML reads yes, no, on, off, true and false as booleans: quote"),
+        ("2024-01-01", "2024-01-01 is a date, expected string (YAML reads a date as a date: quote it for a string)"),
+    ],
+)
+def test_a_word_yaml_reads_as_another_type_says_so(value: str, says: str) -> None:
+    """``name: yes`` was "true is a boolean" and ``name: 2024-01-01`` "datetime.date(2024, 1, 1) is a date", a
+    Python repr, neither saying why or how to write it (found by an adversarial pass)."""
+    text = f"schema_version: 1\nname: {value}\nmodel: {{preset: 19M-cpu}}\nparallelism: {{scheme: ddp, dp: 2}}\n"
+    with pytest.raises(ScenarioError) as info:
+        load_text(text, file="s.yaml")
+    assert str(info.value.problems[0]).startswith(f"s.yaml:2: $.name: {says}")
+    if value == "yes":  # quoted, it is the string it says
+        (s,) = load_text(text.replace("name: yes", "name: 'yes'"))
+        assert s.id == "yes"

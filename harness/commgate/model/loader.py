@@ -10,6 +10,7 @@ scenario's trainer (``TRAINERS``).
 from __future__ import annotations
 
 import copy
+import datetime
 import difflib
 import functools
 import itertools
@@ -74,8 +75,8 @@ def _validator() -> jsonschema.protocols.Validator:
 def _show(value: Any) -> str:
     try:
         text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
+    except (TypeError, ValueError):  # a date YAML read (``2024-01-01``) as the file spells it, not its repr
+        text = value.isoformat() if isinstance(value, datetime.date) else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -100,6 +101,8 @@ def _article(noun: str) -> str:
 
 def _type_name(value: Any) -> str:
     kinds = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", dict: "mapping"}
+    if isinstance(value, datetime.date):
+        return "date"
     return kinds.get(type(value), type(value).__name__)
 
 
@@ -458,6 +461,9 @@ def _type_hint(inst: Any, wanted: list[str]) -> str:
     ``1e-3`` (a string to YAML 1.1) for a number."""
     if isinstance(inst, float) and inst.is_integer() and "integer" in wanted and abs(inst) < 1e18:
         return f" (write {int(inst)}, without the fraction)"
+    if isinstance(inst, (bool, datetime.date)) and "string" in wanted:  # YAML 1.1's own readings of plain words
+        read = "yes, no, on, off, true and false as booleans" if isinstance(inst, bool) else "a date as a date"
+        return f" (YAML reads {read}: quote it for a string)"
     if isinstance(inst, str) and "number" in wanted and YAML11_FLOAT.fullmatch(inst.strip()):
         mantissa, _, exponent = inst.strip().lower().partition("e")
         dotted = mantissa if "." in mantissa else f"{mantissa}.0"
