@@ -166,6 +166,20 @@ def test_a_directory_that_disappears_during_the_walk_is_passed_over(
     assert scenario_files([tmp_path]) == [tmp_path / "a.yaml"]
 
 
+def test_a_directory_is_searched_as_pytest_searches_it(tmp_path: Path) -> None:
+    """``commgate validate .`` read ``.venv/``'s, ``.github/workflows/``'s and ``node_modules/``'s YAML as broken
+    scenarios, which ``pytest .`` never looks at (found by an adversarial pass): pytest's default
+    ``norecursedirs`` are passed over, unless named on the command line."""
+    from commgate.model.loader import scenario_files
+
+    for where in ("a.yaml", "sub/b.yaml", ".venv/lib/pkg.yaml", ".github/workflows/ci.yml", "node_modules/x/c.yaml",
+                  "build/d.yaml", "venv/e.yaml", "pkg.egg/f.yaml"):  # fmt: skip
+        (tmp_path / where).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / where).write_text("x: 1\n")
+    assert scenario_files([tmp_path]) == [tmp_path / "a.yaml", tmp_path / "sub" / "b.yaml"]
+    assert scenario_files([tmp_path / ".github"]) == [tmp_path / ".github" / "workflows" / "ci.yml"]
+
+
 @pytest.mark.parametrize(
     ("value", "says"),
     [

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import datetime
 import difflib
+import fnmatch
 import functools
 import itertools
 import json
@@ -552,10 +553,18 @@ def scenario_files(paths: Iterable[str | Path]) -> list[Path]:
     return list(once.values())
 
 
+NORECURSE = ("*.egg", ".*", "_darcs", "build", "CVS", "dist", "node_modules", "venv", "{arch}")
+"""The folders under a directory that are not searched: pytest's own default ``norecursedirs``, so that
+``commgate validate .`` and ``pytest .`` read the same files (the CLI read ``.venv/``'s and ``.github/``'s YAML
+as broken scenarios; found by an adversarial pass). A folder named on the command line is searched."""
+
+
 def _walk(root: Path) -> Iterator[Path]:
-    """Every entry under ``root`` that is not a directory, links to directories not followed; a directory
-    that disappears or cannot be read during the walk (another job's temporary one) is passed over."""
-    for where, _, files in os.walk(root):
+    """Every entry under ``root`` that is not a directory, links to directories not followed, the folders
+    ``NORECURSE`` names passed over; a directory that disappears or cannot be read during the walk (another
+    job's temporary one) is passed over."""
+    for where, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not any(fnmatch.fnmatch(d, pattern) for pattern in NORECURSE)]
         yield from (Path(where) / name for name in files)
 
 
