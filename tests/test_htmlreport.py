@@ -189,6 +189,10 @@ def test_a_failing_scenario_shows_why_and_no_success_badge(out: Path) -> None:
     doc["summary"] = {"passed": 1, "failed": 1, "error": 0, "skipped": 1}
     html = page(doc, {})
     assert "every byte explained" not in html and "1 scenario(s) did not pass: see Findings" in html
+    # a stopped run's page says so (it said nothing), beside what did not pass
+    stopped = page(doc | {"interrupted": "Ctrl-C during x, scenario 3 of 4; 2 scenario(s) had finished"}, {})
+    assert "interrupted: Ctrl-C during x, scenario 3 of 4" in stopped and "1 scenario(s) did not pass" in stopped
+    assert "interrupted" not in html
     anchor = "s-" + "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in failed["name"])
     assert f'<a href="#{anchor}">failed</a>' in html and f'<h3 id="{anchor}" class="bad">' in html
     assert f'<details id="d{anchor[1:]}" open>' in html  # its figures are open; the passing ones closed

@@ -254,10 +254,11 @@ def _counts(doc: dict[str, Any]) -> str:
     broken = counts.get("failed", 0) + counts.get("error", 0)
     if stopped := doc.get("interrupted"):  # the page of a stopped run said nothing of it, like a whole run's
         spans.append(f'<span class="bad">interrupted: {html.escape(str(stopped))}</span>')
-    elif broken:
+    if broken:
         spans.append(f'<span class="bad">{broken} scenario(s) did not pass: see Findings</span>')
     elif (
-        done
+        not stopped
+        and done
         and all(s.get("model_checked", True) for s in done)  # a baseline-only run explained nothing
         and all(o.get("unexplained_bytes", 0) == 0 for s in done for o in s["collectives"])
     ):
