@@ -65,8 +65,9 @@ def test_a_write_through_a_symbolic_link_keeps_the_link(tmp_path: Path) -> None:
 def test_a_directory_that_cannot_be_written_is_refused_before_a_run(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")  # it was "a link to .../loop, which does not exist"
     check_writable_dir(tmp_path / "new" / "deeper", what="the report", fix="give another --report-dir")
-    assert not (tmp_path / "new").exists() and len(list(tmp_path.iterdir())) == 2  # it creates nothing
+    assert not (tmp_path / "new").exists() and len(list(tmp_path.iterdir())) == 3  # it creates nothing
     expected = {
         "file": f"{tmp_path}/file: cannot write the report there: {tmp_path}/file is not a directory; give another "
         "--report-dir",
@@ -74,6 +75,8 @@ def test_a_directory_that_cannot_be_written_is_refused_before_a_run(tmp_path: Pa
         "another --report-dir",
         "dangling": f"{tmp_path}/dangling: cannot write the report there: {tmp_path}/dangling is a link to "
         f"{tmp_path}/gone, which does not exist; give another --report-dir",
+        "loop": f"{tmp_path}/loop: cannot write the report there: {tmp_path}/loop is a symbolic-link loop; give "
+        "another --report-dir",
     }
     for name, message in expected.items():
         with pytest.raises(WriteError) as info:

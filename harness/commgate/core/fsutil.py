@@ -262,11 +262,27 @@ def check_outputs(folder: Path, *, files: tuple[str, ...], dirs: tuple[str, ...]
             raise WriteError(f"{folder / name}: a directory where commgate writes a file; remove it, or {fix}")
 
 
+def is_loop(path: Path) -> bool:
+    """Whether ``path`` is a symbolic link that leads back to itself (``bd6 -> bd6`` was said to be "a link to
+    bd6, which does not exist")."""
+    if not path.is_symlink():
+        return False
+    try:
+        path.resolve(strict=True)
+    except RuntimeError:  # Python 3.11's pathlib: "Symlink loop from ..."
+        return True
+    except OSError as exc:
+        return exc.errno == errno.ELOOP
+    return False
+
+
 def _nearest_existing(path: Path, *, what: str, fix: str) -> Path:
     """The directory ``path`` is or would be created in; a ``WriteError`` where that is not a directory."""
     where = path
     while not where.exists():
-        if where.is_symlink():  # a dangling link, the path itself or a directory above it
+        if where.is_symlink():  # a dangling link, the path itself or a directory above it, or a loop
+            if is_loop(where):
+                raise WriteError(f"{path}: cannot write {what} there: {where} is a symbolic-link loop; {fix}")
             raise WriteError(f"{path}: cannot write {what} there: {where} is a link to {os.readlink(where)}, which "
                              f"does not exist; {fix}")  # fmt: skip
         where = where.parent

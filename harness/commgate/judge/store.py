@@ -14,7 +14,6 @@ or accept, and a run that matches removes it. Every file is written atomically.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import os
 import re
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from commgate.core.errors import Problem, WriteError
+from commgate.core.fsutil import is_loop
 from commgate.judge import baseline as bl
 
 OBTAINED = ".obtained.json"
@@ -61,7 +61,7 @@ class BaselineStore:
         """The scenario's stored baseline (None when there is none); a file that is malformed, or another
         scenario's, is a one-line ``BaselineError``."""
         path = self.path(backend, scenario_id)
-        if _loops(path):
+        if is_loop(path):
             message = "a symbolic-link loop, not a baseline; remove it: the next gated run writes the baseline anew"
             raise bl.BaselineError([Problem(file=str(path), path="", message=message)])
         return bl.load(path, scenario=scenario_id) if path.exists() else None
@@ -138,19 +138,6 @@ class BaselineStore:
 LOCK_WAIT_S = 3600.0
 """How long a run waits for another updating the same baseline folder (a latency rerun included)."""
 LOCK_POLL_S = 0.2
-
-
-def _loops(path: Path) -> bool:
-    """Whether ``path`` is a symbolic link that leads back to itself."""
-    if not path.is_symlink():
-        return False
-    try:
-        path.resolve(strict=True)
-    except RuntimeError:  # Python 3.11's pathlib: "Symlink loop from ..."
-        return True
-    except OSError as exc:
-        return exc.errno == errno.ELOOP
-    return False
 
 
 NAME_MAX = 255
