@@ -863,6 +863,71 @@ def test_steps_that_cannot_finish_before_the_deadline_are_refused(
     assert budget.slow(small, 300) is None
 
 
+AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma"})
+AVX512 = AVX2_ONLY | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
+def test_sixteen_bit_compute_without_onednn_kernels_is_estimated_at_its_own_rate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a CPU with AVX2 alone (GitHub's AMD EPYC runners) torch computes bf16 and fp16 matrix products in its
+    own loops, tens of times slower than fp32: a bf16 ZeRO-3 run of the 1.3B preset took 20 times its fp32
+    estimate and ran into its deadline. The compute estimate takes the dtype the layers compute in (autocast's,
+    FSDP2's param_dtype, the model's) at its own rate on such a CPU, and the refusal says why."""
+    from commgate.run import budget
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)  # the estimate is this machine's: fix it
+
+    def scenario(model: str, par: str = "") -> Scenario:
+        (s,) = load_text(
+            f"schema_version: 1\nname: b\nmodel: {{preset: 350M, {model}}}\n"
+            f"parallelism: {{scheme: {'fsdp' if par else 'ddp'}, dp: 2{par}}}\nbackend: gloo\n"
+        )
+        return s
+
+    fp32, bf16 = scenario("dtype: fp32"), scenario("dtype: bf16")
+    autocast, gathers = scenario("dtype: fp32, autocast: bf16"), scenario("dtype: fp32", ", fsdp: {param_dtype: bf16}")
+    monkeypatch.setattr(budget, "_cpu_flags", lambda: AVX512)
+    assert budget.compute_s(bf16) == budget.compute_s(fp32) == budget.compute_s(autocast)
+    monkeypatch.setattr(budget, "_cpu_flags", lambda: AVX2_ONLY)
+    need, slower = budget.compute_s(fp32), budget.CORE_FLOPS / budget.CORE_FLOPS_16BIT_FALLBACK
+    assert need is not None and slower > 1
+    assert budget.compute_s(fp32) == budget.compute_s(scenario("dtype: fp32", ", fsdp: {param_dtype: fp32}"))
+    for s in (bf16, autocast):
+        assert budget.compute_s(s) == pytest.approx(need * slower)
+    assert budget.compute_s(gathers) == pytest.approx(budget.compute_s(scenario("dtype: bf16", ", fsdp: {}")))
+    assert budget.slow_compute(fp32) is None
+    deadline = need * slower / 2  # between the two estimates: fp32 passes, bf16 is refused
+    assert budget.slow(fp32, deadline) is None
+    why = budget.slow(bf16, deadline)
+    assert why is not None and "\n" not in why
+    assert "at 10 GFLOP/s each for bf16: this CPU lacks what oneDNN's bf16 kernels need (AVX-512" in why
+    assert why.endswith("run it on GPUs")
+    monkeypatch.setattr(budget, "refusal", lambda *a: None)  # whatever this machine's memory
+    (long,) = load_text(  # refused before any rank starts, as the fp32 estimate alone would not
+        "schema_version: 1\nname: long\nmodel: {L: 2, h: 512, a: 8, V: 1024, s: 4096, dtype: bf16}\n"
+        "parallelism: {scheme: ddp, dp: 2}\nbackend: gloo\ndeadline_s: 60\n"
+    )
+    bf16_need = budget.compute_s(long)
+    assert bf16_need is not None and bf16_need / slower < long.deadline_s < bf16_need
+    with pytest.raises(RunError, match="oneDNN's bf16 kernels"):
+        launch_local(long, workdir=tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine != "x86_64", reason="x86 Linux")
+def test_the_cpu_flags_say_what_torchs_own_check_says() -> None:
+    """``budget.fast_on_cpu`` reads the CPU's flags (the launcher does not import torch); torch's own check
+    (``torch.ops.mkldnn._is_mkldnn_bf16_supported``: oneDNN's effective ISA) must agree on this machine, or
+    the rule was changed upstream."""
+    import torch
+    from commgate.run import budget
+
+    assert budget.fast_on_cpu("bf16") == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert budget.fast_on_cpu("fp16") == torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    assert budget.fast_on_cpu("fp32")
+
+
 def test_the_orphan_sweep_removes_only_what_commgate_made(tmp_path: Path) -> None:
     """A killed launcher's private directory (marked, its process gone) is swept; a user's directory of a
     like name (``commgate-2024-backup``, no marker) and a live launcher's are left with their files."""
@@ -991,3 +1056,7 @@ def test_at_the_deadline_a_rank_outside_calls_is_named_by_its_phase_and_a_stale_
     assert lines[1] == "  rank 0: no call issued yet (joining the process group)"
     assert lines[2].startswith("  rank 1: in no call (steps); the last it issued, all_reduce (group [0, 1], 16 B")
     assert " (as of 5." in lines[2] and lines[2].endswith("s before: its heartbeat lagged, the machine busy)")
+    assert not any("compute slowly" in line for line in lines)
+    why = "this CPU lacks what oneDNN's bf16 kernels need"
+    slowly = hang_report("t", tmp_path, [0, 1], 1.0, why).splitlines()
+    assert slowly[:-1] == lines and slowly[-1] == f"  its steps compute slowly here: {why}"

@@ -31,6 +31,7 @@ memory available now (``COMMGATE_SKIP_MEMORY_CHECK=1`` turns the check off).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 from fractions import Fraction
@@ -153,17 +154,80 @@ def zero3_unsharded(ctx: Context, n: int) -> tuple[int, int]:
 CORE_FLOPS = 50e9
 """FLOP/s one CPU core is granted: generous, so that the compute estimate errs short."""
 
+CORE_FLOPS_16BIT_FALLBACK = 10e9
+"""FLOP/s one CPU core is granted for a 16-bit dtype that torch cannot hand to oneDNN on this CPU
+(``fast_on_cpu``), where its matrix products run in torch's own loops. Measured on one core of an AMD EPYC with
+AVX2 alone (torch 2.13), ``F.linear`` from 128 x 256 x 128 to 64 x 4096 x 4096: bf16 forward 8.7-10.6 and
+backward 0.4-1.3 GFLOP/s, fp32 46-83 and 16-78; the llama-tp-dp scenario's bf16 steps ran at 3.3 GFLOP/s a
+core by Megatron-LM's count. Generous, as ``CORE_FLOPS`` is."""
+
+_ONEDNN_16BIT: dict[str, tuple[set[str], ...]] = {
+    # torch's own check (``torch.ops.mkldnn._is_mkldnn_bf16_supported`` and ``_fp16_``: oneDNN's effective ISA),
+    # read from the CPU's flags so that the launcher need not import torch: AVX-512 (F, BW, VL, DQ) for bf16,
+    # with AVX512-FP16 for fp16; or AVX-VNNI-INT8 with AVX-NE-CONVERT (oneDNN's avx2_vnni_2) for both
+    "bf16": ({"avx512f", "avx512bw", "avx512vl", "avx512dq"}, {"avx_vnni_int8", "avx_ne_convert"}),
+    "fp16": ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_fp16"}, {"avx_vnni_int8", "avx_ne_convert"}),
+}
+_NEEDS = {
+    "bf16": "AVX-512, or AVX-VNNI-INT8 with AVX-NE-CONVERT",
+    "fp16": "AVX512-FP16, or AVX-VNNI-INT8 with AVX-NE-CONVERT",
+}
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str] | None:
+    """An x86 CPU's feature flags (Linux's ``/proc/cpuinfo``); None elsewhere or where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        return None
+    return None
+
+
+def fast_on_cpu(dtype: str) -> bool:
+    """Whether torch computes ``dtype``'s matrix products on this CPU with oneDNN's kernels; True where it cannot
+    be told (not x86 Linux), so that the estimate still errs short."""
+    flags = _cpu_flags()
+    if dtype not in _ONEDNN_16BIT or flags is None:
+        return True
+    return any(need <= flags for need in _ONEDNN_16BIT[dtype])
+
+
+def compute_dtype(scenario: Scenario) -> str:
+    """The dtype the layers compute in: ``autocast``'s, else FSDP2's ``param_dtype``, else the model's."""
+    return scenario.model.autocast or scenario.parallelism.fsdp.compute_dtype(scenario.model.dtype)
+
+
+def core_flops(scenario: Scenario) -> float:
+    """FLOP/s one of this machine's cores is granted for ``scenario``'s compute."""
+    return CORE_FLOPS if fast_on_cpu(compute_dtype(scenario)) else CORE_FLOPS_16BIT_FALLBACK
+
+
+def slow_compute(scenario: Scenario) -> str | None:
+    """Why ``scenario``'s steps compute on this CPU far slower than their FLOPs at fp32's rate would say (one
+    clause), or None."""
+    dtype = compute_dtype(scenario)
+    if fast_on_cpu(dtype):
+        return None
+    return (
+        f"this CPU lacks what oneDNN's {dtype} kernels need ({_NEEDS[dtype]}), so torch computes {dtype} matrix "
+        "products in its own loops, tens of times slower than fp32"
+    )
+
 
 def compute_s(scenario: Scenario) -> float | None:
     """A lower estimate of the seconds a CPU run's steps compute: every rank's training FLOPs (Megatron-LM's
     count, ``transformer.step_flops``) for warm-up and measured steps, shared by this machine's cores at
-    CORE_FLOPS each. None for a user's module (no dimensions)."""
+    ``core_flops`` each. None for a user's module (no dimensions)."""
     m, par = scenario.model, scenario.parallelism
     if m.module:
         return None
     per_rank = step_flops(m, par)
     steps = scenario.warmup_steps + scenario.steps
-    return steps * per_rank * len(started_ranks(scenario)) / ((os.cpu_count() or 1) * CORE_FLOPS)
+    return steps * per_rank * len(started_ranks(scenario)) / ((os.cpu_count() or 1) * core_flops(scenario))
 
 
 def slow(scenario: Scenario, deadline_s: float) -> str | None:
@@ -171,10 +235,13 @@ def slow(scenario: Scenario, deadline_s: float) -> str | None:
     need = compute_s(scenario)
     if need is None or need <= deadline_s:
         return None
+    rate = f"at {core_flops(scenario) / 1e9:g} GFLOP/s each"
+    if because := slow_compute(scenario):
+        rate += f" for {compute_dtype(scenario)}: {because}"
     return (
         f"{scenario.id}: its {scenario.warmup_steps + scenario.steps} steps need at least "
         f"{f'{need:,.0f}' if need >= 10 else f'{need:.2g}'} s of compute "
-        f"on {os.cpu_count()} cores (at {CORE_FLOPS / 1e9:g} GFLOP/s each), more than the deadline of "
+        f"on {os.cpu_count()} cores ({rate}), more than the deadline of "
         f"{deadline_s:g} s: use a reduced-scale model or fewer steps, raise deadline_s, or run it on GPUs"
     )
 

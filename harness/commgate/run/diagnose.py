@@ -372,10 +372,13 @@ def _status(tmp: Path, rank: int) -> str:
 SLOW_FIX = "deadline_s in the scenario, or --deadline S (--commgate-deadline S)"
 
 
-def hang_report(scenario_id: str, tmp: Path, ranks: Sequence[int], waited: float) -> str:
+def hang_report(
+    scenario_id: str, tmp: Path, ranks: Sequence[int], waited: float, slow_compute: str | None = None
+) -> str:
     """The deadline passed: the call each of ``ranks`` issued last (or, outside calls, what it was doing: its
     phase), how old that word is where the rank's heartbeat lagged (a busy machine), and any stale build lock
-    of torch's C++ extensions where a rank issued none."""
+    of torch's C++ extensions where a rank issued none; ``slow_compute``: why the ranks compute slowly on this
+    machine (``commgate.run.budget.slow_compute``), said beside the fix for a slow run."""
     lines = [f"{scenario_id}: deadline of {waited:g} s passed; the last call each rank issued:"]
     idle = 0
     for r in ranks:
@@ -394,4 +397,6 @@ def hang_report(scenario_id: str, tmp: Path, ranks: Sequence[int], waited: float
         ]
     # the fix, where nothing hung (found by an adversarial pass: neither was named)
     lines.append(f"  a run that is only slow needs longer: {SLOW_FIX}")
+    if slow_compute:
+        lines.append(f"  its steps compute slowly here: {slow_compute}")
     return "\n".join(lines)

@@ -549,7 +549,8 @@ def _wait(
                 time.sleep(POLL_S)
             raise RunError(str(failure(scenario.id, _exits(procs), tmp)))
         if time.monotonic() - started > deadline:
-            raise RunError(hang_report(scenario.id, tmp, ran, deadline))
+            slowly = budget.slow_compute(scenario) if planned_backend(scenario) in ("gloo", "emulated") else None
+            raise RunError(hang_report(scenario.id, tmp, ran, deadline, slowly))
         if (stalled := watchdog.stalled([p.exitcode is None for p in procs])) is not None:
             raise RunError(stall_report(scenario.id, tmp, _exits(procs), stalled))
         if progress and time.monotonic() - shown > PROGRESS_S:  # the phase files read a few times a second
