@@ -64,6 +64,23 @@ def test_a_bad_baseline_is_a_one_line_error_naming_the_file(name: str, message: 
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("version", "said"), [(0, "0 has no migration to 2"), ('"2"', "'2' is not a baseline schema version")]
+)
+def test_a_baseline_no_migration_reads_gets_the_fix_too(tmp_path: Path, version: object, said: str) -> None:
+    """A failed migration is the file's fault as a field the schema refuses is: delete it (only a newer
+    commgate's file is upgrade's, and one that cannot be read neither's)."""
+    doc = json.loads((DATA / "ddp.json").read_text())
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps(doc).replace('"schema_version": 2', f'"schema_version": {version}', 1))
+    with pytest.raises(bl.BaselineError) as info:
+        bl.load(path)
+    assert str(info.value) == (
+        f"{path}: $.schema_version: {said}; delete it: the next gated run (pytest, commgate run --gate, commgate "
+        "check) writes it anew"
+    )
+
+
 def test_older_versions_are_migrated(monkeypatch: pytest.MonkeyPatch) -> None:
     doc = json.loads((DATA / "ddp-v1.json").read_text())
     old = {k: v for k, v in doc.items() if k != "histogram"} | {"schema_version": 0}

@@ -4,6 +4,7 @@ documents so that a bad one is a one-line error naming the file and the place.""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -57,14 +58,18 @@ def read_json(
     *,
     migrate: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     hint: str = "",
+    mend: str = "",
     version: int | None = None,
 ) -> Any:
     """The one way commgate reads a JSON document: read, parse, ``migrate`` (an object, to the current
     schema version), then ``validate`` (which raises ``jsonschema.ValidationError``). Any failure is a
     ``DocumentError`` with one ``Problem`` naming the file, the place and the value; ``hint`` follows a
-    parse error (how to get a good file). A document whose ``schema_version`` is past ``version`` (the one
-    this commgate reads) is said to be a newer commgate's before anything else in it is checked: its other
-    fields differ too ("1 was expected", or an unknown field, did not say so)."""
+    parse error (how to get a good file), ``mend`` a document that is not one this commgate writes (a number
+    or nesting no such file holds, not an object, a failed migration, a field the schema refuses: how to mend
+    it). A document whose
+    ``schema_version`` is past ``version`` (the one this commgate reads) is said to be a newer commgate's
+    before anything else in it is checked: its other fields differ too ("1 was expected", or an unknown
+    field, did not say so)."""
     import jsonschema
 
     def fail(where: str, message: str, line: int | None = None) -> DocumentError:
@@ -79,20 +84,25 @@ def read_json(
     except json.JSONDecodeError as exc:
         raise fail("$", f"not valid JSON ({exc.msg}){hint}", exc.lineno) from None
     except ValueError:  # a whole number past MAX_DIGITS
-        raise fail("$", f"a number of more than {MAX_DIGITS:,} digits, which no file commgate writes holds") from None
+        raise fail(
+            "$", f"a number of more than {MAX_DIGITS:,} digits, which no file commgate writes holds{mend}"
+        ) from None
     except RecursionError:
-        raise fail("$", "nested too deeply") from None
+        raise fail("$", f"nested too deeply{mend}") from None
     later = doc.get("schema_version") if isinstance(doc, dict) else None
     if version is not None and isinstance(later, int) and not isinstance(later, bool) and later > version:
         raise fail("$.schema_version", f"{later} is newer than this commgate reads ({version}); upgrade commgate")
     if migrate is not None:
         if not isinstance(doc, dict):
-            raise fail("$", f"expected a JSON object, found {type(doc).__name__}")
-        doc = migrate(doc)
+            raise fail("$", f"expected a JSON object, found {type(doc).__name__}{mend}")
+        try:
+            doc = migrate(doc)
+        except DocumentError as exc:
+            raise type(exc)([dataclasses.replace(p, message=p.message + mend) for p in exc.problems]) from None
     try:
         validate(doc)
     except jsonschema.ValidationError as exc:
-        raise fail(json_path(exc.absolute_path), exc.message) from None
+        raise fail(json_path(exc.absolute_path), exc.message + mend) from None
     return doc
 
 

@@ -215,10 +215,12 @@ def load(path: Path, *, scenario: str | None = None) -> Baseline:
     """The baseline at ``path``, migrated and validated (and, given ``scenario``, of that scenario: a file
     copied or renamed from another's is not compared); ``BaselineError`` (one line) otherwise."""
     hint = "; delete it: the next gated run (pytest, commgate run --gate, commgate check) writes it anew"
-    try:
-        doc = read_json(path, validate, migrate=lambda d: migrate(d, file=str(path)), hint=hint)
-    except DocumentError as exc:  # a field the schema refuses gets the fix too, not a parse error alone
-        raise BaselineError([_with_fix(p, hint) for p in exc.problems]) from None
+    try:  # a field the schema refuses, or a failed migration, gets the fix too, not a parse error alone
+        doc = read_json(
+            path, validate, migrate=lambda d: migrate(d, file=str(path)), hint=hint, mend=hint, version=BASELINE_VERSION
+        )
+    except DocumentError as exc:
+        raise BaselineError(exc.problems) from None
     if scenario is not None and doc["scenario"] != scenario:
         message = f"{doc['scenario']!r} is another scenario's baseline, not {scenario!r}'s" + hint
         raise BaselineError([Problem(file=str(path), path="$.scenario", message=message)])
@@ -226,14 +228,6 @@ def load(path: Path, *, scenario: str | None = None) -> Baseline:
         where, what = twice
         raise BaselineError([Problem(file=str(path), path=where, message=f"{what} is listed twice" + hint)])
     return Baseline.from_json(doc)
-
-
-def _with_fix(problem: Problem, hint: str) -> Problem:
-    """``problem`` ending in ``hint`` (delete the file: the next gated run writes it anew), unless it has a fix
-    of its own (a newer commgate's file) or deleting would not mend it (a file that cannot be read)."""
-    if problem.message.endswith(hint) or "upgrade commgate" in problem.message or "cannot be read" in problem.message:
-        return problem
-    return replace(problem, message=problem.message + hint)
 
 
 def _listed_twice(doc: dict[str, Any]) -> tuple[str, str] | None:
