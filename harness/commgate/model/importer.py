@@ -107,8 +107,7 @@ def _yaml(text: str, path: Path) -> Any:
             raise UsageError(str(exc).replace("; not a scenario", "; not a config")) from None
         for problem in _misread(node, str(path), []):  # the first one
             where, key = f"{problem.file}:{problem.line}", problem.path.removeprefix("$.")
-            fix = ": give it once" if problem.message.startswith("duplicate key") else ""
-            raise UsageError(f"{where}: {key}: {problem.message}{fix}")
+            raise UsageError(f"{where}: {key}: {problem.message}")
         return loader.construct_document(node)
     finally:
         loader.dispose()

@@ -341,7 +341,10 @@ def _misread(node: yaml.Node, file: str, path: list[Any]) -> Iterator[Problem]:
                 yield Problem(
                     file=file,
                     path=json_path([*path, key]),
-                    message=f"duplicate key {key!r} (first on line {seen[key]}); YAML would keep only the last",
+                    message=(
+                        f"duplicate key {key!r} (first on line {seen[key]}); YAML would keep only the last: "
+                        "give it once"
+                    ),
                     line=k.start_mark.line + 1,
                 )
             else:
