@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -861,6 +862,25 @@ def test_steps_that_cannot_finish_before_the_deadline_are_refused(
     assert "more than the deadline of 300 s" in str(info.value) and not any(tmp_path.iterdir())
     (small,) = load_text("schema_version: 1\nname: s\nmodel: {preset: 19M-cpu}\nparallelism: {scheme: ddp, dp: 2}\n")
     assert budget.slow(small, 300) is None
+
+
+def test_an_emulated_run_computes_on_cpus_and_is_estimated_so_where_a_gpu_is_visible(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An emulated rank computes on the CPU whatever the machine holds; its compute estimate was left out
+    where a GPU was visible (the launcher's own rule for "on CPUs" differed from the rank's)."""
+    from commgate.run import budget, launcher
+
+    monkeypatch.setattr(launcher, "gpu_visible", lambda: True)
+    monkeypatch.setattr(budget, "refusal", lambda *a: None)  # whatever this machine's memory
+    (s,) = load_text(
+        "schema_version: 1\nname: long\nmodel: {L: 2, h: 512, a: 8, V: 1024, s: 65536}\n"
+        "parallelism: {scheme: ddp, dp: 64}\nemulate: true\ndeadline_s: 5\n"
+    )
+    assert launcher.computes_on_cpu(s) and not launcher.computes_on_cpu(replace(s, emulate=False))
+    with pytest.raises(RunError, match=r"long: its 4 steps need at least [\d,]+ s of compute"):
+        launch_local(s, workdir=tmp_path)
+    assert not any(tmp_path.iterdir())
 
 
 AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma"})

@@ -97,6 +97,12 @@ def planned_backend(scenario: Scenario) -> str:
     return scenario.backend
 
 
+def computes_on_cpu(scenario: Scenario) -> bool:
+    """Whether local ranks compute ``scenario`` on CPUs: gloo's, and an emulated run's, whatever the machine
+    holds (``commgate.run.rank``'s device)."""
+    return planned_backend(scenario) in ("gloo", "emulated")
+
+
 LOG_ENV = "COMMGATE_FORKSERVER_LOG"
 """Read by ``commgate.run.quiet`` in the forkserver (imported by nothing else, so that no other process
 that inherits the variable sends its output there)."""
@@ -488,8 +494,7 @@ def _admit(scenario: Scenario, ran: tuple[int, ...], deadline: float) -> None:
         )
     if too_big := budget.refusal(scenario, RANK_MEMORY):
         raise RunError(too_big)
-    cpu = scenario.backend == "gloo" or (scenario.backend == "auto" and not gpu_visible())
-    if cpu and (too_slow := budget.slow(scenario, deadline)):
+    if computes_on_cpu(scenario) and (too_slow := budget.slow(scenario, deadline)):
         raise RunError(too_slow)
 
 
@@ -549,7 +554,7 @@ def _wait(
                 time.sleep(POLL_S)
             raise RunError(str(failure(scenario.id, _exits(procs), tmp)))
         if time.monotonic() - started > deadline:
-            slowly = budget.slow_compute(scenario) if planned_backend(scenario) in ("gloo", "emulated") else None
+            slowly = budget.slow_compute(scenario) if computes_on_cpu(scenario) else None
             raise RunError(hang_report(scenario.id, tmp, ran, deadline, slowly))
         if (stalled := watchdog.stalled([p.exitcode is None for p in procs])) is not None:
             raise RunError(stall_report(scenario.id, tmp, _exits(procs), stalled))
