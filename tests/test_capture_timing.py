@@ -356,6 +356,24 @@ def test_a_completed_call_the_poller_had_not_looked_at_is_not_left_open_by_the_d
     assert call.seq == seq and call.duration_ns is not None and call.duration_ns >= 0
 
 
+def test_the_call_issued_last_names_a_large_group_by_its_ends() -> None:
+    """The status line the launcher's deadline report quotes is cut at ``STATUS_WIDTH``: an emulated run's
+    64-rank group was listed rank by rank and cut mid-list ("..., 56, 57,, had completed")."""
+    from commgate.model.collectives import Op
+    from commgate.run.rank import STATUS_WIDTH
+    from commgate.run.recorder import Recorder
+
+    rec = Recorder(0)
+    rec.poller._stopped = True
+    assert rec.describe_last() == ""
+    rec.issue(Op.BROADCAST, tuple(range(1024)), [torch.ones(4)], None, 0)
+    line = rec.describe_last()
+    assert line == "broadcast (group [0, 1, ..., 1023] (1024 ranks), 16 B, step -1, init)"
+    assert len(line) < STATUS_WIDTH
+    rec.issue(Op.SEND, (0, 1), [torch.ones(2)], 1, None)
+    assert rec.describe_last() == "send (peer 1, 8 B, step -1, init)"
+
+
 @pytest.mark.parametrize("world", ["stamps"], indirect=True)
 def test_a_call_whose_future_completed_is_drained_once_and_ended(world: interpose.Recorder) -> None:
     """Whoever waits on a work's future (DDP's reducer waits on its buckets') returns once the future is marked

@@ -144,7 +144,7 @@ def test_run_emulate_skips_what_it_cannot_emulate(tmp_path: Path) -> None:
 
 
 def test_a_large_group_is_shown_by_its_ends_and_count() -> None:
-    from commgate.judge.reconcile import group_text
+    from commgate.model.layout import group_text
 
     assert group_text(tuple(range(1024))) == "[0, 1, ..., 1023] (1024 ranks)"
     assert group_text(tuple(range(1, 256, 4))) == "[1, 5, ..., 253] (64 ranks)"

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Literal
 
-from commgate.judge.reconcile import group_text
+from commgate.model.layout import group_text
 
 CallKey = tuple[str, str, tuple[int, ...], str, int, str]
 """(window, op, group, dtype, bytes per call, phase), as the baseline and the reconciliation key calls."""

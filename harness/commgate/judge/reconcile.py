@@ -9,13 +9,13 @@ bucket rebuild, when they fall into the window), and what is left: ``unexplained
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
 
 from commgate.model.collectives import OPS, Op, add_traffic
 from commgate.model.expectation import ExpectedCollective, Prediction
+from commgate.model.layout import group_text
 from commgate.run.capture import INIT_STEP, Capture
 
 Key = tuple[str, tuple[int, ...], str, int, str]
@@ -45,15 +45,6 @@ class KeyCount:
 def call_label(window: str, op: str, dtype: str, nbytes: int, phase: str, group: tuple[int, ...]) -> str:
     """How a call key is shown wherever calls are counted (reconciliation, gate, baseline, compare)."""
     return f"calls [{window}] {op} {dtype} {nbytes} B {phase} group {group_text(group)}"
-
-
-def group_text(group: tuple[int, ...]) -> str:
-    """A process group as a list of ranks; one of more than 8 evenly spaced ranks (an emulated run's
-    data-parallel groups) by its ends and count, ``[0, 1, ..., 1023] (1024 ranks)``."""
-    n = len(group)
-    if n <= 8 or any(b - a != group[1] - group[0] for a, b in itertools.pairwise(group)):
-        return str(list(group))
-    return f"[{group[0]}, {group[1]}, ..., {group[-1]}] ({n} ranks)"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -22,6 +22,7 @@ Naming: an *axis* is one of ``dp, tp, pp, ep, edp, hpz, rep, world``; a *group* 
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -151,3 +152,12 @@ class Layout:
 
     def world(self) -> tuple[Group, ...]:
         return (tuple(range(self.world_size)),)
+
+
+def group_text(group: tuple[int, ...]) -> str:
+    """A process group as a list of ranks; one of more than 8 evenly spaced ranks (an emulated run's
+    data-parallel groups) by its ends and count, ``[0, 1, ..., 1023] (1024 ranks)``."""
+    n = len(group)
+    if n <= 8 or any(b - a != group[1] - group[0] for a, b in itertools.pairwise(group)):
+        return str(list(group))
+    return f"[{group[0]}, {group[1]}, ..., {group[-1]}] ({n} ranks)"

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from commgate.model.collectives import Op
+from commgate.model.layout import group_text
 from commgate.model.transformer import dtype_name
 from commgate.run import stamps
 from commgate.run.capture import INIT_STEP, CapturedCall, RankClock, StepWindow
@@ -134,7 +135,7 @@ class Recorder:
         r = self.last
         if r is None:
             return ""
-        where = f"peer {r[_PEER]}" if r[_PEER] is not None else f"group {list(r[_GROUP])}"
+        where = f"peer {r[_PEER]}" if r[_PEER] is not None else f"group {group_text(tuple(r[_GROUP]))}"
         return f"{r[_OP]} ({where}, {r[_BYTES]} B, step {r[_STEP]}, {r[_PHASE]})"
 
     def complete(self, seq: int, end: int | None = None) -> tuple[tuple[Any, ...], int] | None:
