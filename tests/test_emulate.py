@@ -232,3 +232,52 @@ def test_commgate_run_emulate_skips_a_trainers_scenario_whose_file_would_be_refu
     assert why == "not emulated: megatron's ranks all run (an emulated megatron run is not supported yet)"
     with pytest.raises(ScenarioError, match=r"\$.emulate: true: megatron's ranks all run"):
         load_text(text + "emulate: true\n")
+
+
+REUSE = """
+import torch
+from commgate.run import stamps
+
+m = stamps.build()
+assert m is not None, "the extension did not build"
+m.reuse_memory(1 << 20)
+m.reuse_memory(1 << 30)  # once only: the first threshold holds
+MB = 1 << 20
+xs = [torch.empty(3 * MB, dtype=torch.uint8) for _ in range(3)]
+for x in xs:
+    x.fill_(7)
+assert m.reuse_stats() == [0, 3, 0, 9 * MB, 0, 9 * MB], m.reuse_stats()
+del xs, x
+assert m.reuse_stats() == [0, 3, 0, 0, 9 * MB, 9 * MB], m.reuse_stats()  # kept, not given back
+ys = [torch.empty(3 * MB, dtype=torch.uint8) for _ in range(2)]
+assert m.reuse_stats() == [2, 3, 0, 6 * MB, 3 * MB, 9 * MB], m.reuse_stats()  # reused by size
+z = torch.empty(5 * MB, dtype=torch.uint8)  # a new size: the block kept longest goes first (6 + 3 + 5 > 9)
+assert m.reuse_stats() == [2, 4, 1, 11 * MB, 0, 11 * MB], m.reuse_stats()
+small = torch.ones(1000)  # under the threshold: torch's own allocator's, freed by it
+storage = torch.UntypedStorage(10)
+storage.resize_(3 * MB)
+storage.resize_(10)
+del small, storage
+print("ok")
+"""
+
+
+def test_an_emulated_rank_keeps_freed_large_blocks_and_maps_no_more_than_it_held_live() -> None:
+    """The emulated rank's allocator (``emulate.reuse_memory``, in commgate's extension): a freed block of at least
+    the threshold is kept and handed to the next request of its size; a new size first gives back the blocks
+    kept longest, so that live and kept together never pass the most that was live at once; below the
+    threshold, torch's own allocator's blocks stay its own. In a process of its own: the allocator stays for
+    the process's life."""
+    done = subprocess.run([sys.executable, "-c", REUSE], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_an_emulated_rank_computes_with_the_reusing_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every emulated rank installs it as it takes its device; a gloo rank does not."""
+    from commgate.run import rank
+
+    calls: list[bool] = []
+    monkeypatch.setattr(rank, "reuse_memory", lambda: calls.append(True) or True)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    assert rank._device("gloo", 0) == torch.device("cpu") and not calls
+    assert rank._device("emulated", 0) == torch.device("cpu") and calls == [True]

@@ -138,6 +138,27 @@ class EmulatedBackend:
         return _done([])
 
 
+REUSE_MIN_BYTES = 1 << 20
+"""The smallest CPU allocation an emulated rank keeps for reuse once freed (``reuse_memory``)."""
+
+
+def reuse_memory() -> bool:
+    """From now on, this process's CPU tensors of at least ``REUSE_MIN_BYTES`` come from commgate's extension
+    (``commgate.run.stamps``), which keeps a freed one for the next of its size instead of giving it back to the
+    kernel, never holding more than the most they held live at once. An emulated rank stands for a rank of the
+    full-size job: DeepSpeed makes a new full-size tensor for every parameter it gathers and frees it after use,
+    and glibc maps every allocation over 32 MB afresh, so the kernel zeroed every gathered byte again at its
+    first touch (over half the 13B ZeRO-3 run's time, docs/speed.md). What the frameworks run and the calls
+    they issue are unchanged: only where the memory comes from. False where the extension is not built."""
+    from commgate.run import stamps
+
+    module = stamps.loaded()
+    if module is None:
+        return False
+    module.reuse_memory(REUSE_MIN_BYTES)
+    return True
+
+
 def stand_in(rank: int, size: int) -> Any:
     """torch's fake backend, registered for the device so that torch's own queries find a backend."""
     from torch._C._distributed_c10d import FakeProcessGroup

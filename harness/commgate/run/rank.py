@@ -27,7 +27,7 @@ from commgate.core.fsutil import atomic_write_json
 from commgate.model.scenario import Scenario
 from commgate.run import links
 from commgate.run.capture import RUN_DIR, CapturedCall, RankClock, StepWindow, write_rank_calls
-from commgate.run.emulate import started_ranks
+from commgate.run.emulate import reuse_memory, started_ranks
 from commgate.run.inject import Faults
 
 if TYPE_CHECKING:
@@ -160,6 +160,8 @@ def _device(backend: str, rank: int) -> torch.device:
 
     if backend in ("gloo", "emulated"):
         torch.set_num_threads(len(os.sched_getaffinity(0)) if backend == "emulated" else 1)
+        if backend == "emulated":
+            reuse_memory()
         return torch.device("cpu")
     local = int(os.environ.get("LOCAL_RANK", rank))
     torch.cuda.set_device(local)

@@ -12,6 +12,9 @@ returns (a Python subclass of ``Work`` cost a reduce-scatter x1.08-1.14 of its b
 apart, the wrapper x1.00-1.07: ``benchmarks/capture_cost.py --gap-us 5000``). NCCL's future completes when the
 call is enqueued, not when it ends: the interposer watches only gloo's works here.
 
+The same extension holds the allocator an emulated rank computes with (``reuse_memory``, installed by
+``commgate.run.emulate.reuse_memory``): one build serves both.
+
 The extension is built with torch's own JIT build, once per environment, into commgate's extension
 directory (``commgate.run.extensions``), by the ranks' forkserver as it starts (``build``; every rank
 inherits it); elsewhere (a job under its own launcher) it is used if it was built (``loaded``), else the
@@ -128,6 +131,121 @@ int64_t stamp(int64_t token) {
   if (owners[slot].load(std::memory_order_acquire) != token) return -2;
   return stamps[slot].load(std::memory_order_acquire);
 }
+
+// --- Freed large blocks kept for reuse (an emulated rank's CPU allocator: commgate.run.emulate.reuse_memory) ---
+#include <c10/core/CPUAllocator.h>
+#include <sys/mman.h>
+#include <list>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+// Allocations of at least `min_bytes` are mapped here and, once freed, kept by exact size for the next request
+// of that size: glibc maps each one afresh and unmaps it when freed, so that the kernel zeroes every page of
+// it again at its first touch. Never more is mapped (live and kept together) than the most the rank's large
+// allocations ever held live at once: a new mapping first unmaps the blocks kept longest.
+struct Keep final : c10::Allocator {
+  struct Block {
+    void* ptr;
+    size_t size;
+  };
+  c10::Allocator* inner = nullptr;
+  size_t min_bytes = SIZE_MAX, live = 0, kept = 0, peak = 0;
+  int64_t hits = 0, maps = 0, unmaps = 0;
+  std::mutex mu;
+  std::list<Block> order;  // kept blocks, the longest kept first
+  std::unordered_map<size_t, std::vector<std::list<Block>::iterator>> by_size;
+  std::unordered_map<void*, size_t> sizes;  // live blocks
+
+  c10::DataPtr allocate(size_t n) override {
+    if (n < min_bytes) return inner->allocate(n);
+    const size_t size = (n + 4095) & ~size_t(4095);
+    void* p = nullptr;
+    std::vector<Block> out;
+    {
+      std::lock_guard<std::mutex> guard(mu);
+      auto it = by_size.find(size);
+      if (it != by_size.end() && !it->second.empty()) {
+        auto b = it->second.back();
+        it->second.pop_back();
+        p = b->ptr;
+        order.erase(b);
+        kept -= size;
+        hits++;
+      } else {
+        peak = std::max(peak, live + size);
+        while (!order.empty() && live + kept + size > peak) out.push_back(take_oldest());
+      }
+      if (p) live += size;
+    }
+    for (auto& b : out) munmap(b.ptr, b.size);
+    if (!p) {
+      p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      TORCH_CHECK(p != MAP_FAILED, "commgate: mapping ", size, " bytes failed");
+      std::lock_guard<std::mutex> guard(mu);
+      live += size;
+      maps++;
+    }
+    {
+      std::lock_guard<std::mutex> guard(mu);
+      sizes[p] = size;
+    }
+    return {p, p, &release, c10::Device(c10::DeviceType::CPU)};
+  }
+  Block take_oldest() {  // under mu
+    Block b = order.front();
+    auto& same = by_size[b.size];
+    for (auto i = same.begin(); i != same.end(); ++i)
+      if ((*i)->ptr == b.ptr) {
+        same.erase(i);
+        break;
+      }
+    order.pop_front();
+    kept -= b.size;
+    unmaps++;
+    return b;
+  }
+  static void release(void* p);
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+Keep keep;
+
+void Keep::release(void* p) {
+  {
+    std::lock_guard<std::mutex> guard(keep.mu);
+    auto it = keep.sizes.find(p);
+    if (it != keep.sizes.end()) {
+      const size_t size = it->second;
+      keep.sizes.erase(it);
+      keep.order.push_back({p, size});
+      keep.by_size[size].push_back(std::prev(keep.order.end()));
+      keep.live -= size;
+      keep.kept += size;
+      return;
+    }
+  }
+  keep.inner->raw_deleter()(p);  // the inner allocator's block, freed raw (raw_deallocate): its own deleter
+}
+}  // namespace
+
+// From now on this process's CPU tensors of at least `min_bytes` are mapped by `keep` (above); once only.
+void reuse_memory(int64_t min_bytes) {
+  std::lock_guard<std::mutex> guard(keep.mu);
+  if (keep.inner != nullptr) return;
+  keep.inner = c10::GetCPUAllocator();
+  keep.min_bytes = size_t(min_bytes);
+  c10::SetCPUAllocator(&keep, /*priority=*/UINT8_MAX);
+}
+
+// hits, new mappings, unmapped kept blocks, bytes live, bytes kept, the most bytes live at once.
+std::vector<int64_t> reuse_stats() {
+  std::lock_guard<std::mutex> guard(keep.mu);
+  return {keep.hits, keep.maps, keep.unmaps, int64_t(keep.live), int64_t(keep.kept), int64_t(keep.peak)};
+}
 """
 
 OFF = "COMMGATE_STAMPS"
@@ -167,7 +285,10 @@ def build() -> ModuleType | None:
 
         with own_ninja():
             _MODULE = load_inline(  # type: ignore[no-untyped-call]
-                NAME, cpp_sources=[SOURCE], functions=["watch", "stamped", "stamp"], extra_cflags=["-O2"]
+                NAME,
+                cpp_sources=[SOURCE],
+                functions=["watch", "stamped", "stamp", "reuse_memory", "reuse_stats"],
+                extra_cflags=["-O2"],
             )
     except Exception as exc:  # a missing compiler or a failed build: the capture works without it
         why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
