@@ -258,6 +258,22 @@ storage = torch.UntypedStorage(10)
 storage.resize_(3 * MB)
 storage.resize_(10)
 del small, storage
+try:
+    torch.empty(1 << 50, dtype=torch.uint8)
+except RuntimeError as exc:
+    assert "not enough memory: you tried to allocate 1125899906842624 bytes" in str(exc), exc
+else:
+    raise AssertionError("a petabyte was allocated")
+del ys, z
+kept = m.reuse_stats()[4]
+assert kept == 11 * MB, m.reuse_stats()
+import resource  # the kernel refuses a new mapping: the kept blocks are given back, and it is tried again
+
+with open("/proc/self/statm") as f:
+    mapped = int(f.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (mapped - 8 * MB, resource.RLIM_INFINITY))
+w = torch.empty(2 * MB, dtype=torch.uint8)
+assert m.reuse_stats()[4] == 0 and m.reuse_stats()[3] == 2 * MB, m.reuse_stats()
 print("ok")
 """
 
@@ -266,8 +282,9 @@ def test_an_emulated_rank_keeps_freed_large_blocks_and_maps_no_more_than_it_held
     """The emulated rank's allocator (``emulate.reuse_memory``, in commgate's extension): a freed block of at least
     the threshold is kept and handed to the next request of its size; a new size first gives back the blocks
     kept longest, so that live and kept together never pass the most that was live at once; below the
-    threshold, torch's own allocator's blocks stay its own. In a process of its own: the allocator stays for
-    the process's life."""
+    threshold, torch's own allocator's blocks stay its own; where the kernel refuses a new mapping, the kept
+    blocks are given back first, and a request past all memory is torch's one-line "not enough memory". In a
+    process of its own: the allocator stays for the process's life."""
     done = subprocess.run([sys.executable, "-c", REUSE], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 

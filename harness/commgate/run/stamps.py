@@ -182,7 +182,15 @@ struct Keep final : c10::Allocator {
     for (auto& b : out) munmap(b.ptr, b.size);
     if (!p) {
       p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      TORCH_CHECK(p != MAP_FAILED, "commgate: mapping ", size, " bytes failed");
+      if (p == MAP_FAILED) {  // every kept block given back, then once more
+        {
+          std::lock_guard<std::mutex> guard(mu);
+          while (!order.empty()) out.push_back(take_oldest());
+        }
+        for (auto& b : out) munmap(b.ptr, b.size);
+        p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      }
+      TORCH_CHECK(p != MAP_FAILED, "commgate's emulated rank: not enough memory: you tried to allocate ", n, " bytes");
       std::lock_guard<std::mutex> guard(mu);
       live += size;
       maps++;
