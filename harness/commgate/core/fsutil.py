@@ -66,10 +66,9 @@ def read_json(
     ``DocumentError`` with one ``Problem`` naming the file, the place and the value; ``hint`` follows a
     parse error (how to get a good file), ``mend`` a document that is not one this commgate writes (a number
     or nesting no such file holds, not an object, a failed migration, a field the schema refuses: how to mend
-    it). A document whose
-    ``schema_version`` is past ``version`` (the one this commgate reads) is said to be a newer commgate's
-    before anything else in it is checked: its other fields differ too ("1 was expected", or an unknown
-    field, did not say so)."""
+    it). A document whose ``schema_version`` is past ``version`` (the one this commgate reads) is said to be
+    a newer commgate's before anything else in it is checked: its other fields differ too ("1 was expected",
+    or an unknown field, did not say so)."""
     import jsonschema
 
     def fail(where: str, message: str, line: int | None = None) -> DocumentError:
