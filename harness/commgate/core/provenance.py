@@ -34,16 +34,23 @@ def environment() -> dict[str, Any]:
     }
 
 
-def cpu_fingerprint() -> str:
-    """The CPU model and core count (what gloo latencies depend on)."""
-    model = platform.processor() or platform.machine()
+@functools.cache
+def cpuinfo(field: str) -> str | None:
+    """The first ``field`` of Linux's ``/proc/cpuinfo`` (``model name``, ``flags``); None elsewhere or where it
+    cannot be read."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            if key.strip() == field:
+                return value.strip()
     except OSError:
-        pass
+        return None
+    return None
+
+
+def cpu_fingerprint() -> str:
+    """The CPU model and core count (what gloo latencies depend on)."""
+    model = cpuinfo("model name") or platform.processor() or platform.machine()
     return f"{model} x{os.cpu_count()}"
 
 

@@ -31,12 +31,12 @@ memory available now (``COMMGATE_SKIP_MEMORY_CHECK=1`` turns the check off).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from dataclasses import dataclass
 from fractions import Fraction
 
 from commgate.core import env
+from commgate.core.provenance import cpuinfo
 from commgate.model.expectation import Context
 from commgate.model.scenario import Scenario
 from commgate.model.schemes import SCHEMES, deepspeed_zero, zero3_fetch
@@ -174,17 +174,10 @@ _NEEDS = {
 }
 
 
-@functools.cache
 def _cpu_flags() -> frozenset[str] | None:
-    """An x86 CPU's feature flags (Linux's ``/proc/cpuinfo``); None elsewhere or where they cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
-    except OSError:
-        return None
-    return None
+    """An x86 CPU's feature flags (``/proc/cpuinfo``); None elsewhere or where they cannot be read."""
+    flags = cpuinfo("flags")
+    return None if flags is None else frozenset(flags.split())
 
 
 def fast_on_cpu(dtype: str) -> bool:

@@ -135,7 +135,7 @@ class Recorder:
         r = self.last
         if r is None:
             return ""
-        where = f"peer {r[_PEER]}" if r[_PEER] is not None else f"group {group_text(tuple(r[_GROUP]))}"
+        where = f"peer {r[_PEER]}" if r[_PEER] is not None else f"group {group_text(r[_GROUP])}"
         return f"{r[_OP]} ({where}, {r[_BYTES]} B, step {r[_STEP]}, {r[_PHASE]})"
 
     def complete(self, seq: int, end: int | None = None) -> tuple[tuple[Any, ...], int] | None:
